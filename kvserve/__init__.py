@@ -1,0 +1,31 @@
+"""kvserve: a small, typed LLM inference and serving engine."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+if TYPE_CHECKING:
+    from kvserve.entrypoints.llm import LLM
+    from kvserve.outputs import CompletionOutput, RequestOutput
+    from kvserve.sampling_params import RequestOutputKind, SamplingParams
+
+__all__ = ["LLM", "CompletionOutput", "RequestOutput", "RequestOutputKind", "SamplingParams"]
+
+_LAZY = {
+    "LLM": "kvserve.entrypoints.llm",
+    "CompletionOutput": "kvserve.outputs",
+    "RequestOutput": "kvserve.outputs",
+    "RequestOutputKind": "kvserve.sampling_params",
+    "SamplingParams": "kvserve.sampling_params",
+}
+
+
+def __getattr__(name: str) -> Any:
+    # Lazy, so `import kvserve.config` in a worker does not pull in the whole engine.
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'kvserve' has no attribute {name!r}")

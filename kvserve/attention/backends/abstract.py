@@ -1,0 +1,79 @@
+"""The three roles of an attention backend: shape of the cache, per-step metadata
+builder, per-layer implementation. The model runner only talks to these ABCs."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any
+
+import torch
+
+from kvserve.attention.backends.utils import CommonAttentionMetadata
+
+
+class AttentionMetadataBuilder(ABC):
+    """Turns ``CommonAttentionMetadata`` into the backend's own metadata, once per
+    step; every layer of the model then reuses the result."""
+
+    def __init__(self, block_size: int, device: torch.device | str) -> None:
+        self.block_size = block_size
+        self.device = torch.device(device)
+
+    @abstractmethod
+    def build(self, common: CommonAttentionMetadata) -> Any: ...
+
+
+class AttentionImpl(ABC):
+    """Per-layer attention math over the paged KV cache."""
+
+    def __init__(
+        self,
+        num_heads: int,
+        head_size: int,
+        scale: float,
+        num_kv_heads: int,
+        sliding_window: int | None = None,
+    ) -> None:
+        if num_heads % num_kv_heads != 0:
+            raise ValueError(f"num_heads={num_heads} not divisible by num_kv_heads={num_kv_heads}")
+        self.num_heads = num_heads
+        self.head_size = head_size
+        self.scale = scale
+        self.num_kv_heads = num_kv_heads
+        self.sliding_window = sliding_window
+
+    @abstractmethod
+    def forward(
+        self,
+        layer: torch.nn.Module,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata: Any,
+    ) -> torch.Tensor:
+        """``query [T, num_heads, head_size]``, ``key/value [T, num_kv_heads,
+        head_size]``; writes K/V into ``kv_cache`` and returns ``[T, num_heads,
+        head_size]``."""
+
+
+class AttentionBackend(ABC):
+    """Static description of a backend; never instantiated."""
+
+    @staticmethod
+    @abstractmethod
+    def get_name() -> str: ...
+
+    @staticmethod
+    @abstractmethod
+    def get_kv_cache_shape(
+        num_blocks: int, block_size: int, num_kv_heads: int, head_size: int
+    ) -> tuple[int, ...]: ...
+
+    @staticmethod
+    @abstractmethod
+    def get_builder_cls() -> type[AttentionMetadataBuilder]: ...
+
+    @staticmethod
+    @abstractmethod
+    def get_impl_cls() -> type[AttentionImpl]: ...

@@ -1,0 +1,220 @@
+"""Paged attention in plain PyTorch (the CPU backend; also runs on CUDA tensors).
+
+A step's batch is split into two groups by the builder:
+
+* decodes (query_len == 1): gathered through the block table all at once and served
+  by one batched SDPA call with a per-request length mask;
+* prefill chunks (query_len > 1, possibly starting after cached tokens): one SDPA per
+  request with a causal mask shifted by ``num_computed_tokens``.
+
+All index and mask tensors are built once per step in the builder; the per-layer
+work is gathers, one scatter and SDPA.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from kvserve.attention.backends.abstract import (
+    AttentionBackend,
+    AttentionImpl,
+    AttentionMetadataBuilder,
+)
+from kvserve.attention.backends.utils import CommonAttentionMetadata, write_to_kv_cache
+
+
+@dataclass
+class PrefillChunk:
+    """One request whose step has more than one query token."""
+
+    token_start: int  # slice of the flattened batch
+    token_end: int
+    seq_len: int  # context length after this step (cached prefix + chunk)
+    block_ids: torch.Tensor  # int64 [ceil(seq_len / block_size)]
+    query_positions: torch.Tensor  # int64 [query_len], absolute positions
+    causal_mask: torch.Tensor  # bool [query_len, seq_len]: True = may attend
+
+
+@dataclass
+class DecodeBatch:
+    """All single-token requests of the step, padded to a common key length."""
+
+    token_indices: torch.Tensor  # int64 [D] into the flattened batch
+    block_table: torch.Tensor  # int64 [D, num_blocks]
+    seq_lens: torch.Tensor  # int64 [D]
+    key_mask: torch.Tensor  # bool [D, num_blocks*block_size]
+
+
+@dataclass
+class CPUAttentionMetadata:
+    num_actual_tokens: int
+    block_size: int
+    slot_mapping: torch.Tensor  # int64, only the valid (>= 0) slots
+    slot_token_indices: torch.Tensor | None  # tokens owning those slots; None = all
+    decode: DecodeBatch | None
+    prefills: list[PrefillChunk] = field(default_factory=list)
+
+
+class CPUAttentionMetadataBuilder(AttentionMetadataBuilder):
+    def build(self, common: CommonAttentionMetadata) -> CPUAttentionMetadata:
+        bs = self.block_size
+        device = common.block_table_tensor.device
+        starts = common.query_start_loc_cpu.tolist()
+        seq_lens = common.seq_lens_cpu.tolist()
+        computed = common.num_computed_tokens_cpu.tolist()
+        # Padding entries of the block table may hold -1; they are masked out but
+        # must still be valid gather indices.
+        block_table = common.block_table_tensor.clamp(min=0).long()
+
+        decode_reqs: list[int] = []
+        prefills: list[PrefillChunk] = []
+        for r in range(common.num_reqs):
+            start, end = starts[r], starts[r + 1]
+            if end - start == 1:
+                decode_reqs.append(r)
+            elif end > start:
+                prefills.append(self._prefill(block_table[r], start, end, computed[r], seq_lens[r]))
+
+        slot_mapping = common.slot_mapping[: common.num_actual_tokens].long()
+        token_indices = None
+        if bool((slot_mapping < 0).any()):  # one sync per step, not per layer
+            token_indices = torch.nonzero(slot_mapping >= 0).flatten()
+            slot_mapping = slot_mapping[token_indices]
+
+        return CPUAttentionMetadata(
+            num_actual_tokens=common.num_actual_tokens,
+            block_size=bs,
+            slot_mapping=slot_mapping,
+            slot_token_indices=token_indices,
+            decode=self._decode(block_table, decode_reqs, starts, seq_lens, device),
+            prefills=prefills,
+        )
+
+    def _prefill(
+        self, block_row: torch.Tensor, start: int, end: int, num_computed: int, seq_len: int
+    ) -> PrefillChunk:
+        device = block_row.device
+        num_blocks = -(-seq_len // self.block_size)
+        q_pos = torch.arange(num_computed, num_computed + end - start, device=device)
+        k_pos = torch.arange(seq_len, device=device)
+        return PrefillChunk(
+            token_start=start,
+            token_end=end,
+            seq_len=seq_len,
+            block_ids=block_row[:num_blocks],
+            query_positions=q_pos,
+            causal_mask=k_pos[None, :] <= q_pos[:, None],
+        )
+
+    def _decode(
+        self,
+        block_table: torch.Tensor,
+        reqs: list[int],
+        starts: list[int],
+        seq_lens: list[int],
+        device: torch.device,
+    ) -> DecodeBatch | None:
+        if not reqs:
+            return None
+        lens = [seq_lens[r] for r in reqs]
+        num_blocks = -(-max(lens) // self.block_size)
+        req_idx = torch.tensor(reqs, dtype=torch.long, device=device)
+        lens_t = torch.tensor(lens, dtype=torch.long, device=device)
+        key_pos = torch.arange(num_blocks * self.block_size, device=device)
+        return DecodeBatch(
+            token_indices=torch.tensor([starts[r] for r in reqs], dtype=torch.long, device=device),
+            block_table=block_table[req_idx, :num_blocks],
+            seq_lens=lens_t,
+            key_mask=key_pos[None, :] < lens_t[:, None],
+        )
+
+
+class CPUAttentionImpl(AttentionImpl):
+    def forward(
+        self,
+        layer: torch.nn.Module,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata: CPUAttentionMetadata,
+    ) -> torch.Tensor:
+        md = attn_metadata
+        n = md.num_actual_tokens
+        write_to_kv_cache(key[:n], value[:n], kv_cache, md.slot_mapping, md.slot_token_indices)
+
+        # Tokens past num_actual_tokens are padding; they keep zeros.
+        output = torch.zeros_like(query)
+        k_cache, v_cache = kv_cache[0], kv_cache[1]
+        if md.decode is not None:
+            output[md.decode.token_indices] = self._decode(query, k_cache, v_cache, md.decode)
+        for chunk in md.prefills:
+            q = query[chunk.token_start : chunk.token_end]
+            output[chunk.token_start : chunk.token_end] = self._prefill(q, k_cache, v_cache, chunk)
+        return output
+
+    def _decode(
+        self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, d: DecodeBatch
+    ) -> torch.Tensor:
+        num_reqs = d.block_table.shape[0]
+        # [D, nb, bs, Hkv, hd] -> [D, Hkv, L, hd]
+        k = k_cache[d.block_table].reshape(num_reqs, -1, self.num_kv_heads, self.head_size)
+        v = v_cache[d.block_table].reshape(num_reqs, -1, self.num_kv_heads, self.head_size)
+        mask = d.key_mask
+        if self.sliding_window is not None:
+            key_pos = torch.arange(mask.shape[1], device=mask.device)
+            mask = mask & (key_pos[None, :] >= d.seq_lens[:, None] - self.sliding_window)
+        q = query[d.token_indices].unsqueeze(2)  # [D, Hq, 1, hd]
+        out = F.scaled_dot_product_attention(
+            q,
+            k.transpose(1, 2),
+            v.transpose(1, 2),
+            attn_mask=mask[:, None, None, :],
+            scale=self.scale,
+            enable_gqa=self.num_heads != self.num_kv_heads,
+        )
+        return out.squeeze(2)
+
+    def _prefill(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, c: PrefillChunk
+    ) -> torch.Tensor:
+        # The cache already holds this chunk's K/V (written above), so one gather
+        # covers the cached prefix and the chunk alike.
+        k = k_cache[c.block_ids].reshape(-1, self.num_kv_heads, self.head_size)[: c.seq_len]
+        v = v_cache[c.block_ids].reshape(-1, self.num_kv_heads, self.head_size)[: c.seq_len]
+        mask = c.causal_mask
+        if self.sliding_window is not None:
+            key_pos = torch.arange(c.seq_len, device=mask.device)
+            mask = mask & (key_pos[None, :] > c.query_positions[:, None] - self.sliding_window)
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1),  # [Hq, Lq, hd]
+            k.transpose(0, 1),
+            v.transpose(0, 1),
+            attn_mask=mask,
+            scale=self.scale,
+            enable_gqa=self.num_heads != self.num_kv_heads,
+        )
+        return out.transpose(0, 1)
+
+
+class CPUAttentionBackend(AttentionBackend):
+    @staticmethod
+    def get_name() -> str:
+        return "CPU_ATTN"
+
+    @staticmethod
+    def get_kv_cache_shape(
+        num_blocks: int, block_size: int, num_kv_heads: int, head_size: int
+    ) -> tuple[int, ...]:
+        return (2, num_blocks, block_size, num_kv_heads, head_size)
+
+    @staticmethod
+    def get_builder_cls() -> type[CPUAttentionMetadataBuilder]:
+        return CPUAttentionMetadataBuilder
+
+    @staticmethod
+    def get_impl_cls() -> type[CPUAttentionImpl]:
+        return CPUAttentionImpl

@@ -1,0 +1,127 @@
+"""The ``Attention`` module models call, plus helpers to find layers and bind caches."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvserve.attention.backends.abstract import AttentionBackend
+from kvserve.attention.backends.registry import get_attn_backend
+from kvserve.forward_context import get_forward_context
+
+
+class Attention(nn.Module):
+    """Paged attention over this layer's slice of the KV cache.
+
+    The backend is chosen from the default device at construction time, so build the
+    model under ``with torch.device(device):`` (``get_model`` does) and have the model
+    runner use the same ``get_attn_backend(device)`` to build metadata.
+    """
+
+    def __init__(
+        self,
+        num_heads: int,
+        head_size: int,
+        scale: float,
+        num_kv_heads: int,
+        layer_name: str,
+        sliding_window: int | None = None,
+    ) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.head_size = head_size
+        self.num_kv_heads = num_kv_heads
+        self.scale = scale
+        self.layer_name = layer_name
+        self.sliding_window = sliding_window
+        self.backend: type[AttentionBackend] = get_attn_backend(torch.get_default_device())
+        self.impl = self.backend.get_impl_cls()(
+            num_heads, head_size, scale, num_kv_heads, sliding_window
+        )
+        # A plain attribute, not a buffer: the runner owns the memory, and it must not
+        # show up in state_dict() or be copied by .to().
+        self.kv_cache: torch.Tensor = torch.empty(0)
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        num_tokens = query.shape[0]
+        q = query.view(num_tokens, self.num_heads, self.head_size)
+        k = key.view(num_tokens, self.num_kv_heads, self.head_size)
+        v = value.view(num_tokens, self.num_kv_heads, self.head_size)
+        attn_metadata = get_forward_context().attn_metadata
+        if isinstance(attn_metadata, dict):  # per-layer metadata (e.g. mixed window groups)
+            attn_metadata = attn_metadata[self.layer_name]
+        if attn_metadata is None:
+            # Profiling / warm-up run without a KV cache: treat the tokens as one
+            # causal sequence so shapes and compute match a real step.
+            out = self._causal_no_cache(q, k, v)
+        else:
+            if self.kv_cache.numel() == 0:
+                raise RuntimeError(f"{self.layer_name}: KV cache not bound (bind_kv_cache)")
+            out = self.impl.forward(self, q, k, v, self.kv_cache, attn_metadata)
+        return out.reshape(num_tokens, self.num_heads * self.head_size)
+
+    def _causal_no_cache(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1),
+            k.transpose(0, 1),
+            v.transpose(0, 1),
+            is_causal=True,
+            scale=self.scale,
+            enable_gqa=self.num_heads != self.num_kv_heads,
+        )
+        return out.transpose(0, 1)
+
+    def extra_repr(self) -> str:
+        return (
+            f"{self.layer_name}, heads={self.num_heads}, kv_heads={self.num_kv_heads}, "
+            f"head_size={self.head_size}, backend={self.backend.get_name()}"
+        )
+
+
+def get_attention_layers(model: nn.Module) -> dict[str, Attention]:
+    """``layer_name -> Attention`` in model order."""
+    layers: dict[str, Attention] = {}
+    for module in model.modules():
+        if isinstance(module, Attention):
+            if module.layer_name in layers:
+                raise ValueError(f"duplicate attention layer name {module.layer_name!r}")
+            layers[module.layer_name] = module
+    return layers
+
+
+def kv_cache_bytes_per_block(model: nn.Module, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes one KV block costs across all layers; the runner divides free memory by this."""
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    total = 0
+    for layer in get_attention_layers(model).values():
+        shape = layer.backend.get_kv_cache_shape(1, block_size, layer.num_kv_heads, layer.head_size)
+        total += itemsize * int(torch.Size(shape).numel())
+    return total
+
+
+def allocate_kv_caches(
+    model: nn.Module,
+    num_blocks: int,
+    block_size: int,
+    device: torch.device | str,
+    dtype: torch.dtype = torch.float32,
+) -> dict[str, torch.Tensor]:
+    """One zeroed tensor per attention layer, shaped by the layer's backend."""
+    caches: dict[str, torch.Tensor] = {}
+    for name, layer in get_attention_layers(model).items():
+        shape = layer.backend.get_kv_cache_shape(
+            num_blocks, block_size, layer.num_kv_heads, layer.head_size
+        )
+        caches[name] = torch.zeros(shape, dtype=dtype, device=device)
+    return caches
+
+
+def bind_kv_cache(model: nn.Module, kv_caches: dict[str, torch.Tensor]) -> None:
+    """Point every attention layer at its cache tensor (shared, not copied)."""
+    layers = get_attention_layers(model)
+    missing = sorted(set(layers) - set(kv_caches))
+    if missing:
+        raise KeyError(f"no KV cache given for attention layers {missing}")
+    for name, layer in layers.items():
+        layer.kv_cache = kv_caches[name]

@@ -1,0 +1,1 @@
+"""`kvserve bench`: serving (online) and throughput (offline) benchmarks."""

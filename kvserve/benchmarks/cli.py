@@ -1,0 +1,20 @@
+"""`kvserve bench serve|throughput`: wires the benchmarks into the kvserve command."""
+
+from __future__ import annotations
+
+import argparse
+
+from kvserve.benchmarks import serve, throughput
+
+
+def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    bench = subparsers.add_parser("bench", help="benchmark a server or offline throughput")
+    sub = bench.add_subparsers(dest="bench_command", required=True)
+    serve_parser = sub.add_parser(
+        "serve", help="load-test an OpenAI-compatible server (TTFT, TPOT, ITL, throughput)")
+    serve.add_cli_args(serve_parser)
+    serve_parser.set_defaults(func=serve.main)
+    offline = sub.add_parser("throughput", help="offline generation throughput (LLM class)")
+    throughput.add_cli_args(offline)
+    offline.set_defaults(func=throughput.main)
+    return bench

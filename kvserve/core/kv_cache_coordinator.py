@@ -1,0 +1,153 @@
+"""Coordinates the per-group managers that share one BlockPool."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from kvserve.core.block_pool import BlockPool
+from kvserve.core.kv_cache_utils import BlockHash, KVCacheBlock
+from kvserve.core.single_type_kv_cache_manager import (
+    SingleTypeKVCacheManager,
+    get_manager_for_kv_cache_spec,
+)
+from kvserve.protocol.kv_cache_interface import KVCacheConfig
+
+if TYPE_CHECKING:
+    from kvserve.core.request import Request
+
+GroupedBlocks = tuple[Sequence[KVCacheBlock], ...]
+
+
+class KVCacheCoordinator(ABC):
+    def __init__(
+        self,
+        kv_cache_config: KVCacheConfig,
+        max_model_len: int,
+        enable_caching: bool,
+        enable_kv_cache_events: bool = False,
+    ) -> None:
+        self.kv_cache_config = kv_cache_config
+        self.max_model_len = max_model_len
+        self.enable_caching = enable_caching
+        self.block_pool = BlockPool(
+            kv_cache_config.num_blocks, enable_caching, enable_kv_cache_events
+        )
+        self.single_type_managers: tuple[SingleTypeKVCacheManager, ...] = tuple(
+            get_manager_for_kv_cache_spec(
+                group.kv_cache_spec, self.block_pool, group_id, enable_caching
+            )
+            for group_id, group in enumerate(kv_cache_config.kv_cache_groups)
+        )
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.single_type_managers)
+
+    def get_num_blocks_to_allocate(
+        self, request_id: str, num_tokens: int, new_computed_blocks: GroupedBlocks
+    ) -> int:
+        return sum(
+            manager.get_num_blocks_to_allocate(request_id, num_tokens, new_computed_blocks[i])
+            for i, manager in enumerate(self.single_type_managers)
+        )
+
+    def save_new_computed_blocks(self, request_id: str, new_computed_blocks: GroupedBlocks) -> None:
+        for i, manager in enumerate(self.single_type_managers):
+            manager.save_new_computed_blocks(request_id, new_computed_blocks[i])
+
+    def allocate_new_blocks(
+        self, request_id: str, num_tokens: int
+    ) -> tuple[list[KVCacheBlock], ...]:
+        return tuple(
+            m.allocate_new_blocks(request_id, num_tokens) for m in self.single_type_managers
+        )
+
+    def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        for manager in self.single_type_managers:
+            manager.cache_blocks(request, num_computed_tokens)
+
+    def free(self, request_id: str) -> None:
+        for manager in self.single_type_managers:
+            manager.free(request_id)
+
+    def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
+        for manager in self.single_type_managers:
+            manager.remove_skipped_blocks(request_id, num_computed_tokens)
+
+    def get_num_common_prefix_blocks(self, running_request_id: str) -> tuple[int, ...]:
+        return tuple(
+            m.get_num_common_prefix_blocks(running_request_id) for m in self.single_type_managers
+        )
+
+    def get_blocks(self, request_id: str) -> tuple[list[KVCacheBlock], ...]:
+        return tuple(list(m.req_to_blocks.get(request_id, ())) for m in self.single_type_managers)
+
+    @abstractmethod
+    def find_longest_cache_hit(
+        self,
+        block_hashes: Sequence[BlockHash],
+        max_cache_hit_length: int,
+        request: Request | None = None,
+    ) -> tuple[tuple[list[KVCacheBlock], ...], int]:
+        """(hit blocks per group, number of hit tokens)."""
+
+
+class KVCacheCoordinatorNoPrefixCache(KVCacheCoordinator):
+    """Prefix caching off: never a hit, blocks are never hashed."""
+
+    def find_longest_cache_hit(
+        self,
+        block_hashes: Sequence[BlockHash],
+        max_cache_hit_length: int,
+        request: Request | None = None,
+    ) -> tuple[tuple[list[KVCacheBlock], ...], int]:
+        return tuple([] for _ in range(self.num_groups)), 0
+
+
+class UnitaryKVCacheCoordinator(KVCacheCoordinator):
+    """Exactly one KV cache group: its manager's hit is the answer."""
+
+    def __init__(
+        self,
+        kv_cache_config: KVCacheConfig,
+        max_model_len: int,
+        enable_caching: bool,
+        enable_kv_cache_events: bool = False,
+    ) -> None:
+        super().__init__(kv_cache_config, max_model_len, enable_caching, enable_kv_cache_events)
+        assert self.num_groups == 1
+        self.kv_cache_spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
+        self.block_size = self.kv_cache_spec.block_size
+
+    def find_longest_cache_hit(
+        self,
+        block_hashes: Sequence[BlockHash],
+        max_cache_hit_length: int,
+        request: Request | None = None,
+    ) -> tuple[tuple[list[KVCacheBlock], ...], int]:
+        hits = type(self.single_type_managers[0]).find_longest_cache_hit(
+            block_hashes, max_cache_hit_length, [0], self.block_pool, self.kv_cache_spec, request
+        )
+        return hits, len(hits[0]) * self.block_size
+
+
+def get_kv_cache_coordinator(
+    kv_cache_config: KVCacheConfig,
+    max_model_len: int,
+    enable_caching: bool,
+    enable_kv_cache_events: bool = False,
+) -> KVCacheCoordinator:
+    if not enable_caching:
+        return KVCacheCoordinatorNoPrefixCache(
+            kv_cache_config, max_model_len, enable_caching, enable_kv_cache_events
+        )
+    if len(kv_cache_config.kv_cache_groups) == 1:
+        return UnitaryKVCacheCoordinator(
+            kv_cache_config, max_model_len, enable_caching, enable_kv_cache_events
+        )
+    raise NotImplementedError(
+        f"{len(kv_cache_config.kv_cache_groups)} KV cache groups with prefix caching need a "
+        "HybridKVCacheCoordinator, which is not written yet"
+    )

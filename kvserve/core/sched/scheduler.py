@@ -1,0 +1,358 @@
+"""vLLM v1's scheduler: one token budget shared by prefills and decodes.
+
+Every request has num_computed_tokens catching up to num_tokens. Each step first
+serves the RUNNING requests (decodes and unfinished prefill chunks), preempting by
+recompute when the KV cache runs out, then admits WAITING ones (after prefix-cache
+hits) while budget, max_num_seqs and free blocks last.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+from kvserve.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+from kvserve.core.request import Request, RequestStatus
+from kvserve.core.sched.interface import SchedulerInterface
+from kvserve.core.sched.request_queue import SchedulingPolicy, create_request_queue
+from kvserve.core.sched.utils import (
+    check_stop,
+    make_cached_request_data,
+    make_engine_core_output,
+)
+from kvserve.distributed.kv_events import KVCacheEvent
+from kvserve.protocol.engine_core import EngineCoreOutput, EngineCoreOutputs, SchedulerStats
+from kvserve.protocol.scheduler_output import NewRequestData, SchedulerOutput
+
+if TYPE_CHECKING:
+    from kvserve.config import EngineConfig
+    from kvserve.protocol.kv_cache_interface import KVCacheConfig
+    from kvserve.protocol.runner_output import ModelRunnerOutput
+
+
+class Scheduler(SchedulerInterface):
+    def __init__(
+        self,
+        config: EngineConfig,
+        kv_cache_config: KVCacheConfig,
+        log_stats: bool = True,
+        enable_kv_cache_events: bool = False,
+    ) -> None:
+        sched = config.scheduler_config
+        self.max_num_running_reqs = sched.max_num_seqs
+        self.max_num_scheduled_tokens = sched.max_num_batched_tokens
+        self.max_model_len = sched.max_model_len
+        self.enable_chunked_prefill = sched.enable_chunked_prefill
+        self.long_prefill_token_threshold = sched.long_prefill_token_threshold
+        self.policy = SchedulingPolicy(sched.policy)
+        self.log_stats = log_stats
+        self.block_size = config.cache_config.block_size
+        self.enable_caching = config.cache_config.enable_prefix_caching
+        self.kv_cache_manager = KVCacheManager(
+            kv_cache_config,
+            self.max_model_len,
+            enable_caching=self.enable_caching,
+            log_stats=log_stats,
+            enable_kv_cache_events=enable_kv_cache_events,
+        )
+        # Hook: a KV connector (scheduler side) is created here from config.kv_transfer_config.
+
+        self.requests: dict[str, Request] = {}
+        self.waiting = create_request_queue(self.policy)
+        self.running: list[Request] = []
+        # Finished since the last schedule(): the workers drop their state for these.
+        self.finished_req_ids: set[str] = set()
+        # Requests the scheduler itself ended (cannot fit): reported by the next update.
+        self._pending_outputs: list[EngineCoreOutput] = []
+        self.num_preemptions = 0
+
+    # --- requests in and out ------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        if (
+            self.enable_caching
+            and len(request.block_hashes) < request.num_tokens // self.block_size
+        ):
+            raise ValueError(
+                f"request {request.request_id} has no block hashes: create it with "
+                "block_hasher=get_request_block_hasher(block_size, seed)"
+            )
+        self.requests[request.request_id] = request
+        self.waiting.add_request(request)
+
+    def finish_requests(
+        self, request_ids: str | Iterable[str], finished_status: RequestStatus
+    ) -> None:
+        assert RequestStatus.is_finished(finished_status)
+        ids = (request_ids,) if isinstance(request_ids, str) else request_ids
+        finished_running: set[str] = set()
+        finished_waiting: list[Request] = []
+        for request_id in ids:
+            request = self.requests.get(request_id)
+            if request is None or request.is_finished():
+                continue
+            if request.status == RequestStatus.RUNNING:
+                finished_running.add(request_id)
+            else:
+                finished_waiting.append(request)
+            request.status = finished_status
+            self._free_request(request)
+        if finished_running:
+            self.running = [r for r in self.running if r.request_id not in finished_running]
+        if finished_waiting:
+            self.waiting.remove_requests(finished_waiting)
+
+    def _free_request(self, request: Request) -> None:
+        # Hook: connector.request_finished(request, block_ids) may delay freeing while KV is sent.
+        self.kv_cache_manager.free(request)
+        self.finished_req_ids.add(request.request_id)
+        del self.requests[request.request_id]
+
+    def _finish_with_error(self, request: Request, message: str) -> None:
+        request.status = RequestStatus.FINISHED_ERROR
+        request.error = message
+        self._pending_outputs.append(
+            EngineCoreOutput(
+                request_id=request.request_id,
+                new_token_ids=[],
+                finish_reason=request.get_finished_reason(),
+                error=message,
+                num_cached_tokens=max(request.num_cached_tokens, 0),
+            )
+        )
+        self._free_request(request)
+
+    # --- schedule -----------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        token_budget = self.max_num_scheduled_tokens
+        num_scheduled_tokens: dict[str, int] = {}
+        req_to_new_blocks: dict[str, KVCacheBlocks] = {}
+        scheduled_running: list[Request] = []
+        scheduled_new: list[Request] = []
+        scheduled_resumed: list[Request] = []
+        preempted: list[Request] = []
+
+        # RUNNING first: a waiting request never takes budget or blocks from a running one.
+        req_index = 0
+        while req_index < len(self.running) and token_budget > 0:
+            request = self.running[req_index]
+            num_new_tokens = self._cap_new_tokens(
+                request.num_tokens - request.num_computed_tokens, token_budget
+            )
+            if num_new_tokens <= 0:
+                req_index += 1
+                continue
+            while True:
+                new_blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens)
+                if new_blocks is not None:
+                    break
+                victim = self._pick_victim()
+                if victim.request_id in num_scheduled_tokens:
+                    # Already scheduled in this step: hand its budget back.
+                    scheduled_running.remove(victim)
+                    token_budget += num_scheduled_tokens.pop(victim.request_id)
+                    req_to_new_blocks.pop(victim.request_id)
+                    req_index -= 1
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is request:
+                    break
+            if new_blocks is None:
+                break  # the request preempted itself; nothing after it can fit either
+            scheduled_running.append(request)
+            req_to_new_blocks[request.request_id] = new_blocks
+            num_scheduled_tokens[request.request_id] = num_new_tokens
+            token_budget -= num_new_tokens
+            req_index += 1
+
+        # WAITING next, unless this step already had to preempt (blocks are short).
+        skipped = create_request_queue(self.policy)
+        while not preempted and self.waiting and token_budget > 0:
+            if len(self.running) >= self.max_num_running_reqs:
+                break
+            request = self.waiting.peek_request()
+            # Hook: WAITING_FOR_REMOTE_KVS requests are checked against finished_recving here.
+            if request.num_prompt_tokens > self.max_model_len or not (
+                self.kv_cache_manager.fits_in_pool(request.num_tokens)
+            ):
+                self.waiting.pop_request()
+                self._finish_with_error(request, self._too_long_message(request))
+                continue
+            new_computed_blocks, num_computed_tokens = self.kv_cache_manager.get_computed_blocks(
+                request
+            )
+            # Hook: connector.get_num_new_matched_tokens(request, num_computed_tokens) adds
+            # external tokens (num_external_computed_tokens) after the local hits.
+            num_new_tokens = request.num_tokens - num_computed_tokens
+            if not self.enable_chunked_prefill and num_new_tokens > token_budget:
+                # Without chunking a prompt runs whole; let smaller ones behind it go.
+                skipped.prepend_request(self.waiting.pop_request())
+                continue
+            num_new_tokens = self._cap_new_tokens(num_new_tokens, token_budget)
+            new_blocks = self.kv_cache_manager.allocate_slots(
+                request, num_new_tokens, num_computed_tokens, new_computed_blocks
+            )
+            if new_blocks is None:
+                break  # waits for blocks; waiting requests never preempt
+            # Hook: connector.update_state_after_alloc(request, blocks, num_external_tokens).
+            self.waiting.pop_request()
+            self.running.append(request)
+            if request.status == RequestStatus.PREEMPTED:
+                scheduled_resumed.append(request)
+            else:
+                scheduled_new.append(request)
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_computed_tokens
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_computed_tokens
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = time.time()
+            # New and resumed requests send their whole block table.
+            req_to_new_blocks[request.request_id] = self.kv_cache_manager.get_blocks(
+                request.request_id
+            )
+            num_scheduled_tokens[request.request_id] = num_new_tokens
+            token_budget -= num_new_tokens
+        if skipped:
+            self.waiting.prepend_requests(skipped)
+
+        total = sum(num_scheduled_tokens.values())
+        assert total <= self.max_num_scheduled_tokens
+        assert len(self.running) <= self.max_num_running_reqs
+        num_common_prefix_blocks: tuple[int, ...] = ()
+        if self.running:
+            num_common_prefix_blocks = self.kv_cache_manager.get_num_common_prefix_blocks(
+                self.running[0].request_id
+            )
+        new_reqs_data = [
+            NewRequestData(
+                req_id=r.request_id,
+                prompt_token_ids=r.prompt_token_ids,
+                sampling_params=r.sampling_params,
+                block_ids=req_to_new_blocks[r.request_id].get_block_ids(),
+                num_computed_tokens=r.num_computed_tokens,
+                output_token_ids=list(r.output_token_ids),
+            )
+            for r in scheduled_new
+        ]
+        cached_reqs_data = make_cached_request_data(
+            scheduled_running, scheduled_resumed, req_to_new_blocks
+        )
+        scheduler_output = SchedulerOutput(
+            scheduled_new_reqs=new_reqs_data,
+            scheduled_cached_reqs=cached_reqs_data,
+            num_scheduled_tokens=num_scheduled_tokens,
+            total_num_scheduled_tokens=total,
+            num_common_prefix_blocks=num_common_prefix_blocks,
+            finished_req_ids=self.finished_req_ids,
+            preempted_req_ids={r.request_id for r in preempted},
+        )
+        # Hook: scheduler_output.kv_connector_metadata = connector.build_connector_meta(...).
+        self.finished_req_ids = set()
+        # The tokens count as computed once scheduled; update_from_output adds samples.
+        for request_id, n in num_scheduled_tokens.items():
+            self.requests[request_id].num_computed_tokens += n
+        return scheduler_output
+
+    def _cap_new_tokens(self, num_new_tokens: int, token_budget: int) -> int:
+        if 0 < self.long_prefill_token_threshold < num_new_tokens:
+            num_new_tokens = self.long_prefill_token_threshold
+        return min(num_new_tokens, token_budget)
+
+    def _pick_victim(self) -> Request:
+        """The running request to preempt: lowest priority (latest arrival) or the last."""
+        if self.policy == SchedulingPolicy.PRIORITY:
+            victim = max(self.running, key=lambda r: (r.priority, r.arrival_time))
+            self.running.remove(victim)
+            return victim
+        return self.running.pop()
+
+    def _preempt(self, request: Request) -> None:
+        # Recompute: drop the KV (its full blocks stay cached), start over from the waiting queue.
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.prepend_request(request)
+
+    def _too_long_message(self, request: Request) -> str:
+        if request.num_prompt_tokens > self.max_model_len:
+            return (
+                f"the prompt ({request.num_prompt_tokens} tokens) is longer than "
+                f"max_model_len ({self.max_model_len})"
+            )
+        pool = self.kv_cache_manager.block_pool.num_blocks - 1
+        return (
+            f"the request needs {request.num_tokens} tokens of KV cache, more than the "
+            f"{pool} blocks of {self.block_size} tokens the pool holds"
+        )
+
+    # --- outputs ------------------------------------------------------------------
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
+    ) -> EngineCoreOutputs:
+        outputs, self._pending_outputs = self._pending_outputs, []
+        stopped: set[str] = set()
+        for request_id in scheduler_output.num_scheduled_tokens:
+            request = self.requests.get(request_id)
+            if request is None or request.is_finished():
+                continue  # aborted while the step ran
+            req_index = model_runner_output.req_id_to_index.get(request_id)
+            new_token_ids: list[int] = []
+            # A partial prefill samples nothing useful: only a caught-up request takes tokens.
+            if req_index is not None and request.num_computed_tokens >= request.num_tokens:
+                new_token_ids = list(model_runner_output.sampled_token_ids[req_index])
+            is_stopped = False
+            for i, token_id in enumerate(new_token_ids):
+                request.append_output_token_ids(token_id)
+                if check_stop(request, self.max_model_len):
+                    del new_token_ids[i + 1 :]
+                    is_stopped = True
+                    break
+            output = make_engine_core_output(request, new_token_ids, model_runner_output, req_index)
+            if output is not None:
+                outputs.append(output)
+            if is_stopped:
+                stopped.add(request_id)
+                self._free_request(request)
+        if stopped:
+            self.running = [r for r in self.running if r.request_id not in stopped]
+        # Hook: connector finished_sending/finished_recving and KV event publishing go here.
+        return EngineCoreOutputs(
+            outputs=outputs, scheduler_stats=self.make_stats(), timestamp=time.monotonic()
+        )
+
+    # --- state and stats ----------------------------------------------------------
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def has_finished_requests(self) -> bool:
+        return bool(self.finished_req_ids) or bool(self._pending_outputs)
+
+    def reset_prefix_cache(self) -> bool:
+        return self.kv_cache_manager.reset_prefix_cache()
+
+    def take_kv_events(self) -> list[KVCacheEvent]:
+        return self.kv_cache_manager.take_events()
+
+    def make_stats(self) -> SchedulerStats | None:
+        if not self.log_stats:
+            return None
+        prefix = self.kv_cache_manager.make_prefix_cache_stats()
+        return SchedulerStats(
+            num_running_reqs=len(self.running),
+            num_waiting_reqs=len(self.waiting),
+            kv_cache_usage=self.kv_cache_manager.usage,
+            prefix_cache_queries=prefix.queries if prefix else 0,
+            prefix_cache_hits=prefix.hits if prefix else 0,
+            num_preemptions=self.num_preemptions,
+        )
+
+    def shutdown(self) -> None:
+        # Hook: close the KV event publisher and the connector.
+        pass

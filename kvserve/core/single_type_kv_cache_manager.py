@@ -1,0 +1,179 @@
+"""Per-attention-type block bookkeeping: which blocks each request holds in one group."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from kvserve.core.block_pool import BlockPool
+from kvserve.core.kv_cache_utils import BlockHash, KVCacheBlock, get_block_content
+from kvserve.protocol.kv_cache_interface import FullAttentionSpec, KVCacheSpec
+
+if TYPE_CHECKING:
+    from kvserve.core.request import Request
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class SingleTypeKVCacheManager(ABC):
+    """Block tables of one KV cache group (layers with the same spec)."""
+
+    def __init__(
+        self,
+        kv_cache_spec: KVCacheSpec,
+        block_pool: BlockPool,
+        kv_cache_group_id: int,
+        enable_caching: bool,
+    ) -> None:
+        self.kv_cache_spec = kv_cache_spec
+        self.block_size = kv_cache_spec.block_size
+        self.block_pool = block_pool
+        self.kv_cache_group_id = kv_cache_group_id
+        self.enable_caching = enable_caching
+        # Only requests that hold blocks are keys: get_num_common_prefix_blocks counts them.
+        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        # How many leading blocks of each request are already prefix-cache entries.
+        self.num_cached_block: dict[str, int] = {}
+
+    def get_num_blocks_to_allocate(
+        self, request_id: str, num_tokens: int, new_computed_blocks: Sequence[KVCacheBlock]
+    ) -> int:
+        """Free-queue blocks needed to hold num_tokens, counting free prefix hits.
+
+        A hit on a block with ref_cnt 0 takes it out of the free queue, so it costs
+        one free block just like a fresh allocation.
+        """
+        num_held = len(self.req_to_blocks.get(request_id, ()))
+        num_new = max(cdiv(num_tokens, self.block_size) - len(new_computed_blocks) - num_held, 0)
+        num_evictable_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0 and not b.is_null)
+        return num_new + num_evictable_hits
+
+    def save_new_computed_blocks(
+        self, request_id: str, new_computed_blocks: Sequence[KVCacheBlock]
+    ) -> None:
+        """Puts a newly scheduled request's prefix hits at the start of its table."""
+        if request_id not in self.num_cached_block:
+            assert request_id not in self.req_to_blocks, f"{request_id} already holds blocks"
+            self.req_to_blocks[request_id] = list(new_computed_blocks)
+            self.num_cached_block[request_id] = len(new_computed_blocks)
+        else:
+            # Hits are only looked up before a request's first scheduling.
+            assert not new_computed_blocks, f"{request_id} is running and got new hits"
+
+    def allocate_new_blocks(self, request_id: str, num_tokens: int) -> list[KVCacheBlock]:
+        req_blocks = self.req_to_blocks.setdefault(request_id, [])
+        num_new = cdiv(num_tokens, self.block_size) - len(req_blocks)
+        if num_new <= 0:
+            return []
+        new_blocks = self.block_pool.get_new_blocks(num_new)
+        req_blocks.extend(new_blocks)
+        return new_blocks
+
+    def cache_blocks(self, request: Request, num_tokens: int) -> None:
+        """Makes the request's blocks that are full within num_tokens cache entries."""
+        num_cached = self.num_cached_block.get(request.request_id, 0)
+        num_full = num_tokens // self.block_size
+        if num_cached >= num_full:
+            return
+        self.block_pool.cache_full_blocks(
+            request,
+            self.req_to_blocks[request.request_id],
+            num_cached,
+            num_full,
+            self.block_size,
+            self.kv_cache_group_id,
+        )
+        self.num_cached_block[request.request_id] = num_full
+
+    def free(self, request_id: str) -> None:
+        # Tail first: the end of a chain is the least likely to be shared, evict it first.
+        blocks = self.req_to_blocks.pop(request_id, [])
+        self.block_pool.free_blocks(reversed(blocks))
+        self.num_cached_block.pop(request_id, None)
+
+    def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
+        """Frees blocks no future token attends to (sliding window); none for full attention."""
+        return None
+
+    @abstractmethod
+    def get_num_common_prefix_blocks(self, running_request_id: str) -> int:
+        """Leading blocks that every running request shares (for cascade attention)."""
+
+    @classmethod
+    @abstractmethod
+    def find_longest_cache_hit(
+        cls,
+        block_hashes: Sequence[BlockHash],
+        max_length: int,
+        kv_cache_group_ids: Sequence[int],
+        block_pool: BlockPool,
+        kv_cache_spec: KVCacheSpec,
+        request: Request | None = None,
+    ) -> tuple[list[KVCacheBlock], ...]:
+        """Cached blocks (one list per group) of the longest prefix within max_length tokens.
+
+        With request given, each hit's stored tokens are compared with the request's.
+        """
+
+
+class FullAttentionManager(SingleTypeKVCacheManager):
+    def get_num_common_prefix_blocks(self, running_request_id: str) -> int:
+        num_holders = len(self.req_to_blocks)
+        count = 0
+        for block in self.req_to_blocks.get(running_request_id, ()):
+            if block.ref_cnt != num_holders:
+                break
+            count += 1
+        return count
+
+    @classmethod
+    def find_longest_cache_hit(
+        cls,
+        block_hashes: Sequence[BlockHash],
+        max_length: int,
+        kv_cache_group_ids: Sequence[int],
+        block_pool: BlockPool,
+        kv_cache_spec: KVCacheSpec,
+        request: Request | None = None,
+    ) -> tuple[list[KVCacheBlock], ...]:
+        hits: tuple[list[KVCacheBlock], ...] = tuple([] for _ in kv_cache_group_ids)
+        max_blocks = min(max_length // kv_cache_spec.block_size, len(block_hashes))
+        for index in range(max_blocks):
+            content = (
+                get_block_content(request, index, kv_cache_spec.block_size) if request else None
+            )
+            cached = block_pool.get_cached_block(block_hashes[index], kv_cache_group_ids, content)
+            if cached is None:
+                break  # a prefix hit ends at the first miss
+            for group_hits, block in zip(hits, cached, strict=True):
+                group_hits.append(block)
+        return hits
+
+
+# Spec kind -> manager class. A SlidingWindowManager registers under "sliding_window".
+spec_manager_map: dict[str, type[SingleTypeKVCacheManager]] = {
+    "full_attention": FullAttentionManager,
+}
+
+
+def get_manager_for_kv_cache_spec(
+    kv_cache_spec: KVCacheSpec, block_pool: BlockPool, kv_cache_group_id: int, enable_caching: bool
+) -> SingleTypeKVCacheManager:
+    return get_manager_class(kv_cache_spec)(
+        kv_cache_spec, block_pool, kv_cache_group_id, enable_caching
+    )
+
+
+def get_manager_class(kv_cache_spec: KVCacheSpec) -> type[SingleTypeKVCacheManager]:
+    if not isinstance(kv_cache_spec, FullAttentionSpec):
+        raise TypeError(f"unknown KV cache spec {kv_cache_spec!r}")
+    kind = "full_attention" if kv_cache_spec.sliding_window is None else "sliding_window"
+    manager_class = spec_manager_map.get(kind)
+    if manager_class is None:
+        raise NotImplementedError(
+            f"no KV cache manager for {kind} layers yet (SlidingWindowManager is not written)"
+        )
+    return manager_class

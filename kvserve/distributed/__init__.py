@@ -1,0 +1,3 @@
+"""Distributed pieces: parallel groups, KV transfer connectors and KV cache events."""
+
+from __future__ import annotations

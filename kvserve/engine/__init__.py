@@ -1,0 +1,1 @@
+"""The engine: front-end input/output processing, engine core and its clients."""

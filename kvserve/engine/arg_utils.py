@@ -1,0 +1,130 @@
+"""EngineArgs: the flat set of user options, turned into a validated EngineConfig."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from kvserve.config import (
+    DEFAULT_MODEL,
+    CacheConfig,
+    DeviceConfig,
+    EngineConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+)
+
+_SIZE_SUFFIXES = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def parse_bytes(value: str | int) -> int:
+    """'2G', '512MiB', '1e9' or an int -> bytes."""
+    if isinstance(value, int):
+        return value
+    text = value.strip().lower().removesuffix("ib").removesuffix("b")
+    scale = _SIZE_SUFFIXES.get(text[-1:], 1)
+    number = text[:-1] if text[-1:] in _SIZE_SUFFIXES else text
+    try:
+        return int(float(number) * scale)
+    except ValueError:
+        raise ValueError(f"kv_cache_memory: cannot parse {value!r} as a size in bytes") from None
+
+
+@dataclass
+class EngineArgs:
+    model: str | None = DEFAULT_MODEL
+    tokenizer: str | None = None
+    served_model_name: str | None = None
+    dtype: str = "float32"
+    max_model_len: int | None = None
+    seed: int = 0
+    device: str = "auto"
+    block_size: int = 16
+    kv_cache_memory: int | str = CacheConfig.kv_cache_memory
+    num_blocks_override: int | None = None
+    enable_prefix_caching: bool = True
+    prefix_caching_hash_seed: int = 0
+    max_num_batched_tokens: int = SchedulerConfig.max_num_batched_tokens
+    max_num_seqs: int = SchedulerConfig.max_num_seqs
+    enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int = 0
+    scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    distributed_executor_backend: Literal["uni", "mp", "ray"] | None = None
+
+    def create_engine_config(self) -> EngineConfig:
+        model_config = ModelConfig(
+            model=self.model,
+            tokenizer=self.tokenizer,
+            dtype=self.dtype,
+            max_model_len=self.max_model_len,
+            seed=self.seed,
+            served_model_name=self.served_model_name,
+        )
+        assert model_config.max_model_len is not None
+        return EngineConfig(
+            model_config=model_config,
+            cache_config=CacheConfig(
+                block_size=self.block_size,
+                kv_cache_memory=parse_bytes(self.kv_cache_memory),
+                enable_prefix_caching=self.enable_prefix_caching,
+                prefix_caching_hash_seed=self.prefix_caching_hash_seed,
+                num_blocks_override=self.num_blocks_override,
+            ),
+            scheduler_config=SchedulerConfig(
+                max_num_batched_tokens=self.max_num_batched_tokens,
+                max_num_seqs=self.max_num_seqs,
+                max_model_len=model_config.max_model_len,
+                enable_chunked_prefill=self.enable_chunked_prefill,
+                long_prefill_token_threshold=self.long_prefill_token_threshold,
+                policy=self.scheduling_policy,
+            ),
+            parallel_config=ParallelConfig(
+                tensor_parallel_size=self.tensor_parallel_size,
+                pipeline_parallel_size=self.pipeline_parallel_size,
+                distributed_executor_backend=self.distributed_executor_backend,
+            ),
+            device_config=DeviceConfig(device=self.device),
+        )
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> EngineArgs:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise ValueError(f"unknown engine argument(s): {', '.join(unknown)}")
+        return cls(**kwargs)
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser, with_model: bool = True) -> None:
+        """vLLM's flag names, where they apply."""
+        if with_model:
+            parser.add_argument("model", nargs="?", default=DEFAULT_MODEL,
+                                help="GGUF file, HF directory or a known name")
+        parser.add_argument("--tokenizer", default=None)
+        parser.add_argument("--served-model-name", default=None)
+        parser.add_argument("--max-model-len", type=int, default=None)
+        parser.add_argument("--seed", type=int, default=0)
+        parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+        parser.add_argument("--block-size", type=int, default=16)
+        parser.add_argument("--kv-cache-memory", default=str(CacheConfig.kv_cache_memory),
+                            help="bytes for the paged KV cache, e.g. 2G")
+        parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                            default=True)
+        parser.add_argument("--max-num-batched-tokens", type=int,
+                            default=SchedulerConfig.max_num_batched_tokens)
+        parser.add_argument("--max-num-seqs", type=int, default=SchedulerConfig.max_num_seqs)
+        parser.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
+                            default=True)
+        parser.add_argument("--long-prefill-token-threshold", type=int, default=0)
+        parser.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
+        values = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls)
+                  if hasattr(args, f.name)}
+        return cls(**values)

@@ -1,0 +1,72 @@
+"""EngineCore: the inner loop — schedule, execute, update — around one executor."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from kvserve.config import EngineConfig
+from kvserve.core.kv_cache_utils import get_request_block_hasher
+from kvserve.core.request import Request, RequestStatus
+from kvserve.core.sched.scheduler import Scheduler
+from kvserve.executor.abstract import Executor
+from kvserve.protocol.engine_core import EngineCoreOutputs, EngineCoreRequest
+from kvserve.protocol.kv_cache_interface import KVCacheConfig, build_kv_cache_config
+
+logger = logging.getLogger(__name__)
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, executor_class: type[Executor] | None = None,
+                 log_stats: bool = True) -> None:
+        self.config = config
+        executor_class = executor_class or Executor.get_class(config)
+        self.model_executor = executor_class(config)
+        self.kv_cache_config = self._initialize_kv_caches()
+        self.scheduler = Scheduler(config, self.kv_cache_config, log_stats=log_stats)
+        cache = config.cache_config
+        self.block_hasher = (
+            get_request_block_hasher(cache.block_size, cache.prefix_caching_hash_seed)
+            if cache.enable_prefix_caching else None
+        )
+
+    def _initialize_kv_caches(self) -> KVCacheConfig:
+        start = time.perf_counter()
+        specs = self.model_executor.get_kv_cache_specs()[0]
+        cache = self.config.cache_config
+        kv_cache_config = build_kv_cache_config(
+            specs, cache.kv_cache_memory, cache.num_blocks_override)
+        self.model_executor.initialize_from_config(kv_cache_config)
+        capacity = (kv_cache_config.num_blocks - 1) * cache.block_size
+        max_len = self.config.model_config.max_model_len or 0
+        if capacity < max_len:
+            logger.warning("KV cache holds %d tokens, less than max_model_len=%d: longer "
+                           "requests will be rejected", capacity, max_len)
+        logger.info("KV cache: %d blocks of %d tokens (%d tokens), set up in %.2fs",
+                    kv_cache_config.num_blocks, cache.block_size, capacity,
+                    time.perf_counter() - start)
+        return kv_cache_config
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        self.scheduler.add_request(Request.from_engine_core_request(request, self.block_hasher))
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+
+    def step(self) -> tuple[EngineCoreOutputs, bool]:
+        """One scheduling step. Returns the outputs and whether the model ran."""
+        if not self.scheduler.has_requests():
+            return EngineCoreOutputs(timestamp=time.monotonic()), False
+        scheduler_output = self.scheduler.schedule()
+        self.model_executor.execute_model(scheduler_output)
+        model_output = self.model_executor.sample_tokens()
+        outputs = self.scheduler.update_from_output(scheduler_output, model_output)
+        outputs.timestamp = time.monotonic()
+        return outputs, scheduler_output.total_num_scheduled_tokens > 0
+
+    def reset_prefix_cache(self) -> bool:
+        return self.scheduler.reset_prefix_cache()
+
+    def shutdown(self) -> None:
+        self.scheduler.shutdown()
+        self.model_executor.shutdown()

@@ -1,0 +1,54 @@
+"""EngineCoreClient: how the front end talks to an EngineCore (in-process for now)."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+from kvserve.config import EngineConfig
+from kvserve.engine.core import EngineCore
+from kvserve.protocol.engine_core import EngineCoreOutputs, EngineCoreRequest
+
+
+class EngineCoreClient(ABC):
+    @staticmethod
+    def make_client(config: EngineConfig, log_stats: bool = True) -> EngineCoreClient:
+        return InprocClient(config, log_stats)
+
+    @abstractmethod
+    def add_request(self, request: EngineCoreRequest) -> None: ...
+
+    @abstractmethod
+    def abort_requests(self, request_ids: list[str]) -> None: ...
+
+    @abstractmethod
+    def get_output(self) -> EngineCoreOutputs: ...
+
+    @abstractmethod
+    def reset_prefix_cache(self) -> bool: ...
+
+    @abstractmethod
+    def shutdown(self) -> None: ...
+
+
+class InprocClient(EngineCoreClient):
+    """Runs the core in the caller's thread: get_output() performs one step."""
+
+    def __init__(self, config: EngineConfig, log_stats: bool = True) -> None:
+        self.engine_core = EngineCore(config, log_stats=log_stats)
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        self.engine_core.add_request(request)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        if request_ids:
+            self.engine_core.abort_requests(request_ids)
+
+    def get_output(self) -> EngineCoreOutputs:
+        outputs, _ = self.engine_core.step()
+        return outputs
+
+    def reset_prefix_cache(self) -> bool:
+        return self.engine_core.reset_prefix_cache()
+
+    def shutdown(self) -> None:
+        self.engine_core.shutdown()

@@ -1,0 +1,280 @@
+"""EngineCoreProc: the EngineCore in its own process, fed and drained over ZMQ.
+
+Wire format: every frame is one msgpack-encoded msgspec Struct from a tagged union
+(``InputMessage`` client -> core, ``OutputMessage`` core -> client), decoded against
+that union, so nothing on either socket is ever unpickled. The startup handshake
+(``ReadyMessage`` or ``StartupErrorMessage``) travels as msgpack bytes over a one-way
+multiprocessing pipe, which the parent can wait on together with the process sentinel.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import signal
+import time
+import traceback
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+from typing import Any
+
+import msgspec
+import zmq
+
+from kvserve.config import EngineConfig
+from kvserve.engine.core import EngineCore
+from kvserve.protocol.engine_core import (
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    FinishReason,
+    SchedulerStats,
+)
+
+logger = logging.getLogger(__name__)
+
+
+# --- client -> core -------------------------------------------------------------------
+
+
+class AddRequestMessage(msgspec.Struct, tag="add", array_like=True):
+    request: EngineCoreRequest
+
+
+class AbortRequestsMessage(msgspec.Struct, tag="abort", array_like=True):
+    request_ids: list[str]
+
+
+class UtilityCallMessage(msgspec.Struct, tag="utility", array_like=True):
+    call_id: int
+    method: str
+    args: list[Any] = msgspec.field(default_factory=list)
+
+
+InputMessage = AddRequestMessage | AbortRequestsMessage | UtilityCallMessage
+
+
+# --- core -> client -------------------------------------------------------------------
+
+
+class OutputsMessage(msgspec.Struct, tag="outputs", array_like=True):
+    outputs: EngineCoreOutputs
+
+
+class UtilityResultMessage(msgspec.Struct, tag="utility_result", array_like=True):
+    call_id: int
+    result: Any = None
+    error: str | None = None
+
+
+class EngineErrorMessage(msgspec.Struct, tag="engine_error", array_like=True):
+    """Sent by the core just before it exits on an unexpected exception in its loop."""
+
+    error: str
+
+
+OutputMessage = OutputsMessage | UtilityResultMessage | EngineErrorMessage
+
+
+# --- startup handshake (over the pipe) ------------------------------------------------
+
+
+class ReadyMessage(msgspec.Struct, tag="ready", array_like=True):
+    num_gpu_blocks: int
+    block_size: int
+    max_model_len: int
+
+
+class StartupErrorMessage(msgspec.Struct, tag="startup_error", array_like=True):
+    error_type: str
+    error: str
+    traceback: str = ""
+
+
+HandshakeMessage = ReadyMessage | StartupErrorMessage
+
+
+class EngineCoreProc:
+    """Runs inside the child process: busy loop of drain inputs -> step -> send outputs."""
+
+    def __init__(
+        self, config: EngineConfig, input_address: str, output_address: str
+    ) -> None:
+        # Stats are always on here: they ride on every output message and cost a few ints.
+        self.engine_core = EngineCore(config, log_stats=True)
+        self.scheduler = self.engine_core.scheduler
+        self.ctx = zmq.Context()
+        self.input_socket = self.ctx.socket(zmq.PULL)
+        self.input_socket.connect(input_address)
+        self.output_socket = self.ctx.socket(zmq.PUSH)
+        self.output_socket.connect(output_address)
+        self.decoder = msgspec.msgpack.Decoder(InputMessage)
+        self.encoder = msgspec.msgpack.Encoder()
+        self.poller = zmq.Poller()
+        self.poller.register(self.input_socket, zmq.POLLIN)
+        # If the front end dies without shutting us down, its sentinel becomes readable.
+        parent = multiprocessing.parent_process()
+        self.parent_sentinel = parent.sentinel if parent is not None else None
+        if self.parent_sentinel is not None:
+            self.poller.register(self.parent_sentinel, zmq.POLLIN)
+        # Prefix-cache counts consumed by an out-of-band get_stats, owed to the stream.
+        self._carried_queries = 0
+        self._carried_hits = 0
+        self._utilities: dict[str, Callable[..., Any]] = {
+            "reset_prefix_cache": self.engine_core.reset_prefix_cache,
+            "get_stats": self._snapshot_stats,
+            "ping": lambda: "pong",
+        }
+
+    def ready_message(self) -> ReadyMessage:
+        config = self.engine_core.config
+        return ReadyMessage(
+            num_gpu_blocks=self.engine_core.kv_cache_config.num_blocks,
+            block_size=config.cache_config.block_size,
+            max_model_len=config.model_config.max_model_len or 0,
+        )
+
+    # --- the loop --------------------------------------------------------------------
+
+    def run_busy_loop(self) -> None:
+        while True:
+            busy = self.scheduler.has_requests()
+            # Block (no spin) when idle; when busy only peek, so the step is not delayed.
+            events = dict(self.poller.poll(0 if busy else None))
+            if self.parent_sentinel is not None and self.parent_sentinel in events:
+                logger.info("front-end process exited; engine core shutting down")
+                return
+            changed = self._process_input_socket()
+            if self.scheduler.has_requests():
+                outputs, _ = self.engine_core.step()
+                self._send_outputs(outputs)
+            elif changed:
+                # e.g. the last request was aborted: let the client see the idle state.
+                self._send_outputs(EngineCoreOutputs(timestamp=time.monotonic()))
+
+    def _process_input_socket(self) -> bool:
+        """Handles every waiting message; True if requests were added or aborted."""
+        changed = False
+        while True:
+            try:
+                frame = self.input_socket.recv(flags=zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return changed
+            try:
+                message = self.decoder.decode(frame.buffer)
+            except msgspec.DecodeError as e:
+                logger.error("dropping undecodable input message: %s", e)
+                continue
+            changed |= not isinstance(message, UtilityCallMessage)
+            self._handle(message)
+
+    def _handle(self, message: AddRequestMessage | AbortRequestsMessage | UtilityCallMessage) -> None:
+        if isinstance(message, AddRequestMessage):
+            try:
+                self.engine_core.add_request(message.request)
+            except Exception as e:
+                # One bad request fails alone; the engine keeps serving the others.
+                logger.exception("rejecting request %s", message.request.request_id)
+                failed = EngineCoreOutput(
+                    request_id=message.request.request_id,
+                    new_token_ids=[],
+                    finish_reason=FinishReason.ERROR,
+                    error=f"{type(e).__name__}: {e}",
+                )
+                self._send_outputs(EngineCoreOutputs(outputs=[failed], timestamp=time.monotonic()))
+        elif isinstance(message, AbortRequestsMessage):
+            self.engine_core.abort_requests(message.request_ids)
+        else:
+            self._call_utility(message)
+
+    def _call_utility(self, message: UtilityCallMessage) -> None:
+        reply = UtilityResultMessage(call_id=message.call_id)
+        method = self._utilities.get(message.method)
+        if method is None:
+            reply.error = f"unknown engine-core utility {message.method!r}"
+        else:
+            try:
+                reply.result = method(*message.args)
+            except Exception as e:
+                reply.error = f"{type(e).__name__}: {e}"
+        self._send(reply)
+
+    # --- sending ---------------------------------------------------------------------
+
+    def _snapshot_stats(self) -> SchedulerStats:
+        stats = self.scheduler.make_stats() or SchedulerStats()
+        self._carried_queries += stats.prefix_cache_queries
+        self._carried_hits += stats.prefix_cache_hits
+        return stats
+
+    def _send_outputs(self, outputs: EngineCoreOutputs) -> None:
+        stats = outputs.scheduler_stats or self.scheduler.make_stats() or SchedulerStats()
+        stats.prefix_cache_queries += self._carried_queries
+        stats.prefix_cache_hits += self._carried_hits
+        self._carried_queries = self._carried_hits = 0
+        outputs.scheduler_stats = stats
+        self._send(OutputsMessage(outputs))
+
+    def _send(self, message: OutputsMessage | UtilityResultMessage | EngineErrorMessage) -> None:
+        self.output_socket.send(self.encoder.encode(message), copy=False)
+
+    def send_engine_error(self, error: str) -> None:
+        try:
+            self.output_socket.send(self.encoder.encode(EngineErrorMessage(error)), zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass  # the client notices the exit through the process sentinel anyway
+
+    def shutdown(self) -> None:
+        self.input_socket.close(linger=0)
+        # A little linger so the last outputs / error message still reach the client.
+        self.output_socket.close(linger=1000)
+        self.ctx.term()
+        self.engine_core.shutdown()
+
+    # --- process entry point ---------------------------------------------------------
+
+    @staticmethod
+    def run_engine_core(
+        config: EngineConfig,
+        input_address: str,
+        output_address: str,
+        ready_writer: Connection,
+        log_level: int = logging.INFO,
+    ) -> None:
+        """Target of the spawned process. Exit code 0 on SIGTERM/SIGINT, 1 on failure."""
+        if not logging.getLogger().handlers:
+            logging.basicConfig(
+                level=log_level, format="%(asctime)s %(levelname)s [EngineCore] %(message)s"
+            )
+
+        def _on_signal(signum: int, frame: Any) -> None:
+            raise SystemExit(0)
+
+        signal.signal(signal.SIGTERM, _on_signal)
+        signal.signal(signal.SIGINT, _on_signal)
+        encoder = msgspec.msgpack.Encoder()
+        try:
+            proc = EngineCoreProc(config, input_address, output_address)
+        except Exception as e:
+            logger.exception("engine core failed to start")
+            ready_writer.send_bytes(
+                encoder.encode(
+                    StartupErrorMessage(type(e).__name__, str(e), traceback.format_exc())
+                )
+            )
+            ready_writer.close()
+            raise SystemExit(1) from None
+        ready_writer.send_bytes(encoder.encode(proc.ready_message()))
+        ready_writer.close()
+        exit_code = 0
+        try:
+            proc.run_busy_loop()
+        except SystemExit:
+            logger.info("engine core received a shutdown signal")
+        except Exception as e:
+            logger.exception("engine core failed")
+            proc.send_engine_error(f"EngineCore failed: {type(e).__name__}: {e}")
+            exit_code = 1
+        finally:
+            proc.shutdown()
+        raise SystemExit(exit_code)

@@ -1,0 +1,235 @@
+"""Prompts in, validated EngineCoreRequests out: tokenize, check, fill sampling defaults."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jinja2
+from transformers import PreTrainedTokenizerBase
+
+from kvserve.config import ModelConfig, SchedulerConfig
+from kvserve.inputs import PromptType
+from kvserve.protocol.engine_core import EngineCoreRequest
+from kvserve.sampling_params import SamplingParams
+
+
+class InputProcessor:
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        tokenizer: PreTrainedTokenizerBase | None,
+        scheduler_config: SchedulerConfig | None = None,
+    ) -> None:
+        self.model_config = model_config
+        self.tokenizer = tokenizer
+        self.scheduler_policy = scheduler_config.policy if scheduler_config else "fcfs"
+        assert model_config.max_model_len is not None
+        self.max_model_len: int = model_config.max_model_len
+        self.vocab_size = model_config.vocab_size
+        eos_ids = list(model_config.arch.eos_token_ids)
+        if not eos_ids and tokenizer is not None and tokenizer.eos_token_id is not None:
+            eos_ids = [tokenizer.eos_token_id]
+        self.eos_token_id: int | None = eos_ids[0] if eos_ids else None
+        # Further end-of-turn ids (e.g. <|eot_id|>) stop like stop_token_ids do.
+        self.extra_eos_token_ids = eos_ids[1:]
+
+    def process_inputs(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams,
+        arrival_time: float | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> tuple[EngineCoreRequest, str | None]:
+        """Returns the core request and the prompt text (None when only ids were given).
+
+        Raises ValueError, naming the offending field, for anything the engine cannot run.
+        """
+        if not isinstance(request_id, str):
+            raise ValueError(f"request_id must be a string, got {type(request_id).__name__}")
+        if priority != 0 and self.scheduler_policy != "priority":
+            raise ValueError(
+                f"priority={priority} is only supported with the 'priority' scheduling "
+                f"policy (the engine uses {self.scheduler_policy!r})"
+            )
+        prompt_text, prompt_token_ids = self._tokenize(prompt)
+        self._validate_prompt(prompt_token_ids)
+        params = self._finalize_params(params, len(prompt_token_ids))
+        request = EngineCoreRequest(
+            request_id=request_id,
+            prompt_token_ids=prompt_token_ids,
+            sampling_params=params,
+            eos_token_id=self.eos_token_id,
+            arrival_time=arrival_time if arrival_time is not None else time.time(),
+            priority=priority,
+            cache_salt=cache_salt,
+        )
+        return request, prompt_text
+
+    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            text: str | None = prompt
+            ids = None
+        elif isinstance(prompt, Mapping):
+            if prompt.get("multi_modal_data"):
+                raise ValueError("multi_modal_data is not supported yet")
+            text = prompt.get("prompt")
+            ids = prompt.get("prompt_token_ids")
+            if text is not None and not isinstance(text, str):
+                raise ValueError(f"prompt must be a string, got {type(text).__name__}")
+            if ids is None and text is None:
+                raise ValueError("a prompt dict needs 'prompt' (text) or 'prompt_token_ids'")
+        else:
+            raise ValueError(
+                "prompt must be a string, {'prompt': str} or {'prompt_token_ids': [int, ...]}, "
+                f"got {type(prompt).__name__}"
+            )
+        if ids is not None:
+            if (
+                not isinstance(ids, Sequence)
+                or isinstance(ids, str)
+                or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids)
+            ):
+                raise ValueError("prompt_token_ids must be a list of integers")
+            if len(ids) == 0:
+                raise ValueError("prompt_token_ids is empty: a prompt needs at least one token")
+            return text, list(ids)
+        assert text is not None
+        if not text:
+            raise ValueError("prompt is empty: a prompt needs at least one token")
+        if self.tokenizer is None:
+            raise ValueError("text prompts need a tokenizer; pass prompt_token_ids instead")
+        return text, list(self.tokenizer.encode(text, add_special_tokens=True))
+
+    def _validate_prompt(self, ids: list[int]) -> None:
+        if not ids:
+            raise ValueError("prompt is empty: it tokenizes to 0 tokens")
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(
+                f"prompt_token_ids contains token ids outside the vocabulary "
+                f"[0, {self.vocab_size}): {bad[:5]}"
+            )
+        if len(ids) >= self.max_model_len:
+            raise ValueError(
+                f"The prompt ({len(ids)} tokens) is longer than the maximum model length of "
+                f"{self.max_model_len} (at least one position must be left to generate). "
+                "Make the prompt shorter or raise max_model_len."
+            )
+
+    def _finalize_params(self, params: SamplingParams, prompt_len: int) -> SamplingParams:
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
+        params.verify_against_vocab(self.vocab_size)
+        changes: dict[str, Any] = {}
+        # A copy per request: callers reuse one SamplingParams for many prompts.
+        if params.max_tokens is None:
+            changes["max_tokens"] = self.max_model_len - prompt_len
+        # prompt_len + max_tokens > max_model_len is accepted: the scheduler finishes the
+        # request with "length" when it reaches max_model_len.
+        if params.bad_words:
+            changes["_bad_words_token_ids"] = self._tokenize_bad_words(params.bad_words)
+        params = params.clone(**changes)
+        if self.extra_eos_token_ids and not params.ignore_eos:
+            # Set after clone(): __post_init__ rebuilds this list from stop_token_ids.
+            params._all_stop_token_ids = list(
+                dict.fromkeys([*params.all_stop_token_ids, *self.extra_eos_token_ids])
+            )
+        return params
+
+    def _tokenize_bad_words(self, bad_words: list[str]) -> list[list[int]]:
+        if self.tokenizer is None:
+            raise ValueError("bad_words need a tokenizer")
+        out: list[list[int]] = []
+        for word in bad_words:
+            word = word.strip()
+            if not word:
+                raise ValueError("bad_words cannot contain an empty string")
+            # A word is banned at the start of the text and after a space; with BPE those
+            # are different token sequences.
+            for variant in (word, " " + word):
+                ids = list(self.tokenizer.encode(variant, add_special_tokens=False))
+                if ids and ids not in out:
+                    out.append(ids)
+        bad = [t for ids in out for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"bad_words tokenize to ids outside the vocabulary: {bad[:5]}")
+        return out
+
+
+def apply_chat_template(
+    tokenizer: PreTrainedTokenizerBase,
+    messages: list[dict[str, Any]],
+    add_generation_prompt: bool = True,
+    chat_template: str | None = None,
+    tools: list[dict[str, Any]] | None = None,
+    continue_final_message: bool = False,
+) -> str:
+    """Renders a conversation to the prompt text the model was trained on (not tokenized)."""
+    if add_generation_prompt and continue_final_message:
+        raise ValueError("add_generation_prompt and continue_final_message cannot both be True")
+    if chat_template is None and not tokenizer.chat_template:
+        raise ValueError("the tokenizer has no chat template; pass chat_template explicitly")
+    conversation = _normalize_messages(messages)
+    if continue_final_message and conversation[-1]["role"] != "assistant":
+        raise ValueError("continue_final_message needs the last message to be the assistant's")
+    try:
+        text = tokenizer.apply_chat_template(
+            conversation,
+            tools=tools,  # type: ignore[arg-type]
+            chat_template=chat_template,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            tokenize=False,
+        )
+    except jinja2.TemplateError as e:
+        raise ValueError(f"the chat template failed on these messages: {e}") from e
+    assert isinstance(text, str)
+    return text
+
+
+def _normalize_messages(messages: Any) -> list[dict[str, Any]]:
+    """Checks each message and flattens OpenAI-style text parts into one string."""
+    if not isinstance(messages, list | tuple) or not messages:
+        raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts")
+    out: list[dict[str, Any]] = []
+    for i, msg in enumerate(messages):
+        if not isinstance(msg, Mapping):
+            raise ValueError(f"messages[{i}] must be a dict, got {type(msg).__name__}")
+        role = msg.get("role")
+        if not isinstance(role, str) or not role:
+            raise ValueError(f"messages[{i}] is missing 'role' (a non-empty string)")
+        if "content" not in msg and not msg.get("tool_calls"):
+            raise ValueError(f"messages[{i}] is missing 'content'")
+        content = msg.get("content")
+        if isinstance(content, list):
+            content = _join_text_parts(content, i)
+        elif content is None and not msg.get("tool_calls"):
+            raise ValueError(f"messages[{i}].content is None (only allowed with tool_calls)")
+        elif content is not None and not isinstance(content, str):
+            raise ValueError(
+                f"messages[{i}].content must be a string or a list of text parts, "
+                f"got {type(content).__name__}"
+            )
+        out.append({**msg, "content": content})
+    return out
+
+
+def _join_text_parts(parts: list[Any], i: int) -> str:
+    texts: list[str] = []
+    for part in parts:
+        if isinstance(part, str):
+            texts.append(part)
+        elif isinstance(part, Mapping) and part.get("type") == "text":
+            if not isinstance(part.get("text"), str):
+                raise ValueError(f"messages[{i}] has a text part without a 'text' string")
+            texts.append(part["text"])
+        else:
+            kind = part.get("type") if isinstance(part, Mapping) else type(part).__name__
+            raise ValueError(
+                f"messages[{i}] has a content part of type {kind!r}; only text is supported"
+            )
+    return "\n".join(texts)

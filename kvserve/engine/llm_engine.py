@@ -1,0 +1,88 @@
+"""LLMEngine: the synchronous engine behind LLM — inputs in, RequestOutputs out, step by step."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import msgspec
+
+from kvserve.config import EngineConfig
+from kvserve.engine.arg_utils import EngineArgs
+from kvserve.engine.core_client import EngineCoreClient
+from kvserve.engine.input_processor import InputProcessor
+from kvserve.engine.output_processor import OutputProcessor
+from kvserve.engine.parallel_sampling import ParentRequest
+from kvserve.inputs import PromptType
+from kvserve.outputs import RequestOutput
+from kvserve.sampling_params import SamplingParams
+from kvserve.transformers_utils.tokenizer import get_tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, log_stats: bool = False) -> None:
+        self.config = config
+        self.tokenizer = get_tokenizer(config.model_config.tokenizer_resolved)
+        self.input_processor = InputProcessor(config.model_config, self.tokenizer,
+                                              config.scheduler_config)
+        self.output_processor = OutputProcessor(self.tokenizer, log_stats=log_stats)
+        self.engine_core = EngineCoreClient.make_client(config, log_stats=log_stats)
+
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs, **kwargs: Any) -> LLMEngine:
+        return cls(engine_args.create_engine_config(), **kwargs)
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams,
+        arrival_time: float | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> None:
+        """Validates and queues one request; raises ValueError on bad input, adding nothing."""
+        arrival_time = arrival_time if arrival_time is not None else time.time()
+        request, prompt_text = self.input_processor.process_inputs(
+            request_id, prompt, params, arrival_time=arrival_time, priority=priority,
+            cache_salt=cache_salt)
+        if params.n == 1:
+            self.output_processor.add_request(request, prompt_text)
+            self.engine_core.add_request(request)
+            return
+        # n > 1: n child requests with the same prompt, so the prefix cache shares its blocks.
+        parent = ParentRequest(request_id, params)
+        for index in range(params.n):
+            child_id, child_params = parent.get_child_info(index)
+            child = msgspec.structs.replace(
+                request, request_id=child_id, sampling_params=child_params)
+            self.output_processor.add_request(child, prompt_text, parent, index)
+            self.engine_core.add_request(child)
+
+    def abort_request(self, request_ids: str | list[str]) -> None:
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        all_ids = self.output_processor.abort_requests(ids)
+        self.engine_core.abort_requests(list(all_ids) if all_ids is not None else ids)
+
+    def step(self) -> list[RequestOutput]:
+        core_outputs = self.engine_core.get_output()
+        processed = self.output_processor.process_outputs(
+            core_outputs.outputs, core_outputs.timestamp)
+        if processed.reqs_to_abort:
+            self.engine_core.abort_requests(processed.reqs_to_abort)
+        return processed.request_outputs
+
+    def has_unfinished_requests(self) -> bool:
+        return self.output_processor.has_unfinished_requests()
+
+    def get_num_unfinished_requests(self) -> int:
+        return self.output_processor.get_num_unfinished_requests()
+
+    def reset_prefix_cache(self) -> bool:
+        return self.engine_core.reset_prefix_cache()
+
+    def shutdown(self) -> None:
+        self.engine_core.shutdown()

@@ -1,0 +1,440 @@
+"""Clients that run the EngineCore in a background process and talk to it over ZMQ.
+
+SyncMPClient (blocking, for LLMEngine) and AsyncMPClient (asyncio, for AsyncLLM) share
+MPClient: it binds the two sockets, spawns EngineCoreProc, waits for its handshake and
+watches its process sentinel, so a dead core fails every pending and later call with
+EngineDeadError instead of leaving the caller blocked on a socket nobody writes to.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import multiprocessing
+import os
+import queue
+import shutil
+import tempfile
+import threading
+import time
+import weakref
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection, wait
+from multiprocessing.process import BaseProcess
+from typing import Any, Literal
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from kvserve.config import EngineConfig
+from kvserve.engine.core_client import EngineCoreClient
+from kvserve.engine.core_proc import (
+    AbortRequestsMessage,
+    AddRequestMessage,
+    EngineCoreProc,
+    EngineErrorMessage,
+    HandshakeMessage,
+    InputMessage,
+    OutputMessage,
+    OutputsMessage,
+    ReadyMessage,
+    StartupErrorMessage,
+    UtilityCallMessage,
+    UtilityResultMessage,
+)
+from kvserve.engine.exceptions import EngineDeadError
+from kvserve.protocol.engine_core import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
+
+logger = logging.getLogger(__name__)
+
+# Startup errors re-raised in the parent with their own type; anything else is RuntimeError.
+_STARTUP_ERROR_TYPES: dict[str, type[Exception]] = {
+    t.__name__: t
+    for t in (ValueError, TypeError, NotImplementedError, FileNotFoundError, MemoryError, OSError)
+}
+
+
+@dataclass
+class _BackgroundResources:
+    """Everything to release at shutdown; a weakref.finalize target, so it holds no client."""
+
+    ctx: zmq.Context[Any]
+    sockets: list[zmq.Socket[Any]]
+    proc: BaseProcess | None = None
+    tmpdir: str | None = None
+    extra_fds: list[int] = field(default_factory=list)
+    # The sync client's output thread, woken through wake_fd before its socket closes.
+    thread: threading.Thread | None = None
+    wake_fd: int | None = None
+    closed: bool = False
+
+    def __call__(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        if self.thread is not None and self.wake_fd is not None:
+            os.write(self.wake_fd, b"x")
+            if self.thread is not threading.current_thread():
+                self.thread.join(5)
+        if self.proc is not None and self.proc.is_alive():
+            self.proc.terminate()
+            self.proc.join(5)
+            if self.proc.is_alive():
+                self.proc.kill()
+                self.proc.join(1)
+        for sock in self.sockets:
+            sock.close(linger=0)
+        self.ctx.term()
+        for fd in self.extra_fds:
+            os.close(fd)
+        if self.tmpdir is not None:
+            shutil.rmtree(self.tmpdir, ignore_errors=True)
+
+
+class MPClient(EngineCoreClient):
+    """Process launch, handshake, wire encoding and shutdown shared by both MP clients."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        log_stats: bool = True,
+        *,
+        asyncio_mode: bool,
+        transport: Literal["ipc", "tcp"] = "ipc",
+        startup_timeout: float | None = None,
+    ) -> None:
+        self.config = config
+        self.log_stats = log_stats
+        self.engine_dead = False
+        self.dead_reason: str | None = None
+        self.encoder = msgspec.msgpack.Encoder()
+        self.decoder = msgspec.msgpack.Decoder(OutputMessage)
+        self._call_ids = itertools.count()
+        ctx: zmq.Context[Any] = zmq.asyncio.Context() if asyncio_mode else zmq.Context()
+        self.input_socket = ctx.socket(zmq.PUSH)
+        self.output_socket = ctx.socket(zmq.PULL)
+        tmpdir = tempfile.mkdtemp(prefix="kvserve-") if transport == "ipc" else None
+        self.resources = _BackgroundResources(ctx, [self.input_socket, self.output_socket],
+                                              tmpdir=tmpdir)
+        self._finalizer = weakref.finalize(self, self.resources)
+        try:
+            input_address = _bind(self.input_socket, tmpdir, "input")
+            output_address = _bind(self.output_socket, tmpdir, "output")
+            self.proc = self._start_proc(input_address, output_address, startup_timeout)
+        except BaseException:
+            self._finalizer()
+            raise
+
+    def _start_proc(
+        self, input_address: str, output_address: str, timeout: float | None
+    ) -> BaseProcess:
+        mp_ctx = multiprocessing.get_context("spawn")
+        reader, writer = mp_ctx.Pipe(duplex=False)
+        # The config travels by multiprocessing's spawn (our own child); sockets carry msgpack.
+        proc = mp_ctx.Process(
+            target=EngineCoreProc.run_engine_core,
+            args=(self.config, input_address, output_address, writer,
+                  logging.getLogger("kvserve").getEffectiveLevel()),
+            name="EngineCore",
+            daemon=True,
+        )
+        self.resources.proc = proc
+        proc.start()
+        writer.close()
+        try:
+            self.ready = _wait_for_handshake(reader, proc, timeout)
+        finally:
+            reader.close()
+        logger.info("EngineCore process %d ready: %d KV blocks of %d tokens", proc.pid,
+                    self.ready.num_gpu_blocks, self.ready.block_size)
+        return proc
+
+    # --- shared helpers ----------------------------------------------------------------
+
+    def is_alive(self) -> bool:
+        return not self.engine_dead and not self.resources.closed and self.proc.is_alive()
+
+    def check_alive(self) -> None:
+        if self.resources.closed:
+            raise EngineDeadError("the engine core has been shut down")
+        if self.engine_dead or not self.proc.is_alive():
+            raise EngineDeadError(self.dead_reason)
+
+    def _encode(self, message: InputMessage) -> bytes:
+        return self.encoder.encode(message)
+
+    def _next_call_id(self) -> int:
+        return next(self._call_ids)
+
+    def shutdown(self) -> None:
+        self._finalizer()
+
+
+def _bind(sock: zmq.Socket[Any], tmpdir: str | None, name: str) -> str:
+    if tmpdir is not None:
+        address = f"ipc://{tmpdir}/{name}.sock"
+        sock.bind(address)
+        return address
+    sock.bind("tcp://127.0.0.1:*")
+    return sock.getsockopt_string(zmq.LAST_ENDPOINT)
+
+
+def _wait_for_handshake(reader: Connection, proc: BaseProcess, timeout: float | None) -> ReadyMessage:
+    wait([reader, proc.sentinel], timeout)
+    data = b""
+    if reader.poll():
+        try:
+            data = reader.recv_bytes()
+        except EOFError:
+            data = b""
+    if not data:
+        if proc.is_alive():
+            raise TimeoutError(f"EngineCore did not start within {timeout} s")
+        raise RuntimeError(
+            f"EngineCore process exited during startup (exit code {proc.exitcode}); "
+            "see its log above")
+    message = msgspec.msgpack.decode(data, type=HandshakeMessage)
+    if isinstance(message, StartupErrorMessage):
+        proc.join(5)
+        logger.debug("EngineCore startup traceback:\n%s", message.traceback)
+        raise _STARTUP_ERROR_TYPES.get(message.error_type, RuntimeError)(message.error)
+    return message
+
+
+class SyncMPClient(MPClient):
+    """Blocking client: a thread reads the output socket and watches the process."""
+
+    def __init__(self, config: EngineConfig, log_stats: bool = True, **kwargs: Any) -> None:
+        super().__init__(config, log_stats, asyncio_mode=False, **kwargs)
+        self.outputs_queue: queue.Queue[EngineCoreOutputs | Exception] = queue.Queue()
+        self._pending: dict[int, Future[Any]] = {}
+        self._send_lock = threading.Lock()
+        # Writing to this pipe wakes the output thread for a clean exit.
+        self._stop_r, self._stop_w = os.pipe()
+        self.resources.extra_fds += [self._stop_r, self._stop_w]
+        thread = threading.Thread(target=self._output_loop, name="EngineCoreOutput", daemon=True)
+        self.resources.thread, self.resources.wake_fd = thread, self._stop_w
+        thread.start()
+
+    def _output_loop(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.output_socket, zmq.POLLIN)
+        poller.register(self.proc.sentinel, zmq.POLLIN)
+        poller.register(self._stop_r, zmq.POLLIN)
+        while True:
+            events = dict(poller.poll())
+            if self._stop_r in events:
+                return
+            if self.output_socket in events:
+                # Drain before looking at the sentinel: the core's last words come first.
+                while self.output_socket.poll(0):
+                    self._handle(self.decoder.decode(self.output_socket.recv()))
+                continue
+            if self.proc.sentinel in events:
+                self._mark_dead()
+                return
+
+    def _handle(self, message: OutputMessage) -> None:
+        if isinstance(message, OutputsMessage):
+            self.outputs_queue.put(message.outputs)
+        elif isinstance(message, UtilityResultMessage):
+            future = self._pending.pop(message.call_id, None)
+            if future is not None:
+                if message.error is None:
+                    future.set_result(message.result)
+                else:
+                    future.set_exception(RuntimeError(message.error))
+        elif isinstance(message, EngineErrorMessage):
+            self.dead_reason = message.error
+
+    def _mark_dead(self) -> None:
+        self.engine_dead = True
+        logger.error("EngineCore process died (exit code %s)", self.proc.exitcode)
+        error = EngineDeadError(self.dead_reason)
+        self.outputs_queue.put(error)
+        for call_id in list(self._pending):
+            future = self._pending.pop(call_id, None)
+            if future is not None:
+                future.set_exception(error)
+
+    def _send(self, message: InputMessage) -> None:
+        frame = self._encode(message)
+        with self._send_lock:
+            while True:
+                self.check_alive()
+                try:
+                    self.input_socket.send(frame, zmq.NOBLOCK)
+                    return
+                except zmq.Again:
+                    time.sleep(0.001)  # the core is mid-step with a full queue
+
+    def get_output(self) -> EngineCoreOutputs:
+        if self.resources.closed or (self.engine_dead and self.outputs_queue.empty()):
+            self.check_alive()
+        output = self.outputs_queue.get()
+        if isinstance(output, Exception):
+            self.outputs_queue.put(output)  # later callers fail too
+            raise output
+        return output
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        self._send(AddRequestMessage(request))
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        if request_ids:
+            self._send(AbortRequestsMessage(list(request_ids)))
+
+    def call_utility(self, method: str, *args: Any, timeout: float | None = None) -> Any:
+        call_id = self._next_call_id()
+        future: Future[Any] = Future()
+        self._pending[call_id] = future
+        try:
+            self._send(UtilityCallMessage(call_id, method, list(args)))
+        except BaseException:
+            self._pending.pop(call_id, None)
+            raise
+        return future.result(timeout)
+
+    def reset_prefix_cache(self) -> bool:
+        return bool(self.call_utility("reset_prefix_cache"))
+
+    def get_stats(self) -> SchedulerStats:
+        return msgspec.convert(self.call_utility("get_stats"), SchedulerStats)
+
+    def shutdown(self) -> None:
+        super().shutdown()
+        # Wake anyone still blocked in get_output().
+        self.outputs_queue.put(EngineDeadError("the engine core has been shut down"))
+
+
+class AsyncMPClient(MPClient):
+    """asyncio client: one task reads outputs; the loop watches the process sentinel.
+
+    It binds to the event loop of its first awaited call; use one instance per loop.
+    """
+
+    def __init__(self, config: EngineConfig, log_stats: bool = True, **kwargs: Any) -> None:
+        super().__init__(config, log_stats, asyncio_mode=True, **kwargs)
+        self.outputs_queue: asyncio.Queue[EngineCoreOutputs | Exception] = asyncio.Queue()
+        self._pending: dict[int, asyncio.Future[Any]] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._output_task: asyncio.Task[None] | None = None
+
+    def _ensure_started(self) -> None:
+        if self._loop is not None:
+            return
+        self._loop = asyncio.get_running_loop()
+        self._output_task = self._loop.create_task(self._output_loop(), name="EngineCoreOutput")
+        self._loop.add_reader(self.proc.sentinel, self._on_proc_exit)
+
+    async def _output_loop(self) -> None:
+        while True:
+            frame = await self.output_socket.recv()
+            self._handle(self.decoder.decode(frame))
+
+    def _handle(self, message: OutputMessage) -> None:
+        if isinstance(message, OutputsMessage):
+            self.outputs_queue.put_nowait(message.outputs)
+        elif isinstance(message, UtilityResultMessage):
+            future = self._pending.pop(message.call_id, None)
+            if future is not None and not future.done():
+                if message.error is None:
+                    future.set_result(message.result)
+                else:
+                    future.set_exception(RuntimeError(message.error))
+        elif isinstance(message, EngineErrorMessage):
+            self.dead_reason = message.error
+
+    def _on_proc_exit(self) -> None:
+        assert self._loop is not None
+        self._loop.remove_reader(self.proc.sentinel)
+        if self.resources.closed:
+            return
+        # A moment for the output task to read frames the core sent before exiting.
+        self._loop.call_later(0.05, self._mark_dead)
+
+    def _mark_dead(self) -> None:
+        if self.engine_dead or self.resources.closed:
+            return
+        self.engine_dead = True
+        logger.error("EngineCore process died (exit code %s)", self.proc.exitcode)
+        error = EngineDeadError(self.dead_reason)
+        self.outputs_queue.put_nowait(error)
+        for future in self._pending.values():
+            if not future.done():
+                future.set_exception(error)
+        self._pending.clear()
+        if self._output_task is not None:
+            self._output_task.cancel()
+
+    async def _send(self, message: InputMessage) -> None:
+        self._ensure_started()
+        frame = self._encode(message)
+        while True:
+            self.check_alive()
+            try:
+                await self.input_socket.send(frame, flags=zmq.NOBLOCK)
+                return
+            except zmq.Again:
+                await asyncio.sleep(0.001)  # the core is mid-step with a full queue
+
+    async def get_output_async(self) -> EngineCoreOutputs:
+        self._ensure_started()
+        if self.resources.closed or (self.engine_dead and self.outputs_queue.empty()):
+            self.check_alive()
+        output = await self.outputs_queue.get()
+        if isinstance(output, Exception):
+            self.outputs_queue.put_nowait(output)
+            raise output
+        return output
+
+    async def add_request_async(self, request: EngineCoreRequest) -> None:
+        await self._send(AddRequestMessage(request))
+
+    async def abort_requests_async(self, request_ids: list[str]) -> None:
+        if request_ids:
+            await self._send(AbortRequestsMessage(list(request_ids)))
+
+    async def call_utility_async(self, method: str, *args: Any) -> Any:
+        self._ensure_started()
+        assert self._loop is not None
+        call_id = self._next_call_id()
+        future: asyncio.Future[Any] = self._loop.create_future()
+        self._pending[call_id] = future
+        try:
+            await self._send(UtilityCallMessage(call_id, method, list(args)))
+            return await future
+        finally:
+            self._pending.pop(call_id, None)
+
+    async def reset_prefix_cache_async(self) -> bool:
+        return bool(await self.call_utility_async("reset_prefix_cache"))
+
+    async def get_stats_async(self) -> SchedulerStats:
+        return msgspec.convert(await self.call_utility_async("get_stats"), SchedulerStats)
+
+    # The blocking interface does not apply: callers must await the *_async methods.
+    def add_request(self, request: EngineCoreRequest) -> None:
+        raise NotImplementedError("AsyncMPClient: use add_request_async")
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        raise NotImplementedError("AsyncMPClient: use abort_requests_async")
+
+    def get_output(self) -> EngineCoreOutputs:
+        raise NotImplementedError("AsyncMPClient: use get_output_async")
+
+    def reset_prefix_cache(self) -> bool:
+        raise NotImplementedError("AsyncMPClient: use reset_prefix_cache_async")
+
+    def shutdown(self) -> None:
+        if self._loop is not None and not self._loop.is_closed():
+            if self._output_task is not None:
+                self._output_task.cancel()
+            self._loop.remove_reader(self.proc.sentinel)
+        for future in self._pending.values():
+            if not future.done():
+                future.set_exception(EngineDeadError("the engine core has been shut down"))
+        super().shutdown()

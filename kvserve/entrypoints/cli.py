@@ -1,0 +1,123 @@
+"""The `kvserve` command: generate, chat (and later serve, bench)."""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import logging
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+from kvserve.engine.arg_utils import EngineArgs
+from kvserve.engine.input_processor import apply_chat_template
+from kvserve.engine.llm_engine import LLMEngine
+from kvserve.sampling_params import RequestOutputKind, SamplingParams
+
+
+def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--sampling-seed", type=int, default=None)
+
+
+def _sampling_params(args: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                          top_p=args.top_p, top_k=args.top_k, seed=args.sampling_seed,
+                          output_kind=RequestOutputKind.DELTA)
+
+
+_request_ids = itertools.count()
+
+
+def _stream(engine: LLMEngine, prompt: Any, params: SamplingParams) -> Iterator[str]:
+    request_id = f"cli-{next(_request_ids)}"
+    engine.add_request(request_id, prompt, params)
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            yield output.outputs[0].text
+
+
+def _encode_chat(engine: LLMEngine, messages: list[dict[str, str]]) -> dict[str, list[int]]:
+    text = apply_chat_template(engine.tokenizer, messages, add_generation_prompt=True)
+    return {"prompt_token_ids": engine.tokenizer.encode(text, add_special_tokens=False)}
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    engine = LLMEngine.from_engine_args(EngineArgs.from_cli_args(args))
+    use_template = not args.raw and engine.tokenizer.chat_template is not None
+    prompt: Any = (_encode_chat(engine, [{"role": "user", "content": args.prompt}])
+                   if use_template else args.prompt)
+    for piece in _stream(engine, prompt, _sampling_params(args)):
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    engine.shutdown()
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    engine = LLMEngine.from_engine_args(EngineArgs.from_cli_args(args))
+    messages: list[dict[str, str]] = []
+    if args.system:
+        messages.append({"role": "system", "content": args.system})
+    print("kvserve chat: type a message, an empty line or Ctrl-D to quit.", file=sys.stderr)
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            break
+        if not line.strip():
+            break
+        messages.append({"role": "user", "content": line})
+        reply = []
+        for piece in _stream(engine, _encode_chat(engine, messages), _sampling_params(args)):
+            reply.append(piece)
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+        sys.stdout.write("\n")
+        messages.append({"role": "assistant", "content": "".join(reply)})
+    engine.shutdown()
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvserve", description=__doc__)
+    parser.add_argument("--log-level", default="WARNING")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate a completion for one prompt")
+    gen.add_argument("prompt")
+    gen.add_argument("--model", default=None, help="GGUF file, HF directory or a known name")
+    gen.add_argument("--raw", action="store_true",
+                     help="send the prompt as is, without the chat template")
+    EngineArgs.add_cli_args(gen, with_model=False)
+    _add_sampling_args(gen)
+    gen.set_defaults(func=cmd_generate)
+
+    chat = sub.add_parser("chat", help="interactive chat on the command line")
+    chat.add_argument("--model", default=None)
+    chat.add_argument("--system", default=None, help="system prompt")
+    EngineArgs.add_cli_args(chat, with_model=False)
+    _add_sampling_args(chat)
+    chat.set_defaults(func=cmd_chat)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if getattr(args, "model", None) is None:
+        args.model = EngineArgs.model
+    try:
+        return int(args.func(args))
+    except ValueError as exc:
+        print(f"kvserve: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,143 @@
+"""LLM: offline batched generation and chat, the way vLLM's LLM class is used."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from kvserve.config import DEFAULT_MODEL
+from kvserve.engine.arg_utils import EngineArgs
+from kvserve.engine.input_processor import apply_chat_template
+from kvserve.engine.llm_engine import LLMEngine
+from kvserve.inputs import PromptType
+from kvserve.outputs import RequestOutput
+from kvserve.sampling_params import RequestOutputKind, SamplingParams
+
+ChatMessages = list[dict[str, Any]]
+
+
+class LLM:
+    """An offline engine. Keyword arguments are EngineArgs fields (vLLM's names)."""
+
+    def __init__(self, model: str | None = DEFAULT_MODEL, **kwargs: Any) -> None:
+        engine_args = EngineArgs.from_kwargs(model=model, **kwargs)
+        self.llm_engine = LLMEngine.from_engine_args(engine_args)
+        self._request_counter = itertools.count()
+
+    def get_tokenizer(self) -> Any:
+        return self.llm_engine.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        return SamplingParams()
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
+        cache_salt: str | None = None,
+    ) -> list[RequestOutput]:
+        """Generates for every prompt; outputs come back in the prompts' order."""
+        if isinstance(prompts, str | dict):
+            prompts = [prompts]
+        prompt_list = list(prompts)
+        params_list = self._broadcast_params(sampling_params, len(prompt_list))
+        if priority is not None and len(priority) != len(prompt_list):
+            raise ValueError(f"priority has {len(priority)} entries for {len(prompt_list)} prompts")
+        self._add_requests(prompt_list, params_list, priority, cache_salt)
+        return self._run_engine(use_tqdm)
+
+    def chat(
+        self,
+        messages: ChatMessages | Sequence[ChatMessages],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+    ) -> list[RequestOutput]:
+        """Applies the model's chat template to each conversation, then generates."""
+        if not isinstance(messages, list | tuple):
+            raise ValueError("messages must be a list of {'role', 'content'} dicts "
+                             "or a list of such conversations")
+        conversations = (
+            [messages] if not messages or isinstance(messages[0], dict) else list(messages))
+        prompts: list[PromptType] = [
+            apply_chat_template(
+                self.get_tokenizer(), conversation, chat_template=chat_template,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message)
+            for conversation in conversations
+        ]
+        # The template already holds any BOS/special tokens: encode it without adding more.
+        token_prompts: list[PromptType] = [
+            {"prompt_token_ids": self.get_tokenizer().encode(p, add_special_tokens=False)}
+            for p in prompts
+        ]
+        return self.generate(token_prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def reset_prefix_cache(self) -> bool:
+        return self.llm_engine.reset_prefix_cache()
+
+    def _broadcast_params(
+        self, params: SamplingParams | Sequence[SamplingParams] | None, count: int
+    ) -> list[SamplingParams]:
+        if params is None:
+            params = self.get_default_sampling_params()
+        if isinstance(params, SamplingParams):
+            return [params] * count
+        if len(params) != count:
+            raise ValueError(f"got {len(params)} sampling_params for {count} prompts")
+        return list(params)
+
+    def _add_requests(self, prompts: list[PromptType], params: list[SamplingParams],
+                      priority: Sequence[int] | None, cache_salt: str | None) -> None:
+        added: list[str] = []
+        try:
+            for i, (prompt, sp) in enumerate(zip(prompts, params, strict=True)):
+                # Offline callers want one result per request, not a stream.
+                sp = sp.clone(output_kind=RequestOutputKind.FINAL_ONLY)
+                request_id = str(next(self._request_counter))
+                self.llm_engine.add_request(
+                    request_id, prompt, sp, priority=priority[i] if priority else 0,
+                    cache_salt=cache_salt)
+                added.append(request_id)
+        except Exception:
+            # Leave the engine as it was: nothing half-submitted keeps running.
+            if added:
+                self.llm_engine.abort_request(added)
+            raise
+
+    def _run_engine(self, use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.llm_engine
+        total = engine.get_num_unfinished_requests()
+        bar = tqdm(total=total, desc="Processed prompts", dynamic_ncols=True, disable=not use_tqdm)
+        finished: list[RequestOutput] = []
+        prompt_tokens = output_tokens = 0
+        try:
+            while engine.has_unfinished_requests():
+                for output in engine.step():
+                    if not output.finished:
+                        continue
+                    finished.append(output)
+                    bar.update(1)
+                    prompt_tokens += len(output.prompt_token_ids or [])
+                    output_tokens += sum(len(c.token_ids) for c in output.outputs)
+                    elapsed = bar.format_dict["elapsed"] or 1e-9
+                    bar.set_postfix_str(f"in: {prompt_tokens / elapsed:.0f} tok/s, "
+                                        f"out: {output_tokens / elapsed:.0f} tok/s")
+        except BaseException:
+            # KeyboardInterrupt or an engine error: free what is still queued.
+            leftover = engine.output_processor.unfinished_request_ids()
+            if leftover:
+                engine.abort_request(leftover)
+            raise
+        finally:
+            bar.close()
+        return sorted(finished, key=lambda o: int(o.request_id))

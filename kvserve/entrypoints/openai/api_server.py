@@ -1,0 +1,254 @@
+"""The OpenAI-compatible HTTP server: FastAPI routes over an AsyncLLM, run by uvicorn."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import secrets
+import signal
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any, TypeVar
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.cors import CORSMiddleware
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+import kvserve
+from kvserve.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    OpenAIServingError,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+)
+from kvserve.entrypoints.openai.serving_chat import OpenAIServingChat
+from kvserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from kvserve.entrypoints.openai.serving_models import OpenAIServingModels
+from kvserve.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+# How often the server checks whether the engine core died while nobody was asking.
+ENGINE_WATCH_INTERVAL_S = 0.5
+
+
+def _error(err: OpenAIServingError) -> JSONResponse:
+    return JSONResponse(err.to_response().model_dump(), status_code=err.status)
+
+
+async def _until_disconnect(raw_request: Request, work: Awaitable[T]) -> T | Response:
+    """Runs ``work`` unless the client hangs up first; then cancels it, which aborts the
+    engine request (generate() aborts on cancellation) and frees its KV blocks."""
+
+    async def disconnected() -> None:
+        while (await raw_request.receive())["type"] != "http.disconnect":
+            pass
+
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    if task.cancelled():
+        logger.info("client disconnected; request aborted")
+        return Response(status_code=499)
+    return task.result()
+
+
+def _respond(result: Any) -> Response:
+    if isinstance(result, Response):
+        return result
+    if isinstance(result, AsyncIterator):
+        return StreamingResponse(result, media_type="text/event-stream")
+    return JSONResponse(result.model_dump())
+
+
+class RequestIdMiddleware:
+    """Echoes the client's X-Request-Id on the response (the handlers use it as request id)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        request_id = dict(scope["headers"]).get(b"x-request-id")
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start" and request_id:
+                message["headers"] = [*message.get("headers", []),
+                                      (b"x-request-id", request_id)]
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
+
+
+class ApiKeyMiddleware:
+    """`Authorization: Bearer <key>` on /v1/*; health, metrics and tokenize stay open."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if (scope["type"] == "http" and scope["method"] != "OPTIONS"
+                and scope["path"].startswith("/v1")):
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not secrets.compare_digest(given, self.expected):
+                err = OpenAIServingError("Incorrect or missing API key.", status=401,
+                                         err_type="AuthenticationError")
+                await _error(err)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def build_app(engine_client: Any, args: argparse.Namespace) -> FastAPI:
+    """The FastAPI app over ``engine_client`` (an AsyncLLM); ``args`` from add_serve_args."""
+    models = OpenAIServingModels(engine_client.model_config)
+    chat = OpenAIServingChat(engine_client, models, chat_template=_chat_template(args))
+    completion = OpenAIServingCompletion(engine_client, models)
+    tokenization = OpenAIServingTokenization(chat)
+    for serving in (chat, completion):
+        serving.log_requests = not getattr(args, "disable_log_requests", False)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        watch = asyncio.create_task(_watch_engine(app))
+        yield
+        watch.cancel()
+
+    app = FastAPI(title="kvserve OpenAI-compatible server", version=kvserve.__version__,
+                  lifespan=lifespan)
+    app.state.engine_client = engine_client
+    app.state.server = None  # set by run_server, so a dead engine can stop uvicorn
+
+    @app.exception_handler(OpenAIServingError)
+    async def serving_error(_: Request, exc: OpenAIServingError) -> JSONResponse:
+        return _error(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        # OpenAI answers malformed bodies with 400, not FastAPI's 422.
+        first = exc.errors()[0] if exc.errors() else {}
+        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+        message = "; ".join(
+            f"{'.'.join(str(p) for p in e.get('loc', ()) if p != 'body') or 'body'}: {e['msg']}"
+            for e in exc.errors()[:5])
+        return _error(OpenAIServingError(message or "invalid request",
+                                         param=".".join(loc) or None))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return _error(OpenAIServingError(str(exc.detail), status=exc.status_code))
+
+    @app.exception_handler(Exception)
+    async def unexpected_error(_: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error in a request")
+        return _error(OpenAIServingError(f"{type(exc).__name__}: {exc}", status=500))
+
+    @app.get("/health")
+    async def health() -> Response:
+        try:
+            await engine_client.check_health()
+        except Exception as exc:
+            return _error(OpenAIServingError(f"engine is not healthy: {exc}", status=503))
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def version() -> JSONResponse:
+        return JSONResponse({"version": kvserve.__version__})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(REGISTRY), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def show_models() -> JSONResponse:
+        return JSONResponse(models.show_available_models().model_dump())
+
+    @app.post("/v1/completions")
+    async def create_completion(request: CompletionRequest, raw_request: Request) -> Response:
+        return _respond(await _until_disconnect(
+            raw_request, completion.create_completion(request, raw_request)))
+
+    @app.post("/v1/chat/completions")
+    async def create_chat_completion(request: ChatCompletionRequest,
+                                     raw_request: Request) -> Response:
+        return _respond(await _until_disconnect(
+            raw_request, chat.create_chat_completion(request, raw_request)))
+
+    @app.post("/tokenize")
+    async def tokenize(request: TokenizeChatRequest | TokenizeCompletionRequest) -> Response:
+        return _respond(await tokenization.create_tokenize(request))
+
+    @app.post("/detokenize")
+    async def detokenize(request: DetokenizeRequest) -> Response:
+        return _respond(await tokenization.create_detokenize(request))
+
+    if getattr(args, "api_key", None):
+        app.add_middleware(ApiKeyMiddleware, api_key=args.api_key)
+    if getattr(args, "allowed_origins", None):
+        app.add_middleware(CORSMiddleware, allow_origins=args.allowed_origins,
+                           allow_credentials=True, allow_methods=["*"], allow_headers=["*"])
+    app.add_middleware(RequestIdMiddleware)
+    return app
+
+
+def _chat_template(args: argparse.Namespace) -> str | None:
+    """--chat-template is a file path or the template text itself."""
+    value: str | None = getattr(args, "chat_template", None)
+    if value is None:
+        return None
+    with contextlib.suppress(OSError):
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    return value
+
+
+async def _watch_engine(app: FastAPI) -> None:
+    """Stops the server once the engine core is dead: nothing can be served any more."""
+    while not app.state.engine_client.errored:
+        await asyncio.sleep(ENGINE_WATCH_INTERVAL_S)
+    logger.error("the engine core died; shutting the server down")
+    if app.state.server is not None:
+        app.state.server.should_exit = True
+
+
+async def serve_http(args: argparse.Namespace) -> int:
+    """Builds the engine and serves until SIGTERM/SIGINT (or engine death); the exit code."""
+    from kvserve.engine.arg_utils import EngineArgs
+    from kvserve.engine.async_llm import AsyncLLM
+
+    engine = AsyncLLM.from_engine_args(EngineArgs.from_cli_args(args))
+    try:
+        app = build_app(engine, args)
+        config = uvicorn.Config(
+            app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
+            # SIGTERM: stop accepting, let in-flight requests finish for this long.
+            timeout_graceful_shutdown=args.shutdown_timeout, access_log=False)
+        server = uvicorn.Server(config)
+        app.state.server = server
+        # uvicorn re-raises the SIGTERM it caught once it has drained; this handler turns
+        # that into a normal return so the engine below is shut down cleanly.
+        signal.signal(signal.SIGTERM, lambda *_: None)
+        await server.serve()
+    finally:
+        engine.shutdown()
+    return 1 if engine.errored else 0
+
+
+def run_server(args: argparse.Namespace) -> int:
+    return asyncio.run(serve_http(args))

@@ -1,0 +1,60 @@
+"""`kvserve serve`: the server's flags (vLLM's names) and its entry point."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+
+from kvserve.engine.arg_utils import EngineArgs
+
+
+def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Engine flags plus the HTTP server's own."""
+    EngineArgs.add_cli_args(parser, with_model=True)
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="address to listen on (loopback by default; 0.0.0.0 for all)")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--api-key", default=None,
+                        help="require `Authorization: Bearer <key>` on /v1/* routes")
+    parser.add_argument("--allowed-origins", type=_origins, default=None,
+                        help='CORS origins, e.g. \'["http://localhost:3000"]\' or "*"')
+    parser.add_argument("--chat-template", default=None,
+                        help="a Jinja chat template (file path or the text itself) that "
+                        "replaces the tokenizer's")
+    parser.add_argument("--disable-log-requests", action="store_true",
+                        help="do not log each request's id and sampling parameters")
+    parser.add_argument("--uvicorn-log-level", default="info",
+                        choices=["critical", "error", "warning", "info", "debug", "trace"])
+    parser.add_argument("--shutdown-timeout", type=float, default=30.0,
+                        help="seconds in-flight requests may run after SIGTERM before they "
+                        "are aborted")
+    return parser
+
+
+def _origins(value: str) -> list[str]:
+    # vLLM takes a JSON list; a bare origin (or "*") is accepted too.
+    if value.startswith("["):
+        origins = json.loads(value)
+        if not isinstance(origins, list) or not all(isinstance(o, str) for o in origins):
+            raise argparse.ArgumentTypeError("--allowed-origins must be a JSON list of strings")
+        return origins
+    return [o.strip() for o in value.split(",") if o.strip()]
+
+
+def serve_main(args: argparse.Namespace) -> int:
+    from kvserve.entrypoints.openai.api_server import run_server
+
+    # The per-request log lines are INFO; make sure they reach the console.
+    if not args.disable_log_requests:
+        logging.getLogger("kvserve.entrypoints.openai").setLevel(logging.INFO)
+    return run_server(args)
+
+
+def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser(
+        "serve", help="start the OpenAI-compatible HTTP server",
+        description="Serve a model over an OpenAI-compatible HTTP API.")
+    add_serve_args(parser)
+    parser.set_defaults(func=serve_main)
+    return parser

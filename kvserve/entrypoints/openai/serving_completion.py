@@ -1,0 +1,173 @@
+"""`POST /v1/completions`: text (or token-id) prompts in, completions out, whole or streamed."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import AsyncGenerator, AsyncIterator
+from dataclasses import dataclass
+
+from fastapi import Request
+
+from kvserve.entrypoints.openai.protocol import (
+    CompletionRequest,
+    CompletionResponse,
+    CompletionResponseChoice,
+    CompletionStreamResponse,
+    OpenAIServingError,
+    UsageInfo,
+)
+from kvserve.entrypoints.openai.serving_engine import OpenAIServing, merge_async_iterators
+from kvserve.outputs import RequestOutput
+
+Merged = AsyncGenerator[tuple[int, RequestOutput], None]
+
+
+@dataclass
+class _Prompt:
+    text: str
+    token_ids: list[int]
+
+
+class OpenAIServingCompletion(OpenAIServing):
+    async def create_completion(
+        self, request: CompletionRequest, raw_request: Request | None = None
+    ) -> CompletionResponse | AsyncIterator[str]:
+        """A CompletionResponse, or (stream=True) an iterator of SSE lines.
+
+        Raises OpenAIServingError for anything the client must fix, before any output.
+        """
+        model = self.models.resolve(request.model)
+        if request.suffix:
+            raise OpenAIServingError("suffix is not supported", param="suffix")
+        if request.echo and request.logprobs is not None and request.stream:
+            raise OpenAIServingError("echo with logprobs is only supported without stream",
+                                     param="echo")
+        prompts = await self._prompts(request.prompt)
+        base_id = self.request_id(raw_request, request.request_id, "cmpl")
+        generators = []
+        for i, prompt in enumerate(prompts):
+            max_tokens = self.check_length(len(prompt.token_ids), request.max_tokens)
+            try:
+                params = request.to_sampling_params(max_tokens)
+            except ValueError as exc:
+                raise OpenAIServingError(str(exc)) from None
+            if request.echo and request.logprobs is not None:
+                params = params.clone(prompt_logprobs=request.logprobs)
+            request_id = base_id if len(prompts) == 1 else f"{base_id}-{i}"
+            generators.append(self.generate(
+                {"prompt_token_ids": prompt.token_ids, "prompt": prompt.text}, params,
+                request_id, request.priority, request.cache_salt))
+        merged = merge_async_iterators(*generators)
+        response_id = f"cmpl-{base_id}"
+        if not request.stream:
+            return await self._full(request, merged, prompts, model, response_id)
+        try:
+            # Bad input surfaces here, while a 400 can still be sent instead of a stream.
+            first = await anext(merged)
+        except Exception as exc:
+            await merged.aclose()
+            raise self.engine_error(exc) from None
+        return self._stream(request, merged, first, prompts, model, response_id)
+
+    async def _prompts(self, prompt: str | list[str] | list[int] | list[list[int]]
+                       ) -> list[_Prompt]:
+        if isinstance(prompt, str):
+            prompt = [prompt]
+        if not prompt:
+            raise OpenAIServingError("prompt must not be empty", param="prompt")
+        if all(isinstance(p, int) for p in prompt):
+            prompt = [prompt]  # type: ignore[list-item]
+        out: list[_Prompt] = []
+        for p in prompt:
+            if isinstance(p, str):
+                if not p:
+                    raise OpenAIServingError("prompt must not be empty", param="prompt")
+                out.append(_Prompt(p, await self.tokenize(p, add_special_tokens=True)))
+            elif isinstance(p, list) and p:
+                out.append(_Prompt(self.tokenizer.decode(p), list(p)))
+            else:
+                raise OpenAIServingError("prompt must be a string, a list of strings, a list "
+                                         "of token ids or a list of such lists", param="prompt")
+        return out
+
+    async def _full(self, request: CompletionRequest, merged: Merged, prompts: list[_Prompt],
+                    model: str, response_id: str) -> CompletionResponse:
+        finals: dict[int, RequestOutput] = {}
+        try:
+            async with contextlib.aclosing(merged):
+                async for prompt_idx, output in merged:
+                    self.check_output(output)
+                    finals[prompt_idx] = output
+        except Exception as exc:
+            raise self.engine_error(exc) from None
+        choices: list[CompletionResponseChoice] = []
+        completion_tokens = 0
+        for prompt_idx in sorted(finals):
+            output, prompt = finals[prompt_idx], prompts[prompt_idx]
+            for c in output.outputs:
+                completion_tokens += len(c.token_ids)
+                text = prompt.text + c.text if request.echo else c.text
+                logprobs = None
+                if request.logprobs is not None and c.logprobs is not None:
+                    ids, rows = c.token_ids, list(c.logprobs)
+                    if request.echo and output.prompt_logprobs is not None:
+                        ids = prompt.token_ids + ids
+                        rows = list(output.prompt_logprobs) + rows
+                    logprobs = self.completion_logprobs(ids, rows, 0)
+                choices.append(CompletionResponseChoice(
+                    index=prompt_idx * request.n + c.index, text=text, logprobs=logprobs,
+                    finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+        prompt_tokens = sum(len(p.token_ids) for p in prompts)
+        return CompletionResponse(
+            id=response_id, model=model, choices=choices,
+            usage=UsageInfo.of(prompt_tokens, completion_tokens))
+
+    async def _stream(self, request: CompletionRequest, merged: Merged,
+                      first: tuple[int, RequestOutput], prompts: list[_Prompt], model: str,
+                      response_id: str) -> AsyncGenerator[str, None]:
+        created = int(time.time())
+        num_choices = len(prompts) * request.n
+        tokens = [0] * num_choices
+        text_len = [0] * num_choices  # characters sent so far, for logprobs' text_offset
+        prompt_tokens = sum(len(p.token_ids) for p in prompts)
+        stream_usage = request.stream_options is not None and \
+            request.stream_options.continuous_usage_stats
+        try:
+            async with contextlib.aclosing(merged):
+                item: tuple[int, RequestOutput] | None = first
+                while item is not None:
+                    prompt_idx, output = item
+                    self.check_output(output)
+                    for c in output.outputs:
+                        i = prompt_idx * request.n + c.index
+                        text = c.text
+                        if request.echo and text_len[i] == 0 and tokens[i] == 0:
+                            text = prompts[prompt_idx].text + text
+                        logprobs = None
+                        if request.logprobs is not None and c.logprobs:
+                            logprobs = self.completion_logprobs(c.token_ids, c.logprobs,
+                                                                text_len[i])
+                        tokens[i] += len(c.token_ids)
+                        text_len[i] += len(text)
+                        if not (text or c.finish_reason or logprobs):
+                            continue  # the detokenizer is holding back a partial character
+                        chunk = CompletionStreamResponse(
+                            id=response_id, created=created, model=model,
+                            choices=[CompletionResponseChoice(
+                                index=i, text=text, logprobs=logprobs,
+                                finish_reason=c.finish_reason, stop_reason=c.stop_reason)])
+                        if stream_usage:
+                            chunk.usage = UsageInfo.of(prompt_tokens, sum(tokens))
+                        yield f"data: {chunk.model_dump_json()}\n\n"
+                    item = await anext(merged, None)
+            if request.include_usage:
+                chunk = CompletionStreamResponse(
+                    id=response_id, created=created, model=model, choices=[],
+                    usage=UsageInfo.of(prompt_tokens, sum(tokens)))
+                yield f"data: {chunk.model_dump_json()}\n\n"
+        except Exception as exc:
+            # Headers are gone already: the error travels as an SSE event, as OpenAI does.
+            yield f"data: {self.engine_error(exc).to_response().model_dump_json()}\n\n"
+        yield "data: [DONE]\n\n"
+

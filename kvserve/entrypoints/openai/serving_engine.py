@@ -1,0 +1,185 @@
+"""OpenAIServing: what completions and chat share — model check, prompt lengths, request ids,
+running generators concurrently, and the logprob shapes of both endpoints."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from typing import Any, TypeVar
+
+from fastapi import Request
+
+from kvserve.engine.exceptions import EngineDeadError
+from kvserve.entrypoints.openai.protocol import (
+    ChatCompletionLogProb,
+    ChatCompletionLogProbs,
+    ChatCompletionLogProbsContent,
+    CompletionLogProbs,
+    OpenAIServingError,
+    random_uuid,
+)
+from kvserve.entrypoints.openai.serving_models import OpenAIServingModels
+from kvserve.inputs import TokensPrompt
+from kvserve.outputs import Logprob, RequestOutput
+from kvserve.sampling_params import SamplingParams
+
+T = TypeVar("T")
+logger = logging.getLogger(__name__)
+
+
+class OpenAIServing:
+    def __init__(self, engine_client: Any, models: OpenAIServingModels) -> None:
+        self.engine_client = engine_client
+        self.models = models
+        self.tokenizer = engine_client.tokenizer
+        self.max_model_len: int = engine_client.model_config.max_model_len
+        self.log_requests = True
+
+    @staticmethod
+    def request_id(raw_request: Request | None, body_id: str | None, prefix: str) -> str:
+        """The client's X-Request-Id (or body `request_id`) when given, else a fresh one."""
+        header = raw_request.headers.get("x-request-id") if raw_request is not None else None
+        return header or body_id or f"{prefix}-{random_uuid()}"
+
+    async def tokenize(self, text: str, add_special_tokens: bool) -> list[int]:
+        # Fast tokenizers release the GIL: a long prompt does not stall other requests.
+        return await asyncio.to_thread(
+            lambda: list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens)))
+
+    def check_length(self, prompt_len: int, max_tokens: int | None,
+                     input_param: str = "prompt") -> int:
+        """The max_tokens to run with; raises a 400 when the request cannot fit the context."""
+        limit = self.max_model_len
+        if prompt_len >= limit:
+            raise OpenAIServingError(
+                f"This model's maximum context length is {limit} tokens. However, your "
+                f"request has {prompt_len} input tokens. Please reduce the length of the "
+                "input.", param=input_param)
+        if max_tokens is None:
+            return limit - prompt_len
+        if max_tokens < 1:
+            raise OpenAIServingError(f"max_tokens must be at least 1, got {max_tokens}",
+                                     param="max_tokens")
+        if prompt_len + max_tokens > limit:
+            raise OpenAIServingError(
+                f"This model's maximum context length is {limit} tokens. However, you "
+                f"requested {prompt_len + max_tokens} tokens ({prompt_len} in the input, "
+                f"{max_tokens} in the completion). Please reduce the length of the input "
+                "or of the completion.", param="max_tokens")
+        return max_tokens
+
+    def generate(self, prompt: TokensPrompt, params: SamplingParams, request_id: str,
+                 priority: int, cache_salt: str | None) -> AsyncGenerator[RequestOutput, None]:
+        if self.log_requests:
+            logger.info("request %s: %d prompt tokens, %s", request_id,
+                        len(prompt["prompt_token_ids"]), params)
+        return self.engine_client.generate(prompt, params, request_id, priority=priority,
+                                           cache_salt=cache_salt)
+
+    @staticmethod
+    def engine_error(exc: BaseException) -> OpenAIServingError:
+        """The HTTP error for a failure inside generation (bad input -> 400, engine -> 5xx)."""
+        if isinstance(exc, OpenAIServingError):
+            return exc
+        if isinstance(exc, ValueError):
+            return OpenAIServingError(str(exc))
+        if isinstance(exc, EngineDeadError):
+            return OpenAIServingError(str(exc), status=503)
+        return OpenAIServingError(f"{type(exc).__name__}: {exc}", status=500)
+
+    @staticmethod
+    def check_output(output: RequestOutput) -> None:
+        """A sample the engine failed (finish_reason "error") becomes a 500."""
+        if output.error:
+            raise OpenAIServingError(f"generation failed: {output.error}", status=500)
+
+    # ----------------------------------------------------------------- logprob shapes
+
+    def decoded(self, token_id: int, lp: Logprob | None) -> str:
+        if lp is not None and lp.decoded_token is not None:
+            return lp.decoded_token
+        return self.tokenizer.decode([token_id])
+
+    def completion_logprobs(self, token_ids: Sequence[int],
+                            logprobs: Sequence[dict[int, Logprob] | None],
+                            text_offset: int) -> CompletionLogProbs:
+        """`{tokens, token_logprobs, top_logprobs, text_offset}`; offsets start at text_offset."""
+        out = CompletionLogProbs()
+        offset = text_offset
+        for tid, row in zip(token_ids, logprobs, strict=True):
+            token = self.decoded(tid, row.get(tid) if row else None)
+            out.tokens.append(token)
+            out.text_offset.append(offset)
+            offset += len(token)
+            if row is None:  # the first prompt token (echo): nothing predicts it
+                out.token_logprobs.append(None)
+                out.top_logprobs.append(None)
+                continue
+            out.token_logprobs.append(max(row[tid].logprob, -9999.0) if tid in row else None)
+            out.top_logprobs.append(
+                {self.decoded(t, lp): max(lp.logprob, -9999.0) for t, lp in row.items()})
+        return out
+
+    def chat_logprobs(self, token_ids: Sequence[int], logprobs: Sequence[dict[int, Logprob]],
+                      top_logprobs: int) -> ChatCompletionLogProbs:
+        content: list[ChatCompletionLogProbsContent] = []
+        for tid, row in zip(token_ids, logprobs, strict=True):
+            token = self.decoded(tid, row.get(tid))
+            top = sorted((item for item in row.items()
+                          if item[1].rank is not None and 1 <= item[1].rank <= top_logprobs),
+                         key=lambda item: item[1].rank or 0)
+            content.append(ChatCompletionLogProbsContent(
+                token=token, logprob=max(row[tid].logprob, -9999.0) if tid in row else -9999.0,
+                bytes=list(token.encode("utf-8")),
+                top_logprobs=[self._chat_logprob(t, lp) for t, lp in top]))
+        return ChatCompletionLogProbs(content=content)
+
+    def _chat_logprob(self, token_id: int, lp: Logprob) -> ChatCompletionLogProb:
+        # -inf is not valid JSON; OpenAI clamps to -9999 the same way.
+        text = self.decoded(token_id, lp)
+        return ChatCompletionLogProb(token=text, logprob=max(lp.logprob, -9999.0),
+                                     bytes=list(text.encode("utf-8")))
+
+
+async def merge_async_iterators(
+    *iterators: AsyncIterator[T],
+) -> AsyncGenerator[tuple[int, T], None]:
+    """Yields (index, item) from several iterators as items arrive.
+
+    Closing (or cancelling) the merged iterator cancels every source, which is how the
+    engine hears that the client went away: each generate() aborts its request on
+    cancellation.
+    """
+    if len(iterators) == 1:
+        async with contextlib.aclosing(iterators[0]) as only:  # type: ignore[type-var]
+            async for item in only:
+                yield 0, item
+        return
+    queue: asyncio.Queue[tuple[int, Any, BaseException | None]] = asyncio.Queue()
+    done = object()
+
+    async def drain(index: int, iterator: AsyncIterator[T]) -> None:
+        try:
+            async for item in iterator:
+                queue.put_nowait((index, item, None))
+            queue.put_nowait((index, done, None))
+        except Exception as exc:
+            queue.put_nowait((index, None, exc))
+
+    tasks = [asyncio.create_task(drain(i, it)) for i, it in enumerate(iterators)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            index, item, exc = await queue.get()
+            if exc is not None:
+                raise exc
+            if item is done:
+                remaining -= 1
+                continue
+            yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

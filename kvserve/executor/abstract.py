@@ -1,0 +1,71 @@
+"""Executor: how the engine core reaches its workers, whatever process they live in."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from typing import Any
+
+from kvserve.config import EngineConfig
+from kvserve.protocol.kv_cache_interface import KVCacheConfig, KVCacheSpec
+from kvserve.protocol.runner_output import ModelRunnerOutput
+from kvserve.protocol.scheduler_output import SchedulerOutput
+
+
+class Executor(ABC):
+    """Fans every call out to all workers with ``collective_rpc``; the driver worker's
+    (rank 0) answer is the one the engine uses."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.is_sleeping = False
+        self._init_executor()
+
+    @staticmethod
+    def get_class(config: EngineConfig) -> type[Executor]:
+        backend = config.parallel_config.distributed_executor_backend
+        if backend == "uni":
+            from kvserve.executor.uniproc_executor import UniProcExecutor
+
+            return UniProcExecutor
+        if backend in ("mp", "ray"):
+            raise NotImplementedError(
+                f"distributed_executor_backend={backend!r} is not implemented yet; "
+                "use 'uni' (a single worker in this process)"
+            )
+        raise ValueError(f"unknown distributed_executor_backend {backend!r}")
+
+    @abstractmethod
+    def _init_executor(self) -> None:
+        """Start the workers, set up their devices and load the model."""
+
+    @abstractmethod
+    def collective_rpc(
+        self,
+        method: str | Callable[..., Any],
+        timeout: float | None = None,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> list[Any]:
+        """Call ``method`` on every worker (a callable gets the worker as its first
+        argument) and return the results in rank order."""
+
+    def initialize_from_config(self, kv_cache_config: KVCacheConfig) -> None:
+        self.collective_rpc("initialize_from_config", args=(kv_cache_config,))
+
+    def get_kv_cache_specs(self) -> list[dict[str, KVCacheSpec]]:
+        return self.collective_rpc("get_kv_cache_spec")
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> None:
+        self.collective_rpc("execute_model", args=(scheduler_output,))
+
+    def sample_tokens(self) -> ModelRunnerOutput:
+        output = self.collective_rpc("sample_tokens")[0]
+        assert isinstance(output, ModelRunnerOutput)
+        return output
+
+    def check_health(self) -> None:
+        self.collective_rpc("check_health")
+
+    def shutdown(self) -> None:
+        self.collective_rpc("shutdown")

@@ -1,0 +1,54 @@
+"""Per-step state that attention layers read without threading it through every call.
+
+The model runner wraps each forward in ``set_forward_context(attn_metadata)``; the
+``Attention`` layers deep inside the model call ``get_forward_context()``. This keeps
+model signatures to ``forward(input_ids, positions)`` as in HF-style code.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class ForwardContext:
+    # Backend-specific metadata built once per step (e.g. CPUAttentionMetadata).
+    attn_metadata: Any
+    # Worker-side KV connector; attention layers will call its per-layer
+    # load/save hooks once the KV-transfer path exists.
+    kv_connector: Any = None
+    # Room for later per-step values (e.g. virtual engine, dp metadata).
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+_current: ForwardContext | None = None
+
+
+@contextmanager
+def set_forward_context(
+    attn_metadata: Any, kv_connector: Any = None, **extra: Any
+) -> Iterator[ForwardContext]:
+    """Install a context for the duration of one model forward; nests safely."""
+    global _current
+    previous = _current
+    _current = ForwardContext(attn_metadata=attn_metadata, kv_connector=kv_connector, extra=extra)
+    try:
+        yield _current
+    finally:
+        _current = previous
+
+
+def get_forward_context() -> ForwardContext:
+    if _current is None:
+        raise RuntimeError(
+            "no forward context is set: run the model inside "
+            "`with set_forward_context(attn_metadata): ...`"
+        )
+    return _current
+
+
+def is_forward_context_set() -> bool:
+    return _current is not None

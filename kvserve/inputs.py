@@ -1,0 +1,21 @@
+"""The prompt forms the engine accepts: a string, {"prompt": ...} or {"prompt_token_ids": ...}."""
+
+from __future__ import annotations
+
+from typing import Any, NotRequired, TypeAlias, TypedDict
+
+
+class TextPrompt(TypedDict):
+    prompt: str
+    # Reserved for images/audio; the input processor rejects it until multimodal lands.
+    multi_modal_data: NotRequired[dict[str, Any]]
+
+
+class TokensPrompt(TypedDict):
+    prompt_token_ids: list[int]
+    # The text the ids came from, if the caller has it (echoed back in RequestOutput.prompt).
+    prompt: NotRequired[str]
+    multi_modal_data: NotRequired[dict[str, Any]]
+
+
+PromptType: TypeAlias = str | TextPrompt | TokensPrompt

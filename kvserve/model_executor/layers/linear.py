@@ -1,0 +1,190 @@
+"""Tensor-parallel-aware linear layers.
+
+Each layer stores only its shard of the weight and knows how to cut that shard out of
+the full checkpoint tensor (``weight_loader``). With ``tp_size == 1`` the shard is the
+whole tensor, but the slicing math is the real one, so turning on TP later only
+needs the collectives (marked where they go) and ``get_tp_rank_size``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def get_tp_rank_size() -> tuple[int, int]:
+    """(tp_rank, tp_size) of this process.
+
+    Tensor parallelism is not wired yet: this returns (0, 1) until
+    ``kvserve.distributed.parallel_state`` provides the real group.
+    """
+    return 0, 1
+
+
+def divide(numerator: int, denominator: int) -> int:
+    if numerator % denominator != 0:
+        raise ValueError(f"{numerator} is not divisible by tp_size {denominator}")
+    return numerator // denominator
+
+
+def _attach_loader(param: nn.Parameter, loader: object) -> nn.Parameter:
+    # Model load_weights() looks the loader up on the parameter, as vLLM does, so
+    # tied or shared parameters keep working without knowing their owning module.
+    param.weight_loader = loader  # type: ignore[attr-defined]
+    return param
+
+
+class LinearBase(nn.Module):
+    def __init__(self, input_size: int, output_size: int, prefix: str = "") -> None:
+        super().__init__()
+        self.input_size = input_size
+        self.output_size = output_size
+        self.prefix = prefix
+        self.tp_rank, self.tp_size = get_tp_rank_size()
+
+    def extra_repr(self) -> str:
+        return f"in={self.input_size}, out={self.output_size}, tp={self.tp_rank}/{self.tp_size}"
+
+
+class ColumnParallelLinear(LinearBase):
+    """``Y = X A^T + b`` with A split along its output rows across TP ranks."""
+
+    def __init__(
+        self, input_size: int, output_size: int, bias: bool = False, prefix: str = ""
+    ) -> None:
+        super().__init__(input_size, output_size, prefix)
+        self.output_size_per_partition = divide(output_size, self.tp_size)
+        self.weight = _attach_loader(
+            nn.Parameter(
+                torch.empty(self.output_size_per_partition, input_size), requires_grad=False
+            ),
+            self.weight_loader,
+        )
+        self.bias: nn.Parameter | None = None
+        if bias:
+            self.bias = _attach_loader(
+                nn.Parameter(torch.empty(self.output_size_per_partition), requires_grad=False),
+                self.weight_loader,
+            )
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        size = param.shape[0]
+        shard = loaded.narrow(0, self.tp_rank * size, size)
+        _copy(param, shard)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # With TP the output stays sharded; the following RowParallelLinear reduces.
+        return F.linear(x, self.weight, self.bias)
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel projections fused along the output dim (gate + up)."""
+
+    def __init__(
+        self, input_size: int, output_sizes: list[int], bias: bool = False, prefix: str = ""
+    ) -> None:
+        self.output_sizes = list(output_sizes)
+        super().__init__(input_size, sum(output_sizes), bias, prefix)
+
+    def weight_loader(  # type: ignore[override]
+        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int
+    ) -> None:
+        offset = divide(sum(self.output_sizes[:shard_id]), self.tp_size)
+        size = divide(self.output_sizes[shard_id], self.tp_size)
+        shard = loaded.narrow(0, self.tp_rank * size, size)
+        _copy(param.data.narrow(0, offset, size), shard)
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """Fused q/k/v projection. Heads are split across ranks; when there are fewer KV
+    heads than ranks, each KV head is replicated on ``tp_size // num_kv_heads`` ranks."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        head_size: int,
+        total_num_heads: int,
+        total_num_kv_heads: int,
+        bias: bool = False,
+        prefix: str = "",
+    ) -> None:
+        _, tp_size = get_tp_rank_size()
+        self.head_size = head_size
+        self.total_num_heads = total_num_heads
+        self.total_num_kv_heads = total_num_kv_heads
+        self.num_heads = divide(total_num_heads, tp_size)
+        if tp_size >= total_num_kv_heads:
+            self.num_kv_heads = 1
+            self.kv_replicas = divide(tp_size, total_num_kv_heads)
+        else:
+            self.num_kv_heads = divide(total_num_kv_heads, tp_size)
+            self.kv_replicas = 1
+        output_size = (self.num_heads + 2 * self.num_kv_heads) * tp_size * head_size
+        super().__init__(hidden_size, output_size, bias, prefix)
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_size
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_size
+
+    def weight_loader(  # type: ignore[override]
+        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str
+    ) -> None:
+        if shard_id == "q":
+            offset, size, shard_rank = 0, self.q_size, self.tp_rank
+        elif shard_id in ("k", "v"):
+            offset = self.q_size + (self.kv_size if shard_id == "v" else 0)
+            size, shard_rank = self.kv_size, self.tp_rank // self.kv_replicas
+        else:
+            raise ValueError(f"unknown qkv shard id {shard_id!r}")
+        shard = loaded.narrow(0, shard_rank * size, size)
+        _copy(param.data.narrow(0, offset, size), shard)
+
+
+class RowParallelLinear(LinearBase):
+    """``Y = X A^T + b`` with A split along its input columns; partial sums are
+    all-reduced across ranks and the bias is added once, after the reduction."""
+
+    def __init__(
+        self, input_size: int, output_size: int, bias: bool = False, prefix: str = ""
+    ) -> None:
+        super().__init__(input_size, output_size, prefix)
+        self.input_size_per_partition = divide(input_size, self.tp_size)
+        self.weight = _attach_loader(
+            nn.Parameter(
+                torch.empty(output_size, self.input_size_per_partition), requires_grad=False
+            ),
+            self.weight_loader,
+        )
+        self.bias: nn.Parameter | None = None
+        if bias:
+            self.bias = _attach_loader(
+                nn.Parameter(torch.empty(output_size), requires_grad=False), self.weight_loader
+            )
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        if param.dim() == 1:  # the bias is replicated, not sharded
+            _copy(param, loaded)
+            return
+        size = self.input_size_per_partition
+        _copy(param, loaded.narrow(1, self.tp_rank * size, size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = F.linear(x, self.weight)
+        # tp_size > 1: all-reduce `out` across the TP group here.
+        if self.bias is not None:
+            out = out + self.bias
+        return out
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+    if dst.shape != src.shape:
+        raise ValueError(
+            f"weight shape mismatch: parameter {tuple(dst.shape)} vs checkpoint {tuple(src.shape)}"
+        )
+    with torch.no_grad():
+        dst.copy_(src)

@@ -1,0 +1,103 @@
+"""Rotary position embeddings (neox / HF ``rotate_half`` layout) with scaling variants.
+
+cos/sin are computed from ``positions`` on every call rather than from a cached table:
+it is a [T, rotary_dim/2] product, negligible next to attention, it matches HF's
+float32 computation bit for bit, and it needs no max-length buffer.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def _default_inv_freq(rotary_dim: int, base: float) -> torch.Tensor:
+    exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim
+    return 1.0 / (base**exponents)
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
+    # Low frequencies (long wavelengths) are divided by `factor`, high ones kept, and
+    # the band between is interpolated smoothly.
+    factor = float(scaling["factor"])
+    low = float(scaling["low_freq_factor"])
+    high = float(scaling["high_freq_factor"])
+    old_ctx = float(scaling["original_max_position_embeddings"])
+    low_freq_wavelen = old_ctx / low
+    high_freq_wavelen = old_ctx / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_ctx / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def compute_inv_freq(rotary_dim: int, base: float, scaling: dict[str, Any] | None) -> torch.Tensor:
+    inv_freq = _default_inv_freq(rotary_dim, base)
+    rope_type = (scaling or {}).get("rope_type", "default")
+    if rope_type == "default":
+        return inv_freq
+    assert scaling is not None
+    if rope_type == "linear":
+        return inv_freq / float(scaling["factor"])
+    if rope_type == "llama3":
+        return _llama3_inv_freq(inv_freq, scaling)
+    if rope_type == "freq_factors":  # llama.cpp's precomputed llama3 divisors
+        return inv_freq / torch.tensor(scaling["freq_factors"], dtype=torch.float32)
+    raise ValueError(f"unsupported rope_type {rope_type!r}")
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class RotaryEmbedding(nn.Module):
+    inv_freq: torch.Tensor
+
+    def __init__(
+        self,
+        head_size: int,
+        rotary_dim: int,
+        base: float,
+        rope_scaling: dict[str, Any] | None = None,
+    ) -> None:
+        super().__init__()
+        self.head_size = head_size
+        self.rotary_dim = rotary_dim
+        inv_freq = compute_inv_freq(rotary_dim, base, rope_scaling)
+        # Non-persistent: derived from config, never part of a checkpoint.
+        self.register_buffer("inv_freq", inv_freq.to(torch.get_default_device()), persistent=False)
+
+    def _cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float()[:, None] * self.inv_freq.float()[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [T, 1, rotary_dim]
+        return emb.cos(), emb.sin()
+
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        rot, rest = x[..., : self.rotary_dim], x[..., self.rotary_dim :]
+        rot = (rot.float() * cos + _rotate_half(rot.float()) * sin).to(x.dtype)
+        return torch.cat((rot, rest), dim=-1) if rest.numel() else rot
+
+    def forward(
+        self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``query [T, H*hd]``, ``key [T, Hkv*hd]`` -> rotated, same shapes."""
+        num_tokens = positions.shape[0]
+        cos, sin = self._cos_sin(positions)
+        q = self._rotate(query.view(num_tokens, -1, self.head_size), cos, sin)
+        k = self._rotate(key.view(num_tokens, -1, self.head_size), cos, sin)
+        return q.reshape(query.shape), k.reshape(key.shape)
+
+
+def get_rope(
+    head_size: int,
+    base: float,
+    rope_scaling: dict[str, Any] | None = None,
+    rotary_dim: int | None = None,
+) -> RotaryEmbedding:
+    return RotaryEmbedding(head_size, rotary_dim or head_size, base, rope_scaling)

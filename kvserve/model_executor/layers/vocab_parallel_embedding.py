@@ -1,0 +1,68 @@
+"""Token embedding and LM head with the vocabulary split across TP ranks."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvserve.model_executor.layers.linear import get_tp_rank_size
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Each rank holds rows ``[vocab_start, vocab_end)``; the table is padded so
+    every rank holds the same number of rows (padding rows stay zero)."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, prefix: str = "") -> None:
+        super().__init__()
+        self.tp_rank, self.tp_size = get_tp_rank_size()
+        self.num_embeddings = num_embeddings
+        self.embedding_dim = embedding_dim
+        self.prefix = prefix
+        self.num_embeddings_per_partition = -(-num_embeddings // self.tp_size)
+        self.vocab_start = self.tp_rank * self.num_embeddings_per_partition
+        self.vocab_end = min(self.vocab_start + self.num_embeddings_per_partition, num_embeddings)
+        self.weight = nn.Parameter(
+            torch.empty(self.num_embeddings_per_partition, embedding_dim), requires_grad=False
+        )
+        self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        if loaded.shape[1] != self.embedding_dim or loaded.shape[0] != self.num_embeddings:
+            raise ValueError(
+                f"{self.prefix}: checkpoint shape {tuple(loaded.shape)} != "
+                f"({self.num_embeddings}, {self.embedding_dim})"
+            )
+        rows = self.vocab_end - self.vocab_start
+        with torch.no_grad():
+            param[:rows].copy_(loaded[self.vocab_start : self.vocab_end])
+            param[rows:].zero_()
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.embedding(input_ids, self.weight)
+        local = input_ids - self.vocab_start
+        outside = (input_ids < self.vocab_start) | (input_ids >= self.vocab_end)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out = out.masked_fill(outside.unsqueeze(-1), 0.0)
+        # tp_size > 1: all-reduce `out` across the TP group here.
+        return out
+
+    def extra_repr(self) -> str:
+        return f"vocab={self.num_embeddings}, dim={self.embedding_dim}, tp={self.tp_rank}/{self.tp_size}"
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """Output projection onto the vocabulary; may share its weight with the embedding."""
+
+    def tie_weights(self, embed_tokens: VocabParallelEmbedding) -> None:
+        self.weight = embed_tokens.weight
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """``[N, hidden] -> [N, vocab]`` float32 logits."""
+        logits = F.linear(hidden_states, self.weight).float()
+        # tp_size > 1: all-gather the per-rank vocab slices here.
+        return logits[..., : self.num_embeddings]
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("ParallelLMHead is not an embedding; call compute_logits()")

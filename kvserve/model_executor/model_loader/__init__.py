@@ -1,0 +1,49 @@
+"""Build a model for a resolved checkpoint and fill its weights."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from kvserve.model_executor.model_loader.gguf_loader import iterate_gguf_weights
+from kvserve.model_executor.model_loader.hf_loader import iterate_safetensors_weights
+from kvserve.model_executor.models.registry import get_model_cls
+from kvserve.transformers_utils.arch_config import ArchConfig
+from kvserve.transformers_utils.model_resolver import ResolvedModel
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def get_model(
+    resolved: ResolvedModel,
+    arch: ArchConfig,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+) -> nn.Module:
+    """Instantiate ``arch.architecture`` directly on ``device`` (parameters are
+    allocated there, not moved) and load the checkpoint into it, in eval mode."""
+    model_cls = get_model_cls(arch.architecture)
+    # Constructing under the device context also makes Attention pick the backend
+    # for that device.
+    with torch.device(device), _default_dtype(dtype):
+        model = model_cls(arch)
+    if resolved.format == "gguf":
+        weights = iterate_gguf_weights(resolved.path, arch)
+    else:
+        weights = iterate_safetensors_weights(resolved.path)
+    model.load_weights(weights)  # type: ignore[operator]
+    return model.eval()
+
+
+__all__ = ["get_model"]

@@ -1,0 +1,89 @@
+"""Read GGUF tensors, dequantize them to float32 and rename them to HF names."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType, GGUFReader, ReaderTensor
+from gguf.quants import dequantize
+
+from kvserve.transformers_utils.arch_config import ArchConfig, open_gguf
+
+# GGUF per-block tensor stem -> HF module path inside `model.layers.{i}`.
+_BLOCK_NAMES = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GLOBAL_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+# Consumed elsewhere (rope_freqs -> ArchConfig.rope_scaling) or not model weights.
+_SKIPPED = {"rope_freqs.weight"}
+_BLOCK_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
+
+
+def gguf_to_hf_name(name: str) -> str:
+    match = _BLOCK_RE.match(name)
+    if match:
+        layer, stem, kind = match.groups()
+        if stem in _BLOCK_NAMES:
+            return f"model.layers.{layer}.{_BLOCK_NAMES[stem]}.{kind}"
+    else:
+        stem, _, kind = name.rpartition(".")
+        if stem in _GLOBAL_NAMES:
+            return f"{_GLOBAL_NAMES[stem]}.{kind}"
+    raise ValueError(f"unexpected GGUF tensor {name!r}")
+
+
+def dequantize_tensor(tensor: ReaderTensor) -> np.ndarray:
+    """float32 array in torch layout: GGUF lists dims fastest-first, so reverse them."""
+    shape = tuple(int(d) for d in reversed(tensor.shape))
+    if tensor.tensor_type == GGMLQuantizationType.F32:
+        # Copy: the reader's memmap is read-only and torch wants writable memory.
+        data = np.array(tensor.data, dtype=np.float32)
+    else:
+        data = dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
+    return data.reshape(shape)
+
+
+def unpermute_rope_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undo llama.cpp's q/k row permutation for the llama architecture.
+
+    llama.cpp rotates interleaved pairs (x0,x1),(x2,x3)...; its converter reorders each
+    head's rows so that HF's rotate-half weights work with that. Swapping the axes
+    back restores HF's layout, where a head's first half pairs with its second half.
+    """
+    rows = weight.shape[0]
+    head_dim = rows // num_heads
+    per_head = weight.reshape(num_heads, head_dim // 2, 2, *weight.shape[1:])
+    return per_head.swapaxes(1, 2).reshape(weight.shape)
+
+
+def iterate_gguf_weights(path: str, arch: ArchConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(hf_name, float32 tensor)`` for every weight in the GGUF file."""
+    reader: GGUFReader = open_gguf(path)
+    gguf_arch = reader.get_field("general.architecture")
+    permuted = gguf_arch is not None and gguf_arch.contents() == "llama"
+    for tensor in reader.tensors:
+        if tensor.name in _SKIPPED:
+            continue
+        name = gguf_to_hf_name(tensor.name)
+        weight = dequantize_tensor(tensor)
+        if permuted and ".attn_q." in tensor.name:
+            weight = unpermute_rope_rows(weight, arch.num_attention_heads)
+        elif permuted and ".attn_k." in tensor.name:
+            weight = unpermute_rope_rows(weight, arch.num_key_value_heads)
+        # from_numpy shares memory; the copy into the parameter happens in load_weights.
+        yield name, torch.from_numpy(np.ascontiguousarray(weight))

@@ -1,0 +1,203 @@
+"""Llama-family decoder (SmolLM2, TinyLlama, Llama 2/3), parameterised for relatives
+such as Qwen2 that differ only in which projections carry a bias.
+
+Inputs are the flattened tokens of every request in the step (no batch dim); the
+paged ``Attention`` layer finds each request's context through the forward context.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+from kvserve.attention.layer import Attention
+from kvserve.model_executor.layers.activation import SiluAndMul
+from kvserve.model_executor.layers.layernorm import RMSNorm
+from kvserve.model_executor.layers.linear import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+)
+from kvserve.model_executor.layers.rotary_embedding import get_rope
+from kvserve.model_executor.layers.vocab_parallel_embedding import (
+    ParallelLMHead,
+    VocabParallelEmbedding,
+)
+from kvserve.transformers_utils.arch_config import ArchConfig
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int, prefix: str) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(
+            hidden_size, [intermediate_size] * 2, bias=False, prefix=f"{prefix}.gate_up_proj"
+        )
+        self.down_proj = RowParallelLinear(
+            intermediate_size, hidden_size, bias=False, prefix=f"{prefix}.down_proj"
+        )
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, arch: ArchConfig, qkv_bias: bool, o_bias: bool, prefix: str) -> None:
+        super().__init__()
+        self.head_dim = arch.head_dim
+        self.qkv_proj = QKVParallelLinear(
+            arch.hidden_size,
+            arch.head_dim,
+            arch.num_attention_heads,
+            arch.num_key_value_heads,
+            bias=qkv_bias,
+            prefix=f"{prefix}.qkv_proj",
+        )
+        self.o_proj = RowParallelLinear(
+            arch.num_attention_heads * arch.head_dim,
+            arch.hidden_size,
+            bias=o_bias,
+            prefix=f"{prefix}.o_proj",
+        )
+        self.rotary_emb = get_rope(arch.head_dim, arch.rope_theta, arch.rope_scaling)
+        # Local (per-TP-rank) head counts come from the sharded projection.
+        self.attn = Attention(
+            num_heads=self.qkv_proj.num_heads,
+            head_size=arch.head_dim,
+            scale=arch.head_dim**-0.5,
+            num_kv_heads=self.qkv_proj.num_kv_heads,
+            layer_name=f"{prefix}.attn",
+            sliding_window=arch.sliding_window,
+        )
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+        qkv = self.qkv_proj(hidden_states)
+        q_size, kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        q, k = self.rotary_emb(positions, q, k)
+        return self.o_proj(self.attn(q, k, v))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, arch: ArchConfig, qkv_bias: bool, o_bias: bool, prefix: str) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.self_attn = LlamaAttention(arch, qkv_bias, o_bias, prefix=f"{prefix}.self_attn")
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.mlp = LlamaMLP(arch.hidden_size, arch.intermediate_size, prefix=f"{prefix}.mlp")
+
+    def forward(
+        self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # The residual stream is carried separately so each norm can fuse the add.
+        if residual is None:
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states = self.self_attn(positions, hidden_states)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        return self.mlp(hidden_states), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, arch: ArchConfig, qkv_bias: bool, o_bias: bool, prefix: str) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(
+            arch.vocab_size, arch.hidden_size, prefix=f"{prefix}.embed_tokens"
+        )
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(arch, qkv_bias, o_bias, prefix=f"{prefix}.layers.{i}")
+            for i in range(arch.num_hidden_layers)
+        )
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden_states = self.embed_tokens(input_ids)
+        residual: torch.Tensor | None = None
+        for layer in self.layers:
+            hidden_states, residual = layer(positions, hidden_states, residual)
+        hidden_states, _ = self.norm(hidden_states, residual)
+        return hidden_states
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+class LlamaForCausalLM(nn.Module):
+    # checkpoint sub-name -> (fused parameter sub-name, shard id)
+    stacked_params: ClassVar[dict[str, tuple[str, str | int]]] = {
+        ".q_proj.": (".qkv_proj.", "q"),
+        ".k_proj.": (".qkv_proj.", "k"),
+        ".v_proj.": (".qkv_proj.", "v"),
+        ".gate_proj.": (".gate_up_proj.", 0),
+        ".up_proj.": (".gate_up_proj.", 1),
+    }
+
+    @staticmethod
+    def attention_biases(arch: ArchConfig) -> tuple[bool, bool]:
+        """(qkv_proj has bias, o_proj has bias); HF Llama's `attention_bias` covers both."""
+        return arch.attention_bias, arch.attention_bias
+
+    def __init__(self, arch: ArchConfig, prefix: str = "") -> None:
+        super().__init__()
+        self.arch = arch
+        qkv_bias, o_bias = self.attention_biases(arch)
+        self.model = LlamaModel(arch, qkv_bias, o_bias, prefix=_join(prefix, "model"))
+        self.lm_head = ParallelLMHead(
+            arch.vocab_size, arch.hidden_size, prefix=_join(prefix, "lm_head")
+        )
+        if arch.tie_word_embeddings:
+            self.lm_head.tie_weights(self.model.embed_tokens)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """``input_ids``, ``positions``: ``[T]`` -> hidden states ``[T, hidden]``."""
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """``[N, hidden] -> [N, vocab]`` float32."""
+        return self.lm_head.compute_logits(hidden_states)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Load HF-named tensors; returns the parameter names that were filled and
+        raises if any parameter was left unset."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name:
+                continue
+            if name == "lm_head.weight" and self.arch.tie_word_embeddings:
+                continue  # some checkpoints store the tied copy too
+            for ckpt_part, (param_part, shard_id) in self.stacked_params.items():
+                if ckpt_part in name:
+                    fused = name.replace(ckpt_part, param_part)
+                    param = self._param(params, fused, name)
+                    param.weight_loader(param, tensor, shard_id)  # type: ignore[attr-defined]
+                    loaded.add(fused)
+                    break
+            else:
+                param = self._param(params, name, name)
+                loader = getattr(param, "weight_loader", _default_weight_loader)
+                loader(param, tensor)
+                loaded.add(name)
+        missing = sorted(set(params) - loaded)
+        if missing:
+            raise ValueError(f"checkpoint did not provide parameters: {missing[:8]}")
+        return loaded
+
+    @staticmethod
+    def _param(params: dict[str, nn.Parameter], name: str, ckpt_name: str) -> nn.Parameter:
+        if name not in params:
+            raise ValueError(f"checkpoint tensor {ckpt_name!r} matches no model parameter")
+        return params[name]
+
+
+def _default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
+    if param.shape != loaded.shape:
+        raise ValueError(f"shape mismatch: parameter {tuple(param.shape)} vs {tuple(loaded.shape)}")
+    with torch.no_grad():
+        param.copy_(loaded)

@@ -1,0 +1,1 @@
+"""Messages passed between the engine's layers and processes (all leaf types, no logic)."""

@@ -1,0 +1,70 @@
+"""Requests into and outputs out of the engine core (msgspec, so they cross processes)."""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+import msgspec
+
+from kvserve.sampling_params import SamplingParams
+
+
+class FinishReason(enum.IntEnum):
+    STOP = 0
+    LENGTH = 1
+    ABORT = 2
+    ERROR = 3
+
+    def __str__(self) -> str:
+        return self.name.lower()
+
+
+class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, kw_only=True):
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_id: int | None
+    arrival_time: float
+    priority: int = 0
+    cache_salt: str | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+
+
+class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, kw_only=True):
+    request_id: str
+    new_token_ids: list[int]
+    # [sampled, top-k...] ids and logprobs per new token, and the sampled token's rank.
+    new_logprobs_token_ids: list[list[int]] | None = None
+    new_logprobs: list[list[float]] | None = None
+    new_sampled_token_ranks: list[int] | None = None
+    # Prompt logprobs for the prompt positions computed in this step (same layout).
+    new_prompt_logprobs_token_ids: list[list[int]] | None = None
+    new_prompt_logprobs: list[list[float]] | None = None
+    new_prompt_logprobs_ranks: list[int] | None = None
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+    error: str | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class SchedulerStats(msgspec.Struct, omit_defaults=True, kw_only=True):
+    num_running_reqs: int = 0
+    num_waiting_reqs: int = 0
+    kv_cache_usage: float = 0.0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_preemptions: int = 0
+
+
+class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, kw_only=True):
+    outputs: list[EngineCoreOutput] = msgspec.field(default_factory=list)
+    scheduler_stats: SchedulerStats | None = None
+    timestamp: float = 0.0
+    # Requests the core finished on its own (e.g. aborted by a stop string in the front end).
+    finished_requests: set[str] | None = None

@@ -1,0 +1,57 @@
+"""What the model runner returns to the scheduler each step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import torch
+
+
+class LogprobsLists(NamedTuple):
+    """Per sampled position: token ids, logprobs and ranks of [sampled, top-1..top-k]."""
+
+    logprob_token_ids: list[list[int]]
+    logprobs: list[list[float]]
+    sampled_token_ranks: list[int]
+
+    def slice(self, start: int, end: int) -> LogprobsLists:
+        return LogprobsLists(
+            self.logprob_token_ids[start:end],
+            self.logprobs[start:end],
+            self.sampled_token_ranks[start:end],
+        )
+
+
+class LogprobsTensors(NamedTuple):
+    """Same as LogprobsLists, as tensors: [N, k+1], [N, k+1], [N]."""
+
+    logprob_token_ids: torch.Tensor
+    logprobs: torch.Tensor
+    selected_token_ranks: torch.Tensor
+
+    def tolists(self) -> LogprobsLists:
+        return LogprobsLists(
+            self.logprob_token_ids.tolist(),
+            self.logprobs.tolist(),
+            self.selected_token_ranks.tolist(),
+        )
+
+
+@dataclass
+class ModelRunnerOutput:
+    req_ids: list[str]
+    req_id_to_index: dict[str, int]
+    # One list per request in req_ids: empty while a prefill chunk is still partial.
+    sampled_token_ids: list[list[int]]
+    # Rows follow req_ids; None when no request in the batch asked for logprobs.
+    logprobs: LogprobsLists | None = None
+    # req_id -> prompt logprobs of the positions computed in this step (None if not asked).
+    prompt_logprobs_dict: dict[str, LogprobsTensors | None] = field(default_factory=dict)
+    # Filled by KV connectors on the worker side.
+    finished_sending: set[str] | None = None
+    finished_recving: set[str] | None = None
+    invalid_block_ids: set[int] = field(default_factory=set)
+
+
+EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[])

@@ -1,0 +1,58 @@
+"""What the scheduler tells the workers each step: new requests in full, the rest as diffs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvserve.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    """A request the workers have not seen yet (or must forget and rebuild)."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    block_ids: tuple[list[int], ...]  # one list per KV cache group
+    num_computed_tokens: int
+    # Output tokens a worker must know of, e.g. for a request forked from another.
+    output_token_ids: list[int] = field(default_factory=list)
+
+
+@dataclass
+class CachedRequestData:
+    """Diffs for requests the workers already hold, as parallel lists."""
+
+    req_ids: list[str] = field(default_factory=list)
+    # True where the request was preempted and now resumes: its block ids are replaced.
+    resumed_from_preemption: list[bool] = field(default_factory=list)
+    # Blocks appended since the last step (or the whole table when resumed); None = none new.
+    new_block_ids: list[tuple[list[int], ...] | None] = field(default_factory=list)
+    num_computed_tokens: list[int] = field(default_factory=list)
+    num_output_tokens: list[int] = field(default_factory=list)
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.req_ids)
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: CachedRequestData
+    # req_id -> tokens computed for it in this step.
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    # Blocks every running request shares at the start of its table (cascade attention).
+    num_common_prefix_blocks: tuple[int, ...] = ()
+    # Finished since the last step: workers drop their state for these.
+    finished_req_ids: set[str] = field(default_factory=set)
+    # Preempted in this step: workers drop them from the batch, keep their state.
+    preempted_req_ids: set[str] = field(default_factory=set)
+    kv_connector_metadata: Any = None
+
+    @classmethod
+    def empty(cls) -> SchedulerOutput:
+        return cls([], CachedRequestData(), {}, 0)

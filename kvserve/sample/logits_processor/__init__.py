@@ -1,0 +1,34 @@
+"""Logits processors: the vLLM v1 interface, the built-ins and the batch's processor set."""
+
+from __future__ import annotations
+
+from kvserve.sample.logits_processor.builtin import (
+    BUILTIN_LOGITS_PROCESSORS,
+    AllowedTokenIdsLogitsProcessor,
+    BadWordsLogitsProcessor,
+    LogitBiasLogitsProcessor,
+    MinPLogitsProcessor,
+    MinTokensLogitsProcessor,
+    RowStateLogitsProcessor,
+)
+from kvserve.sample.logits_processor.interface import (
+    BatchUpdate,
+    LogitsProcessor,
+    MoveDirectionality,
+)
+from kvserve.sample.logits_processor.state import BatchUpdateBuilder, LogitsProcessors
+
+__all__ = [
+    "BUILTIN_LOGITS_PROCESSORS",
+    "AllowedTokenIdsLogitsProcessor",
+    "BadWordsLogitsProcessor",
+    "BatchUpdate",
+    "BatchUpdateBuilder",
+    "LogitBiasLogitsProcessor",
+    "LogitsProcessor",
+    "LogitsProcessors",
+    "MinPLogitsProcessor",
+    "MinTokensLogitsProcessor",
+    "MoveDirectionality",
+    "RowStateLogitsProcessor",
+]

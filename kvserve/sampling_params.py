@@ -1,0 +1,147 @@
+"""Sampling parameters with vLLM's field names, defaults and validation."""
+
+from __future__ import annotations
+
+from enum import IntEnum
+from typing import Any
+
+import msgspec
+
+_SAMPLING_EPS = 1e-5
+
+
+class RequestOutputKind(IntEnum):
+    CUMULATIVE = 0  # every output carries all text and tokens so far
+    DELTA = 1  # every output carries only what is new since the last one
+    FINAL_ONLY = 2  # a single output when the request finishes
+
+
+class SamplingType(IntEnum):
+    GREEDY = 0
+    RANDOM = 1
+    RANDOM_SEED = 2
+
+
+class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
+    """How to sample one request's tokens; a msgspec Struct so it crosses processes."""
+
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1 disables top-k
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    detokenize: bool = True
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # Filled in by the input processor: bad_words tokenized, eos of the model.
+    _bad_words_token_ids: list[list[int]] | None = None
+    _all_stop_token_ids: list[int] = msgspec.field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        elif self.stop is None:
+            self.stop = []
+        if self.stop_token_ids is None:
+            self.stop_token_ids = []
+        if self.top_k == -1:
+            self.top_k = 0
+        if self.logit_bias:
+            # JSON object keys arrive as strings.
+            self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+        if 0 < self.temperature < _SAMPLING_EPS:
+            self.temperature = 0.0
+        self._verify()
+        if self.temperature == 0.0:
+            # Greedy: the filters cannot change the argmax, so drop them.
+            self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
+        self._all_stop_token_ids = list(dict.fromkeys(self.stop_token_ids))
+
+    def _verify(self) -> None:
+        def bad(field: str, why: str, value: Any) -> ValueError:
+            return ValueError(f"{field} {why}, got {value!r}")
+
+        if not isinstance(self.n, int) or self.n < 1:
+            raise bad("n", "must be at least 1", self.n)
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            raise bad("presence_penalty", "must be in [-2, 2]", self.presence_penalty)
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            raise bad("frequency_penalty", "must be in [-2, 2]", self.frequency_penalty)
+        if not self.repetition_penalty > 0.0:
+            raise bad("repetition_penalty", "must be greater than zero", self.repetition_penalty)
+        if self.temperature < 0.0:
+            raise bad("temperature", "must be non-negative", self.temperature)
+        if not 0.0 < self.top_p <= 1.0:
+            raise bad("top_p", "must be in (0, 1]", self.top_p)
+        if self.top_k < 0:
+            raise bad("top_k", "must be 0 or -1 (disabled) or at least 1", self.top_k)
+        if not 0.0 <= self.min_p <= 1.0:
+            raise bad("min_p", "must be in [0, 1]", self.min_p)
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise bad("max_tokens", "must be at least 1", self.max_tokens)
+        if self.min_tokens < 0:
+            raise bad("min_tokens", "must be greater than or equal to 0", self.min_tokens)
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise bad("min_tokens", f"must be less than or equal to max_tokens={self.max_tokens}",
+                      self.min_tokens)
+        if self.logprobs is not None and self.logprobs < -1:
+            raise bad("logprobs", "must be non-negative or -1 (whole vocabulary)", self.logprobs)
+        if self.prompt_logprobs is not None and self.prompt_logprobs < -1:
+            raise bad("prompt_logprobs", "must be non-negative or -1", self.prompt_logprobs)
+        assert isinstance(self.stop, list)
+        if any(not s for s in self.stop):
+            raise ValueError("stop cannot contain an empty string")
+        if self.stop and not self.detokenize:
+            raise ValueError("stop strings are only supported when detokenize is True")
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise bad("seed", "must be an integer", self.seed)
+        if self.allowed_token_ids is not None and len(self.allowed_token_ids) == 0:
+            raise ValueError("allowed_token_ids must not be empty")
+        if self.n > 1 and self.temperature == 0.0 and self.seed is None:
+            # vLLM allows it (all n samples are identical); nothing to reject.
+            pass
+
+    def verify_against_vocab(self, vocab_size: int) -> None:
+        """Checks token ids given by the user against the model's vocabulary."""
+        for field, ids in (
+            ("allowed_token_ids", self.allowed_token_ids or []),
+            ("stop_token_ids", self.stop_token_ids or []),
+            ("logit_bias", list((self.logit_bias or {}).keys())),
+        ):
+            out = [t for t in ids if not 0 <= t < vocab_size]
+            if out:
+                raise ValueError(f"{field} contains token ids outside the vocabulary "
+                                 f"[0, {vocab_size}): {out[:5]}")
+
+    @property
+    def sampling_type(self) -> SamplingType:
+        if self.temperature == 0.0:
+            return SamplingType.GREEDY
+        return SamplingType.RANDOM if self.seed is None else SamplingType.RANDOM_SEED
+
+    @property
+    def all_stop_token_ids(self) -> list[int]:
+        return self._all_stop_token_ids
+
+    @property
+    def bad_words_token_ids(self) -> list[list[int]] | None:
+        return self._bad_words_token_ids
+
+    def clone(self, **changes: Any) -> SamplingParams:
+        return msgspec.structs.replace(self, **changes)

@@ -1,0 +1,132 @@
+"""Turns the persistent batch plus one SchedulerOutput into the step's model inputs.
+
+All index math is vectorised over tokens in numpy, written into preallocated CPU
+buffers and copied to the device once; Python only iterates over requests.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kvserve.attention.backends.utils import CommonAttentionMetadata
+from kvserve.worker.input_batch import InputBatch
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor  # int64 [T], device
+    positions: torch.Tensor  # int64 [T], device
+    positions_np: np.ndarray  # int64 [T], CPU view valid until the next step
+    # One per KV cache group (they differ only in block table and slot mapping).
+    common_attn_metadata: list[CommonAttentionMetadata]
+    num_scheduled_tokens: np.ndarray  # int32 [B], by row
+    query_start_loc_np: np.ndarray  # int32 [B+1]
+    # Rows whose request reaches the end of its known tokens, i.e. that sample.
+    sample_rows: np.ndarray  # int64 [S]
+    logits_indices: torch.Tensor  # int64 [S], device: last token of each sampling row
+
+
+def _pinned(n: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
+    return torch.zeros(n, dtype=dtype, pin_memory=pin)
+
+
+class InputPreparer:
+    """Owns the reusable CPU and device buffers of the step inputs."""
+
+    def __init__(
+        self, max_num_reqs: int, max_num_tokens: int, device: torch.device, pin_memory: bool
+    ) -> None:
+        self.device = device
+        self.arange_np = np.arange(max(max_num_reqs, max_num_tokens) + 1, dtype=np.int64)
+
+        self.input_ids_cpu = _pinned(max_num_tokens, torch.int64, pin_memory)
+        self.input_ids_np = self.input_ids_cpu.numpy()
+        self.positions_cpu = _pinned(max_num_tokens, torch.int64, pin_memory)
+        self.positions_np = self.positions_cpu.numpy()
+        self.query_start_loc_cpu = _pinned(max_num_reqs + 1, torch.int32, pin_memory)
+        self.query_start_loc_np = self.query_start_loc_cpu.numpy()
+        self.seq_lens_cpu = _pinned(max_num_reqs, torch.int32, pin_memory)
+        self.seq_lens_np = self.seq_lens_cpu.numpy()
+        self.logits_indices_cpu = _pinned(max_num_reqs, torch.int64, pin_memory)
+
+        self.input_ids = torch.zeros(max_num_tokens, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(max_num_tokens, dtype=torch.int64, device=device)
+        self.query_start_loc = torch.zeros(max_num_reqs + 1, dtype=torch.int32, device=device)
+        self.seq_lens = torch.zeros(max_num_reqs, dtype=torch.int32, device=device)
+        self.logits_indices = torch.zeros(max_num_reqs, dtype=torch.int64, device=device)
+
+    def prepare(
+        self, batch: InputBatch, num_scheduled_by_id: dict[str, int], total_tokens: int
+    ) -> StepInputs:
+        num_reqs = batch.num_reqs
+        assert num_reqs > 0 and total_tokens > 0
+        req_ids = batch.req_ids
+        num_scheduled = np.fromiter(
+            (num_scheduled_by_id[r] for r in req_ids), dtype=np.int32, count=num_reqs
+        )
+        assert int(num_scheduled.sum()) == total_tokens, "scheduled tokens do not add up"
+
+        # Token t belongs to row req_indices[t] at offset t - start(row) in the chunk.
+        cu = np.cumsum(num_scheduled)
+        req_indices = np.repeat(self.arange_np[:num_reqs], num_scheduled)
+        offsets = self.arange_np[:total_tokens] - np.repeat(cu - num_scheduled, num_scheduled)
+        computed = batch.num_computed_tokens_cpu[:num_reqs]
+        positions = self.positions_np[:total_tokens]
+        np.add(computed[req_indices], offsets, out=positions)
+
+        flat = positions + req_indices * batch.max_model_len
+        self.input_ids_np[:total_tokens] = batch.token_ids_cpu.reshape(-1)[flat]
+        self.query_start_loc_np[0] = 0
+        self.query_start_loc_np[1 : num_reqs + 1] = cu
+        seq_lens = self.seq_lens_np[:num_reqs]
+        np.add(computed, num_scheduled, out=seq_lens)
+
+        # Partial prefill chunks stop short of the known tokens and do not sample.
+        sample_rows = np.flatnonzero(seq_lens >= batch.num_tokens[:num_reqs])
+        num_sample = len(sample_rows)
+        self.logits_indices_cpu[:num_sample] = torch.from_numpy(cu[sample_rows] - 1)
+
+        batch.block_table.compute_slot_mapping(req_indices, positions)
+        batch.block_table.commit(num_reqs)
+
+        def to_device(cpu: torch.Tensor, dev: torch.Tensor, n: int) -> torch.Tensor:
+            dev[:n].copy_(cpu[:n], non_blocking=True)
+            return dev[:n]
+
+        input_ids = to_device(self.input_ids_cpu, self.input_ids, total_tokens)
+        positions_dev = to_device(self.positions_cpu, self.positions, total_tokens)
+        qsl = to_device(self.query_start_loc_cpu, self.query_start_loc, num_reqs + 1)
+        seq_lens_dev = to_device(self.seq_lens_cpu, self.seq_lens, num_reqs)
+        logits_indices = to_device(self.logits_indices_cpu, self.logits_indices, num_sample)
+
+        max_query_len = int(num_scheduled.max())
+        max_seq_len = int(seq_lens.max())
+        commons = [
+            CommonAttentionMetadata(
+                query_start_loc=qsl,
+                query_start_loc_cpu=self.query_start_loc_cpu[: num_reqs + 1],
+                seq_lens=seq_lens_dev,
+                seq_lens_cpu=self.seq_lens_cpu[:num_reqs],
+                num_computed_tokens_cpu=batch.num_computed_tokens_cpu_tensor[:num_reqs],
+                num_reqs=num_reqs,
+                num_actual_tokens=total_tokens,
+                max_query_len=max_query_len,
+                max_seq_len=max_seq_len,
+                block_table_tensor=table.get_device_tensor(num_reqs),
+                slot_mapping=table.commit_slot_mapping(total_tokens),
+            )
+            for table in batch.block_table.block_tables
+        ]
+        return StepInputs(
+            input_ids=input_ids,
+            positions=positions_dev,
+            positions_np=positions,
+            common_attn_metadata=commons,
+            num_scheduled_tokens=num_scheduled,
+            query_start_loc_np=self.query_start_loc_np[: num_reqs + 1],
+            sample_rows=sample_rows,
+            logits_indices=logits_indices,
+        )

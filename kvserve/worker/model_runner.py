@@ -1,0 +1,307 @@
+"""ModelRunner: applies scheduler diffs to the persistent batch, runs the forward pass
+over the paged KV cache and samples (the two-phase execute_model / sample_tokens API)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvserve.attention.backends.abstract import AttentionMetadataBuilder
+from kvserve.attention.layer import Attention, bind_kv_cache, get_attention_layers
+from kvserve.config import EngineConfig
+from kvserve.forward_context import set_forward_context
+from kvserve.model_executor.model_loader import get_model
+from kvserve.protocol.kv_cache_interface import FullAttentionSpec, KVCacheConfig
+from kvserve.protocol.runner_output import (
+    EMPTY_MODEL_RUNNER_OUTPUT,
+    LogprobsLists,
+    LogprobsTensors,
+    ModelRunnerOutput,
+)
+from kvserve.protocol.scheduler_output import NewRequestData, SchedulerOutput
+from kvserve.sample.sampler import Sampler, compute_prompt_logprobs
+from kvserve.sample.sampling_batch import SamplingBatch
+from kvserve.sampling_params import SamplingType
+from kvserve.worker.input_batch import InputBatch
+from kvserve.worker.input_preparation import InputPreparer, StepInputs
+from kvserve.worker.request_state import CachedRequestState
+
+
+@dataclass
+class ExecuteModelState:
+    """What execute_model leaves for sample_tokens."""
+
+    scheduler_output: SchedulerOutput
+    inputs: StepInputs | None  # None for an empty step
+    logits: torch.Tensor | None  # [S, V]: one row per sampling row
+    # Kept only when some request wants prompt logprobs in this step.
+    hidden_states: torch.Tensor | None
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, device: torch.device | str) -> None:
+        self.config = config
+        self.device = torch.device(device)
+        model_config = config.model_config
+        assert model_config.max_model_len is not None
+        self.max_model_len = model_config.max_model_len
+        self.max_num_reqs = config.scheduler_config.max_num_seqs
+        self.max_num_tokens = config.scheduler_config.max_num_batched_tokens
+        self.vocab_size = model_config.vocab_size
+        self.dtype = torch.float32
+        eos_ids = model_config.arch.eos_token_ids
+        self.eos_token_id: int | None = eos_ids[0] if eos_ids else None
+        self.pin_memory = self.device.type == "cuda" and torch.cuda.is_available()
+
+        self.model: Any = None
+        self.requests: dict[str, CachedRequestState] = {}
+        self.input_batch: InputBatch | None = None
+        self.kv_caches: dict[str, torch.Tensor] = {}
+        self.attn_builders: list[AttentionMetadataBuilder] = []
+        self.layer_to_group: dict[str, int] = {}
+        self.inputs = InputPreparer(
+            self.max_num_reqs, self.max_num_tokens, self.device, self.pin_memory
+        )
+        self.sampler = Sampler()
+        self.execute_model_state: ExecuteModelState | None = None
+
+    # ---- setup ---------------------------------------------------------------------------
+
+    def load_model(self) -> None:
+        mc = self.config.model_config
+        self.model = get_model(mc.resolved, mc.arch, self.device, self.dtype)
+
+    def _attention_layers(self) -> dict[str, Attention]:
+        if self.model is None:
+            raise RuntimeError("load_model() must run first")
+        return get_attention_layers(self.model)
+
+    def get_kv_cache_spec(self) -> dict[str, FullAttentionSpec]:
+        block_size = self.config.cache_config.block_size
+        dtype_size = torch.empty(0, dtype=self.dtype).element_size()
+        return {
+            name: FullAttentionSpec(
+                block_size=block_size,
+                num_kv_heads=layer.num_kv_heads,
+                head_size=layer.head_size,
+                dtype_size=dtype_size,
+                sliding_window=layer.sliding_window,
+            )
+            for name, layer in self._attention_layers().items()
+        }
+
+    def initialize_kv_cache(self, kv_cache_config: KVCacheConfig) -> None:
+        """Allocate one zeroed cache tensor per layer, bind it, build the input batch."""
+        layers = self._attention_layers()
+        self.kv_caches, self.attn_builders, self.layer_to_group = {}, [], {}
+        for group_id, group in enumerate(kv_cache_config.kv_cache_groups):
+            spec = group.kv_cache_spec
+            for name in group.layer_names:
+                layer = layers[name]
+                shape = layer.backend.get_kv_cache_shape(
+                    kv_cache_config.num_blocks, spec.block_size, layer.num_kv_heads, layer.head_size
+                )
+                self.kv_caches[name] = torch.zeros(shape, dtype=self.dtype, device=self.device)
+                self.layer_to_group[name] = group_id
+            backend = layers[group.layer_names[0]].backend
+            self.attn_builders.append(backend.get_builder_cls()(spec.block_size, self.device))
+        bind_kv_cache(self.model, self.kv_caches)
+        self.input_batch = InputBatch(
+            max_num_reqs=self.max_num_reqs,
+            max_model_len=self.max_model_len,
+            max_num_batched_tokens=self.max_num_tokens,
+            device=self.device,
+            block_sizes=[g.kv_cache_spec.block_size for g in kv_cache_config.kv_cache_groups],
+            sampling_batch=SamplingBatch(self.max_num_reqs, self.vocab_size, self.device),
+            pin_memory=self.pin_memory,
+        )
+
+    # ---- per step: state ------------------------------------------------------------------
+
+    def _new_request_state(self, new: NewRequestData) -> CachedRequestState:
+        params = new.sampling_params
+        generator = None
+        if params.sampling_type == SamplingType.RANDOM_SEED and params.seed is not None:
+            generator = torch.Generator(device=self.device)
+            generator.manual_seed(params.seed)
+        return CachedRequestState(
+            req_id=new.req_id,
+            prompt_token_ids=list(new.prompt_token_ids),
+            sampling_params=params,
+            generator=generator,
+            block_ids=tuple(list(ids) for ids in new.block_ids),
+            num_computed_tokens=new.num_computed_tokens,
+            output_token_ids=list(new.output_token_ids),
+            eos_token_id=self.eos_token_id,
+        )
+
+    def _update_states(self, scheduler_output: SchedulerOutput) -> None:
+        batch = self.input_batch
+        if batch is None:
+            raise RuntimeError("initialize_kv_cache() must run before execute_model()")
+        for req_id in scheduler_output.finished_req_ids:
+            self.requests.pop(req_id, None)
+            batch.remove_request(req_id)
+        # Preempted and otherwise unscheduled requests leave the batch but keep their state.
+        scheduled = scheduler_output.num_scheduled_tokens
+        for req_id in [r for r in batch.req_id_to_index if r not in scheduled]:
+            batch.remove_request(req_id)
+
+        to_add: list[CachedRequestState] = []
+        for new in scheduler_output.scheduled_new_reqs:
+            batch.remove_request(new.req_id)  # a re-sent request replaces the old state
+            state = self._new_request_state(new)
+            self.requests[new.req_id] = state
+            to_add.append(state)
+
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            state = self.requests[req_id]
+            state.num_computed_tokens = cached.num_computed_tokens[i]
+            new_block_ids = cached.new_block_ids[i]
+            if cached.resumed_from_preemption[i]:
+                assert new_block_ids is not None, f"{req_id} resumed without blocks"
+                state.block_ids = tuple(list(ids) for ids in new_block_ids)
+            elif new_block_ids is not None:
+                for ids, new_ids in zip(state.block_ids, new_block_ids, strict=True):
+                    ids.extend(new_ids)
+            row = batch.req_id_to_index.get(req_id)
+            if row is None:
+                to_add.append(state)
+                continue
+            batch.num_computed_tokens_cpu[row] = state.num_computed_tokens
+            if cached.resumed_from_preemption[i]:
+                batch.block_table.add_row(state.block_ids, row)
+            elif new_block_ids is not None:
+                batch.block_table.append_row(new_block_ids, row)
+
+        for state in to_add:
+            batch.add_request(state)
+        batch.condense()
+
+    # ---- per step: forward ----------------------------------------------------------------
+
+    def _build_attn_metadata(self, inputs: StepInputs) -> Any:
+        per_group = [
+            builder.build(common)
+            for builder, common in zip(self.attn_builders, inputs.common_attn_metadata, strict=True)
+        ]
+        if len(per_group) == 1:
+            return per_group[0]
+        return {name: per_group[g] for name, g in self.layer_to_group.items()}
+
+    def _wants_prompt_logprobs(self) -> bool:
+        assert self.input_batch is not None
+        return any(
+            s is not None and s.num_prompt_logprobs is not None for s in self.input_batch.requests
+        )
+
+    @torch.inference_mode()
+    def execute_model(self, scheduler_output: SchedulerOutput) -> None:
+        self._update_states(scheduler_output)
+        assert self.input_batch is not None
+        if scheduler_output.total_num_scheduled_tokens == 0 or self.input_batch.num_reqs == 0:
+            self.execute_model_state = ExecuteModelState(scheduler_output, None, None, None)
+            return
+        inputs = self.inputs.prepare(
+            self.input_batch,
+            scheduler_output.num_scheduled_tokens,
+            scheduler_output.total_num_scheduled_tokens,
+        )
+        attn_metadata = self._build_attn_metadata(inputs)
+        with set_forward_context(attn_metadata):
+            hidden_states = self.model(inputs.input_ids, inputs.positions)
+        logits = None
+        if len(inputs.sample_rows):
+            logits = self.model.compute_logits(hidden_states[inputs.logits_indices])
+        keep_hidden = hidden_states if self._wants_prompt_logprobs() else None
+        self.execute_model_state = ExecuteModelState(scheduler_output, inputs, logits, keep_hidden)
+
+    # ---- per step: sampling ---------------------------------------------------------------
+
+    @torch.inference_mode()
+    def sample_tokens(self) -> ModelRunnerOutput:
+        state, self.execute_model_state = self.execute_model_state, None
+        if state is None:
+            raise RuntimeError("sample_tokens() called without a preceding execute_model()")
+        if state.inputs is None:
+            return EMPTY_MODEL_RUNNER_OUTPUT
+        batch = self.input_batch
+        assert batch is not None
+        inputs = state.inputs
+        num_reqs = batch.num_reqs
+        req_ids = batch.req_ids
+        sample_rows = inputs.sample_rows
+
+        sampled_token_ids: list[list[int]] = [[] for _ in range(num_reqs)]
+        logprobs: LogprobsLists | None = None
+        if state.logits is not None:
+            rows = None if len(sample_rows) == num_reqs else torch.from_numpy(sample_rows)
+            metadata = batch.sampling_batch.make_sampling_metadata(num_reqs, rows)
+            out = self.sampler(state.logits, metadata)
+            tokens = out.sampled_token_ids.cpu().numpy()
+            batch.append_token_ids(sample_rows, tokens.astype(np.int32))
+            for row, token in zip(sample_rows.tolist(), tokens.tolist(), strict=True):
+                sampled_token_ids[row] = [token]
+                request = batch.requests[row]
+                assert request is not None
+                request.output_token_ids.append(token)
+            if out.logprobs_tensors is not None:
+                logprobs = self._logprobs_by_row(out.logprobs_tensors, sample_rows, num_reqs)
+
+        return ModelRunnerOutput(
+            req_ids=req_ids,
+            req_id_to_index=dict(batch.req_id_to_index),
+            sampled_token_ids=sampled_token_ids,
+            logprobs=logprobs,
+            prompt_logprobs_dict=self._prompt_logprobs(state),
+        )
+
+    @staticmethod
+    def _logprobs_by_row(
+        tensors: LogprobsTensors, sample_rows: np.ndarray, num_reqs: int
+    ) -> LogprobsLists:
+        """Spread the sampling rows' logprobs over all batch rows (others hold zeros)."""
+        if len(sample_rows) == num_reqs:
+            return tensors.tolists()
+        idx = torch.from_numpy(sample_rows).to(tensors.logprobs.device)
+
+        def spread(t: torch.Tensor) -> torch.Tensor:
+            full = t.new_zeros((num_reqs, *t.shape[1:]))
+            return full.index_copy_(0, idx, t)
+
+        return LogprobsTensors(*(spread(t) for t in tensors)).tolists()
+
+    def _prompt_logprobs(self, state: ExecuteModelState) -> dict[str, LogprobsTensors | None]:
+        """Prompt logprobs of the positions computed this step: the logits at position p
+        score prompt token p+1, so a request's final chunk stops at its last prompt token."""
+        if state.hidden_states is None or state.inputs is None:
+            return {}
+        batch = self.input_batch
+        assert batch is not None
+        inputs = state.inputs
+        result: dict[str, LogprobsTensors | None] = {}
+        for row, request in enumerate(batch.requests):
+            if request is None or request.num_prompt_logprobs is None:
+                continue
+            num_logprobs = request.num_prompt_logprobs
+            if num_logprobs == -1:
+                num_logprobs = self.vocab_size
+            start = int(batch.num_computed_tokens_cpu[row])
+            num_prompt = request.num_prompt_tokens
+            end = min(start + int(inputs.num_scheduled_tokens[row]), num_prompt - 1)
+            if end > start:
+                offset = int(inputs.query_start_loc_np[row])
+                hidden = state.hidden_states[offset : offset + end - start]
+                targets = torch.from_numpy(batch.token_ids_cpu[row, start + 1 : end + 1])
+                logits = self.model.compute_logits(hidden)
+                tensors = compute_prompt_logprobs(
+                    logits, targets.to(logits.device, torch.int64), num_logprobs
+                )
+                result[request.req_id] = LogprobsTensors(*(t.cpu() for t in tensors))
+            if start + int(inputs.num_scheduled_tokens[row]) >= num_prompt:
+                request.prompt_logprobs_done = True
+        return result

@@ -1,0 +1,72 @@
+"""Worker: owns one device and the ModelRunner on it."""
+
+from __future__ import annotations
+
+import gc
+
+import torch
+
+from kvserve.config import EngineConfig
+from kvserve.protocol.kv_cache_interface import KVCacheConfig, KVCacheSpec
+from kvserve.protocol.runner_output import ModelRunnerOutput
+from kvserve.protocol.scheduler_output import SchedulerOutput
+from kvserve.worker.model_runner import ModelRunner
+from kvserve.worker.worker_base import WorkerBase
+
+
+class Worker(WorkerBase):
+    def __init__(
+        self,
+        config: EngineConfig,
+        rank: int = 0,
+        local_rank: int = 0,
+        distributed_init_method: str | None = None,
+    ) -> None:
+        super().__init__(config, rank, local_rank, distributed_init_method)
+        # Unseeded sampling draws from the global generator: seed it for reproducible runs.
+        torch.manual_seed(config.model_config.seed)
+        self.device: torch.device | None = None
+        self._model_runner: ModelRunner | None = None
+
+    @property
+    def model_runner(self) -> ModelRunner:
+        if self._model_runner is None:
+            raise RuntimeError("init_device() must run first")
+        return self._model_runner
+
+    def init_device(self) -> None:
+        device_type = self.config.device_config.device
+        if device_type == "cuda":
+            if not torch.cuda.is_available():
+                raise RuntimeError("device 'cuda' was requested but CUDA is not available")
+            self.device = torch.device("cuda", self.local_rank)
+            torch.cuda.set_device(self.device)
+            torch.cuda.manual_seed_all(self.config.model_config.seed)
+        else:
+            self.device = torch.device(device_type)
+        self._model_runner = ModelRunner(self.config, self.device)
+
+    def load_model(self) -> None:
+        self.model_runner.load_model()
+
+    def get_kv_cache_spec(self) -> dict[str, KVCacheSpec]:
+        return self.model_runner.get_kv_cache_spec()
+
+    def initialize_from_config(self, kv_cache_config: KVCacheConfig) -> None:
+        self.model_runner.initialize_kv_cache(kv_cache_config)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> None:
+        self.model_runner.execute_model(scheduler_output)
+
+    def sample_tokens(self) -> ModelRunnerOutput:
+        return self.model_runner.sample_tokens()
+
+    def check_health(self) -> None:
+        if self._model_runner is None or self._model_runner.model is None:
+            raise RuntimeError(f"worker {self.rank} has no model loaded")
+
+    def shutdown(self) -> None:
+        self._model_runner = None
+        gc.collect()
+        if self.device is not None and self.device.type == "cuda":
+            torch.cuda.empty_cache()

@@ -1,0 +1,43 @@
+"""Session-wide fixtures: the real default model, loaded once, and the HF reference."""
+
+from __future__ import annotations
+
+import gc
+import os
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+# Small enough that several engines fit in memory side by side during the suite.
+TEST_KV_CACHE_MEMORY = 128 << 20
+
+
+@pytest.fixture(scope="session")
+def llm_factory() -> Iterator[Callable[..., Any]]:
+    """Builds LLM instances for the real default model, one per distinct configuration."""
+    from kvserve.entrypoints.llm import LLM
+
+    cache: dict[tuple[tuple[str, Any], ...], LLM] = {}
+
+    def make(**kwargs: Any) -> LLM:
+        kwargs.setdefault("kv_cache_memory", TEST_KV_CACHE_MEMORY)
+        key = tuple(sorted(kwargs.items()))
+        if key not in cache:
+            cache[key] = LLM(**kwargs)
+        return cache[key]
+
+    yield make
+    for llm in cache.values():
+        llm.llm_engine.shutdown()
+    cache.clear()
+    gc.collect()
+
+
+@pytest.fixture(scope="session")
+def llm(llm_factory: Callable[..., Any]) -> Any:
+    """The default engine configuration (prefix caching on, chunked prefill on)."""
+    return llm_factory()

@@ -1,0 +1,118 @@
+"""Greedy tokens of LLM.generate equal HF transformers' on the real model, on every path."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import pytest
+
+from kvserve.sampling_params import SamplingParams
+from tests.prompts import all_prompt_ids
+from tests.reference import assert_no_leak, hf_reference
+
+pytestmark = pytest.mark.slow
+NUM_TOKENS = 32
+
+
+def greedy(max_tokens: int = NUM_TOKENS) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+
+def run(llm: Any, prompts: list[list[int]], **kwargs: Any) -> list[list[int]]:
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy(),
+                           use_tqdm=False, **kwargs)
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+@pytest.fixture(scope="module")
+def cases(llm: Any) -> tuple[list[list[int]], list[list[int]]]:
+    prompts = all_prompt_ids(llm.get_tokenizer())
+    reference = hf_reference()
+    return prompts, [reference.greedy(p, NUM_TOKENS) for p in prompts]
+
+
+def test_greedy_batched_matches_hf(llm: Any, cases: Any) -> None:
+    prompts, expected = cases
+    assert run(llm, prompts) == expected
+    assert_no_leak(llm)
+
+
+def test_greedy_one_at_a_time_matches_hf(llm: Any, cases: Any) -> None:
+    prompts, expected = cases
+    llm.reset_prefix_cache()
+    for prompt, want in zip(prompts, expected, strict=True):
+        assert run(llm, [prompt]) == [want]
+    assert_no_leak(llm)
+
+
+@pytest.mark.parametrize("engine_kwargs", [
+    {"max_num_batched_tokens": 64},
+    {"max_num_batched_tokens": 64, "enable_prefix_caching": False},
+    {"enable_prefix_caching": False},
+    {"long_prefill_token_threshold": 48, "max_num_seqs": 3},
+], ids=["chunked-prefill", "chunked-no-prefix-cache", "no-prefix-cache", "long-prefill-threshold"])
+def test_scheduling_variants_match_hf(llm_factory: Any, cases: Any, engine_kwargs: dict) -> None:
+    prompts, expected = cases
+    engine = llm_factory(**engine_kwargs)
+    assert run(engine, prompts) == expected
+    # A second pass hits the prefix cache (when on) and must not change a token.
+    assert run(engine, prompts) == expected
+    assert_no_leak(engine)
+
+
+def test_priority_scheduling_matches_hf(llm_factory: Any, cases: Any) -> None:
+    prompts, expected = cases
+    engine = llm_factory(scheduling_policy="priority", max_num_seqs=3)
+    priorities = [random.Random(7).randint(-3, 3) for _ in prompts]
+    assert run(engine, prompts, priority=priorities) == expected
+    assert_no_leak(engine)
+
+
+def test_preemption_keeps_tokens_exact(llm_factory: Any, cases: Any) -> None:
+    prompts, expected = cases
+    short = [i for i, p in enumerate(prompts) if len(p) < 100]
+    # 14 usable blocks of 16 tokens cannot hold all the short requests at their full length.
+    engine = llm_factory(num_blocks_override=15, max_num_batched_tokens=64)
+    scheduler = engine.llm_engine.engine_core.engine_core.scheduler
+    before = scheduler.num_preemptions
+    assert run(engine, [prompts[i] for i in short]) == [expected[i] for i in short]
+    assert scheduler.num_preemptions > before
+    assert_no_leak(engine)
+
+
+def test_prefix_cache_hits_report_cached_tokens(llm: Any, cases: Any) -> None:
+    prompts, _ = cases
+    long_prompt = max(prompts, key=len)
+    block = 16
+    llm.reset_prefix_cache()
+    first = llm.generate({"prompt_token_ids": long_prompt}, greedy(8), use_tqdm=False)[0]
+    assert first.num_cached_tokens == 0
+
+    # Same prompt again: every full block is cached except the one holding the last token.
+    again = llm.generate({"prompt_token_ids": long_prompt}, greedy(8), use_tqdm=False)[0]
+    assert again.num_cached_tokens == (len(long_prompt) - 1) // block * block
+    assert again.outputs[0].token_ids == first.outputs[0].token_ids
+
+    # A different tail after a shared prefix: the shared prefix's full blocks are hits.
+    shared = 600
+    other = long_prompt[:shared] + [28, 339, 1345, 30]
+    out = llm.generate({"prompt_token_ids": other}, greedy(), use_tqdm=False)[0]
+    assert out.num_cached_tokens == shared // block * block
+    assert list(out.outputs[0].token_ids) == hf_reference().greedy(other, NUM_TOKENS)
+    assert_no_leak(llm)
+
+
+def test_n_samples_share_prompt_blocks(llm: Any, cases: Any) -> None:
+    prompts, expected = cases
+    llm.reset_prefix_cache()
+    prompt = max(prompts, key=len)
+    params = SamplingParams(n=3, temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True)
+    output = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0]
+    assert len(output.outputs) == 3
+    assert [c.index for c in output.outputs] == [0, 1, 2]
+    for completion in output.outputs:
+        assert list(completion.token_ids) == expected[prompts.index(prompt)]
+    metrics = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_manager
+    assert metrics is not None
+    assert_no_leak(llm)

@@ -1,0 +1,83 @@
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from kvserve.config import (
+    CacheConfig,
+    DeviceConfig,
+    EngineConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+)
+from kvserve.executor import Executor, UniProcExecutor
+from kvserve.protocol.kv_cache_interface import build_kv_cache_config
+from kvserve.protocol.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
+from kvserve.sampling_params import SamplingParams
+from kvserve.worker.worker import Worker
+
+
+@pytest.fixture(scope="module")
+def config(tmp_path_factory: pytest.TempPathFactory) -> EngineConfig:
+    path = tmp_path_factory.mktemp("tiny_llama_exec")
+    torch.manual_seed(0)
+    hf_config = LlamaConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        vocab_size=128,
+        max_position_embeddings=64,
+        initializer_range=0.1,
+    )
+    LlamaForCausalLM(hf_config).save_pretrained(path)
+    return EngineConfig(
+        ModelConfig(model=str(path)),
+        CacheConfig(block_size=4, num_blocks_override=16),
+        SchedulerConfig(),
+        device_config=DeviceConfig("cpu"),
+    )
+
+
+def test_get_class_by_backend(config: EngineConfig) -> None:
+    assert Executor.get_class(config) is UniProcExecutor
+    for backend in ("mp", "ray"):
+        other = EngineConfig(
+            config.model_config,
+            config.cache_config,
+            config.scheduler_config,
+            ParallelConfig(distributed_executor_backend=backend),  # type: ignore[arg-type]
+        )
+        with pytest.raises(NotImplementedError, match=backend):
+            Executor.get_class(other)
+
+
+def test_uniproc_executor_runs_a_step(config: EngineConfig) -> None:
+    executor = UniProcExecutor(config)
+    try:
+        specs = executor.get_kv_cache_specs()
+        assert len(specs) == 1 and len(specs[0]) == 2
+        executor.initialize_from_config(build_kv_cache_config(specs[0], 0, num_blocks_override=16))
+        executor.check_health()
+        ranks = executor.collective_rpc(lambda worker, k: (worker.rank, k), kwargs={"k": 3})
+        assert ranks == [(0, 3)]
+
+        prompt = [5, 6, 7, 8, 9]
+        new = NewRequestData("r", prompt, SamplingParams(temperature=0.0), ([1, 2],), 0)
+        executor.execute_model(SchedulerOutput([new], CachedRequestData(), {"r": 5}, 5))
+        out = executor.sample_tokens()
+        assert out.req_ids == ["r"] and len(out.sampled_token_ids[0]) == 1
+        # The in-process worker's state is visible through a callable RPC.
+        state = executor.collective_rpc(lambda w: w.model_runner.requests["r"].output_token_ids)
+        assert state == [out.sampled_token_ids[0]]
+    finally:
+        executor.shutdown()
+
+
+def test_worker_requires_init_device(config: EngineConfig) -> None:
+    worker = Worker(config)
+    with pytest.raises(RuntimeError, match="init_device"):
+        worker.load_model()
