@@ -87,6 +87,9 @@ class SchedulerConfig:
             raise ValueError(f"scheduling policy must be 'fcfs' or 'priority', got {self.policy!r}")
         if self.long_prefill_token_threshold < 0:
             raise ValueError("long_prefill_token_threshold must be >= 0")
+
+    def verify_against_model_len(self) -> None:
+        """Called once max_model_len is known from the model."""
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least "
@@ -137,4 +140,4 @@ class EngineConfig:
     def __post_init__(self) -> None:
         assert self.model_config.max_model_len is not None
         self.scheduler_config.max_model_len = self.model_config.max_model_len
-        self.scheduler_config.__post_init__()
+        self.scheduler_config.verify_against_model_len()

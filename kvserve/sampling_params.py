@@ -71,7 +71,10 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
         if self.temperature == 0.0:
             # Greedy: the filters cannot change the argmax, so drop them.
             self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
-        self._all_stop_token_ids = list(dict.fromkeys(self.stop_token_ids))
+        # Keep ids the input processor added (extra EOS ids) when the struct is rebuilt by
+        # clone() or decoded in another process: both run __post_init__ again.
+        self._all_stop_token_ids = list(
+            dict.fromkeys([*self.stop_token_ids, *self._all_stop_token_ids]))
 
     def _verify(self) -> None:
         def bad(field: str, why: str, value: Any) -> ValueError:

@@ -11,7 +11,8 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     bench = subparsers.add_parser("bench", help="benchmark a server or offline throughput")
     sub = bench.add_subparsers(dest="bench_command", required=True)
     serve_parser = sub.add_parser(
-        "serve", help="load-test an OpenAI-compatible server (TTFT, TPOT, ITL, throughput)")
+        "serve", help="load-test an OpenAI-compatible server (TTFT, TPOT, ITL, throughput)"
+    )
     serve.add_cli_args(serve_parser)
     serve_parser.set_defaults(func=serve.main)
     offline = sub.add_parser("throughput", help="offline generation throughput (LLM class)")

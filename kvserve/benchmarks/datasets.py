@@ -43,16 +43,23 @@ def _token_pool(tokenizer: Any) -> np.ndarray:
     return np.array([t for t in range(len(tokenizer)) if t not in special], dtype=np.int64)
 
 
-def _random_text(tokenizer: Any, rng: np.random.Generator, pool: np.ndarray,
-                 length: int) -> tuple[str, list[int]]:
+def _random_text(
+    tokenizer: Any, rng: np.random.Generator, pool: np.ndarray, length: int
+) -> tuple[str, list[int]]:
     """Text of about ``length`` tokens; decoding then re-encoding can merge a few tokens."""
     ids = rng.choice(pool, size=length).tolist()
     text = tokenizer.decode(ids)
     return text, list(tokenizer.encode(text, add_special_tokens=False))
 
 
-def sample_random_requests(tokenizer: Any, num_prompts: int, input_len: int, output_len: int,
-                           range_ratio: float = 0.0, seed: int = 0) -> list[SampleRequest]:
+def sample_random_requests(
+    tokenizer: Any,
+    num_prompts: int,
+    input_len: int,
+    output_len: int,
+    range_ratio: float = 0.0,
+    seed: int = 0,
+) -> list[SampleRequest]:
     """Prompts of random tokens, lengths uniform in mean * [1 - ratio, 1 + ratio]."""
     rng = np.random.default_rng(seed)
     pool = _token_pool(tokenizer)
@@ -67,9 +74,15 @@ def sample_random_requests(tokenizer: Any, num_prompts: int, input_len: int, out
     return out
 
 
-def sample_shared_prefix_requests(tokenizer: Any, num_prompts: int, prefix_len: int,
-                                  suffix_len: int, output_len: int, num_prefixes: int = 1,
-                                  seed: int = 0) -> list[SampleRequest]:
+def sample_shared_prefix_requests(
+    tokenizer: Any,
+    num_prompts: int,
+    prefix_len: int,
+    suffix_len: int,
+    output_len: int,
+    num_prefixes: int = 1,
+    seed: int = 0,
+) -> list[SampleRequest]:
     """Prompts in ``num_prefixes`` groups; each group shares its first ``prefix_len`` tokens
     (what the prefix cache should hit), followed by a random suffix per prompt."""
     if num_prefixes < 1:
@@ -89,16 +102,22 @@ def sample_shared_prefix_requests(tokenizer: Any, num_prompts: int, prefix_len: 
     return [out[i] for i in order]
 
 
-def sample_multi_turn_conversations(tokenizer: Any, num_conversations: int, num_turns: int,
-                                    input_len: int, output_len: int,
-                                    seed: int = 0) -> list[Conversation]:
+def sample_multi_turn_conversations(
+    tokenizer: Any,
+    num_conversations: int,
+    num_turns: int,
+    input_len: int,
+    output_len: int,
+    seed: int = 0,
+) -> list[Conversation]:
     """Conversations of ``num_turns`` random user turns of ``input_len`` tokens each."""
     if num_turns < 1:
         raise ValueError(f"num_turns must be at least 1, got {num_turns}")
     rng = np.random.default_rng(seed)
     pool = _token_pool(tokenizer)
     return [
-        Conversation([_random_text(tokenizer, rng, pool, input_len)[0] for _ in range(num_turns)],
-                     output_len)
+        Conversation(
+            [_random_text(tokenizer, rng, pool, input_len)[0] for _ in range(num_turns)], output_len
+        )
         for _ in range(num_conversations)
     ]

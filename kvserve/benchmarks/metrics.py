@@ -10,14 +10,22 @@ import numpy as np
 if TYPE_CHECKING:
     from kvserve.benchmarks.serve import RequestFuncOutput
 
-LATENCIES = (("ttft", "Time to First Token"), ("tpot", "Time per Output Token (excl. 1st)"),
-             ("itl", "Inter-token Latency"), ("e2el", "End-to-end Latency"))
+LATENCIES = (
+    ("ttft", "Time to First Token"),
+    ("tpot", "Time per Output Token (excl. 1st)"),
+    ("itl", "Inter-token Latency"),
+    ("e2el", "End-to-end Latency"),
+)
 
 
 def _summary(name: str, values_s: Sequence[float]) -> dict[str, float]:
     ms = np.asarray(values_s, dtype=np.float64) * 1000.0 if len(values_s) else np.zeros(1)
-    return {f"mean_{name}_ms": float(ms.mean()), f"median_{name}_ms": float(np.median(ms)),
-            f"p99_{name}_ms": float(np.percentile(ms, 99)), f"std_{name}_ms": float(ms.std())}
+    return {
+        f"mean_{name}_ms": float(ms.mean()),
+        f"median_{name}_ms": float(np.median(ms)),
+        f"p99_{name}_ms": float(np.percentile(ms, 99)),
+        f"std_{name}_ms": float(ms.std()),
+    }
 
 
 def calculate_metrics(outputs: Sequence[RequestFuncOutput], duration_s: float) -> dict[str, Any]:
@@ -26,8 +34,9 @@ def calculate_metrics(outputs: Sequence[RequestFuncOutput], duration_s: float) -
     # The server's usage is exact; without it, each text chunk counts as one token.
     output_lens = [o.output_tokens or (len(o.itl) + 1 if o.generated_text else 0) for o in done]
     input_lens = [o.prompt_len for o in done]
-    tpots = [(o.latency - o.ttft) / (n - 1) for o, n in zip(done, output_lens, strict=True)
-             if n > 1]
+    tpots = [
+        (o.latency - o.ttft) / (n - 1) for o, n in zip(done, output_lens, strict=True) if n > 1
+    ]
     duration_s = max(duration_s, 1e-9)
     metrics: dict[str, Any] = {
         "duration": duration_s,
@@ -44,13 +53,15 @@ def calculate_metrics(outputs: Sequence[RequestFuncOutput], duration_s: float) -
     metrics.update(_summary("tpot", tpots))
     metrics.update(_summary("itl", [x for o in done for x in o.itl]))
     metrics.update(_summary("e2el", [o.latency for o in done]))
-    metrics.update({
-        "input_lens": input_lens,
-        "output_lens": output_lens,
-        "ttfts": [o.ttft for o in done],
-        "e2els": [o.latency for o in done],
-        "errors": sorted({o.error for o in outputs if o.error})[:10],
-    })
+    metrics.update(
+        {
+            "input_lens": input_lens,
+            "output_lens": output_lens,
+            "ttfts": [o.ttft for o in done],
+            "e2els": [o.latency for o in done],
+            "errors": sorted({o.error for o in outputs if o.error})[:10],
+        }
+    )
     return metrics
 
 

@@ -45,8 +45,9 @@ class RequestFuncOutput:
     error: str = ""
 
 
-async def stream_request(client: httpx.AsyncClient, url: str, payload: dict[str, Any],
-                         chat: bool, prompt_len: int) -> RequestFuncOutput:
+async def stream_request(
+    client: httpx.AsyncClient, url: str, payload: dict[str, Any], chat: bool, prompt_len: int
+) -> RequestFuncOutput:
     """Sends one streaming request and times every SSE chunk that carries text."""
     out = RequestFuncOutput(prompt_len=prompt_len)
     payload = {**payload, "stream": True, "stream_options": {"include_usage": True}}
@@ -68,8 +69,9 @@ async def stream_request(client: httpx.AsyncClient, url: str, payload: dict[str,
                     return out
                 now = time.perf_counter()
                 for choice in body.get("choices") or []:
-                    text = (choice.get("delta") or {}).get("content") if chat \
-                        else choice.get("text")
+                    text = (
+                        (choice.get("delta") or {}).get("content") if chat else choice.get("text")
+                    )
                     if not text:
                         continue
                     if not out.generated_text:
@@ -88,8 +90,9 @@ async def stream_request(client: httpx.AsyncClient, url: str, payload: dict[str,
     return out
 
 
-async def _arrivals(count: int, request_rate: float, burstiness: float,
-                    seed: int) -> AsyncIterator[int]:
+async def _arrivals(
+    count: int, request_rate: float, burstiness: float, seed: int
+) -> AsyncIterator[int]:
     """Yields 0..count-1, spaced by gamma-distributed gaps (Poisson when burstiness=1)."""
     rng = np.random.default_rng(seed)
     for i in range(count):
@@ -98,21 +101,28 @@ async def _arrivals(count: int, request_rate: float, burstiness: float,
             await asyncio.sleep(rng.gamma(burstiness, 1.0 / (request_rate * burstiness)))
 
 
-async def run_benchmark(args: argparse.Namespace, model: str,
-                        requests: list[SampleRequest] | list[Conversation]) -> dict[str, Any]:
+async def run_benchmark(
+    args: argparse.Namespace, model: str, requests: list[SampleRequest] | list[Conversation]
+) -> dict[str, Any]:
     chat = args.backend == "openai-chat"
     url = args.base_url.rstrip("/") + args.endpoint
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    is_conversations = bool(requests) and isinstance(requests[0], Conversation)
-    total = sum(len(c.user_turns) for c in requests) if is_conversations else len(requests)  # type: ignore[union-attr]
+    # A conversation is one task but as many requests as it has turns.
+    total = sum(len(r.user_turns) if isinstance(r, Conversation) else 1 for r in requests)
     semaphore = asyncio.Semaphore(args.max_concurrency or len(requests) or 1)
     outputs: list[RequestFuncOutput] = []
     bar = tqdm(total=total, desc="requests", disable=args.disable_tqdm)
-    limits = httpx.Limits(max_connections=args.max_concurrency or None, max_keepalive_connections=64)
+    limits = httpx.Limits(
+        max_connections=args.max_concurrency or None, max_keepalive_connections=64
+    )
 
     def payload(prompt: str | list[dict[str, str]], max_tokens: int) -> dict[str, Any]:
-        body: dict[str, Any] = {"model": model, "max_tokens": max_tokens,
-                                "temperature": args.temperature, "ignore_eos": args.ignore_eos}
+        body: dict[str, Any] = {
+            "model": model,
+            "max_tokens": max_tokens,
+            "temperature": args.temperature,
+            "ignore_eos": args.ignore_eos,
+        }
         body["messages" if chat else "prompt"] = prompt
         return body
 
@@ -123,19 +133,24 @@ async def run_benchmark(args: argparse.Namespace, model: str,
                 for turn in request.user_turns:
                     messages.append({"role": "user", "content": turn})
                     result = await stream_request(
-                        client, url, payload(list(messages), request.expected_output_len),
-                        True, 0)
+                        client, url, payload(list(messages), request.expected_output_len), True, 0
+                    )
                     outputs.append(result)
                     bar.update(1)
                     if not result.success:
                         return
                     messages.append({"role": "assistant", "content": result.generated_text})
                 return
-            prompt: Any = [{"role": "user", "content": request.prompt}] if chat \
-                else request.prompt
-            outputs.append(await stream_request(
-                client, url, payload(prompt, request.expected_output_len), chat,
-                request.prompt_len))
+            prompt: Any = [{"role": "user", "content": request.prompt}] if chat else request.prompt
+            outputs.append(
+                await stream_request(
+                    client,
+                    url,
+                    payload(prompt, request.expected_output_len),
+                    chat,
+                    request.prompt_len,
+                )
+            )
             bar.update(1)
 
     timeout = httpx.Timeout(args.request_timeout, connect=10.0)
@@ -144,8 +159,7 @@ async def run_benchmark(args: argparse.Namespace, model: str,
         tasks: list[asyncio.Task[None]] = []
 
         async def launch() -> None:
-            async for i in _arrivals(len(requests), args.request_rate, args.burstiness,
-                                     args.seed):
+            async for i in _arrivals(len(requests), args.request_rate, args.burstiness, args.seed):
                 tasks.append(asyncio.create_task(one(client, requests[i])))
             await asyncio.gather(*tasks)
 
@@ -159,45 +173,72 @@ async def run_benchmark(args: argparse.Namespace, model: str,
         duration = time.perf_counter() - start
     bar.close()
     # Requests cut off by the time limit count as failed.
-    outputs.extend(RequestFuncOutput(error="not finished within --max-duration")
-                   for _ in range(total - len(outputs)))
+    outputs.extend(
+        RequestFuncOutput(error="not finished within --max-duration")
+        for _ in range(total - len(outputs))
+    )
     return calculate_metrics(outputs, duration)
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--base-url", default=None,
-                        help="server URL (default http://HOST:PORT)")
+    parser.add_argument("--base-url", default=None, help="server URL (default http://HOST:PORT)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--backend", default="openai", choices=["openai", "openai-chat"])
-    parser.add_argument("--endpoint", default=None,
-                        help="default /v1/completions (openai) or /v1/chat/completions")
-    parser.add_argument("--model", default=None, help="model name (default: the server's)")
-    parser.add_argument("--tokenizer", default=None,
-                        help="tokenizer for the datasets (default: --model, else the default)")
+    parser.add_argument(
+        "--endpoint", default=None, help="default /v1/completions (openai) or /v1/chat/completions"
+    )
+    # Its own dest: `kvserve`'s main fills a missing args.model with the default model.
+    parser.add_argument(
+        "--model",
+        dest="bench_model",
+        metavar="MODEL",
+        default=None,
+        help="model name (default: the server's)",
+    )
+    parser.add_argument(
+        "--tokenizer",
+        default=None,
+        help="tokenizer for the datasets (default: --model, else the default)",
+    )
     parser.add_argument("--api-key", default=None)
-    parser.add_argument("--dataset-name", default="random",
-                        choices=["random", "shared-prefix", "multi-turn"])
-    parser.add_argument("--num-prompts", type=int, default=100,
-                        help="requests (conversations for multi-turn)")
+    parser.add_argument(
+        "--dataset-name", default="random", choices=["random", "shared-prefix", "multi-turn"]
+    )
+    parser.add_argument(
+        "--num-prompts", type=int, default=100, help="requests (conversations for multi-turn)"
+    )
     parser.add_argument("--random-input-len", type=int, default=128)
     parser.add_argument("--random-output-len", type=int, default=64)
     parser.add_argument("--random-range-ratio", type=float, default=0.0)
     parser.add_argument("--prefix-len", type=int, default=256, help="shared-prefix: tokens")
     parser.add_argument("--num-prefixes", type=int, default=4, help="shared-prefix: groups")
     parser.add_argument("--num-turns", type=int, default=3, help="multi-turn: user turns")
-    parser.add_argument("--request-rate", type=float, default=float("inf"),
-                        help="requests per second, Poisson arrivals (inf: all at once)")
-    parser.add_argument("--burstiness", type=float, default=1.0,
-                        help="gamma shape of the arrival gaps (1 = Poisson)")
+    parser.add_argument(
+        "--request-rate",
+        type=float,
+        default=float("inf"),
+        help="requests per second, Poisson arrivals (inf: all at once)",
+    )
+    parser.add_argument(
+        "--burstiness",
+        type=float,
+        default=1.0,
+        help="gamma shape of the arrival gaps (1 = Poisson)",
+    )
     parser.add_argument("--max-concurrency", type=int, default=None)
     parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
-                        help="generate exactly the requested output length")
+    parser.add_argument(
+        "--ignore-eos",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="generate exactly the requested output length",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--request-timeout", type=float, default=300.0)
-    parser.add_argument("--max-duration", type=float, default=1800.0,
-                        help="stop the run after this many seconds")
+    parser.add_argument(
+        "--max-duration", type=float, default=1800.0, help="stop the run after this many seconds"
+    )
     parser.add_argument("--result-file", default=None, help="write the results as JSON here")
     parser.add_argument("--disable-tqdm", action="store_true")
 
@@ -215,15 +256,32 @@ def _load_tokenizer(name: str | None) -> Any:
 
 def _dataset(args: argparse.Namespace, tokenizer: Any) -> list[SampleRequest] | list[Conversation]:
     if args.dataset_name == "multi-turn":
-        return sample_multi_turn_conversations(tokenizer, args.num_prompts, args.num_turns,
-                                               args.random_input_len, args.random_output_len,
-                                               args.seed)
+        return sample_multi_turn_conversations(
+            tokenizer,
+            args.num_prompts,
+            args.num_turns,
+            args.random_input_len,
+            args.random_output_len,
+            args.seed,
+        )
     if args.dataset_name == "shared-prefix":
-        return sample_shared_prefix_requests(tokenizer, args.num_prompts, args.prefix_len,
-                                             args.random_input_len, args.random_output_len,
-                                             args.num_prefixes, args.seed)
-    return sample_random_requests(tokenizer, args.num_prompts, args.random_input_len,
-                                  args.random_output_len, args.random_range_ratio, args.seed)
+        return sample_shared_prefix_requests(
+            tokenizer,
+            args.num_prompts,
+            args.prefix_len,
+            args.random_input_len,
+            args.random_output_len,
+            args.num_prefixes,
+            args.seed,
+        )
+    return sample_random_requests(
+        tokenizer,
+        args.num_prompts,
+        args.random_input_len,
+        args.random_output_len,
+        args.random_range_ratio,
+        args.seed,
+    )
 
 
 def main(args: argparse.Namespace) -> int:
@@ -231,23 +289,32 @@ def main(args: argparse.Namespace) -> int:
         args.backend = "openai-chat"  # turns only make sense as a chat
     args.base_url = args.base_url or f"http://{args.host}:{args.port}"
     args.endpoint = args.endpoint or (
-        "/v1/chat/completions" if args.backend == "openai-chat" else "/v1/completions")
-    model = args.model
+        "/v1/chat/completions" if args.backend == "openai-chat" else "/v1/completions"
+    )
+    model = args.bench_model
     if model is None:
         headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-        response = httpx.get(args.base_url.rstrip("/") + "/v1/models", headers=headers,
-                             timeout=30.0)
+        response = httpx.get(
+            args.base_url.rstrip("/") + "/v1/models", headers=headers, timeout=30.0
+        )
         response.raise_for_status()
         model = response.json()["data"][0]["id"]
     requests = _dataset(args, _load_tokenizer(args.tokenizer or model))
     metrics = asyncio.run(run_benchmark(args, model, requests))
     print_metrics(metrics)
     if args.result_file:
-        result = {"date": datetime.now().isoformat(timespec="seconds"), "backend": args.backend,
-                  "base_url": args.base_url, "model": model, "dataset_name": args.dataset_name,
-                  "num_prompts": args.num_prompts, "request_rate": str(args.request_rate),
-                  "burstiness": args.burstiness, "max_concurrency": args.max_concurrency,
-                  **metrics}
+        result = {
+            "date": datetime.now().isoformat(timespec="seconds"),
+            "backend": args.backend,
+            "base_url": args.base_url,
+            "model": model,
+            "dataset_name": args.dataset_name,
+            "num_prompts": args.num_prompts,
+            "request_rate": str(args.request_rate),
+            "burstiness": args.burstiness,
+            "max_concurrency": args.max_concurrency,
+            **metrics,
+        }
         with open(args.result_file, "w", encoding="utf-8") as f:
             json.dump(result, f, indent=2)
         print(f"results written to {args.result_file}")

@@ -14,8 +14,9 @@ from kvserve.sampling_params import SamplingParams
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=EngineArgs.model,
-                        help="GGUF file, HF directory or a known name")
+    parser.add_argument(
+        "--model", default=EngineArgs.model, help="GGUF file, HF directory or a known name"
+    )
     EngineArgs.add_cli_args(parser, with_model=False)
     parser.add_argument("--num-prompts", type=int, default=100)
     parser.add_argument("--input-len", type=int, default=128)
@@ -32,14 +33,26 @@ def run_throughput(args: argparse.Namespace) -> dict[str, Any]:
     engine_args = EngineArgs.from_cli_args(args)
     llm = LLM(**dataclasses.asdict(engine_args))
     try:
-        requests = sample_random_requests(llm.get_tokenizer(), args.num_prompts,
-                                          args.input_len, args.output_len, args.range_ratio,
-                                          args.seed)
+        requests = sample_random_requests(
+            llm.get_tokenizer(),
+            args.num_prompts,
+            args.input_len,
+            args.output_len,
+            args.range_ratio,
+            args.seed,
+        )
         prompts: list[Any] = [{"prompt_token_ids": r.prompt_token_ids} for r in requests]
         # ignore_eos: every request generates exactly its output length.
-        params = [SamplingParams(temperature=1.0, top_p=1.0, ignore_eos=True,
-                                 max_tokens=r.expected_output_len, seed=args.seed + i)
-                  for i, r in enumerate(requests)]
+        params = [
+            SamplingParams(
+                temperature=1.0,
+                top_p=1.0,
+                ignore_eos=True,
+                max_tokens=r.expected_output_len,
+                seed=args.seed + i,
+            )
+            for i, r in enumerate(requests)
+        ]
         start = time.perf_counter()
         outputs = llm.generate(prompts, params, use_tqdm=not args.disable_tqdm)
         elapsed = time.perf_counter() - start
@@ -60,10 +73,12 @@ def run_throughput(args: argparse.Namespace) -> dict[str, Any]:
 
 def main(args: argparse.Namespace) -> int:
     result = run_throughput(args)
-    print(f"Throughput: {result['requests_per_second']:.2f} requests/s, "
-          f"{result['tokens_per_second']:.2f} total tokens/s, "
-          f"{result['output_tokens_per_second']:.2f} output tokens/s "
-          f"({result['num_requests']} requests in {result['elapsed_time']:.2f} s)")
+    print(
+        f"Throughput: {result['requests_per_second']:.2f} requests/s, "
+        f"{result['tokens_per_second']:.2f} total tokens/s, "
+        f"{result['output_tokens_per_second']:.2f} output tokens/s "
+        f"({result['num_requests']} requests in {result['elapsed_time']:.2f} s)"
+    )
     if args.output_json:
         with open(args.output_json, "w", encoding="utf-8") as f:
             json.dump(result, f, indent=2)

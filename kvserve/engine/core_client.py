@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import Any
 
 from kvserve.config import EngineConfig
 from kvserve.engine.core import EngineCore
@@ -11,7 +12,18 @@ from kvserve.protocol.engine_core import EngineCoreOutputs, EngineCoreRequest
 
 class EngineCoreClient(ABC):
     @staticmethod
-    def make_client(config: EngineConfig, log_stats: bool = True) -> EngineCoreClient:
+    def make_client(config: EngineConfig, log_stats: bool = True, *,
+                    multiprocess_mode: bool = False, asyncio_mode: bool = False) -> Any:
+        """In-process core, or a core in a background process (sync or asyncio client)."""
+        # Imported here: the multi-process clients import this module.
+        if asyncio_mode:
+            from kvserve.engine.async_mp_client import AsyncMPClient
+
+            return AsyncMPClient(config, log_stats)
+        if multiprocess_mode:
+            from kvserve.engine.mp_client import SyncMPClient
+
+            return SyncMPClient(config, log_stats)
         return InprocClient(config, log_stats)
 
     @abstractmethod

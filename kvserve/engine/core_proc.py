@@ -22,6 +22,7 @@ import msgspec
 import zmq
 
 from kvserve.config import EngineConfig
+from kvserve.core.request import RequestStatus
 from kvserve.engine.core import EngineCore
 from kvserve.protocol.engine_core import (
     EngineCoreOutput,
@@ -59,6 +60,9 @@ InputMessage = AddRequestMessage | AbortRequestsMessage | UtilityCallMessage
 
 class OutputsMessage(msgspec.Struct, tag="outputs", array_like=True):
     outputs: EngineCoreOutputs
+    # Wall-clock time at which requests left the waiting queue in this step (queue-time
+    # metric); EngineCoreOutput has no scheduling events of its own.
+    scheduled_times: dict[str, float] | None = None
 
 
 class UtilityResultMessage(msgspec.Struct, tag="utility_result", array_like=True):
@@ -93,13 +97,13 @@ class StartupErrorMessage(msgspec.Struct, tag="startup_error", array_like=True):
 
 HandshakeMessage = ReadyMessage | StartupErrorMessage
 
+_WAITING = (RequestStatus.WAITING, RequestStatus.WAITING_FOR_REMOTE_KVS)
+
 
 class EngineCoreProc:
     """Runs inside the child process: busy loop of drain inputs -> step -> send outputs."""
 
-    def __init__(
-        self, config: EngineConfig, input_address: str, output_address: str
-    ) -> None:
+    def __init__(self, config: EngineConfig, input_address: str, output_address: str) -> None:
         # Stats are always on here: they ride on every output message and cost a few ints.
         self.engine_core = EngineCore(config, log_stats=True)
         self.scheduler = self.engine_core.scheduler
@@ -120,6 +124,8 @@ class EngineCoreProc:
         # Prefix-cache counts consumed by an out-of-band get_stats, owed to the stream.
         self._carried_queries = 0
         self._carried_hits = 0
+        # Added but not yet scheduled: watched after each step for the queue-time metric.
+        self._unscheduled: set[str] = set()
         self._utilities: dict[str, Callable[..., Any]] = {
             "reset_prefix_cache": self.engine_core.reset_prefix_cache,
             "get_stats": self._snapshot_stats,
@@ -146,11 +152,24 @@ class EngineCoreProc:
                 return
             changed = self._process_input_socket()
             if self.scheduler.has_requests():
+                step_start = time.time()
                 outputs, _ = self.engine_core.step()
-                self._send_outputs(outputs)
+                self._send_outputs(outputs, self._newly_scheduled(step_start))
             elif changed:
                 # e.g. the last request was aborted: let the client see the idle state.
                 self._send_outputs(EngineCoreOutputs(timestamp=time.monotonic()))
+
+    def _newly_scheduled(self, step_start: float) -> dict[str, float] | None:
+        if not self._unscheduled:
+            return None
+        scheduled: dict[str, float] = {}
+        for request_id in self._unscheduled:
+            request = self.scheduler.requests.get(request_id)
+            # Gone (finished within its first step) or past WAITING: it was scheduled.
+            if request is None or request.status not in _WAITING:
+                scheduled[request_id] = step_start
+        self._unscheduled.difference_update(scheduled)
+        return scheduled or None
 
     def _process_input_socket(self) -> bool:
         """Handles every waiting message; True if requests were added or aborted."""
@@ -168,10 +187,13 @@ class EngineCoreProc:
             changed |= not isinstance(message, UtilityCallMessage)
             self._handle(message)
 
-    def _handle(self, message: AddRequestMessage | AbortRequestsMessage | UtilityCallMessage) -> None:
+    def _handle(
+        self, message: AddRequestMessage | AbortRequestsMessage | UtilityCallMessage
+    ) -> None:
         if isinstance(message, AddRequestMessage):
             try:
                 self.engine_core.add_request(message.request)
+                self._unscheduled.add(message.request.request_id)
             except Exception as e:
                 # One bad request fails alone; the engine keeps serving the others.
                 logger.exception("rejecting request %s", message.request.request_id)
@@ -207,13 +229,15 @@ class EngineCoreProc:
         self._carried_hits += stats.prefix_cache_hits
         return stats
 
-    def _send_outputs(self, outputs: EngineCoreOutputs) -> None:
+    def _send_outputs(
+        self, outputs: EngineCoreOutputs, scheduled_times: dict[str, float] | None = None
+    ) -> None:
         stats = outputs.scheduler_stats or self.scheduler.make_stats() or SchedulerStats()
         stats.prefix_cache_queries += self._carried_queries
         stats.prefix_cache_hits += self._carried_hits
         self._carried_queries = self._carried_hits = 0
         outputs.scheduler_stats = stats
-        self._send(OutputsMessage(outputs))
+        self._send(OutputsMessage(outputs, scheduled_times))
 
     def _send(self, message: OutputsMessage | UtilityResultMessage | EngineErrorMessage) -> None:
         self.output_socket.send(self.encoder.encode(message), copy=False)

@@ -11,6 +11,5 @@ class EngineDeadError(Exception):
 
     def __init__(self, message: str | None = None) -> None:
         super().__init__(
-            message
-            or "EngineCore process died unexpectedly; see its log above for the cause"
+            message or "EngineCore process died unexpectedly; see its log above for the cause"
         )

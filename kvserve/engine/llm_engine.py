@@ -23,13 +23,16 @@ logger = logging.getLogger(__name__)
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, log_stats: bool = False) -> None:
+    def __init__(self, config: EngineConfig, log_stats: bool = False,
+                 multiprocess_mode: bool = False) -> None:
         self.config = config
         self.tokenizer = get_tokenizer(config.model_config.tokenizer_resolved)
         self.input_processor = InputProcessor(config.model_config, self.tokenizer,
                                               config.scheduler_config)
         self.output_processor = OutputProcessor(self.tokenizer, log_stats=log_stats)
-        self.engine_core = EngineCoreClient.make_client(config, log_stats=log_stats)
+        # The core runs in this thread, or in its own process behind ZMQ.
+        self.engine_core = EngineCoreClient.make_client(
+            config, log_stats=log_stats, multiprocess_mode=multiprocess_mode)
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs, **kwargs: Any) -> LLMEngine:
@@ -54,7 +57,7 @@ class LLMEngine:
             self.engine_core.add_request(request)
             return
         # n > 1: n child requests with the same prompt, so the prefix cache shares its blocks.
-        parent = ParentRequest(request_id, params)
+        parent = ParentRequest(request_id, request.sampling_params)
         for index in range(params.n):
             child_id, child_params = parent.get_child_info(index)
             child = msgspec.structs.replace(

@@ -1,14 +1,14 @@
 """Clients that run the EngineCore in a background process and talk to it over ZMQ.
 
-SyncMPClient (blocking, for LLMEngine) and AsyncMPClient (asyncio, for AsyncLLM) share
-MPClient: it binds the two sockets, spawns EngineCoreProc, waits for its handshake and
-watches its process sentinel, so a dead core fails every pending and later call with
-EngineDeadError instead of leaving the caller blocked on a socket nobody writes to.
+SyncMPClient (blocking, for LLMEngine) lives here; AsyncMPClient (asyncio, for AsyncLLM)
+in async_mp_client.py. Both build on MPClient: it binds the two sockets, spawns
+EngineCoreProc, waits for its handshake and watches its process sentinel, so a dead core
+fails every pending and later call with EngineDeadError instead of leaving the caller
+blocked on a socket nobody writes to.
 """
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import logging
 import multiprocessing
@@ -19,6 +19,7 @@ import tempfile
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
@@ -35,7 +36,6 @@ from kvserve.engine.core_proc import (
     AbortRequestsMessage,
     AddRequestMessage,
     EngineCoreProc,
-    EngineErrorMessage,
     HandshakeMessage,
     InputMessage,
     OutputMessage,
@@ -105,7 +105,13 @@ class MPClient(EngineCoreClient):
         asyncio_mode: bool,
         transport: Literal["ipc", "tcp"] = "ipc",
         startup_timeout: float | None = None,
+        while_starting: Callable[[], object] | None = None,
     ) -> None:
+        """Spawns the core and blocks until it is ready (or raises its startup error).
+
+        ``while_starting`` runs in this process while the core loads the model, to overlap
+        front-end setup (e.g. loading the tokenizer) with it.
+        """
         self.config = config
         self.log_stats = log_stats
         self.engine_dead = False
@@ -113,31 +119,47 @@ class MPClient(EngineCoreClient):
         self.encoder = msgspec.msgpack.Encoder()
         self.decoder = msgspec.msgpack.Decoder(OutputMessage)
         self._call_ids = itertools.count()
+        # request id -> wall-clock time the core first scheduled it; see pop_scheduled_times.
+        self.scheduled_times: dict[str, float] = {}
+        # Utility calls awaiting their result: concurrent.futures or asyncio futures.
+        self._pending: dict[int, Any] = {}
         ctx: zmq.Context[Any] = zmq.asyncio.Context() if asyncio_mode else zmq.Context()
         self.input_socket = ctx.socket(zmq.PUSH)
         self.output_socket = ctx.socket(zmq.PULL)
         tmpdir = tempfile.mkdtemp(prefix="kvserve-") if transport == "ipc" else None
-        self.resources = _BackgroundResources(ctx, [self.input_socket, self.output_socket],
-                                              tmpdir=tmpdir)
+        self.resources = _BackgroundResources(
+            ctx, [self.input_socket, self.output_socket], tmpdir=tmpdir
+        )
         self._finalizer = weakref.finalize(self, self.resources)
         try:
             input_address = _bind(self.input_socket, tmpdir, "input")
             output_address = _bind(self.output_socket, tmpdir, "output")
-            self.proc = self._start_proc(input_address, output_address, startup_timeout)
+            self.proc = self._start_proc(
+                input_address, output_address, startup_timeout, while_starting
+            )
         except BaseException:
             self._finalizer()
             raise
 
     def _start_proc(
-        self, input_address: str, output_address: str, timeout: float | None
+        self,
+        input_address: str,
+        output_address: str,
+        timeout: float | None,
+        while_starting: Callable[[], object] | None,
     ) -> BaseProcess:
         mp_ctx = multiprocessing.get_context("spawn")
         reader, writer = mp_ctx.Pipe(duplex=False)
         # The config travels by multiprocessing's spawn (our own child); sockets carry msgpack.
         proc = mp_ctx.Process(
             target=EngineCoreProc.run_engine_core,
-            args=(self.config, input_address, output_address, writer,
-                  logging.getLogger("kvserve").getEffectiveLevel()),
+            args=(
+                self.config,
+                input_address,
+                output_address,
+                writer,
+                logging.getLogger("kvserve").getEffectiveLevel(),
+            ),
             name="EngineCore",
             daemon=True,
         )
@@ -145,11 +167,17 @@ class MPClient(EngineCoreClient):
         proc.start()
         writer.close()
         try:
+            if while_starting is not None:
+                while_starting()
             self.ready = _wait_for_handshake(reader, proc, timeout)
         finally:
             reader.close()
-        logger.info("EngineCore process %d ready: %d KV blocks of %d tokens", proc.pid,
-                    self.ready.num_gpu_blocks, self.ready.block_size)
+        logger.info(
+            "EngineCore process %d ready: %d KV blocks of %d tokens",
+            proc.pid,
+            self.ready.num_gpu_blocks,
+            self.ready.block_size,
+        )
         return proc
 
     # --- shared helpers ----------------------------------------------------------------
@@ -166,8 +194,48 @@ class MPClient(EngineCoreClient):
     def _encode(self, message: InputMessage) -> bytes:
         return self.encoder.encode(message)
 
+    def pop_scheduled_times(self) -> dict[str, float]:
+        """Scheduling times reported since the last call (for the queue-time metric)."""
+        times, self.scheduled_times = self.scheduled_times, {}
+        return times
+
     def _next_call_id(self) -> int:
         return next(self._call_ids)
+
+    def _put_output(self, output: EngineCoreOutputs | Exception) -> None:
+        raise NotImplementedError
+
+    def _handle(self, message: OutputMessage) -> None:
+        if isinstance(message, OutputsMessage):
+            if message.scheduled_times:
+                self.scheduled_times.update(message.scheduled_times)
+            self._put_output(message.outputs)
+        elif isinstance(message, UtilityResultMessage):
+            future = self._pending.pop(message.call_id, None)
+            if future is not None and not future.done():
+                if message.error is None:
+                    future.set_result(message.result)
+                else:
+                    future.set_exception(RuntimeError(message.error))
+        else:  # EngineErrorMessage: the core's last words before it exits
+            self.dead_reason = message.error
+
+    def _fail_pending(self, error: Exception) -> None:
+        for call_id in list(self._pending):
+            future = self._pending.pop(call_id, None)
+            if future is not None and not future.done():
+                future.set_exception(error)
+
+    def _mark_dead(self) -> None:
+        """The core process exited on its own: fail everything waiting on it."""
+        if self.engine_dead or self.resources.closed:
+            return
+        self.engine_dead = True
+        self.proc.join(1)  # it has exited (sentinel): reaping is immediate
+        logger.error("EngineCore process died (exit code %s)", self.proc.exitcode)
+        error = EngineDeadError(self.dead_reason)
+        self._put_output(error)
+        self._fail_pending(error)
 
     def shutdown(self) -> None:
         self._finalizer()
@@ -182,7 +250,9 @@ def _bind(sock: zmq.Socket[Any], tmpdir: str | None, name: str) -> str:
     return sock.getsockopt_string(zmq.LAST_ENDPOINT)
 
 
-def _wait_for_handshake(reader: Connection, proc: BaseProcess, timeout: float | None) -> ReadyMessage:
+def _wait_for_handshake(
+    reader: Connection, proc: BaseProcess, timeout: float | None
+) -> ReadyMessage:
     wait([reader, proc.sentinel], timeout)
     data = b""
     if reader.poll():
@@ -195,7 +265,8 @@ def _wait_for_handshake(reader: Connection, proc: BaseProcess, timeout: float | 
             raise TimeoutError(f"EngineCore did not start within {timeout} s")
         raise RuntimeError(
             f"EngineCore process exited during startup (exit code {proc.exitcode}); "
-            "see its log above")
+            "see its log above"
+        )
     message = msgspec.msgpack.decode(data, type=HandshakeMessage)
     if isinstance(message, StartupErrorMessage):
         proc.join(5)
@@ -210,7 +281,6 @@ class SyncMPClient(MPClient):
     def __init__(self, config: EngineConfig, log_stats: bool = True, **kwargs: Any) -> None:
         super().__init__(config, log_stats, asyncio_mode=False, **kwargs)
         self.outputs_queue: queue.Queue[EngineCoreOutputs | Exception] = queue.Queue()
-        self._pending: dict[int, Future[Any]] = {}
         self._send_lock = threading.Lock()
         # Writing to this pipe wakes the output thread for a clean exit.
         self._stop_r, self._stop_w = os.pipe()
@@ -237,28 +307,8 @@ class SyncMPClient(MPClient):
                 self._mark_dead()
                 return
 
-    def _handle(self, message: OutputMessage) -> None:
-        if isinstance(message, OutputsMessage):
-            self.outputs_queue.put(message.outputs)
-        elif isinstance(message, UtilityResultMessage):
-            future = self._pending.pop(message.call_id, None)
-            if future is not None:
-                if message.error is None:
-                    future.set_result(message.result)
-                else:
-                    future.set_exception(RuntimeError(message.error))
-        elif isinstance(message, EngineErrorMessage):
-            self.dead_reason = message.error
-
-    def _mark_dead(self) -> None:
-        self.engine_dead = True
-        logger.error("EngineCore process died (exit code %s)", self.proc.exitcode)
-        error = EngineDeadError(self.dead_reason)
-        self.outputs_queue.put(error)
-        for call_id in list(self._pending):
-            future = self._pending.pop(call_id, None)
-            if future is not None:
-                future.set_exception(error)
+    def _put_output(self, output: EngineCoreOutputs | Exception) -> None:
+        self.outputs_queue.put(output)
 
     def _send(self, message: InputMessage) -> None:
         frame = self._encode(message)
@@ -308,133 +358,3 @@ class SyncMPClient(MPClient):
         super().shutdown()
         # Wake anyone still blocked in get_output().
         self.outputs_queue.put(EngineDeadError("the engine core has been shut down"))
-
-
-class AsyncMPClient(MPClient):
-    """asyncio client: one task reads outputs; the loop watches the process sentinel.
-
-    It binds to the event loop of its first awaited call; use one instance per loop.
-    """
-
-    def __init__(self, config: EngineConfig, log_stats: bool = True, **kwargs: Any) -> None:
-        super().__init__(config, log_stats, asyncio_mode=True, **kwargs)
-        self.outputs_queue: asyncio.Queue[EngineCoreOutputs | Exception] = asyncio.Queue()
-        self._pending: dict[int, asyncio.Future[Any]] = {}
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._output_task: asyncio.Task[None] | None = None
-
-    def _ensure_started(self) -> None:
-        if self._loop is not None:
-            return
-        self._loop = asyncio.get_running_loop()
-        self._output_task = self._loop.create_task(self._output_loop(), name="EngineCoreOutput")
-        self._loop.add_reader(self.proc.sentinel, self._on_proc_exit)
-
-    async def _output_loop(self) -> None:
-        while True:
-            frame = await self.output_socket.recv()
-            self._handle(self.decoder.decode(frame))
-
-    def _handle(self, message: OutputMessage) -> None:
-        if isinstance(message, OutputsMessage):
-            self.outputs_queue.put_nowait(message.outputs)
-        elif isinstance(message, UtilityResultMessage):
-            future = self._pending.pop(message.call_id, None)
-            if future is not None and not future.done():
-                if message.error is None:
-                    future.set_result(message.result)
-                else:
-                    future.set_exception(RuntimeError(message.error))
-        elif isinstance(message, EngineErrorMessage):
-            self.dead_reason = message.error
-
-    def _on_proc_exit(self) -> None:
-        assert self._loop is not None
-        self._loop.remove_reader(self.proc.sentinel)
-        if self.resources.closed:
-            return
-        # A moment for the output task to read frames the core sent before exiting.
-        self._loop.call_later(0.05, self._mark_dead)
-
-    def _mark_dead(self) -> None:
-        if self.engine_dead or self.resources.closed:
-            return
-        self.engine_dead = True
-        logger.error("EngineCore process died (exit code %s)", self.proc.exitcode)
-        error = EngineDeadError(self.dead_reason)
-        self.outputs_queue.put_nowait(error)
-        for future in self._pending.values():
-            if not future.done():
-                future.set_exception(error)
-        self._pending.clear()
-        if self._output_task is not None:
-            self._output_task.cancel()
-
-    async def _send(self, message: InputMessage) -> None:
-        self._ensure_started()
-        frame = self._encode(message)
-        while True:
-            self.check_alive()
-            try:
-                await self.input_socket.send(frame, flags=zmq.NOBLOCK)
-                return
-            except zmq.Again:
-                await asyncio.sleep(0.001)  # the core is mid-step with a full queue
-
-    async def get_output_async(self) -> EngineCoreOutputs:
-        self._ensure_started()
-        if self.resources.closed or (self.engine_dead and self.outputs_queue.empty()):
-            self.check_alive()
-        output = await self.outputs_queue.get()
-        if isinstance(output, Exception):
-            self.outputs_queue.put_nowait(output)
-            raise output
-        return output
-
-    async def add_request_async(self, request: EngineCoreRequest) -> None:
-        await self._send(AddRequestMessage(request))
-
-    async def abort_requests_async(self, request_ids: list[str]) -> None:
-        if request_ids:
-            await self._send(AbortRequestsMessage(list(request_ids)))
-
-    async def call_utility_async(self, method: str, *args: Any) -> Any:
-        self._ensure_started()
-        assert self._loop is not None
-        call_id = self._next_call_id()
-        future: asyncio.Future[Any] = self._loop.create_future()
-        self._pending[call_id] = future
-        try:
-            await self._send(UtilityCallMessage(call_id, method, list(args)))
-            return await future
-        finally:
-            self._pending.pop(call_id, None)
-
-    async def reset_prefix_cache_async(self) -> bool:
-        return bool(await self.call_utility_async("reset_prefix_cache"))
-
-    async def get_stats_async(self) -> SchedulerStats:
-        return msgspec.convert(await self.call_utility_async("get_stats"), SchedulerStats)
-
-    # The blocking interface does not apply: callers must await the *_async methods.
-    def add_request(self, request: EngineCoreRequest) -> None:
-        raise NotImplementedError("AsyncMPClient: use add_request_async")
-
-    def abort_requests(self, request_ids: list[str]) -> None:
-        raise NotImplementedError("AsyncMPClient: use abort_requests_async")
-
-    def get_output(self) -> EngineCoreOutputs:
-        raise NotImplementedError("AsyncMPClient: use get_output_async")
-
-    def reset_prefix_cache(self) -> bool:
-        raise NotImplementedError("AsyncMPClient: use reset_prefix_cache_async")
-
-    def shutdown(self) -> None:
-        if self._loop is not None and not self._loop.is_closed():
-            if self._output_task is not None:
-                self._output_task.cancel()
-            self._loop.remove_reader(self.proc.sentinel)
-        for future in self._pending.values():
-            if not future.done():
-                future.set_exception(EngineDeadError("the engine core has been shut down"))
-        super().shutdown()

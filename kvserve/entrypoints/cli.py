@@ -1,4 +1,4 @@
-"""The `kvserve` command: generate, chat (and later serve, bench)."""
+"""The `kvserve` command: generate, chat, serve, bench."""
 
 from __future__ import annotations
 
@@ -103,6 +103,13 @@ def build_parser() -> argparse.ArgumentParser:
     EngineArgs.add_cli_args(chat, with_model=False)
     _add_sampling_args(chat)
     chat.set_defaults(func=cmd_chat)
+
+    # Imported here so `kvserve generate` does not pay for the web stack's imports.
+    from kvserve.benchmarks.cli import add_bench_parser
+    from kvserve.entrypoints.openai.cli_args import add_serve_parser
+
+    add_serve_parser(sub)
+    add_bench_parser(sub)
     return parser
 
 

@@ -20,11 +20,14 @@ ChatMessages = list[dict[str, Any]]
 
 
 class LLM:
-    """An offline engine. Keyword arguments are EngineArgs fields (vLLM's names)."""
+    """An offline engine. Keyword arguments are EngineArgs fields (vLLM's names);
+    `multiprocess_mode=True` runs the engine core in a background process."""
 
-    def __init__(self, model: str | None = DEFAULT_MODEL, **kwargs: Any) -> None:
+    def __init__(self, model: str | None = DEFAULT_MODEL, *, multiprocess_mode: bool = False,
+                 **kwargs: Any) -> None:
         engine_args = EngineArgs.from_kwargs(model=model, **kwargs)
-        self.llm_engine = LLMEngine.from_engine_args(engine_args)
+        self.llm_engine = LLMEngine.from_engine_args(
+            engine_args, multiprocess_mode=multiprocess_mode)
         self._request_counter = itertools.count()
 
     def get_tokenizer(self) -> Any:
@@ -116,7 +119,7 @@ class LLM:
 
     def _run_engine(self, use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine
-        total = engine.get_num_unfinished_requests()
+        total = len(engine.output_processor.unfinished_request_ids())
         bar = tqdm(total=total, desc="Processed prompts", dynamic_ncols=True, disable=not use_tqdm)
         finished: list[RequestOutput] = []
         prompt_tokens = output_tokens = 0

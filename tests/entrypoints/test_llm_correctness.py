@@ -116,3 +116,16 @@ def test_n_samples_share_prompt_blocks(llm: Any, cases: Any) -> None:
     metrics = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_manager
     assert metrics is not None
     assert_no_leak(llm)
+
+
+def test_engine_core_in_background_process_matches_hf(cases: Any) -> None:
+    from kvserve.entrypoints.llm import LLM
+
+    prompts, expected = cases
+    engine = LLM(multiprocess_mode=True, kv_cache_memory=64 << 20)
+    try:
+        picked = [0, 3, 5, 6]
+        assert run(engine, [prompts[i] for i in picked]) == [expected[i] for i in picked]
+        assert not engine.llm_engine.has_unfinished_requests()
+    finally:
+        engine.llm_engine.shutdown()

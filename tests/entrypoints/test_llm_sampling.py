@@ -126,9 +126,14 @@ def test_penalties_change_and_reduce_repetition(llm: Any) -> None:
 
 
 def test_special_tokens_and_n(llm: Any, prompt: Any) -> None:
-    shown = text(llm, prompt, temperature=0.0, max_tokens=200, skip_special_tokens=False)
-    hidden = text(llm, prompt, temperature=0.0, max_tokens=200)
-    assert shown.endswith("<|im_end|>") and not hidden.endswith("<|im_end|>")
+    # Past EOS (ignore_eos) the model writes its turn markers, special tokens both.
+    shown = text(llm, prompt, temperature=0.0, max_tokens=40, ignore_eos=True,
+                 skip_special_tokens=False)
+    hidden = text(llm, prompt, temperature=0.0, max_tokens=40, ignore_eos=True)
+    assert "<|im_end|>" in shown and "<|im_end|>" not in hidden
+    # A request that stops at EOS never shows the EOS token, as in vLLM.
+    assert "<|im_end|>" not in text(llm, prompt, temperature=0.0, max_tokens=200,
+                                    skip_special_tokens=False)
 
     out = llm.generate(prompt, SamplingParams(n=2, temperature=1.0, seed=11, max_tokens=16),
                        use_tqdm=False)[0]

@@ -21,6 +21,7 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import kvserve
+from kvserve.engine.protocol import EngineClient
 from kvserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -89,8 +90,7 @@ class RequestIdMiddleware:
 
         async def send_with_id(message: Message) -> None:
             if message["type"] == "http.response.start" and request_id:
-                message["headers"] = [*message.get("headers", []),
-                                      (b"x-request-id", request_id)]
+                message["headers"] = [*message.get("headers", []), (b"x-request-id", request_id)]
             await send(message)
 
         await self.app(scope, receive, send_with_id)
@@ -104,18 +104,22 @@ class ApiKeyMiddleware:
         self.expected = f"Bearer {api_key}".encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if (scope["type"] == "http" and scope["method"] != "OPTIONS"
-                and scope["path"].startswith("/v1")):
+        if (
+            scope["type"] == "http"
+            and scope["method"] != "OPTIONS"
+            and scope["path"].startswith("/v1")
+        ):
             given = dict(scope["headers"]).get(b"authorization", b"")
             if not secrets.compare_digest(given, self.expected):
-                err = OpenAIServingError("Incorrect or missing API key.", status=401,
-                                         err_type="AuthenticationError")
+                err = OpenAIServingError(
+                    "Incorrect or missing API key.", status=401, err_type="AuthenticationError"
+                )
                 await _error(err)(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 
 
-def build_app(engine_client: Any, args: argparse.Namespace) -> FastAPI:
+def build_app(engine_client: EngineClient, args: argparse.Namespace) -> FastAPI:
     """The FastAPI app over ``engine_client`` (an AsyncLLM); ``args`` from add_serve_args."""
     models = OpenAIServingModels(engine_client.model_config)
     chat = OpenAIServingChat(engine_client, models, chat_template=_chat_template(args))
@@ -130,8 +134,9 @@ def build_app(engine_client: Any, args: argparse.Namespace) -> FastAPI:
         yield
         watch.cancel()
 
-    app = FastAPI(title="kvserve OpenAI-compatible server", version=kvserve.__version__,
-                  lifespan=lifespan)
+    app = FastAPI(
+        title="kvserve OpenAI-compatible server", version=kvserve.__version__, lifespan=lifespan
+    )
     app.state.engine_client = engine_client
     app.state.server = None  # set by run_server, so a dead engine can stop uvicorn
 
@@ -142,13 +147,17 @@ def build_app(engine_client: Any, args: argparse.Namespace) -> FastAPI:
     @app.exception_handler(RequestValidationError)
     async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
         # OpenAI answers malformed bodies with 400, not FastAPI's 422.
-        first = exc.errors()[0] if exc.errors() else {}
-        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+        errors = exc.errors()
+        if errors and errors[0].get("type") == "json_invalid":
+            detail = errors[0].get("ctx", {}).get("error", "")
+            return _error(OpenAIServingError(f"Malformed JSON body: {detail}".rstrip(": ")))
+        locs = [".".join(str(p) for p in e.get("loc", ()) if p != "body") for e in errors]
         message = "; ".join(
-            f"{'.'.join(str(p) for p in e.get('loc', ()) if p != 'body') or 'body'}: {e['msg']}"
-            for e in exc.errors()[:5])
-        return _error(OpenAIServingError(message or "invalid request",
-                                         param=".".join(loc) or None))
+            f"{loc or 'body'}: {e['msg']}" for loc, e in zip(locs, errors, strict=True)
+        )
+        # The param is the top-level field, as OpenAI names it ("prompt", not "prompt.str").
+        param = locs[0].split(".")[0] if locs and locs[0] else None
+        return _error(OpenAIServingError(message or "invalid request", param=param))
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -181,14 +190,17 @@ def build_app(engine_client: Any, args: argparse.Namespace) -> FastAPI:
 
     @app.post("/v1/completions")
     async def create_completion(request: CompletionRequest, raw_request: Request) -> Response:
-        return _respond(await _until_disconnect(
-            raw_request, completion.create_completion(request, raw_request)))
+        return _respond(
+            await _until_disconnect(raw_request, completion.create_completion(request, raw_request))
+        )
 
     @app.post("/v1/chat/completions")
-    async def create_chat_completion(request: ChatCompletionRequest,
-                                     raw_request: Request) -> Response:
-        return _respond(await _until_disconnect(
-            raw_request, chat.create_chat_completion(request, raw_request)))
+    async def create_chat_completion(
+        request: ChatCompletionRequest, raw_request: Request
+    ) -> Response:
+        return _respond(
+            await _until_disconnect(raw_request, chat.create_chat_completion(request, raw_request))
+        )
 
     @app.post("/tokenize")
     async def tokenize(request: TokenizeChatRequest | TokenizeCompletionRequest) -> Response:
@@ -201,8 +213,13 @@ def build_app(engine_client: Any, args: argparse.Namespace) -> FastAPI:
     if getattr(args, "api_key", None):
         app.add_middleware(ApiKeyMiddleware, api_key=args.api_key)
     if getattr(args, "allowed_origins", None):
-        app.add_middleware(CORSMiddleware, allow_origins=args.allowed_origins,
-                           allow_credentials=True, allow_methods=["*"], allow_headers=["*"])
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=args.allowed_origins,
+            allow_credentials=True,
+            allow_methods=["*"],
+            allow_headers=["*"],
+        )
     app.add_middleware(RequestIdMiddleware)
     return app
 
@@ -236,19 +253,39 @@ async def serve_http(args: argparse.Namespace) -> int:
     try:
         app = build_app(engine, args)
         config = uvicorn.Config(
-            app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
+            app,
+            host=args.host,
+            port=args.port,
+            log_level=args.uvicorn_log_level,
             # SIGTERM: stop accepting, let in-flight requests finish for this long.
-            timeout_graceful_shutdown=args.shutdown_timeout, access_log=False)
+            timeout_graceful_shutdown=args.shutdown_timeout,
+            access_log=False,
+        )
         server = uvicorn.Server(config)
         app.state.server = server
-        # uvicorn re-raises the SIGTERM it caught once it has drained; this handler turns
-        # that into a normal return so the engine below is shut down cleanly.
-        signal.signal(signal.SIGTERM, lambda *_: None)
+        # uvicorn re-raises the SIGTERM/SIGINT it caught once it has drained; these
+        # handlers turn that into a normal return so the engine is shut down cleanly below.
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: None)
         await server.serve()
+        # Checked before shutdown(), after which the core is gone on purpose.
+        engine_died = engine.errored
     finally:
         engine.shutdown()
-    return 1 if engine.errored else 0
+    return 1 if engine_died else 0
 
 
 def run_server(args: argparse.Namespace) -> int:
     return asyncio.run(serve_http(args))
+
+
+if __name__ == "__main__":
+    # `python -m kvserve.entrypoints.openai.api_server [MODEL] [flags]`, as in vLLM.
+    import sys
+
+    from kvserve.entrypoints.openai.cli_args import add_serve_args, serve_main
+
+    logging.basicConfig(
+        level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    sys.exit(serve_main(add_serve_args(argparse.ArgumentParser()).parse_args()))

@@ -12,23 +12,42 @@ from kvserve.engine.arg_utils import EngineArgs
 def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Engine flags plus the HTTP server's own."""
     EngineArgs.add_cli_args(parser, with_model=True)
-    parser.add_argument("--host", default="127.0.0.1",
-                        help="address to listen on (loopback by default; 0.0.0.0 for all)")
+    parser.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to listen on (loopback by default; 0.0.0.0 for all)",
+    )
     parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--api-key", default=None,
-                        help="require `Authorization: Bearer <key>` on /v1/* routes")
-    parser.add_argument("--allowed-origins", type=_origins, default=None,
-                        help='CORS origins, e.g. \'["http://localhost:3000"]\' or "*"')
-    parser.add_argument("--chat-template", default=None,
-                        help="a Jinja chat template (file path or the text itself) that "
-                        "replaces the tokenizer's")
-    parser.add_argument("--disable-log-requests", action="store_true",
-                        help="do not log each request's id and sampling parameters")
-    parser.add_argument("--uvicorn-log-level", default="info",
-                        choices=["critical", "error", "warning", "info", "debug", "trace"])
-    parser.add_argument("--shutdown-timeout", type=float, default=30.0,
-                        help="seconds in-flight requests may run after SIGTERM before they "
-                        "are aborted")
+    parser.add_argument(
+        "--api-key", default=None, help="require `Authorization: Bearer <key>` on /v1/* routes"
+    )
+    parser.add_argument(
+        "--allowed-origins",
+        type=_origins,
+        default=None,
+        help='CORS origins, e.g. \'["http://localhost:3000"]\' or "*"',
+    )
+    parser.add_argument(
+        "--chat-template",
+        default=None,
+        help="a Jinja chat template (file path or the text itself) that replaces the tokenizer's",
+    )
+    parser.add_argument(
+        "--disable-log-requests",
+        action="store_true",
+        help="do not log each request's id and sampling parameters",
+    )
+    parser.add_argument(
+        "--uvicorn-log-level",
+        default="info",
+        choices=["critical", "error", "warning", "info", "debug", "trace"],
+    )
+    parser.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="seconds in-flight requests may run after SIGTERM before they are aborted",
+    )
     return parser
 
 
@@ -45,16 +64,22 @@ def _origins(value: str) -> list[str]:
 def serve_main(args: argparse.Namespace) -> int:
     from kvserve.entrypoints.openai.api_server import run_server
 
-    # The per-request log lines are INFO; make sure they reach the console.
-    if not args.disable_log_requests:
-        logging.getLogger("kvserve.entrypoints.openai").setLevel(logging.INFO)
+    # Request lines and the periodic stats line are INFO: show them unless asked not to.
+    names = ["kvserve.metrics"] + (
+        [] if args.disable_log_requests else ["kvserve.entrypoints.openai"]
+    )
+    for name in names:
+        if logging.getLogger(name).getEffectiveLevel() > logging.INFO:
+            logging.getLogger(name).setLevel(logging.INFO)
     return run_server(args)
 
 
 def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     parser = subparsers.add_parser(
-        "serve", help="start the OpenAI-compatible HTTP server",
-        description="Serve a model over an OpenAI-compatible HTTP API.")
+        "serve",
+        help="start the OpenAI-compatible HTTP server",
+        description="Serve a model over an OpenAI-compatible HTTP API.",
+    )
     add_serve_args(parser)
     parser.set_defaults(func=serve_main)
     return parser

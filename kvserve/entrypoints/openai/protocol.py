@@ -6,7 +6,13 @@ import time
 import uuid
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    model_serializer,
+)
 
 from kvserve.sampling_params import RequestOutputKind, SamplingParams
 
@@ -37,11 +43,17 @@ class ErrorResponse(OpenAIBaseModel):
 class OpenAIServingError(Exception):
     """Raised by the serving layer; the app turns it into an ErrorResponse with ``status``."""
 
-    _TYPES: ClassVar[dict[int, str]] = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
-              500: "InternalServerError", 503: "ServiceUnavailableError"}
+    _TYPES: ClassVar[dict[int, str]] = {
+        400: "BadRequestError",
+        401: "AuthenticationError",
+        404: "NotFoundError",
+        500: "InternalServerError",
+        503: "ServiceUnavailableError",
+    }
 
-    def __init__(self, message: str, status: int = 400, param: str | None = None,
-                 err_type: str | None = None) -> None:
+    def __init__(
+        self, message: str, status: int = 400, param: str | None = None, err_type: str | None = None
+    ) -> None:
         super().__init__(message)
         self.message = message
         self.status = status
@@ -49,8 +61,11 @@ class OpenAIServingError(Exception):
         self.err_type = err_type or self._TYPES.get(status, "BadRequestError")
 
     def to_response(self) -> ErrorResponse:
-        return ErrorResponse(error=ErrorInfo(message=self.message, type=self.err_type,
-                                             param=self.param, code=self.status))
+        return ErrorResponse(
+            error=ErrorInfo(
+                message=self.message, type=self.err_type, param=self.param, code=self.status
+            )
+        )
 
 
 class UsageInfo(OpenAIBaseModel):
@@ -60,8 +75,11 @@ class UsageInfo(OpenAIBaseModel):
 
     @classmethod
     def of(cls, prompt_tokens: int, completion_tokens: int) -> UsageInfo:
-        return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                   total_tokens=prompt_tokens + completion_tokens)
+        return cls(
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            total_tokens=prompt_tokens + completion_tokens,
+        )
 
 
 class StreamOptions(OpenAIBaseModel):
@@ -98,8 +116,9 @@ class _SamplingRequest(OpenAIBaseModel):
     cache_salt: str | None = None
     request_id: str | None = None
 
-    def _sampling_params(self, max_tokens: int, logprobs: int | None,
-                         stream: bool) -> SamplingParams:
+    def _sampling_params(
+        self, max_tokens: int, logprobs: int | None, stream: bool
+    ) -> SamplingParams:
         """Raises ValueError (-> 400) for out-of-range values, via SamplingParams."""
         if logprobs is not None and logprobs > MAX_LOGPROBS:
             raise ValueError(f"logprobs must be at most {MAX_LOGPROBS}, got {logprobs}")
@@ -201,8 +220,11 @@ class ChatCompletionRequest(_SamplingRequest):
     chat_template: str | None = None
 
     def requested_max_tokens(self) -> int | None:
-        return self.max_completion_tokens if self.max_completion_tokens is not None \
+        return (
+            self.max_completion_tokens
+            if self.max_completion_tokens is not None
             else self.max_tokens
+        )
 
     def to_sampling_params(self, max_tokens: int) -> SamplingParams:
         if self.top_logprobs and not self.logprobs:
@@ -250,6 +272,11 @@ class ChatCompletionResponse(OpenAIBaseModel):
 class DeltaMessage(OpenAIBaseModel):
     role: str | None = None
     content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_none(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        # OpenAI's deltas carry only what changed: {"content": "..."}, no "role": null.
+        return {k: v for k, v in handler(self).items() if v is not None}
 
 
 class ChatCompletionResponseStreamChoice(OpenAIBaseModel):

@@ -10,6 +10,7 @@ from typing import Any
 from fastapi import Request
 
 from kvserve.engine.input_processor import apply_chat_template
+from kvserve.engine.protocol import EngineClient
 from kvserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -29,21 +30,35 @@ Merged = AsyncGenerator[tuple[int, RequestOutput], None]
 
 
 class OpenAIServingChat(OpenAIServing):
-    def __init__(self, engine_client: Any, models: OpenAIServingModels,
-                 chat_template: str | None = None, response_role: str = "assistant") -> None:
+    def __init__(
+        self,
+        engine_client: EngineClient,
+        models: OpenAIServingModels,
+        chat_template: str | None = None,
+        response_role: str = "assistant",
+    ) -> None:
         super().__init__(engine_client, models)
         self.chat_template = chat_template
         self.response_role = response_role
 
-    async def render_prompt(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
-                            continue_final_message: bool, chat_template: str | None,
-                            tools: list[dict[str, Any]] | None = None) -> tuple[str, list[int]]:
+    async def render_prompt(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool,
+        continue_final_message: bool,
+        chat_template: str | None,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> tuple[str, list[int]]:
         """The templated prompt text and its token ids (the template holds BOS already)."""
         try:
             text = apply_chat_template(
-                self.tokenizer, messages, add_generation_prompt=add_generation_prompt,
-                chat_template=chat_template or self.chat_template, tools=tools,
-                continue_final_message=continue_final_message)
+                self.tokenizer,
+                messages,
+                add_generation_prompt=add_generation_prompt,
+                chat_template=chat_template or self.chat_template,
+                tools=tools,
+                continue_final_message=continue_final_message,
+            )
         except ValueError as exc:
             raise OpenAIServingError(str(exc), param="messages") from None
         return text, await self.tokenize(text, add_special_tokens=False)
@@ -53,22 +68,30 @@ class OpenAIServingChat(OpenAIServing):
     ) -> ChatCompletionResponse | AsyncIterator[str]:
         """A ChatCompletionResponse, or (stream=True) an iterator of SSE lines."""
         model = self.models.resolve(request.model)
-        add_generation_prompt = request.add_generation_prompt and \
-            not request.continue_final_message
+        add_generation_prompt = request.add_generation_prompt and not request.continue_final_message
         text, prompt_ids = await self.render_prompt(
-            request.messages, add_generation_prompt, request.continue_final_message,
-            request.chat_template, request.tools)
-        max_tokens = self.check_length(len(prompt_ids), request.requested_max_tokens(),
-                                       "messages")
+            request.messages,
+            add_generation_prompt,
+            request.continue_final_message,
+            request.chat_template,
+            request.tools,
+        )
+        max_tokens = self.check_length(len(prompt_ids), request.requested_max_tokens(), "messages")
         try:
             params = request.to_sampling_params(max_tokens)
         except ValueError as exc:
             raise OpenAIServingError(str(exc)) from None
         base_id = self.request_id(raw_request, request.request_id, "chatcmpl")
-        merged = merge_async_iterators(self.generate(
-            {"prompt_token_ids": prompt_ids, "prompt": text}, params, base_id,
-            request.priority, request.cache_salt))
-        response_id = f"chatcmpl-{base_id}"
+        merged = merge_async_iterators(
+            self.generate(
+                {"prompt_token_ids": prompt_ids, "prompt": text},
+                params,
+                base_id,
+                request.priority,
+                request.cache_salt,
+            )
+        )
+        response_id = self.response_id(base_id, "chatcmpl")
         if not request.stream:
             return await self._full(request, merged, len(prompt_ids), model, response_id)
         try:
@@ -78,8 +101,14 @@ class OpenAIServingChat(OpenAIServing):
             raise self.engine_error(exc) from None
         return self._stream(request, merged, first, len(prompt_ids), model, response_id)
 
-    async def _full(self, request: ChatCompletionRequest, merged: Merged, prompt_tokens: int,
-                    model: str, response_id: str) -> ChatCompletionResponse:
+    async def _full(
+        self,
+        request: ChatCompletionRequest,
+        merged: Merged,
+        prompt_tokens: int,
+        model: str,
+        response_id: str,
+    ) -> ChatCompletionResponse:
         final: RequestOutput | None = None
         try:
             async with contextlib.aclosing(merged):
@@ -94,32 +123,56 @@ class OpenAIServingChat(OpenAIServing):
             logprobs = None
             if request.logprobs and c.logprobs is not None:
                 logprobs = self.chat_logprobs(c.token_ids, c.logprobs, request.top_logprobs or 0)
-            choices.append(ChatCompletionResponseChoice(
-                index=c.index, message=ChatMessage(role=self.response_role, content=c.text),
-                logprobs=logprobs, finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+            choices.append(
+                ChatCompletionResponseChoice(
+                    index=c.index,
+                    message=ChatMessage(role=self.response_role, content=c.text),
+                    logprobs=logprobs,
+                    finish_reason=c.finish_reason,
+                    stop_reason=c.stop_reason,
+                )
+            )
         completion_tokens = sum(len(c.token_ids) for c in final.outputs)
-        return ChatCompletionResponse(id=response_id, model=model, choices=choices,
-                                      usage=UsageInfo.of(prompt_tokens, completion_tokens))
+        return ChatCompletionResponse(
+            id=response_id,
+            model=model,
+            choices=choices,
+            usage=UsageInfo.of(prompt_tokens, completion_tokens),
+        )
 
-    async def _stream(self, request: ChatCompletionRequest, merged: Merged,
-                      first: tuple[int, RequestOutput], prompt_tokens: int, model: str,
-                      response_id: str) -> AsyncGenerator[str, None]:
+    async def _stream(
+        self,
+        request: ChatCompletionRequest,
+        merged: Merged,
+        first: tuple[int, RequestOutput],
+        prompt_tokens: int,
+        model: str,
+        response_id: str,
+    ) -> AsyncGenerator[str, None]:
         created = int(time.time())
         tokens = [0] * request.n
-        stream_usage = request.stream_options is not None and \
-            request.stream_options.continuous_usage_stats
+        stream_usage = (
+            request.stream_options is not None and request.stream_options.continuous_usage_stats
+        )
 
-        def chunk(choices: list[ChatCompletionResponseStreamChoice],
-                  usage: UsageInfo | None = None) -> str:
-            body = ChatCompletionStreamResponse(id=response_id, created=created, model=model,
-                                                choices=choices, usage=usage)
+        def chunk(
+            choices: list[ChatCompletionResponseStreamChoice], usage: UsageInfo | None = None
+        ) -> str:
+            body = ChatCompletionStreamResponse(
+                id=response_id, created=created, model=model, choices=choices, usage=usage
+            )
             return f"data: {body.model_dump_json()}\n\n"
 
         try:
             # OpenAI's first chunk per choice names the role and carries no text.
             for i in range(request.n):
-                yield chunk([ChatCompletionResponseStreamChoice(
-                    index=i, delta=DeltaMessage(role=self.response_role, content=""))])
+                yield chunk(
+                    [
+                        ChatCompletionResponseStreamChoice(
+                            index=i, delta=DeltaMessage(role=self.response_role, content="")
+                        )
+                    ]
+                )
             async with contextlib.aclosing(merged):
                 item: tuple[int, RequestOutput] | None = first
                 while item is not None:
@@ -129,15 +182,24 @@ class OpenAIServingChat(OpenAIServing):
                         tokens[c.index] += len(c.token_ids)
                         logprobs = None
                         if request.logprobs and c.logprobs:
-                            logprobs = self.chat_logprobs(c.token_ids, c.logprobs,
-                                                          request.top_logprobs or 0)
+                            logprobs = self.chat_logprobs(
+                                c.token_ids, c.logprobs, request.top_logprobs or 0
+                            )
                         if not (c.text or c.finish_reason or logprobs):
                             continue
-                        usage = UsageInfo.of(prompt_tokens, sum(tokens)) if stream_usage \
-                            else None
-                        yield chunk([ChatCompletionResponseStreamChoice(
-                            index=c.index, delta=DeltaMessage(content=c.text), logprobs=logprobs,
-                            finish_reason=c.finish_reason, stop_reason=c.stop_reason)], usage)
+                        usage = UsageInfo.of(prompt_tokens, sum(tokens)) if stream_usage else None
+                        yield chunk(
+                            [
+                                ChatCompletionResponseStreamChoice(
+                                    index=c.index,
+                                    delta=DeltaMessage(content=c.text),
+                                    logprobs=logprobs,
+                                    finish_reason=c.finish_reason,
+                                    stop_reason=c.stop_reason,
+                                )
+                            ],
+                            usage,
+                        )
                     item = await anext(merged, None)
             if request.include_usage:
                 yield chunk([], UsageInfo.of(prompt_tokens, sum(tokens)))

@@ -6,6 +6,7 @@ import contextlib
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
+from typing import Any
 
 from fastapi import Request
 
@@ -18,7 +19,7 @@ from kvserve.entrypoints.openai.protocol import (
     UsageInfo,
 )
 from kvserve.entrypoints.openai.serving_engine import OpenAIServing, merge_async_iterators
-from kvserve.outputs import RequestOutput
+from kvserve.outputs import Logprob, RequestOutput
 
 Merged = AsyncGenerator[tuple[int, RequestOutput], None]
 
@@ -41,8 +42,9 @@ class OpenAIServingCompletion(OpenAIServing):
         if request.suffix:
             raise OpenAIServingError("suffix is not supported", param="suffix")
         if request.echo and request.logprobs is not None and request.stream:
-            raise OpenAIServingError("echo with logprobs is only supported without stream",
-                                     param="echo")
+            raise OpenAIServingError(
+                "echo with logprobs is only supported without stream", param="echo"
+            )
         prompts = await self._prompts(request.prompt)
         base_id = self.request_id(raw_request, request.request_id, "cmpl")
         generators = []
@@ -55,11 +57,17 @@ class OpenAIServingCompletion(OpenAIServing):
             if request.echo and request.logprobs is not None:
                 params = params.clone(prompt_logprobs=request.logprobs)
             request_id = base_id if len(prompts) == 1 else f"{base_id}-{i}"
-            generators.append(self.generate(
-                {"prompt_token_ids": prompt.token_ids, "prompt": prompt.text}, params,
-                request_id, request.priority, request.cache_salt))
+            generators.append(
+                self.generate(
+                    {"prompt_token_ids": prompt.token_ids, "prompt": prompt.text},
+                    params,
+                    request_id,
+                    request.priority,
+                    request.cache_salt,
+                )
+            )
         merged = merge_async_iterators(*generators)
-        response_id = f"cmpl-{base_id}"
+        response_id = self.response_id(base_id, "cmpl")
         if not request.stream:
             return await self._full(request, merged, prompts, model, response_id)
         try:
@@ -70,29 +78,39 @@ class OpenAIServingCompletion(OpenAIServing):
             raise self.engine_error(exc) from None
         return self._stream(request, merged, first, prompts, model, response_id)
 
-    async def _prompts(self, prompt: str | list[str] | list[int] | list[list[int]]
-                       ) -> list[_Prompt]:
-        if isinstance(prompt, str):
-            prompt = [prompt]
+    async def _prompts(
+        self, prompt: str | list[str] | list[int] | list[list[int]]
+    ) -> list[_Prompt]:
         if not prompt:
             raise OpenAIServingError("prompt must not be empty", param="prompt")
-        if all(isinstance(p, int) for p in prompt):
-            prompt = [prompt]  # type: ignore[list-item]
+        # One prompt (text or ids) or a batch of them.
+        batch: list[Any] = (
+            [prompt] if isinstance(prompt, str) or isinstance(prompt[0], int) else list(prompt)
+        )
         out: list[_Prompt] = []
-        for p in prompt:
+        for p in batch:
             if isinstance(p, str):
                 if not p:
                     raise OpenAIServingError("prompt must not be empty", param="prompt")
                 out.append(_Prompt(p, await self.tokenize(p, add_special_tokens=True)))
-            elif isinstance(p, list) and p:
+            elif isinstance(p, list) and p and all(isinstance(t, int) for t in p):
                 out.append(_Prompt(self.tokenizer.decode(p), list(p)))
             else:
-                raise OpenAIServingError("prompt must be a string, a list of strings, a list "
-                                         "of token ids or a list of such lists", param="prompt")
+                raise OpenAIServingError(
+                    "prompt must be a string, a list of strings, a list "
+                    "of token ids or a list of such lists",
+                    param="prompt",
+                )
         return out
 
-    async def _full(self, request: CompletionRequest, merged: Merged, prompts: list[_Prompt],
-                    model: str, response_id: str) -> CompletionResponse:
+    async def _full(
+        self,
+        request: CompletionRequest,
+        merged: Merged,
+        prompts: list[_Prompt],
+        model: str,
+        response_id: str,
+    ) -> CompletionResponse:
         finals: dict[int, RequestOutput] = {}
         try:
             async with contextlib.aclosing(merged):
@@ -110,29 +128,46 @@ class OpenAIServingCompletion(OpenAIServing):
                 text = prompt.text + c.text if request.echo else c.text
                 logprobs = None
                 if request.logprobs is not None and c.logprobs is not None:
-                    ids, rows = c.token_ids, list(c.logprobs)
+                    ids = c.token_ids
+                    rows: list[dict[int, Logprob] | None] = list(c.logprobs)
                     if request.echo and output.prompt_logprobs is not None:
                         ids = prompt.token_ids + ids
                         rows = list(output.prompt_logprobs) + rows
                     logprobs = self.completion_logprobs(ids, rows, 0)
-                choices.append(CompletionResponseChoice(
-                    index=prompt_idx * request.n + c.index, text=text, logprobs=logprobs,
-                    finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+                choices.append(
+                    CompletionResponseChoice(
+                        index=prompt_idx * request.n + c.index,
+                        text=text,
+                        logprobs=logprobs,
+                        finish_reason=c.finish_reason,
+                        stop_reason=c.stop_reason,
+                    )
+                )
         prompt_tokens = sum(len(p.token_ids) for p in prompts)
         return CompletionResponse(
-            id=response_id, model=model, choices=choices,
-            usage=UsageInfo.of(prompt_tokens, completion_tokens))
+            id=response_id,
+            model=model,
+            choices=choices,
+            usage=UsageInfo.of(prompt_tokens, completion_tokens),
+        )
 
-    async def _stream(self, request: CompletionRequest, merged: Merged,
-                      first: tuple[int, RequestOutput], prompts: list[_Prompt], model: str,
-                      response_id: str) -> AsyncGenerator[str, None]:
+    async def _stream(
+        self,
+        request: CompletionRequest,
+        merged: Merged,
+        first: tuple[int, RequestOutput],
+        prompts: list[_Prompt],
+        model: str,
+        response_id: str,
+    ) -> AsyncGenerator[str, None]:
         created = int(time.time())
         num_choices = len(prompts) * request.n
         tokens = [0] * num_choices
         text_len = [0] * num_choices  # characters sent so far, for logprobs' text_offset
         prompt_tokens = sum(len(p.token_ids) for p in prompts)
-        stream_usage = request.stream_options is not None and \
-            request.stream_options.continuous_usage_stats
+        stream_usage = (
+            request.stream_options is not None and request.stream_options.continuous_usage_stats
+        )
         try:
             async with contextlib.aclosing(merged):
                 item: tuple[int, RequestOutput] | None = first
@@ -146,28 +181,41 @@ class OpenAIServingCompletion(OpenAIServing):
                             text = prompts[prompt_idx].text + text
                         logprobs = None
                         if request.logprobs is not None and c.logprobs:
-                            logprobs = self.completion_logprobs(c.token_ids, c.logprobs,
-                                                                text_len[i])
+                            logprobs = self.completion_logprobs(
+                                c.token_ids, c.logprobs, text_len[i]
+                            )
                         tokens[i] += len(c.token_ids)
                         text_len[i] += len(text)
                         if not (text or c.finish_reason or logprobs):
                             continue  # the detokenizer is holding back a partial character
                         chunk = CompletionStreamResponse(
-                            id=response_id, created=created, model=model,
-                            choices=[CompletionResponseChoice(
-                                index=i, text=text, logprobs=logprobs,
-                                finish_reason=c.finish_reason, stop_reason=c.stop_reason)])
+                            id=response_id,
+                            created=created,
+                            model=model,
+                            choices=[
+                                CompletionResponseChoice(
+                                    index=i,
+                                    text=text,
+                                    logprobs=logprobs,
+                                    finish_reason=c.finish_reason,
+                                    stop_reason=c.stop_reason,
+                                )
+                            ],
+                        )
                         if stream_usage:
                             chunk.usage = UsageInfo.of(prompt_tokens, sum(tokens))
                         yield f"data: {chunk.model_dump_json()}\n\n"
                     item = await anext(merged, None)
             if request.include_usage:
                 chunk = CompletionStreamResponse(
-                    id=response_id, created=created, model=model, choices=[],
-                    usage=UsageInfo.of(prompt_tokens, sum(tokens)))
+                    id=response_id,
+                    created=created,
+                    model=model,
+                    choices=[],
+                    usage=UsageInfo.of(prompt_tokens, sum(tokens)),
+                )
                 yield f"data: {chunk.model_dump_json()}\n\n"
         except Exception as exc:
             # Headers are gone already: the error travels as an SSE event, as OpenAI does.
             yield f"data: {self.engine_error(exc).to_response().model_dump_json()}\n\n"
         yield "data: [DONE]\n\n"
-

@@ -9,9 +9,11 @@ import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from typing import Any, TypeVar
 
+import msgspec
 from fastapi import Request
 
 from kvserve.engine.exceptions import EngineDeadError
+from kvserve.engine.protocol import EngineClient
 from kvserve.entrypoints.openai.protocol import (
     ChatCompletionLogProb,
     ChatCompletionLogProbs,
@@ -30,10 +32,11 @@ logger = logging.getLogger(__name__)
 
 
 class OpenAIServing:
-    def __init__(self, engine_client: Any, models: OpenAIServingModels) -> None:
+    def __init__(self, engine_client: EngineClient, models: OpenAIServingModels) -> None:
         self.engine_client = engine_client
         self.models = models
         self.tokenizer = engine_client.tokenizer
+        assert engine_client.model_config.max_model_len is not None
         self.max_model_len: int = engine_client.model_config.max_model_len
         self.log_requests = True
 
@@ -43,40 +46,63 @@ class OpenAIServing:
         header = raw_request.headers.get("x-request-id") if raw_request is not None else None
         return header or body_id or f"{prefix}-{random_uuid()}"
 
+    @staticmethod
+    def response_id(request_id: str, prefix: str) -> str:
+        return request_id if request_id.startswith(f"{prefix}-") else f"{prefix}-{request_id}"
+
     async def tokenize(self, text: str, add_special_tokens: bool) -> list[int]:
         # Fast tokenizers release the GIL: a long prompt does not stall other requests.
         return await asyncio.to_thread(
-            lambda: list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens)))
+            lambda: list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+        )
 
-    def check_length(self, prompt_len: int, max_tokens: int | None,
-                     input_param: str = "prompt") -> int:
+    def check_length(
+        self, prompt_len: int, max_tokens: int | None, input_param: str = "prompt"
+    ) -> int:
         """The max_tokens to run with; raises a 400 when the request cannot fit the context."""
         limit = self.max_model_len
         if prompt_len >= limit:
             raise OpenAIServingError(
                 f"This model's maximum context length is {limit} tokens. However, your "
                 f"request has {prompt_len} input tokens. Please reduce the length of the "
-                "input.", param=input_param)
+                "input.",
+                param=input_param,
+            )
         if max_tokens is None:
             return limit - prompt_len
         if max_tokens < 1:
-            raise OpenAIServingError(f"max_tokens must be at least 1, got {max_tokens}",
-                                     param="max_tokens")
+            raise OpenAIServingError(
+                f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens"
+            )
         if prompt_len + max_tokens > limit:
             raise OpenAIServingError(
                 f"This model's maximum context length is {limit} tokens. However, you "
                 f"requested {prompt_len + max_tokens} tokens ({prompt_len} in the input, "
                 f"{max_tokens} in the completion). Please reduce the length of the input "
-                "or of the completion.", param="max_tokens")
+                "or of the completion.",
+                param="max_tokens",
+            )
         return max_tokens
 
-    def generate(self, prompt: TokensPrompt, params: SamplingParams, request_id: str,
-                 priority: int, cache_salt: str | None) -> AsyncGenerator[RequestOutput, None]:
+    def generate(
+        self,
+        prompt: TokensPrompt,
+        params: SamplingParams,
+        request_id: str,
+        priority: int,
+        cache_salt: str | None,
+    ) -> AsyncGenerator[RequestOutput, None]:
         if self.log_requests:
-            logger.info("request %s: %d prompt tokens, %s", request_id,
-                        len(prompt["prompt_token_ids"]), params)
-        return self.engine_client.generate(prompt, params, request_id, priority=priority,
-                                           cache_salt=cache_salt)
+            # msgspec leaves defaults out: the line shows what this request changed.
+            logger.info(
+                "request %s: %d prompt tokens, params %s",
+                request_id,
+                len(prompt["prompt_token_ids"]),
+                msgspec.json.encode(params).decode(),
+            )
+        return self.engine_client.generate(
+            prompt, params, request_id, priority=priority, cache_salt=cache_salt
+        )
 
     @staticmethod
     def engine_error(exc: BaseException) -> OpenAIServingError:
@@ -102,9 +128,12 @@ class OpenAIServing:
             return lp.decoded_token
         return self.tokenizer.decode([token_id])
 
-    def completion_logprobs(self, token_ids: Sequence[int],
-                            logprobs: Sequence[dict[int, Logprob] | None],
-                            text_offset: int) -> CompletionLogProbs:
+    def completion_logprobs(
+        self,
+        token_ids: Sequence[int],
+        logprobs: Sequence[dict[int, Logprob] | None],
+        text_offset: int,
+    ) -> CompletionLogProbs:
         """`{tokens, token_logprobs, top_logprobs, text_offset}`; offsets start at text_offset."""
         out = CompletionLogProbs()
         offset = text_offset
@@ -119,28 +148,40 @@ class OpenAIServing:
                 continue
             out.token_logprobs.append(max(row[tid].logprob, -9999.0) if tid in row else None)
             out.top_logprobs.append(
-                {self.decoded(t, lp): max(lp.logprob, -9999.0) for t, lp in row.items()})
+                {self.decoded(t, lp): max(lp.logprob, -9999.0) for t, lp in row.items()}
+            )
         return out
 
-    def chat_logprobs(self, token_ids: Sequence[int], logprobs: Sequence[dict[int, Logprob]],
-                      top_logprobs: int) -> ChatCompletionLogProbs:
+    def chat_logprobs(
+        self, token_ids: Sequence[int], logprobs: Sequence[dict[int, Logprob]], top_logprobs: int
+    ) -> ChatCompletionLogProbs:
         content: list[ChatCompletionLogProbsContent] = []
         for tid, row in zip(token_ids, logprobs, strict=True):
             token = self.decoded(tid, row.get(tid))
-            top = sorted((item for item in row.items()
-                          if item[1].rank is not None and 1 <= item[1].rank <= top_logprobs),
-                         key=lambda item: item[1].rank or 0)
-            content.append(ChatCompletionLogProbsContent(
-                token=token, logprob=max(row[tid].logprob, -9999.0) if tid in row else -9999.0,
-                bytes=list(token.encode("utf-8")),
-                top_logprobs=[self._chat_logprob(t, lp) for t, lp in top]))
+            top = sorted(
+                (
+                    item
+                    for item in row.items()
+                    if item[1].rank is not None and 1 <= item[1].rank <= top_logprobs
+                ),
+                key=lambda item: item[1].rank or 0,
+            )
+            content.append(
+                ChatCompletionLogProbsContent(
+                    token=token,
+                    logprob=max(row[tid].logprob, -9999.0) if tid in row else -9999.0,
+                    bytes=list(token.encode("utf-8")),
+                    top_logprobs=[self._chat_logprob(t, lp) for t, lp in top],
+                )
+            )
         return ChatCompletionLogProbs(content=content)
 
     def _chat_logprob(self, token_id: int, lp: Logprob) -> ChatCompletionLogProb:
         # -inf is not valid JSON; OpenAI clamps to -9999 the same way.
         text = self.decoded(token_id, lp)
-        return ChatCompletionLogProb(token=text, logprob=max(lp.logprob, -9999.0),
-                                     bytes=list(text.encode("utf-8")))
+        return ChatCompletionLogProb(
+            token=text, logprob=max(lp.logprob, -9999.0), bytes=list(text.encode("utf-8"))
+        )
 
 
 async def merge_async_iterators(

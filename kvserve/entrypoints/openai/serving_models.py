@@ -23,9 +23,14 @@ class OpenAIServingModels:
         if requested is None or requested == "" or requested == self.model_name:
             return self.model_name
         raise OpenAIServingError(
-            f"The model `{requested}` does not exist.", status=404, param="model")
+            f"The model `{requested}` does not exist.", status=404, param="model"
+        )
 
     def show_available_models(self) -> ModelList:
-        card = ModelCard(id=self.model_name, root=self.root, created=self.created,
-                         max_model_len=self.max_model_len)
+        card = ModelCard(
+            id=self.model_name,
+            root=self.root,
+            created=self.created,
+            max_model_len=self.max_model_len,
+        )
         return ModelList(data=[card])

@@ -26,15 +26,19 @@ class OpenAIServingTokenization(OpenAIServing):
         self.models.resolve(request.model)
         if isinstance(request, TokenizeChatRequest):
             _, ids = await self.serving_chat.render_prompt(
-                request.messages, request.add_generation_prompt and
-                not request.continue_final_message, request.continue_final_message,
-                request.chat_template)
+                request.messages,
+                request.add_generation_prompt and not request.continue_final_message,
+                request.continue_final_message,
+                request.chat_template,
+            )
         else:
             ids = await self.tokenize(request.prompt, request.add_special_tokens)
-        token_strs = (self.tokenizer.convert_ids_to_tokens(ids)
-                      if request.return_token_strs else None)
-        return TokenizeResponse(count=len(ids), max_model_len=self.max_model_len, tokens=ids,
-                                token_strs=token_strs)
+        token_strs = (
+            self.tokenizer.convert_ids_to_tokens(ids) if request.return_token_strs else None
+        )
+        return TokenizeResponse(
+            count=len(ids), max_model_len=self.max_model_len, tokens=ids, token_strs=token_strs
+        )
 
     async def create_detokenize(self, request: DetokenizeRequest) -> DetokenizeResponse:
         self.models.resolve(request.model)
@@ -43,5 +47,6 @@ class OpenAIServingTokenization(OpenAIServing):
         if bad:
             raise OpenAIServingError(
                 f"tokens contains ids outside the vocabulary [0, {vocab_size}): {bad[:5]}",
-                param="tokens")
+                param="tokens",
+            )
         return DetokenizeResponse(prompt=self.tokenizer.decode(request.tokens))

@@ -1,0 +1,295 @@
+"""AsyncLLM: the asyncio engine behind the server, with the EngineCore in its own process.
+
+Input processing (tokenize, validate) and output processing (detokenize, stop strings)
+run here in the front end; the busy loop runs in EngineCoreProc. One background task
+pulls EngineCoreOutputs, turns them into RequestOutputs and hands each to its request's
+RequestOutputCollector, which the request's generate() iterator awaits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncGenerator, Iterable
+from typing import Any
+
+import msgspec
+
+from kvserve.config import EngineConfig
+from kvserve.engine.arg_utils import EngineArgs
+from kvserve.engine.async_mp_client import AsyncMPClient
+from kvserve.engine.exceptions import EngineDeadError
+from kvserve.engine.input_processor import InputProcessor
+from kvserve.engine.output_processor import OutputProcessor, RequestOutputCollector
+from kvserve.engine.parallel_sampling import ParentRequest
+from kvserve.engine.protocol import EngineClient
+from kvserve.inputs import PromptType
+from kvserve.metrics.loggers import LoggingStatLogger, PrometheusStatLogger, StatLoggerBase
+from kvserve.metrics.stats import IterationStats, RequestStatsTracker
+from kvserve.outputs import RequestOutput
+from kvserve.protocol.engine_core import EngineCoreOutputs, FinishReason, SchedulerStats
+from kvserve.sampling_params import SamplingParams
+from kvserve.transformers_utils.tokenizer import get_tokenizer
+
+logger = logging.getLogger(__name__)
+
+STATS_LOG_INTERVAL_S = 5.0
+
+
+class AsyncLLM(EngineClient):
+    # Set by _init_front_end while the core process starts.
+    tokenizer: Any
+    input_processor: InputProcessor
+    output_processor: OutputProcessor
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        log_stats: bool = True,
+        stat_loggers: list[StatLoggerBase] | None = None,
+        **client_kwargs: Any,
+    ) -> None:
+        """Starts the engine-core process; raises its startup error (e.g. ValueError)."""
+        self.config = config
+        self.model_config = config.model_config
+        self.log_stats = log_stats
+        if stat_loggers is None:
+            stat_loggers = (
+                []
+                if not log_stats
+                else [
+                    LoggingStatLogger(),
+                    PrometheusStatLogger(config.model_config.served_model_name or "model"),
+                ]
+            )
+        self.stat_loggers = stat_loggers
+        self.request_stats = RequestStatsTracker()
+        # The tokenizer loads here while the core process loads the model.
+        self.engine_core = AsyncMPClient(
+            config, log_stats, while_starting=self._init_front_end, **client_kwargs
+        )
+        self._dead_error: EngineDeadError | None = None
+        self._closed = False
+        self._output_handler: asyncio.Task[None] | None = None
+        self._stats_logger_task: asyncio.Task[None] | None = None
+
+    def _init_front_end(self) -> None:
+        config = self.config
+        self.tokenizer = get_tokenizer(config.model_config.tokenizer_resolved)
+        self.input_processor = InputProcessor(
+            config.model_config, self.tokenizer, config.scheduler_config
+        )
+        self.output_processor = OutputProcessor(self.tokenizer, log_stats=self.log_stats)
+
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs, **kwargs: Any) -> AsyncLLM:
+        return cls(engine_args.create_engine_config(), **kwargs)
+
+    # --- state -------------------------------------------------------------------------
+
+    @property
+    def errored(self) -> bool:
+        return self._dead_error is not None or not self.engine_core.is_alive()
+
+    @property
+    def is_running(self) -> bool:
+        return not self._closed and not self.errored
+
+    @property
+    def dead_error(self) -> BaseException:
+        return self._dead_error or EngineDeadError(self.engine_core.dead_reason)
+
+    async def check_health(self) -> None:
+        if self.errored:
+            raise self.dead_error
+
+    # --- requests ----------------------------------------------------------------------
+
+    async def add_request(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams,
+        *,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> RequestOutputCollector:
+        """Validates (ValueError) and submits one request; its outputs arrive in the queue."""
+        if self.errored:
+            raise self.dead_error
+        self._ensure_output_handler()
+        request, prompt_text = self.input_processor.process_inputs(
+            request_id,
+            prompt,
+            params,
+            arrival_time=time.time(),
+            priority=priority,
+            cache_salt=cache_salt,
+        )
+        queue = RequestOutputCollector(params.output_kind)
+        if params.n == 1:
+            await self._add_core_request(request, prompt_text, None, 0, queue)
+            return queue
+        # n > 1: children share the prompt, so the prefix cache shares their blocks.
+        parent = ParentRequest(request_id, request.sampling_params)
+        for index in range(params.n):
+            child_id, child_params = parent.get_child_info(index)
+            child = msgspec.structs.replace(
+                request, request_id=child_id, sampling_params=child_params
+            )
+            await self._add_core_request(child, prompt_text, parent, index, queue)
+        return queue
+
+    async def _add_core_request(
+        self,
+        request: Any,
+        prompt_text: str | None,
+        parent: ParentRequest | None,
+        index: int,
+        queue: RequestOutputCollector,
+    ) -> None:
+        self.output_processor.add_request(request, prompt_text, parent, index, queue)
+        self.request_stats.add_request(
+            request.request_id, request.arrival_time, len(request.prompt_token_ids)
+        )
+        await self.engine_core.add_request_async(request)
+
+    async def generate(
+        self,
+        prompt: PromptType,
+        sampling_params: SamplingParams,
+        request_id: str,
+        *,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> AsyncGenerator[RequestOutput, None]:
+        queue: RequestOutputCollector | None = None
+        try:
+            queue = await self.add_request(
+                request_id, prompt, sampling_params, priority=priority, cache_salt=cache_salt
+            )
+            finished = False
+            while not finished:
+                # Without awaiting when an output is ready: a fast consumer keeps up cheaply.
+                output = queue.get_nowait() or await queue.get()
+                finished = output.finished
+                yield output
+        except (asyncio.CancelledError, GeneratorExit):
+            # The consumer went away (e.g. an HTTP client disconnect): free its KV blocks.
+            if queue is not None:
+                await self._abort(request_id, notify=False)
+            raise
+        except BaseException:
+            if queue is not None and not self.errored:
+                await self._abort(request_id, notify=False)
+            raise
+
+    async def abort(self, request_id: str | Iterable[str]) -> None:
+        """Aborts requests; a consumer still iterating gets a final 'abort' output."""
+        await self._abort(request_id, notify=True)
+
+    async def _abort(self, request_id: str | Iterable[str], notify: bool) -> None:
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        if notify:
+            self._notify_aborted(ids)
+        core_ids = self.output_processor.abort_requests(ids)
+        if self.log_stats and core_ids:
+            stats = IterationStats()
+            self.request_stats.finish_requests(core_ids, str(FinishReason.ABORT), stats)
+            self._record(None, stats)
+        if core_ids and not self.errored:
+            try:
+                await self.engine_core.abort_requests_async(core_ids)
+            except EngineDeadError:
+                pass  # nothing left to free
+
+    def _notify_aborted(self, ids: list[str]) -> None:
+        op = self.output_processor
+        for request_id in ids:
+            parent = op.parent_requests.get(request_id)
+            for core_id in sorted(parent.child_requests) if parent else [request_id]:
+                state = op.request_states.get(core_id)
+                if state is None or state.queue is None:
+                    continue
+                output = state.make_request_output([], FinishReason.ABORT, None)
+                if output is not None:
+                    state.queue.put(output)
+
+    # --- the output handler ------------------------------------------------------------
+
+    def _ensure_output_handler(self) -> None:
+        if self._output_handler is not None:
+            return
+        loop = asyncio.get_running_loop()
+        self._output_handler = loop.create_task(self._run_output_handler(), name="OutputHandler")
+        if any(isinstance(s, LoggingStatLogger) for s in self.stat_loggers):
+            self._stats_logger_task = loop.create_task(self._run_stats_logger())
+
+    async def _run_output_handler(self) -> None:
+        try:
+            while True:
+                outputs = await self.engine_core.get_output_async()
+                await self._process_engine_outputs(outputs)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            error = (
+                e
+                if isinstance(e, EngineDeadError)
+                else EngineDeadError(f"engine output handler failed: {type(e).__name__}: {e}")
+            )
+            if not isinstance(e, EngineDeadError):
+                logger.exception("AsyncLLM output handler failed")
+            self._dead_error = error
+            self.output_processor.propagate_error(error)
+
+    async def _process_engine_outputs(self, outputs: EngineCoreOutputs) -> None:
+        now = time.time()
+        iteration_stats = None
+        if self.log_stats:
+            iteration_stats = self.request_stats.make_iteration_stats(
+                outputs.outputs, self.engine_core.pop_scheduled_times(), now
+            )
+        if outputs.outputs:
+            processed = self.output_processor.process_outputs(outputs.outputs, now)
+            if processed.reqs_to_abort:
+                # Finished here by a stop string: the core must stop generating them.
+                await self.engine_core.abort_requests_async(processed.reqs_to_abort)
+                if iteration_stats is not None:
+                    self.request_stats.finish_requests(
+                        processed.reqs_to_abort, str(FinishReason.STOP), iteration_stats
+                    )
+        self._record(outputs.scheduler_stats, iteration_stats)
+
+    def _record(
+        self, scheduler_stats: SchedulerStats | None, iteration_stats: IterationStats | None
+    ) -> None:
+        for stat_logger in self.stat_loggers:
+            stat_logger.record(scheduler_stats, iteration_stats)
+
+    async def _run_stats_logger(self) -> None:
+        while True:
+            await asyncio.sleep(STATS_LOG_INTERVAL_S)
+            for stat_logger in self.stat_loggers:
+                stat_logger.log()
+
+    # --- utilities ---------------------------------------------------------------------
+
+    async def reset_prefix_cache(self) -> bool:
+        return await self.engine_core.reset_prefix_cache_async()
+
+    async def get_scheduler_stats(self) -> SchedulerStats:
+        """The core's current stats (a round trip to the engine-core process)."""
+        return await self.engine_core.get_stats_async()
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        # Wake every consumer still waiting: nothing will answer them now.
+        self.output_processor.propagate_error(EngineDeadError("the engine has been shut down"))
+        for task in (self._output_handler, self._stats_logger_task):
+            if task is not None and not task.get_loop().is_closed():
+                task.cancel()
+        self.engine_core.shutdown()

@@ -1,0 +1,68 @@
+"""EngineClient: what an async front end (the OpenAI server) needs from an engine."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import AsyncGenerator, Iterable
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kvserve.config import EngineConfig, ModelConfig
+    from kvserve.inputs import PromptType
+    from kvserve.outputs import RequestOutput
+    from kvserve.protocol.engine_core import SchedulerStats
+    from kvserve.sampling_params import SamplingParams
+
+
+class EngineClient(ABC):
+    config: EngineConfig
+    model_config: ModelConfig
+    # The HF tokenizer the engine tokenizes and detokenizes with.
+    tokenizer: Any
+
+    @property
+    @abstractmethod
+    def is_running(self) -> bool: ...
+
+    @property
+    @abstractmethod
+    def errored(self) -> bool: ...
+
+    @property
+    @abstractmethod
+    def dead_error(self) -> BaseException: ...
+
+    @abstractmethod
+    def generate(
+        self,
+        prompt: PromptType,
+        sampling_params: SamplingParams,
+        request_id: str,
+        *,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> AsyncGenerator[RequestOutput, None]:
+        """Streams the request's outputs; ValueError for bad input before the first one,
+        EngineDeadError if the engine dies. Closing or cancelling the iterator aborts it."""
+
+    @abstractmethod
+    async def abort(self, request_id: str | Iterable[str]) -> None: ...
+
+    @abstractmethod
+    async def check_health(self) -> None:
+        """Raises EngineDeadError if the engine can no longer serve."""
+
+    @abstractmethod
+    async def reset_prefix_cache(self) -> bool: ...
+
+    @abstractmethod
+    async def get_scheduler_stats(self) -> SchedulerStats: ...
+
+    async def get_tokenizer(self) -> Any:
+        return self.tokenizer
+
+    async def get_model_config(self) -> ModelConfig:
+        return self.model_config
+
+    @abstractmethod
+    def shutdown(self) -> None: ...

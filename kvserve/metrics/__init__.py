@@ -1,0 +1,21 @@
+"""Engine statistics: per-iteration stats and the loggers that publish them."""
+
+from __future__ import annotations
+
+from kvserve.metrics.loggers import LoggingStatLogger, PrometheusStatLogger, StatLoggerBase
+from kvserve.metrics.stats import (
+    FinishedRequestStats,
+    IterationStats,
+    RequestStateStats,
+    RequestStatsTracker,
+)
+
+__all__ = [
+    "FinishedRequestStats",
+    "IterationStats",
+    "LoggingStatLogger",
+    "PrometheusStatLogger",
+    "RequestStateStats",
+    "RequestStatsTracker",
+    "StatLoggerBase",
+]

@@ -1,0 +1,222 @@
+"""Stat loggers: a periodic one-line log and Prometheus metrics with vLLM's names."""
+
+from __future__ import annotations
+
+import logging
+import time
+from abc import ABC, abstractmethod
+from typing import ClassVar
+
+import prometheus_client
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from kvserve.metrics.stats import IterationStats
+from kvserve.protocol.engine_core import SchedulerStats
+
+logger = logging.getLogger(__name__)
+
+PREFIX = "kvserve:"
+# Seconds; the same spread vLLM uses, from a fast decode step to a long request.
+_LATENCY_BUCKETS = [
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+]
+
+
+class StatLoggerBase(ABC):
+    @abstractmethod
+    def record(
+        self, scheduler_stats: SchedulerStats | None, iteration_stats: IterationStats | None
+    ) -> None: ...
+
+    def log(self) -> None:  # noqa: B027 - optional hook
+        """Called periodically (every few seconds) by the engine."""
+
+
+class LoggingStatLogger(StatLoggerBase):
+    """Accumulates between log() calls and prints one line: throughput, queue, KV cache."""
+
+    def __init__(self, engine_index: int = 0) -> None:
+        self.engine_index = engine_index
+        self.last_scheduler_stats = SchedulerStats()
+        self._reset(time.monotonic())
+        self._last_line_idle = False
+
+    def _reset(self, now: float) -> None:
+        self.last_log_time = now
+        self.num_prompt_tokens = 0
+        self.num_generation_tokens = 0
+        self.prefix_queries = 0
+        self.prefix_hits = 0
+
+    def record(
+        self, scheduler_stats: SchedulerStats | None, iteration_stats: IterationStats | None
+    ) -> None:
+        if iteration_stats is not None:
+            self.num_prompt_tokens += iteration_stats.num_prompt_tokens
+            self.num_generation_tokens += iteration_stats.num_generation_tokens
+        if scheduler_stats is not None:
+            self.last_scheduler_stats = scheduler_stats
+            self.prefix_queries += scheduler_stats.prefix_cache_queries
+            self.prefix_hits += scheduler_stats.prefix_cache_hits
+
+    def format_line(self, now: float) -> str:
+        elapsed = max(now - self.last_log_time, 1e-9)
+        stats = self.last_scheduler_stats
+        hit_rate = self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0
+        return (
+            f"Engine {self.engine_index:03d}: "
+            f"Avg prompt throughput: {self.num_prompt_tokens / elapsed:.1f} tokens/s, "
+            f"Avg generation throughput: {self.num_generation_tokens / elapsed:.1f} tokens/s, "
+            f"Running: {stats.num_running_reqs} reqs, Waiting: {stats.num_waiting_reqs} reqs, "
+            f"KV cache usage: {stats.kv_cache_usage * 100:.1f}%, "
+            f"Prefix cache hit rate: {hit_rate * 100:.1f}%"
+        )
+
+    def log(self) -> None:
+        now = time.monotonic()
+        stats = self.last_scheduler_stats
+        idle = (
+            not self.num_prompt_tokens
+            and not self.num_generation_tokens
+            and not stats.num_running_reqs
+            and not stats.num_waiting_reqs
+        )
+        # One idle line after activity, then silence until work arrives again.
+        if not (idle and self._last_line_idle):
+            logger.info("%s", self.format_line(now))
+        self._last_line_idle = idle
+        self._reset(now)
+
+
+class PrometheusStatLogger(StatLoggerBase):
+    """vLLM's metric names under the ``kvserve:`` prefix, labelled with model_name.
+
+    Constructing a second logger on the same registry unregisters the first one's
+    metrics, so tests and restarted engines in one process do not collide.
+    """
+
+    _live: ClassVar[dict[int, PrometheusStatLogger]] = {}
+
+    def __init__(self, model_name: str, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else prometheus_client.REGISTRY
+        previous = self._live.get(id(self.registry))
+        if previous is not None:
+            previous.unregister()
+        self._live[id(self.registry)] = self
+        self.model_name = model_name
+        labels = ["model_name"]
+        reg = self.registry
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(PREFIX + name, doc, labels, registry=reg)
+
+        def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
+            return Counter(PREFIX + name, doc, labels + list(extra), registry=reg)
+
+        def histogram(name: str, doc: str) -> Histogram:
+            return Histogram(PREFIX + name, doc, labels, buckets=_LATENCY_BUCKETS, registry=reg)
+
+        self.num_requests_running = gauge("num_requests_running", "Requests in model execution")
+        self.num_requests_waiting = gauge("num_requests_waiting", "Requests waiting to run")
+        self.kv_cache_usage_perc = gauge("kv_cache_usage_perc", "KV cache usage, 1 = full")
+        self.prefix_cache_queries = counter(
+            "prefix_cache_queries", "Prompt tokens looked up in the prefix cache"
+        )
+        self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens found there")
+        self.num_preemptions = counter("num_preemptions", "Preemptions by the scheduler")
+        self.prompt_tokens = counter("prompt_tokens", "Prefill tokens processed")
+        self.generation_tokens = counter("generation_tokens", "Generation tokens produced")
+        self.request_success = counter(
+            "request_success", "Finished requests by finish reason", ("finished_reason",)
+        )
+        self.time_to_first_token = histogram(
+            "time_to_first_token_seconds", "Arrival to first output token"
+        )
+        self.inter_token_latency = histogram(
+            "inter_token_latency_seconds", "Time between consecutive output tokens"
+        )
+        self.time_per_output_token = histogram(
+            "time_per_output_token_seconds", "Per request: mean time per output token"
+        )
+        self.e2e_request_latency = histogram("e2e_request_latency_seconds", "Arrival to finish")
+        self.request_queue_time = histogram(
+            "request_queue_time_seconds", "Arrival to first scheduled"
+        )
+        self._collectors = [
+            self.num_requests_running,
+            self.num_requests_waiting,
+            self.kv_cache_usage_perc,
+            self.prefix_cache_queries,
+            self.prefix_cache_hits,
+            self.num_preemptions,
+            self.prompt_tokens,
+            self.generation_tokens,
+            self.request_success,
+            self.time_to_first_token,
+            self.inter_token_latency,
+            self.time_per_output_token,
+            self.e2e_request_latency,
+            self.request_queue_time,
+        ]
+        # The scheduler reports preemptions as a running total; the counter takes deltas.
+        self._last_num_preemptions = 0
+
+    def record(
+        self, scheduler_stats: SchedulerStats | None, iteration_stats: IterationStats | None
+    ) -> None:
+        name = self.model_name
+        if scheduler_stats is not None:
+            self.num_requests_running.labels(name).set(scheduler_stats.num_running_reqs)
+            self.num_requests_waiting.labels(name).set(scheduler_stats.num_waiting_reqs)
+            self.kv_cache_usage_perc.labels(name).set(scheduler_stats.kv_cache_usage)
+            self.prefix_cache_queries.labels(name).inc(scheduler_stats.prefix_cache_queries)
+            self.prefix_cache_hits.labels(name).inc(scheduler_stats.prefix_cache_hits)
+            new_preemptions = scheduler_stats.num_preemptions - self._last_num_preemptions
+            self.num_preemptions.labels(name).inc(max(new_preemptions, 0))
+            self._last_num_preemptions = scheduler_stats.num_preemptions
+        if iteration_stats is None:
+            return
+        self.prompt_tokens.labels(name).inc(iteration_stats.num_prompt_tokens)
+        self.generation_tokens.labels(name).inc(iteration_stats.num_generation_tokens)
+        ttft = self.time_to_first_token.labels(name)
+        for value in iteration_stats.time_to_first_tokens_iter:
+            ttft.observe(value)
+        itl = self.inter_token_latency.labels(name)
+        for value in iteration_stats.inter_token_latencies_iter:
+            itl.observe(value)
+        for finished in iteration_stats.finished_requests:
+            self.request_success.labels(name, finished.finish_reason).inc()
+            self.e2e_request_latency.labels(name).observe(finished.e2e_latency)
+            self.request_queue_time.labels(name).observe(finished.queued_time)
+            if finished.num_generation_tokens > 1:
+                self.time_per_output_token.labels(name).observe(finished.mean_time_per_output_token)
+
+    def unregister(self) -> None:
+        for collector in self._collectors:
+            try:
+                self.registry.unregister(collector)
+            except KeyError:
+                pass  # already gone
+        self._collectors = []
+        if self._live.get(id(self.registry)) is self:
+            del self._live[id(self.registry)]

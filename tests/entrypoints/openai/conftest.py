@@ -1,0 +1,51 @@
+"""Session fixtures: one shared server process and the model's tokenizer."""
+
+from __future__ import annotations
+
+import json
+import signal
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.entrypoints.openai.utils import RemoteServer
+
+
+@pytest.fixture(scope="session")
+def server() -> Iterator[RemoteServer]:
+    remote = RemoteServer()
+    yield remote
+    # The shutdown contract, checked on the way out: SIGTERM lets an in-flight request
+    # finish, then the server exits 0.
+    body = {
+        "prompt": "Once upon a time",
+        "max_tokens": 12,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    with (
+        httpx.Client(timeout=120) as client,
+        client.stream("POST", remote.url("/v1/completions"), json=body) as response,
+    ):
+        lines = response.iter_lines()
+        assert next(lines).startswith("data: {")
+        remote.proc.send_signal(signal.SIGTERM)
+        rest = list(lines)
+    code = remote.stop()
+    events = [line for line in rest if line]
+    assert events[-1] == "data: [DONE]", events
+    usage = json.loads(events[-2].removeprefix("data: "))["usage"]
+    assert usage["completion_tokens"] == 12, "the in-flight request was cut short"
+    assert code == 0, "the server did not exit cleanly after SIGTERM"
+
+
+@pytest.fixture(scope="session")
+def tokenizer() -> Any:
+    """The model's tokenizer, loaded here to count tokens independently of the server."""
+    from kvserve.transformers_utils.model_resolver import resolve_model
+    from kvserve.transformers_utils.tokenizer import get_tokenizer
+
+    return get_tokenizer(resolve_model(None))

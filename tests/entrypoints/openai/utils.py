@@ -1,0 +1,129 @@
+"""RemoteServer: a real `kvserve serve` process (engine core included) for the server tests."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+import httpx
+import openai
+import psutil
+from prometheus_client.parser import text_string_to_metric_families
+
+# Small enough to start fast and to make "beyond the context" cheap to provoke.
+MAX_MODEL_LEN = 512
+SERVER_ARGS = [
+    "--kv-cache-memory",
+    "96M",
+    "--max-model-len",
+    str(MAX_MODEL_LEN),
+    "--max-num-seqs",
+    "64",
+    "--uvicorn-log-level",
+    "warning",
+    "--disable-log-requests",
+]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class RemoteServer:
+    """Starts the server as a subprocess and waits for /health; stop() sends SIGTERM."""
+
+    def __init__(self, *extra_args: str, startup_timeout: float = 240.0) -> None:
+        self.port = _free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="kvserve-server-", suffix=".log")
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "kvserve.entrypoints.cli",
+                "serve",
+                "--port",
+                str(self.port),
+                *SERVER_ARGS,
+                *extra_args,
+            ],
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"},
+        )
+        deadline = time.monotonic() + startup_timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited during startup:\n{self.output()}")
+            try:
+                if httpx.get(self.url("/health"), timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        self.stop()
+        raise RuntimeError(f"server did not become healthy:\n{self.output()}")
+
+    def url(self, path: str) -> str:
+        return self.base_url + path
+
+    def output(self) -> str:
+        self.log.flush()
+        self.log.seek(0)
+        return self.log.read()[-5000:]
+
+    def client(self, api_key: str = "EMPTY", **kwargs: Any) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url("/v1"), api_key=api_key, max_retries=0, **kwargs)
+
+    def async_client(self, api_key: str = "EMPTY", **kwargs: Any) -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(
+            base_url=self.url("/v1"), api_key=api_key, max_retries=0, **kwargs
+        )
+
+    def metrics(self) -> dict[str, float]:
+        """Sample name -> value (labels dropped: one model, one engine)."""
+        text = httpx.get(self.url("/metrics"), timeout=10).text
+        return {
+            s.name: s.value
+            for family in text_string_to_metric_families(text)
+            for s in family.samples
+        }
+
+    def wait_for_metrics(self, timeout: float, **expected: float) -> float:
+        """Seconds until every `kvserve:<name>` equals its expected value; fails on timeout."""
+        start = time.monotonic()
+        while True:
+            values = self.metrics()
+            got = {k: values.get(f"kvserve:{k}") for k in expected}
+            if got == expected:
+                return time.monotonic() - start
+            if time.monotonic() - start > timeout:
+                raise AssertionError(f"metrics {got} != {expected} after {timeout} s")
+            time.sleep(0.05)
+
+    def engine_core_process(self) -> psutil.Process:
+        # The core is a spawned child; the other possible child is multiprocessing's
+        # resource tracker, whose command line says so.
+        children = psutil.Process(self.proc.pid).children()
+        cores = [c for c in children if "resource_tracker" not in " ".join(c.cmdline())]
+        assert len(cores) == 1, [c.cmdline() for c in children]
+        return cores[0]
+
+    def stop(self) -> int | None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+        return self.proc.returncode
