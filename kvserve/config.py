@@ -38,7 +38,8 @@ class ModelConfig:
         elif not 0 < self.max_model_len <= limit:
             raise ValueError(
                 f"max_model_len must be in [1, {limit}] (the model's max_position_embeddings), "
-                f"got {self.max_model_len}")
+                f"got {self.max_model_len}"
+            )
         if self.served_model_name is None:
             self.served_model_name = self.resolved.name
 
@@ -64,7 +65,8 @@ class CacheConfig:
             raise ValueError(f"kv_cache_memory must be positive bytes, got {self.kv_cache_memory}")
         if self.num_blocks_override is not None and self.num_blocks_override < 2:
             raise ValueError(
-                f"num_blocks_override must be at least 2, got {self.num_blocks_override}")
+                f"num_blocks_override must be at least 2, got {self.num_blocks_override}"
+            )
 
 
 @dataclass
@@ -80,7 +82,8 @@ class SchedulerConfig:
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1:
             raise ValueError(
-                f"max_num_batched_tokens must be at least 1, got {self.max_num_batched_tokens}")
+                f"max_num_batched_tokens must be at least 1, got {self.max_num_batched_tokens}"
+            )
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}")
         if self.policy not in ("fcfs", "priority"):
@@ -93,7 +96,8 @@ class SchedulerConfig:
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least "
-                f"max_model_len ({self.max_model_len}) when chunked prefill is disabled")
+                f"max_model_len ({self.max_model_len}) when chunked prefill is disabled"
+            )
 
 
 @dataclass

@@ -74,7 +74,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
         # Keep ids the input processor added (extra EOS ids) when the struct is rebuilt by
         # clone() or decoded in another process: both run __post_init__ again.
         self._all_stop_token_ids = list(
-            dict.fromkeys([*self.stop_token_ids, *self._all_stop_token_ids]))
+            dict.fromkeys([*self.stop_token_ids, *self._all_stop_token_ids])
+        )
 
     def _verify(self) -> None:
         def bad(field: str, why: str, value: Any) -> ValueError:
@@ -101,8 +102,11 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
         if self.min_tokens < 0:
             raise bad("min_tokens", "must be greater than or equal to 0", self.min_tokens)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise bad("min_tokens", f"must be less than or equal to max_tokens={self.max_tokens}",
-                      self.min_tokens)
+            raise bad(
+                "min_tokens",
+                f"must be less than or equal to max_tokens={self.max_tokens}",
+                self.min_tokens,
+            )
         if self.logprobs is not None and self.logprobs < -1:
             raise bad("logprobs", "must be non-negative or -1 (whole vocabulary)", self.logprobs)
         if self.prompt_logprobs is not None and self.prompt_logprobs < -1:
@@ -129,8 +133,10 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
         ):
             out = [t for t in ids if not 0 <= t < vocab_size]
             if out:
-                raise ValueError(f"{field} contains token ids outside the vocabulary "
-                                 f"[0, {vocab_size}): {out[:5]}")
+                raise ValueError(
+                    f"{field} contains token ids outside the vocabulary "
+                    f"[0, {vocab_size}): {out[:5]}"
+                )
 
     @property
     def sampling_type(self) -> SamplingType:

@@ -23,10 +23,18 @@ RAW_PROMPTS = [
 
 CHAT_PROMPTS: list[list[dict[str, Any]]] = [
     [{"role": "user", "content": "What is the capital of France?"}],
-    [{"role": "system", "content": "You are a terse assistant."},
-     {"role": "user", "content": "Write a haiku about the sea."}],
-    [{"role": "user", "content": "Read this inventory and answer.\n" + _FACTS
-      + "\nWhich shelf holds item 12, and how many apples are in it?"}],
+    [
+        {"role": "system", "content": "You are a terse assistant."},
+        {"role": "user", "content": "Write a haiku about the sea."},
+    ],
+    [
+        {
+            "role": "user",
+            "content": "Read this inventory and answer.\n"
+            + _FACTS
+            + "\nWhich shelf holds item 12, and how many apples are in it?",
+        }
+    ],
 ]
 
 

@@ -22,7 +22,8 @@ class HFReference:
         gguf = Path(resolved.path)
         self.tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         self.model = AutoModelForCausalLM.from_pretrained(
-            gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
+            gguf.parent, gguf_file=gguf.name, dtype=torch.float32
+        ).eval()
         self._greedy_cache: dict[tuple[tuple[int, ...], int], list[int]] = {}
 
     @torch.inference_mode()

@@ -142,8 +142,13 @@ class Request:
     def __lt__(self, other: Request) -> bool:
         # Priority queue order: lower priority value first, then earlier arrival.
         return (self.priority, self.arrival_time, self.request_id) < (
-            other.priority, other.arrival_time, other.request_id)
+            other.priority,
+            other.arrival_time,
+            other.request_id,
+        )
 
     def __repr__(self) -> str:
-        return (f"Request({self.request_id!r}, status={self.status.name}, "
-                f"computed={self.num_computed_tokens}/{self.num_tokens})")
+        return (
+            f"Request({self.request_id!r}, status={self.status.name}, "
+            f"computed={self.num_computed_tokens}/{self.num_tokens})"
+        )

@@ -103,28 +103,39 @@ class EngineArgs:
     def add_cli_args(parser: argparse.ArgumentParser, with_model: bool = True) -> None:
         """vLLM's flag names, where they apply."""
         if with_model:
-            parser.add_argument("model", nargs="?", default=DEFAULT_MODEL,
-                                help="GGUF file, HF directory or a known name")
+            parser.add_argument(
+                "model",
+                nargs="?",
+                default=DEFAULT_MODEL,
+                help="GGUF file, HF directory or a known name",
+            )
         parser.add_argument("--tokenizer", default=None)
         parser.add_argument("--served-model-name", default=None)
         parser.add_argument("--max-model-len", type=int, default=None)
         parser.add_argument("--seed", type=int, default=0)
         parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
         parser.add_argument("--block-size", type=int, default=16)
-        parser.add_argument("--kv-cache-memory", default=str(CacheConfig.kv_cache_memory),
-                            help="bytes for the paged KV cache, e.g. 2G")
-        parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
-                            default=True)
-        parser.add_argument("--max-num-batched-tokens", type=int,
-                            default=SchedulerConfig.max_num_batched_tokens)
+        parser.add_argument(
+            "--kv-cache-memory",
+            default=str(CacheConfig.kv_cache_memory),
+            help="bytes for the paged KV cache, e.g. 2G",
+        )
+        parser.add_argument(
+            "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True
+        )
+        parser.add_argument(
+            "--max-num-batched-tokens", type=int, default=SchedulerConfig.max_num_batched_tokens
+        )
         parser.add_argument("--max-num-seqs", type=int, default=SchedulerConfig.max_num_seqs)
-        parser.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
-                            default=True)
+        parser.add_argument(
+            "--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True
+        )
         parser.add_argument("--long-prefill-token-threshold", type=int, default=0)
         parser.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
-        values = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls)
-                  if hasattr(args, f.name)}
+        values = {
+            f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)
+        }
         return cls(**values)

@@ -17,8 +17,12 @@ logger = logging.getLogger(__name__)
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, executor_class: type[Executor] | None = None,
-                 log_stats: bool = True) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        executor_class: type[Executor] | None = None,
+        log_stats: bool = True,
+    ) -> None:
         self.config = config
         executor_class = executor_class or Executor.get_class(config)
         self.model_executor = executor_class(config)
@@ -27,7 +31,8 @@ class EngineCore:
         cache = config.cache_config
         self.block_hasher = (
             get_request_block_hasher(cache.block_size, cache.prefix_caching_hash_seed)
-            if cache.enable_prefix_caching else None
+            if cache.enable_prefix_caching
+            else None
         )
 
     def _initialize_kv_caches(self) -> KVCacheConfig:
@@ -35,16 +40,25 @@ class EngineCore:
         specs = self.model_executor.get_kv_cache_specs()[0]
         cache = self.config.cache_config
         kv_cache_config = build_kv_cache_config(
-            specs, cache.kv_cache_memory, cache.num_blocks_override)
+            specs, cache.kv_cache_memory, cache.num_blocks_override
+        )
         self.model_executor.initialize_from_config(kv_cache_config)
         capacity = (kv_cache_config.num_blocks - 1) * cache.block_size
         max_len = self.config.model_config.max_model_len or 0
         if capacity < max_len:
-            logger.warning("KV cache holds %d tokens, less than max_model_len=%d: longer "
-                           "requests will be rejected", capacity, max_len)
-        logger.info("KV cache: %d blocks of %d tokens (%d tokens), set up in %.2fs",
-                    kv_cache_config.num_blocks, cache.block_size, capacity,
-                    time.perf_counter() - start)
+            logger.warning(
+                "KV cache holds %d tokens, less than max_model_len=%d: longer "
+                "requests will be rejected",
+                capacity,
+                max_len,
+            )
+        logger.info(
+            "KV cache: %d blocks of %d tokens (%d tokens), set up in %.2fs",
+            kv_cache_config.num_blocks,
+            cache.block_size,
+            capacity,
+            time.perf_counter() - start,
+        )
         return kv_cache_config
 
     def add_request(self, request: EngineCoreRequest) -> None:

@@ -12,8 +12,13 @@ from kvserve.protocol.engine_core import EngineCoreOutputs, EngineCoreRequest
 
 class EngineCoreClient(ABC):
     @staticmethod
-    def make_client(config: EngineConfig, log_stats: bool = True, *,
-                    multiprocess_mode: bool = False, asyncio_mode: bool = False) -> Any:
+    def make_client(
+        config: EngineConfig,
+        log_stats: bool = True,
+        *,
+        multiprocess_mode: bool = False,
+        asyncio_mode: bool = False,
+    ) -> Any:
         """In-process core, or a core in a background process (sync or asyncio client)."""
         # Imported here: the multi-process clients import this module.
         if asyncio_mode:

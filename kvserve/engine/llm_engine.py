@@ -23,16 +23,19 @@ logger = logging.getLogger(__name__)
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, log_stats: bool = False,
-                 multiprocess_mode: bool = False) -> None:
+    def __init__(
+        self, config: EngineConfig, log_stats: bool = False, multiprocess_mode: bool = False
+    ) -> None:
         self.config = config
         self.tokenizer = get_tokenizer(config.model_config.tokenizer_resolved)
-        self.input_processor = InputProcessor(config.model_config, self.tokenizer,
-                                              config.scheduler_config)
+        self.input_processor = InputProcessor(
+            config.model_config, self.tokenizer, config.scheduler_config
+        )
         self.output_processor = OutputProcessor(self.tokenizer, log_stats=log_stats)
         # The core runs in this thread, or in its own process behind ZMQ.
         self.engine_core = EngineCoreClient.make_client(
-            config, log_stats=log_stats, multiprocess_mode=multiprocess_mode)
+            config, log_stats=log_stats, multiprocess_mode=multiprocess_mode
+        )
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs, **kwargs: Any) -> LLMEngine:
@@ -50,8 +53,13 @@ class LLMEngine:
         """Validates and queues one request; raises ValueError on bad input, adding nothing."""
         arrival_time = arrival_time if arrival_time is not None else time.time()
         request, prompt_text = self.input_processor.process_inputs(
-            request_id, prompt, params, arrival_time=arrival_time, priority=priority,
-            cache_salt=cache_salt)
+            request_id,
+            prompt,
+            params,
+            arrival_time=arrival_time,
+            priority=priority,
+            cache_salt=cache_salt,
+        )
         if params.n == 1:
             self.output_processor.add_request(request, prompt_text)
             self.engine_core.add_request(request)
@@ -61,7 +69,8 @@ class LLMEngine:
         for index in range(params.n):
             child_id, child_params = parent.get_child_info(index)
             child = msgspec.structs.replace(
-                request, request_id=child_id, sampling_params=child_params)
+                request, request_id=child_id, sampling_params=child_params
+            )
             self.output_processor.add_request(child, prompt_text, parent, index)
             self.engine_core.add_request(child)
 
@@ -73,7 +82,8 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         core_outputs = self.engine_core.get_output()
         processed = self.output_processor.process_outputs(
-            core_outputs.outputs, core_outputs.timestamp)
+            core_outputs.outputs, core_outputs.timestamp
+        )
         if processed.reqs_to_abort:
             self.engine_core.abort_requests(processed.reqs_to_abort)
         return processed.request_outputs

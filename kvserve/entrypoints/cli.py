@@ -24,9 +24,14 @@ def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _sampling_params(args: argparse.Namespace) -> SamplingParams:
-    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
-                          top_p=args.top_p, top_k=args.top_k, seed=args.sampling_seed,
-                          output_kind=RequestOutputKind.DELTA)
+    return SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.sampling_seed,
+        output_kind=RequestOutputKind.DELTA,
+    )
 
 
 _request_ids = itertools.count()
@@ -48,8 +53,11 @@ def _encode_chat(engine: LLMEngine, messages: list[dict[str, str]]) -> dict[str,
 def cmd_generate(args: argparse.Namespace) -> int:
     engine = LLMEngine.from_engine_args(EngineArgs.from_cli_args(args))
     use_template = not args.raw and engine.tokenizer.chat_template is not None
-    prompt: Any = (_encode_chat(engine, [{"role": "user", "content": args.prompt}])
-                   if use_template else args.prompt)
+    prompt: Any = (
+        _encode_chat(engine, [{"role": "user", "content": args.prompt}])
+        if use_template
+        else args.prompt
+    )
     for piece in _stream(engine, prompt, _sampling_params(args)):
         sys.stdout.write(piece)
         sys.stdout.flush()
@@ -91,8 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="generate a completion for one prompt")
     gen.add_argument("prompt")
     gen.add_argument("--model", default=None, help="GGUF file, HF directory or a known name")
-    gen.add_argument("--raw", action="store_true",
-                     help="send the prompt as is, without the chat template")
+    gen.add_argument(
+        "--raw", action="store_true", help="send the prompt as is, without the chat template"
+    )
     EngineArgs.add_cli_args(gen, with_model=False)
     _add_sampling_args(gen)
     gen.set_defaults(func=cmd_generate)
@@ -115,8 +124,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     if getattr(args, "model", None) is None:
         args.model = EngineArgs.model
     try:

@@ -23,11 +23,13 @@ class LLM:
     """An offline engine. Keyword arguments are EngineArgs fields (vLLM's names);
     `multiprocess_mode=True` runs the engine core in a background process."""
 
-    def __init__(self, model: str | None = DEFAULT_MODEL, *, multiprocess_mode: bool = False,
-                 **kwargs: Any) -> None:
+    def __init__(
+        self, model: str | None = DEFAULT_MODEL, *, multiprocess_mode: bool = False, **kwargs: Any
+    ) -> None:
         engine_args = EngineArgs.from_kwargs(model=model, **kwargs)
         self.llm_engine = LLMEngine.from_engine_args(
-            engine_args, multiprocess_mode=multiprocess_mode)
+            engine_args, multiprocess_mode=multiprocess_mode
+        )
         self._request_counter = itertools.count()
 
     def get_tokenizer(self) -> Any:
@@ -67,15 +69,21 @@ class LLM:
     ) -> list[RequestOutput]:
         """Applies the model's chat template to each conversation, then generates."""
         if not isinstance(messages, list | tuple):
-            raise ValueError("messages must be a list of {'role', 'content'} dicts "
-                             "or a list of such conversations")
+            raise ValueError(
+                "messages must be a list of {'role', 'content'} dicts "
+                "or a list of such conversations"
+            )
         conversations = (
-            [messages] if not messages or isinstance(messages[0], dict) else list(messages))
+            [messages] if not messages or isinstance(messages[0], dict) else list(messages)
+        )
         prompts: list[PromptType] = [
             apply_chat_template(
-                self.get_tokenizer(), conversation, chat_template=chat_template,
+                self.get_tokenizer(),
+                conversation,
+                chat_template=chat_template,
                 add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message)
+                continue_final_message=continue_final_message,
+            )
             for conversation in conversations
         ]
         # The template already holds any BOS/special tokens: encode it without adding more.
@@ -99,8 +107,13 @@ class LLM:
             raise ValueError(f"got {len(params)} sampling_params for {count} prompts")
         return list(params)
 
-    def _add_requests(self, prompts: list[PromptType], params: list[SamplingParams],
-                      priority: Sequence[int] | None, cache_salt: str | None) -> None:
+    def _add_requests(
+        self,
+        prompts: list[PromptType],
+        params: list[SamplingParams],
+        priority: Sequence[int] | None,
+        cache_salt: str | None,
+    ) -> None:
         added: list[str] = []
         try:
             for i, (prompt, sp) in enumerate(zip(prompts, params, strict=True)):
@@ -108,8 +121,12 @@ class LLM:
                 sp = sp.clone(output_kind=RequestOutputKind.FINAL_ONLY)
                 request_id = str(next(self._request_counter))
                 self.llm_engine.add_request(
-                    request_id, prompt, sp, priority=priority[i] if priority else 0,
-                    cache_salt=cache_salt)
+                    request_id,
+                    prompt,
+                    sp,
+                    priority=priority[i] if priority else 0,
+                    cache_salt=cache_salt,
+                )
                 added.append(request_id)
         except Exception:
             # Leave the engine as it was: nothing half-submitted keeps running.
@@ -133,8 +150,10 @@ class LLM:
                     prompt_tokens += len(output.prompt_token_ids or [])
                     output_tokens += sum(len(c.token_ids) for c in output.outputs)
                     elapsed = bar.format_dict["elapsed"] or 1e-9
-                    bar.set_postfix_str(f"in: {prompt_tokens / elapsed:.0f} tok/s, "
-                                        f"out: {output_tokens / elapsed:.0f} tok/s")
+                    bar.set_postfix_str(
+                        f"in: {prompt_tokens / elapsed:.0f} tok/s, "
+                        f"out: {output_tokens / elapsed:.0f} tok/s"
+                    )
         except BaseException:
             # KeyboardInterrupt or an engine error: free what is still queued.
             leftover = engine.output_processor.unfinished_request_ids()

@@ -63,7 +63,8 @@ def build_kv_cache_config(
     if num_blocks < 2:
         raise ValueError(
             f"kv_cache_memory={memory_bytes} bytes holds {num_blocks} KV blocks "
-            f"({bytes_per_block} bytes each); at least 2 are needed (one is the null block)")
+            f"({bytes_per_block} bytes each); at least 2 are needed (one is the null block)"
+        )
     return KVCacheConfig(
         num_blocks=num_blocks,
         kv_cache_groups=[KVCacheGroupSpec(names, spec) for spec, names in groups.items()],

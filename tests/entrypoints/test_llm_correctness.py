@@ -20,8 +20,9 @@ def greedy(max_tokens: int = NUM_TOKENS) -> SamplingParams:
 
 
 def run(llm: Any, prompts: list[list[int]], **kwargs: Any) -> list[list[int]]:
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy(),
-                           use_tqdm=False, **kwargs)
+    outputs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts], greedy(), use_tqdm=False, **kwargs
+    )
     return [list(o.outputs[0].token_ids) for o in outputs]
 
 
@@ -46,12 +47,16 @@ def test_greedy_one_at_a_time_matches_hf(llm: Any, cases: Any) -> None:
     assert_no_leak(llm)
 
 
-@pytest.mark.parametrize("engine_kwargs", [
-    {"max_num_batched_tokens": 64},
-    {"max_num_batched_tokens": 64, "enable_prefix_caching": False},
-    {"enable_prefix_caching": False},
-    {"long_prefill_token_threshold": 48, "max_num_seqs": 3},
-], ids=["chunked-prefill", "chunked-no-prefix-cache", "no-prefix-cache", "long-prefill-threshold"])
+@pytest.mark.parametrize(
+    "engine_kwargs",
+    [
+        {"max_num_batched_tokens": 64},
+        {"max_num_batched_tokens": 64, "enable_prefix_caching": False},
+        {"enable_prefix_caching": False},
+        {"long_prefill_token_threshold": 48, "max_num_seqs": 3},
+    ],
+    ids=["chunked-prefill", "chunked-no-prefix-cache", "no-prefix-cache", "long-prefill-threshold"],
+)
 def test_scheduling_variants_match_hf(llm_factory: Any, cases: Any, engine_kwargs: dict) -> None:
     prompts, expected = cases
     engine = llm_factory(**engine_kwargs)
@@ -96,7 +101,7 @@ def test_prefix_cache_hits_report_cached_tokens(llm: Any, cases: Any) -> None:
 
     # A different tail after a shared prefix: the shared prefix's full blocks are hits.
     shared = 600
-    other = long_prompt[:shared] + [28, 339, 1345, 30]
+    other = [*long_prompt[:shared], 28, 339, 1345, 30]
     out = llm.generate({"prompt_token_ids": other}, greedy(), use_tqdm=False)[0]
     assert out.num_cached_tokens == shared // block * block
     assert list(out.outputs[0].token_ids) == hf_reference().greedy(other, NUM_TOKENS)

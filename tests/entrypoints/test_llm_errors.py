@@ -14,26 +14,32 @@ from tests.reference import assert_no_leak
 pytestmark = pytest.mark.slow
 
 
-@pytest.mark.parametrize(("make_call", "message"), [
-    (lambda llm: llm.generate("", use_tqdm=False), "empty"),
-    (lambda llm: llm.generate({"prompt_token_ids": []}, use_tqdm=False), "empty"),
-    (lambda llm: llm.generate({"prompt_token_ids": [5] * 9000}, use_tqdm=False),
-     "maximum model length"),
-    (lambda llm: llm.generate({"prompt_token_ids": [10**7]}, use_tqdm=False), "vocab"),
-    (lambda llm: llm.generate("hi", SamplingParams(max_tokens=0)), "max_tokens"),
-    (lambda llm: llm.generate("hi", SamplingParams(temperature=-1.0)), "temperature"),
-    (lambda llm: llm.generate("hi", SamplingParams(top_p=0.0)), "top_p"),
-    (lambda llm: llm.generate("hi", SamplingParams(top_p=1.5)), "top_p"),
-    (lambda llm: llm.generate(["ok", ""], use_tqdm=False), "empty"),
-    (lambda llm: llm.generate("hi", priority=[1], use_tqdm=False), "priority"),
-    (lambda llm: llm.chat([{"content": "no role"}], use_tqdm=False), "role"),
-])
+@pytest.mark.parametrize(
+    ("make_call", "message"),
+    [
+        (lambda llm: llm.generate("", use_tqdm=False), "empty"),
+        (lambda llm: llm.generate({"prompt_token_ids": []}, use_tqdm=False), "empty"),
+        (
+            lambda llm: llm.generate({"prompt_token_ids": [5] * 9000}, use_tqdm=False),
+            "maximum model length",
+        ),
+        (lambda llm: llm.generate({"prompt_token_ids": [10**7]}, use_tqdm=False), "vocab"),
+        (lambda llm: llm.generate("hi", SamplingParams(max_tokens=0)), "max_tokens"),
+        (lambda llm: llm.generate("hi", SamplingParams(temperature=-1.0)), "temperature"),
+        (lambda llm: llm.generate("hi", SamplingParams(top_p=0.0)), "top_p"),
+        (lambda llm: llm.generate("hi", SamplingParams(top_p=1.5)), "top_p"),
+        (lambda llm: llm.generate(["ok", ""], use_tqdm=False), "empty"),
+        (lambda llm: llm.generate("hi", priority=[1], use_tqdm=False), "priority"),
+        (lambda llm: llm.chat([{"content": "no role"}], use_tqdm=False), "role"),
+    ],
+)
 def test_bad_input_raises_and_engine_keeps_serving(llm: Any, make_call: Any, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         make_call(llm)
     assert_no_leak(llm)
-    out = llm.generate("The capital of France is",
-                       SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
+    out = llm.generate(
+        "The capital of France is", SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False
+    )
     assert len(out[0].outputs[0].token_ids) == 4
     assert_no_leak(llm)
 

@@ -18,8 +18,9 @@ TOL = 1e-3
 @pytest.mark.parametrize("prompt_index", [3, 6])
 def test_logprobs_and_prompt_logprobs_match_hf(llm: Any, prompt_index: int) -> None:
     prompt = all_prompt_ids(llm.get_tokenizer())[prompt_index]
-    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=5,
-                            prompt_logprobs=5)
+    params = SamplingParams(
+        temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=5, prompt_logprobs=5
+    )
     out = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0]
     completion = out.outputs[0]
     tokens = list(completion.token_ids)
@@ -30,7 +31,9 @@ def test_logprobs_and_prompt_logprobs_match_hf(llm: Any, prompt_index: int) -> N
         row = ref[len(prompt) - 1 + step]
         top_values, top_ids = torch.topk(row, 5)
         assert token in entry and entry[token].rank == 1
-        for rank, (token_id, value) in enumerate(zip(top_ids.tolist(), top_values.tolist()), 1):
+        for rank, (token_id, value) in enumerate(
+            zip(top_ids.tolist(), top_values.tolist(), strict=False), 1
+        ):
             assert token_id in entry, f"step {step}: top-{rank} token {token_id} missing"
             assert abs(entry[token_id].logprob - value) < TOL
             assert entry[token_id].rank == rank
@@ -59,7 +62,9 @@ def test_prompt_logprobs_with_chunked_prefill(llm_factory: Any) -> None:
     out = engine.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0]
     ref = hf_reference().log_softmax(prompt)
     assert out.prompt_logprobs is not None and len(out.prompt_logprobs) == len(prompt)
-    worst = max(abs(out.prompt_logprobs[i][prompt[i]].logprob - float(ref[i - 1, prompt[i]]))
-                for i in range(1, len(prompt)))
+    worst = max(
+        abs(out.prompt_logprobs[i][prompt[i]].logprob - float(ref[i - 1, prompt[i]]))
+        for i in range(1, len(prompt))
+    )
     assert worst < TOL
     assert_no_leak(engine)

@@ -28,8 +28,11 @@ def save_tokenizer(directory: Path) -> Any:
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=["<eos>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=320,
+        special_tokens=["<eos>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tokenizer.train_from_iterator(CORPUS, trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<eos>")
     fast.save_pretrained(directory)
@@ -41,18 +44,34 @@ def build_model(kind: str, directory: Path) -> Any:
 
     tokenizer = save_tokenizer(directory)
     common: dict[str, Any] = dict(
-        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-        eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.eos_token_id,
-        tie_word_embeddings=False, initializer_range=0.2)
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.eos_token_id,
+        tie_word_embeddings=False,
+        initializer_range=0.2,
+    )
     if kind == "llama":
-        config = LlamaConfig(**common, rope_parameters={
-            "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
-            "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 64})
+        config = LlamaConfig(
+            **common,
+            rope_parameters={
+                "rope_type": "llama3",
+                "rope_theta": 500000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+        )
     else:
-        config = Qwen2Config(**common, rope_parameters={"rope_type": "default",
-                                                        "rope_theta": 10000.0})
+        config = Qwen2Config(
+            **common, rope_parameters={"rope_type": "default", "rope_theta": 10000.0}
+        )
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config).float().eval()
     model.save_pretrained(directory)
