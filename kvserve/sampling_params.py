@@ -49,6 +49,9 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # Free-form extras for plug-ins (vLLM's field); "kv_transfer_params" goes to the KV
+    # connector as the request's kv_transfer_params.
+    extra_args: dict[str, Any] | None = None
     # Filled in by the input processor: bad_words tokenized, eos of the model.
     _bad_words_token_ids: list[list[int]] | None = None
     _all_stop_token_ids: list[int] = msgspec.field(default_factory=list)

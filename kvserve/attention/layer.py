@@ -48,7 +48,8 @@ class Attention(nn.Module):
         q = query.view(num_tokens, self.num_heads, self.head_size)
         k = key.view(num_tokens, self.num_kv_heads, self.head_size)
         v = value.view(num_tokens, self.num_kv_heads, self.head_size)
-        attn_metadata = get_forward_context().attn_metadata
+        forward_context = get_forward_context()
+        attn_metadata = forward_context.attn_metadata
         if isinstance(attn_metadata, dict):  # per-layer metadata (e.g. mixed window groups)
             attn_metadata = attn_metadata[self.layer_name]
         if attn_metadata is None:
@@ -58,7 +59,14 @@ class Attention(nn.Module):
         else:
             if self.kv_cache.numel() == 0:
                 raise RuntimeError(f"{self.layer_name}: KV cache not bound (bind_kv_cache)")
+            # KV connector hooks: external KV of this layer must be in place before the
+            # attention reads it; this step's KV is written by impl.forward, then saved.
+            connector = forward_context.kv_connector
+            if connector is not None:
+                connector.wait_for_layer_load(self.layer_name)
             out = self.impl.forward(self, q, k, v, self.kv_cache, attn_metadata)
+            if connector is not None:
+                connector.save_kv_layer(self.layer_name, self.kv_cache, attn_metadata)
         return out.reshape(num_tokens, self.num_heads * self.head_size)
 
     def _causal_no_cache(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

@@ -1,10 +1,10 @@
-"""`kvserve bench serve|throughput`: wires the benchmarks into the kvserve command."""
+"""`kvserve bench serve|throughput|kvcache`: wires the benchmarks into the kvserve command."""
 
 from __future__ import annotations
 
 import argparse
 
-from kvserve.benchmarks import serve, throughput
+from kvserve.benchmarks import kvcache, serve, throughput
 
 
 def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -18,4 +18,7 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     offline = sub.add_parser("throughput", help="offline generation throughput (LLM class)")
     throughput.add_cli_args(offline)
     offline.set_defaults(func=throughput.main)
+    tiers = sub.add_parser("kvcache", help="TTFT: recompute vs KV cache tiers; int8 agreement")
+    kvcache.add_cli_args(tiers)
+    tiers.set_defaults(func=kvcache.main)
     return bench

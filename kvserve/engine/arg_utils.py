@@ -12,6 +12,8 @@ from kvserve.config import (
     CacheConfig,
     DeviceConfig,
     EngineConfig,
+    KVEventsConfig,
+    KVTransferConfig,
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
@@ -55,6 +57,10 @@ class EngineArgs:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     distributed_executor_backend: Literal["uni", "mp", "ray"] | None = None
+    # A KVEventsConfig, a dict of its fields, or the JSON text of --kv-events-config.
+    kv_events_config: KVEventsConfig | dict[str, Any] | str | None = None
+    # A KVTransferConfig, a dict of its fields, or the JSON text of --kv-transfer-config.
+    kv_transfer_config: KVTransferConfig | dict[str, Any] | str | None = None
 
     def create_engine_config(self) -> EngineConfig:
         model_config = ModelConfig(
@@ -89,6 +95,16 @@ class EngineArgs:
                 distributed_executor_backend=self.distributed_executor_backend,
             ),
             device_config=DeviceConfig(device=self.device),
+            kv_events_config=(
+                None
+                if self.kv_events_config is None
+                else KVEventsConfig.from_cli(self.kv_events_config)
+            ),
+            kv_transfer_config=(
+                None
+                if self.kv_transfer_config is None
+                else KVTransferConfig.from_cli(self.kv_transfer_config)
+            ),
         )
 
     @classmethod
@@ -132,6 +148,19 @@ class EngineArgs:
         )
         parser.add_argument("--long-prefill-token-threshold", type=int, default=0)
         parser.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
+        parser.add_argument(
+            "--kv-events-config",
+            default=None,
+            help='KV cache events as JSON, e.g. \'{"enable_kv_cache_events": true, '
+            '"endpoint": "tcp://*:5557"}\'',
+        )
+        parser.add_argument(
+            "--kv-transfer-config",
+            default=None,
+            help='KV connector as JSON, e.g. \'{"kv_connector": "SharedStorageConnector", '
+            '"kv_role": "kv_both", "kv_connector_extra_config": '
+            '{"shared_storage_path": "/tmp/kv"}}\'',
+        )
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import cast
 
 from kvserve.config import EngineConfig
 from kvserve.core.kv_cache_utils import get_request_block_hasher
 from kvserve.core.request import Request, RequestStatus
 from kvserve.core.sched.scheduler import Scheduler
+from kvserve.distributed.kv_events import KVEvent, KVEventBatch
+from kvserve.distributed.kv_events_publisher import EventPublisherFactory
 from kvserve.executor.abstract import Executor
 from kvserve.protocol.engine_core import EngineCoreOutputs, EngineCoreRequest
 from kvserve.protocol.kv_cache_interface import KVCacheConfig, build_kv_cache_config
@@ -27,7 +30,17 @@ class EngineCore:
         executor_class = executor_class or Executor.get_class(config)
         self.model_executor = executor_class(config)
         self.kv_cache_config = self._initialize_kv_caches()
-        self.scheduler = Scheduler(config, self.kv_cache_config, log_stats=log_stats)
+        events_config = config.kv_events_config
+        enable_kv_cache_events = bool(events_config and events_config.enable_kv_cache_events)
+        if enable_kv_cache_events and not config.cache_config.enable_prefix_caching:
+            logger.warning("KV cache events are enabled but prefix caching is off: none will come")
+        self.scheduler = Scheduler(
+            config,
+            self.kv_cache_config,
+            log_stats=log_stats,
+            enable_kv_cache_events=enable_kv_cache_events,
+        )
+        self.kv_event_publisher = EventPublisherFactory.create(events_config)
         cache = config.cache_config
         self.block_hasher = (
             get_request_block_hasher(cache.block_size, cache.prefix_caching_hash_seed)
@@ -76,11 +89,21 @@ class EngineCore:
         model_output = self.model_executor.sample_tokens()
         outputs = self.scheduler.update_from_output(scheduler_output, model_output)
         outputs.timestamp = time.monotonic()
+        self._publish_kv_events()
         return outputs, scheduler_output.total_num_scheduled_tokens > 0
 
+    def _publish_kv_events(self) -> None:
+        # The block pool only makes the three KVEvent kinds; its queue is typed by their base.
+        events = cast("list[KVEvent]", self.scheduler.take_kv_events())
+        if events:
+            self.kv_event_publisher.publish(KVEventBatch(ts=time.time(), events=events))
+
     def reset_prefix_cache(self) -> bool:
-        return self.scheduler.reset_prefix_cache()
+        reset = self.scheduler.reset_prefix_cache()
+        self._publish_kv_events()
+        return reset
 
     def shutdown(self) -> None:
         self.scheduler.shutdown()
         self.model_executor.shutdown()
+        self.kv_event_publisher.shutdown()

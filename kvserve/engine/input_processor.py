@@ -66,6 +66,7 @@ class InputProcessor:
             arrival_time=arrival_time if arrival_time is not None else time.time(),
             priority=priority,
             cache_salt=cache_salt,
+            kv_transfer_params=(params.extra_args or {}).get("kv_transfer_params"),
         )
         return request, prompt_text
 

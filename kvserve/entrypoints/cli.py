@@ -1,4 +1,4 @@
-"""The `kvserve` command: generate, chat, serve, bench."""
+"""The `kvserve` command: generate, chat, serve, bench, events, cache-server."""
 
 from __future__ import annotations
 
@@ -115,10 +115,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     # Imported here so `kvserve generate` does not pay for the web stack's imports.
     from kvserve.benchmarks.cli import add_bench_parser
+    from kvserve.entrypoints.events_cli import add_events_parser
     from kvserve.entrypoints.openai.cli_args import add_serve_parser
+    from kvserve.kvcache.server.cli import add_cache_server_parser
 
     add_serve_parser(sub)
+    add_cache_server_parser(sub)
     add_bench_parser(sub)
+    add_events_parser(sub)
     return parser
 
 

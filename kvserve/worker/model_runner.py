@@ -12,6 +12,7 @@ import torch
 from kvserve.attention.backends.abstract import AttentionMetadataBuilder
 from kvserve.attention.layer import Attention, bind_kv_cache, get_attention_layers
 from kvserve.config import EngineConfig
+from kvserve.distributed.kv_transfer.kv_connector.base import KVConnectorOutput
 from kvserve.forward_context import set_forward_context
 from kvserve.model_executor.model_loader import get_model
 from kvserve.protocol.kv_cache_interface import FullAttentionSpec, KVCacheConfig
@@ -27,6 +28,7 @@ from kvserve.sample.sampling_batch import SamplingBatch
 from kvserve.sampling_params import SamplingType
 from kvserve.worker.input_batch import InputBatch
 from kvserve.worker.input_preparation import InputPreparer, StepInputs
+from kvserve.worker.kv_connector_model_runner_mixin import KVConnectorModelRunnerMixin
 from kvserve.worker.request_state import CachedRequestState
 
 
@@ -39,9 +41,11 @@ class ExecuteModelState:
     logits: torch.Tensor | None  # [S, V]: one row per sampling row
     # Kept only when some request wants prompt logprobs in this step.
     hidden_states: torch.Tensor | None
+    # The KV connector's report for this step (None without a connector).
+    kv_connector_output: KVConnectorOutput | None = None
 
 
-class ModelRunner:
+class ModelRunner(KVConnectorModelRunnerMixin):
     def __init__(self, config: EngineConfig, device: torch.device | str) -> None:
         self.config = config
         self.device = torch.device(device)
@@ -109,6 +113,7 @@ class ModelRunner:
             backend = layers[group.layer_names[0]].backend
             self.attn_builders.append(backend.get_builder_cls()(spec.block_size, self.device))
         bind_kv_cache(self.model, self.kv_caches)
+        self.init_kv_connector(self.config, kv_cache_config, self.kv_caches)
         self.input_batch = InputBatch(
             max_num_reqs=self.max_num_reqs,
             max_model_len=self.max_model_len,
@@ -169,6 +174,14 @@ class ModelRunner:
                 for ids, new_ids in zip(state.block_ids, new_block_ids, strict=True):
                     ids.extend(new_ids)
             row = batch.req_id_to_index.get(req_id)
+            num_output = cached.num_output_tokens[i]
+            if len(state.output_token_ids) > num_output:
+                # The scheduler dropped a token sampled over KV whose load failed: forget
+                # it and rebuild the row from the state (del keeps the shared list object).
+                del state.output_token_ids[num_output:]
+                if row is not None:
+                    batch.remove_request(req_id)
+                    row = None
             if row is None:
                 to_add.append(state)
                 continue
@@ -204,7 +217,13 @@ class ModelRunner:
         self._update_states(scheduler_output)
         assert self.input_batch is not None
         if scheduler_output.total_num_scheduled_tokens == 0 or self.input_batch.num_reqs == 0:
-            self.execute_model_state = ExecuteModelState(scheduler_output, None, None, None)
+            # Connector transfers still progress (and get reported) in a step without tokens.
+            kv_output = (
+                self.kv_connector_no_forward(scheduler_output) if self.kv_connector else None
+            )
+            self.execute_model_state = ExecuteModelState(
+                scheduler_output, None, None, None, kv_output
+            )
             return
         inputs = self.inputs.prepare(
             self.input_batch,
@@ -212,13 +231,18 @@ class ModelRunner:
             scheduler_output.total_num_scheduled_tokens,
         )
         attn_metadata = self._build_attn_metadata(inputs)
-        with set_forward_context(attn_metadata):
+        with (
+            set_forward_context(attn_metadata, kv_connector=self.kv_connector),
+            self.kv_connector_step(scheduler_output) as kv_output,
+        ):
             hidden_states = self.model(inputs.input_ids, inputs.positions)
         logits = None
         if len(inputs.sample_rows):
             logits = self.model.compute_logits(hidden_states[inputs.logits_indices])
         keep_hidden = hidden_states if self._wants_prompt_logprobs() else None
-        self.execute_model_state = ExecuteModelState(scheduler_output, inputs, logits, keep_hidden)
+        self.execute_model_state = ExecuteModelState(
+            scheduler_output, inputs, logits, keep_hidden, kv_output if self.kv_connector else None
+        )
 
     # ---- per step: sampling ---------------------------------------------------------------
 
@@ -228,7 +252,13 @@ class ModelRunner:
         if state is None:
             raise RuntimeError("sample_tokens() called without a preceding execute_model()")
         if state.inputs is None:
-            return EMPTY_MODEL_RUNNER_OUTPUT
+            if state.kv_connector_output is None or state.kv_connector_output.is_empty():
+                return EMPTY_MODEL_RUNNER_OUTPUT
+            # Never mutate the shared empty output: report the transfers on a fresh one.
+            return self.attach_kv_connector_output(
+                ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[]),
+                state.kv_connector_output,
+            )
         batch = self.input_batch
         assert batch is not None
         inputs = state.inputs
@@ -252,13 +282,14 @@ class ModelRunner:
             if out.logprobs_tensors is not None:
                 logprobs = self._logprobs_by_row(out.logprobs_tensors, sample_rows, num_reqs)
 
-        return ModelRunnerOutput(
+        output = ModelRunnerOutput(
             req_ids=req_ids,
             req_id_to_index=dict(batch.req_id_to_index),
             sampled_token_ids=sampled_token_ids,
             logprobs=logprobs,
             prompt_logprobs_dict=self._prompt_logprobs(state),
         )
+        return self.attach_kv_connector_output(output, state.kv_connector_output)
 
     @staticmethod
     def _logprobs_by_row(

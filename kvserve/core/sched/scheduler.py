@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvserve.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
 from kvserve.core.request import Request, RequestStatus
 from kvserve.core.sched.interface import SchedulerInterface
+from kvserve.core.sched.kv_connector_mixin import SchedulerKVConnectorMixin
 from kvserve.core.sched.request_queue import SchedulingPolicy, create_request_queue
 from kvserve.core.sched.utils import (
     check_stop,
@@ -31,7 +32,7 @@ if TYPE_CHECKING:
     from kvserve.protocol.runner_output import ModelRunnerOutput
 
 
-class Scheduler(SchedulerInterface):
+class Scheduler(SchedulerKVConnectorMixin, SchedulerInterface):
     def __init__(
         self,
         config: EngineConfig,
@@ -56,7 +57,8 @@ class Scheduler(SchedulerInterface):
             log_stats=log_stats,
             enable_kv_cache_events=enable_kv_cache_events,
         )
-        # Hook: a KV connector (scheduler side) is created here from config.kv_transfer_config.
+        # The KV connector's scheduler side (None without kv_transfer_config).
+        self._init_kv_connector(config, kv_cache_config)
 
         self.requests: dict[str, Request] = {}
         self.waiting = create_request_queue(self.policy)
@@ -103,25 +105,27 @@ class Scheduler(SchedulerInterface):
         if finished_waiting:
             self.waiting.remove_requests(finished_waiting)
 
-    def _free_request(self, request: Request) -> None:
-        # Hook: connector.request_finished(request, block_ids) may delay freeing while KV is sent.
-        self.kv_cache_manager.free(request)
+    def _free_request(self, request: Request) -> dict[str, Any] | None:
+        """Frees its blocks (unless the KV connector still sends); returns kv_transfer_params."""
+        delay_free, kv_transfer_params = self._connector_finished(request)
+        if not delay_free:
+            self.kv_cache_manager.free(request)
         self.finished_req_ids.add(request.request_id)
         del self.requests[request.request_id]
+        return kv_transfer_params
 
     def _finish_with_error(self, request: Request, message: str) -> None:
         request.status = RequestStatus.FINISHED_ERROR
         request.error = message
-        self._pending_outputs.append(
-            EngineCoreOutput(
-                request_id=request.request_id,
-                new_token_ids=[],
-                finish_reason=request.get_finished_reason(),
-                error=message,
-                num_cached_tokens=max(request.num_cached_tokens, 0),
-            )
+        output = EngineCoreOutput(
+            request_id=request.request_id,
+            new_token_ids=[],
+            finish_reason=request.get_finished_reason(),
+            error=message,
+            num_cached_tokens=max(request.num_cached_tokens, 0),
         )
-        self._free_request(request)
+        self._pending_outputs.append(output)
+        output.kv_transfer_params = self._free_request(request)
 
     # --- schedule -----------------------------------------------------------------
 
@@ -173,31 +177,56 @@ class Scheduler(SchedulerInterface):
             if len(self.running) >= self.max_num_running_reqs:
                 break
             request = self.waiting.peek_request()
-            # Hook: WAITING_FOR_REMOTE_KVS requests are checked against finished_recving here.
+            if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+                # Its async KV load is still running (update_from_output releases it).
+                skipped.add_request(self.waiting.pop_request())
+                continue
             if request.num_prompt_tokens > self.max_model_len or not (
                 self.kv_cache_manager.fits_in_pool(request.num_tokens)
             ):
                 self.waiting.pop_request()
                 self._finish_with_error(request, self._too_long_message(request))
                 continue
-            new_computed_blocks, num_computed_tokens = self.kv_cache_manager.get_computed_blocks(
-                request
-            )
-            # Hook: connector.get_num_new_matched_tokens(request, num_computed_tokens) adds
-            # external tokens (num_external_computed_tokens) after the local hits.
-            num_new_tokens = request.num_tokens - num_computed_tokens
-            if not self.enable_chunked_prefill and num_new_tokens > token_budget:
+            if request.request_id in self._async_load_done:
+                # Its async KV load finished: it holds its blocks, no lookup again.
+                new_computed_blocks = self.kv_cache_manager.empty_kv_cache_blocks
+                num_new_local = 0
+            else:
+                new_computed_blocks, num_new_local = self.kv_cache_manager.get_computed_blocks(
+                    request
+                )
+            num_computed_tokens = request.num_computed_tokens + num_new_local
+            # External hits (a KV connector) come after the local ones.
+            num_external, load_async = self._match_external(request, num_computed_tokens)
+            if num_external is None:  # the connector decides next step
+                skipped.add_request(self.waiting.pop_request())
+                continue
+            num_new_tokens = request.num_tokens - num_computed_tokens - num_external
+            if load_async:
+                num_new_tokens = 0  # only slots for the loaded KV; compute after it arrived
+            elif not self.enable_chunked_prefill and num_new_tokens > token_budget:
                 # Without chunking a prompt runs whole; let smaller ones behind it go.
                 skipped.prepend_request(self.waiting.pop_request())
                 continue
             num_new_tokens = self._cap_new_tokens(num_new_tokens, token_budget)
             new_blocks = self.kv_cache_manager.allocate_slots(
-                request, num_new_tokens, num_computed_tokens, new_computed_blocks
+                request,
+                num_new_tokens,
+                num_new_local,
+                new_computed_blocks,
+                # Loaded blocks are cached once the load is known good (update_from_output).
+                delay_cache_blocks=num_external > 0,
+                num_external_computed_tokens=num_external,
             )
             if new_blocks is None:
                 break  # waits for blocks; waiting requests never preempt
-            # Hook: connector.update_state_after_alloc(request, blocks, num_external_tokens).
             self.waiting.pop_request()
+            self._async_load_done.discard(request.request_id)
+            self._after_alloc(request, num_external, load_async, num_computed_tokens)
+            if load_async:
+                skipped.add_request(request)  # WAITING_FOR_REMOTE_KVS until loaded
+                continue
+            num_computed_tokens += num_external
             self.running.append(request)
             if request.status == RequestStatus.PREEMPTED:
                 scheduled_resumed.append(request)
@@ -249,7 +278,11 @@ class Scheduler(SchedulerInterface):
             finished_req_ids=self.finished_req_ids,
             preempted_req_ids={r.request_id for r in preempted},
         )
-        # Hook: scheduler_output.kv_connector_metadata = connector.build_connector_meta(...).
+        if self.connector is not None:
+            # Before num_computed_tokens advances: the connector plans from the step's start.
+            scheduler_output.kv_connector_metadata = self.connector.build_connector_meta(
+                scheduler_output
+            )
         self.finished_req_ids = set()
         # The tokens count as computed once scheduled; update_from_output adds samples.
         for request_id, n in num_scheduled_tokens.items():
@@ -295,12 +328,18 @@ class Scheduler(SchedulerInterface):
     def update_from_output(
         self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
     ) -> EngineCoreOutputs:
+        # KV connector results first: a failed load voids (or, policy "fail", ends) a request.
+        dropped = self._handle_invalid_blocks(
+            scheduler_output, model_runner_output.invalid_block_ids
+        )
+        self._update_from_kv_xfer_finished(model_runner_output)
+        self._cache_sync_loaded()
         outputs, self._pending_outputs = self._pending_outputs, []
         stopped: set[str] = set()
         for request_id in scheduler_output.num_scheduled_tokens:
             request = self.requests.get(request_id)
-            if request is None or request.is_finished():
-                continue  # aborted while the step ran
+            if request is None or request.is_finished() or request_id in dropped:
+                continue  # aborted while the step ran, or recomputes after a failed KV load
             req_index = model_runner_output.req_id_to_index.get(request_id)
             new_token_ids: list[int] = []
             # A partial prefill samples nothing useful: only a caught-up request takes tokens.
@@ -318,10 +357,12 @@ class Scheduler(SchedulerInterface):
                 outputs.append(output)
             if is_stopped:
                 stopped.add(request_id)
-                self._free_request(request)
+                kv_transfer_params = self._free_request(request)
+                if output is not None:
+                    output.kv_transfer_params = kv_transfer_params
         if stopped:
             self.running = [r for r in self.running if r.request_id not in stopped]
-        # Hook: connector finished_sending/finished_recving and KV event publishing go here.
+        # Hook: KV event publishing goes here.
         return EngineCoreOutputs(
             outputs=outputs, scheduler_stats=self.make_stats(), timestamp=time.monotonic()
         )
@@ -332,7 +373,8 @@ class Scheduler(SchedulerInterface):
         return len(self.waiting) + len(self.running)
 
     def has_finished_requests(self) -> bool:
-        return bool(self.finished_req_ids) or bool(self._pending_outputs)
+        # Blocks held for a KV connector's sends keep the engine stepping until released.
+        return bool(self.finished_req_ids or self._pending_outputs or self._delayed_free)
 
     def reset_prefix_cache(self) -> bool:
         return self.kv_cache_manager.reset_prefix_cache()
@@ -354,5 +396,5 @@ class Scheduler(SchedulerInterface):
         )
 
     def shutdown(self) -> None:
-        # Hook: close the KV event publisher and the connector.
-        pass
+        if self.connector is not None:
+            self.connector.shutdown()

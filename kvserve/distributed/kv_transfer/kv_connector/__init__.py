@@ -1,0 +1,1 @@
+"""The connector interface, its factory and the built-in connectors."""

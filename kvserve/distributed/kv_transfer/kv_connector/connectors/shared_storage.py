@@ -1,0 +1,317 @@
+"""SharedStorageConnector: the reference connector, KV as safetensors files in a directory.
+
+Layout: ``<shared_storage_path>/<key>/<layer_name>.safetensors``, one tensor "kv" of shape
+[2, num_blocks, block_size, kv_heads, head_size] per layer holding a prompt's full blocks.
+``key`` is a sha256 chained over the token ids block by block (seeded with the format,
+model, block size and cache salt), so any engine process computes the same key for the
+same prefix, and the key of every block-aligned prefix comes out of one pass.
+
+A directory appears only complete: layers are written into a hidden temp directory and
+renamed into place by wait_for_save, so a reader in another process never sees half an
+entry. A later request whose tokens start with a stored prefix loads it (the longest one),
+layer by layer in wait_for_layer_load. A missing, truncated or mismatched file is a load
+error reported through get_block_ids_with_load_errors, never a crash.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import struct
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from kvserve.distributed.kv_transfer.kv_connector.base import (
+    ConnectorBlocks,
+    ConnectorRequest,
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvserve.config import EngineConfig
+    from kvserve.forward_context import ForwardContext
+    from kvserve.protocol.kv_cache_interface import KVCacheConfig
+    from kvserve.protocol.scheduler_output import SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+FORMAT = "kvserve-shared-storage-v1"
+
+
+def prefix_keys(token_ids: list[int], block_size: int, salt: str) -> Iterator[str]:
+    """The key of each full-block prefix of token_ids, shortest first (deterministic)."""
+    hasher = hashlib.sha256(salt.encode())
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        block = token_ids[start : start + block_size]
+        hasher.update(struct.pack(f"<{block_size}q", *block))
+        yield hasher.copy().hexdigest()
+
+
+@dataclass
+class LoadSpec:
+    req_id: str
+    key: str
+    # Blocks [start_block, end_block) of the stored prefix go into block_ids.
+    start_block: int
+    end_block: int
+    block_ids: list[int]
+
+
+@dataclass
+class SaveSpec:
+    req_id: str
+    key: str
+    # The request's blocks holding its prompt's full blocks, in order.
+    block_ids: list[int]
+
+
+@dataclass
+class SharedStorageConnectorMetadata(KVConnectorMetadata):
+    loads: list[LoadSpec] = field(default_factory=list)
+    saves: list[SaveSpec] = field(default_factory=list)
+
+
+@dataclass
+class _Tracked:
+    """Scheduler-side view of a running request, enough to plan its save."""
+
+    prompt_token_ids: list[int]
+    salt: str
+    block_ids: list[int]
+
+
+class SharedStorageConnector(KVConnectorBase_V1):
+    def __init__(
+        self,
+        config: EngineConfig,
+        role: KVConnectorRole,
+        kv_cache_config: KVCacheConfig | None = None,
+    ) -> None:
+        super().__init__(config, role, kv_cache_config)
+        path = self.kv_transfer_config.get_from_extra_config("shared_storage_path", None)
+        if not path:
+            raise ValueError(
+                "SharedStorageConnector needs kv_connector_extra_config['shared_storage_path']"
+            )
+        if kv_cache_config is not None and len(kv_cache_config.kv_cache_groups) > 1:
+            # Entries hold one block table's worth of KV; hybrid models have several.
+            raise ValueError("SharedStorageConnector supports models with one KV cache group")
+        self.root = os.path.abspath(str(path))
+        os.makedirs(self.root, exist_ok=True)
+        self.block_size = config.cache_config.block_size
+        self._salt = f"{FORMAT}|{config.model_config.resolved.name}|{self.block_size}"
+        # Scheduler side.
+        self._lookups: dict[str, tuple[str, int]] = {}  # req_id -> (key, num tokens stored)
+        self._pending_loads: list[LoadSpec] = []
+        self._tracked: dict[str, _Tracked] = {}
+        # Worker side.
+        self._kv_caches: dict[str, torch.Tensor] = {}
+        self._loads_to_do: list[LoadSpec] = []
+        self._failed_loads: set[str] = set()  # req ids whose load failed in this step
+        self._load_errors: set[int] = set()
+        self._save_dirs: dict[str, str] = {}  # key -> temp dir being written in this step
+
+    def _request_salt(self, cache_salt: str | None) -> str:
+        return self._salt if cache_salt is None else f"{self._salt}|{cache_salt}"
+
+    def _entry_dir(self, key: str) -> str:
+        return os.path.join(self.root, key)
+
+    def _layer_file(self, entry_dir: str, layer_name: str) -> str:
+        return os.path.join(entry_dir, layer_name.replace(os.sep, "_") + ".safetensors")
+
+    # ---- scheduler side --------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(
+        self, request: ConnectorRequest, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        self._lookups.pop(request.request_id, None)
+        if not self.kv_transfer_config.is_kv_consumer:
+            return 0, False
+        tokens = request.all_token_ids
+        # The last token is always computed: its logits give the next token.
+        max_blocks = (len(tokens) - 1) // self.block_size
+        keys = list(
+            prefix_keys(
+                tokens[: max_blocks * self.block_size],
+                self.block_size,
+                self._request_salt(request.cache_salt),
+            )
+        )
+        for num_blocks in range(max_blocks, num_computed_tokens // self.block_size, -1):
+            key = keys[num_blocks - 1]
+            if os.path.isdir(self._entry_dir(key)):
+                num_tokens = num_blocks * self.block_size
+                self._lookups[request.request_id] = (key, num_tokens)
+                return num_tokens - num_computed_tokens, False
+        return 0, False
+
+    def update_state_after_alloc(
+        self, request: ConnectorRequest, blocks: ConnectorBlocks, num_external_tokens: int
+    ) -> None:
+        block_ids = list(blocks.get_block_ids()[0])
+        self._tracked[request.request_id] = _Tracked(
+            list(request.prompt_token_ids), self._request_salt(request.cache_salt), block_ids
+        )
+        lookup = self._lookups.pop(request.request_id, None)
+        if num_external_tokens <= 0 or lookup is None:
+            return
+        key, num_tokens = lookup
+        start_block = (num_tokens - num_external_tokens) // self.block_size
+        end_block = num_tokens // self.block_size
+        self._pending_loads.append(
+            LoadSpec(
+                request.request_id, key, start_block, end_block, block_ids[start_block:end_block]
+            )
+        )
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        meta = SharedStorageConnectorMetadata(loads=self._pending_loads)
+        self._pending_loads = []
+        # (req_id, tokens computed before this step) for every scheduled request.
+        scheduled: list[tuple[str, int]] = []
+        for new in scheduler_output.scheduled_new_reqs:
+            if new.req_id in self._tracked:
+                self._tracked[new.req_id].block_ids = list(new.block_ids[0])
+            scheduled.append((new.req_id, new.num_computed_tokens))
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            tracked = self._tracked.get(req_id)
+            new_ids = cached.new_block_ids[i]
+            if tracked is not None and new_ids is not None:
+                if cached.resumed_from_preemption[i]:
+                    tracked.block_ids = list(new_ids[0])
+                else:
+                    tracked.block_ids.extend(new_ids[0])
+            scheduled.append((req_id, cached.num_computed_tokens[i]))
+        if self.kv_transfer_config.is_kv_producer:
+            meta.saves = self._plan_saves(scheduled, scheduler_output.num_scheduled_tokens)
+        return meta
+
+    def _plan_saves(
+        self, scheduled: list[tuple[str, int]], num_new: dict[str, int]
+    ) -> list[SaveSpec]:
+        """Saves the prompts whose prefill completes in this step, unless already stored."""
+        saves: dict[str, SaveSpec] = {}
+        for req_id, computed in scheduled:
+            tracked = self._tracked.get(req_id)
+            if tracked is None:
+                continue
+            num_prompt = len(tracked.prompt_token_ids)
+            if not computed < num_prompt <= computed + num_new.get(req_id, 0):
+                continue
+            num_blocks = num_prompt // self.block_size
+            if num_blocks == 0:
+                continue
+            *_, key = prefix_keys(
+                tracked.prompt_token_ids[: num_blocks * self.block_size],
+                self.block_size,
+                tracked.salt,
+            )
+            if key not in saves and not os.path.isdir(self._entry_dir(key)):
+                saves[key] = SaveSpec(req_id, key, tracked.block_ids[:num_blocks])
+        return list(saves.values())
+
+    def request_finished(
+        self, request: ConnectorRequest, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        self._tracked.pop(request.request_id, None)
+        self._lookups.pop(request.request_id, None)
+        return False, None
+
+    # ---- worker side -----------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._kv_caches = dict(kv_caches)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, SharedStorageConnectorMetadata)
+        # Layer by layer: each attention layer pulls its own file in wait_for_layer_load.
+        self._loads_to_do = list(meta.loads)
+        self._failed_loads = set()
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        for spec in self._loads_to_do:
+            if spec.req_id not in self._failed_loads:
+                self._load_layer(spec, layer_name)
+
+    def _load_layer(self, spec: LoadSpec, layer_name: str) -> bool:
+        """Copies one layer of a stored prefix into the cache; on any fault records the
+        request's blocks as load errors and returns False."""
+        cache = self._kv_caches[layer_name]
+        path = self._layer_file(self._entry_dir(spec.key), layer_name)
+        try:
+            kv = _read_layer(path)
+            expected = (2, kv.shape[1], *cache.shape[2:])
+            if tuple(kv.shape) != expected or kv.shape[1] < spec.end_block:
+                raise ValueError(
+                    f"shape {tuple(kv.shape)} does not fit the cache {tuple(cache.shape)}"
+                )
+            if kv.dtype != cache.dtype:
+                raise ValueError(f"dtype {kv.dtype} != cache dtype {cache.dtype}")
+            import torch
+
+            ids = torch.tensor(spec.block_ids, dtype=torch.long, device=cache.device)
+            cache[:, ids] = kv[:, spec.start_block : spec.end_block].to(cache.device)
+            return True
+        except Exception as exc:  # any unreadable entry is a load error, not a crash
+            logger.warning("KV load of %s for %s failed: %s", path, spec.req_id, exc)
+            self._failed_loads.add(spec.req_id)
+            self._load_errors.update(spec.block_ids)
+            return False
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
+    ) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, SharedStorageConnectorMetadata)
+        for spec in meta.saves:
+            temp_dir = self._save_dirs.get(spec.key)
+            if temp_dir is None:
+                temp_dir = tempfile.mkdtemp(prefix=f".tmp-{spec.key[:16]}-", dir=self.root)
+                self._save_dirs[spec.key] = temp_dir
+            import torch
+            from safetensors.torch import save_file
+
+            ids = torch.tensor(spec.block_ids, dtype=torch.long, device=kv_layer.device)
+            blocks = kv_layer[:, ids].to("cpu").contiguous()
+            metadata = {"format": FORMAT, "block_size": str(self.block_size)}
+            save_file({"kv": blocks}, self._layer_file(temp_dir, layer_name), metadata)
+
+    def wait_for_save(self) -> None:
+        # Publish each entry with one rename: readers see all of it or nothing.
+        for key, temp_dir in self._save_dirs.items():
+            try:
+                os.rename(temp_dir, self._entry_dir(key))
+            except OSError:  # another writer published the same prefix first
+                shutil.rmtree(temp_dir, ignore_errors=True)
+        self._save_dirs = {}
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def shutdown(self) -> None:
+        for temp_dir in self._save_dirs.values():
+            shutil.rmtree(temp_dir, ignore_errors=True)
+        self._save_dirs = {}
+
+
+def _read_layer(path: str) -> torch.Tensor:
+    """The "kv" tensor of one layer file; raises on a missing, foreign or damaged file."""
+    from safetensors import safe_open
+
+    with safe_open(path, framework="pt", device="cpu") as f:
+        metadata = f.metadata() or {}
+        if metadata.get("format") != FORMAT:
+            raise ValueError(f"not a {FORMAT} file (format={metadata.get('format')!r})")
+        return f.get_tensor("kv")

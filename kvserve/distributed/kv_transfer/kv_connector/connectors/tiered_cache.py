@@ -1,0 +1,317 @@
+"""TieredCacheConnector: the engine's paged KV cache in front of the kvcache tier.
+
+Scheduler side: a waiting request's tokens are looked up in the tier (CacheEngine.lookup,
+pinning the chunks under the request id); the hit, cut to leave the last prompt token to
+compute and rounded down to whole blocks, is what the request loads. As prefill (and, with
+save_decode_cache, decode) completes whole chunks, they are planned for saving; a short last
+prompt chunk only with save_unfull_chunk. Pins are released when the load runs, when no load
+is planned, and in request_finished (whatever happened before).
+
+Worker side: the tier's KV shape is [num_layers, 2, num_tokens, kv_heads, head_size]; this
+connector gathers it from, and scatters it into, the paged caches ([2, num_blocks,
+block_size, kv_heads, head_size] per layer) through token slots. Loads run in start_load_kv,
+or in a background thread with enable_async_loading (the request waits in
+WAITING_FOR_REMOTE_KVS until get_finished reports it). Saves run in wait_for_save. Tokens
+a load could not bring back are reported as load errors: the scheduler recomputes them.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from kvserve.distributed.kv_transfer.kv_connector.base import (
+    ConnectorBlocks,
+    ConnectorRequest,
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from kvserve.kvcache.builder import CacheEngineBuilder
+from kvserve.kvcache.config import load_cache_engine_config
+from kvserve.kvcache.key import CacheEngineMetadata
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvserve.config import EngineConfig
+    from kvserve.forward_context import ForwardContext
+    from kvserve.protocol.kv_cache_interface import KVCacheConfig
+    from kvserve.protocol.scheduler_output import SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class TransferSpec:
+    req_id: str
+    token_ids: list[int]  # the prefix the chunk keys are computed over
+    start: int  # tokens [start, end) move between the tier and the blocks
+    end: int
+    block_ids: list[int]  # the request's blocks covering tokens [0, end)
+    tags: tuple[tuple[str, str], ...] = ()
+
+
+@dataclass
+class TieredCacheConnectorMetadata(KVConnectorMetadata):
+    loads: list[TransferSpec] = field(default_factory=list)
+    saves: list[TransferSpec] = field(default_factory=list)
+
+
+@dataclass
+class _Tracked:
+    request: ConnectorRequest
+    block_ids: list[int]
+    saved_upto: int  # tokens from 0 the tier holds (or was asked to store) for this request
+
+
+def _tags(cache_salt: str | None) -> tuple[tuple[str, str], ...]:
+    return () if cache_salt is None else (("salt", cache_salt),)
+
+
+class TieredCacheConnector(KVConnectorBase_V1):
+    def __init__(
+        self,
+        config: EngineConfig,
+        role: KVConnectorRole,
+        kv_cache_config: KVCacheConfig | None = None,
+    ) -> None:
+        super().__init__(config, role, kv_cache_config)
+        self.cache_config = load_cache_engine_config(
+            self.kv_transfer_config.kv_connector_extra_config
+        )
+        self.block_size = config.cache_config.block_size
+        self.chunk_size = self.cache_config.chunk_size
+        if self.chunk_size % self.block_size:
+            raise ValueError(
+                f"chunk_size ({self.chunk_size}) must be a multiple of block_size ({self.block_size})"
+            )
+        if kv_cache_config is not None and len(kv_cache_config.kv_cache_groups) > 1:
+            raise ValueError("TieredCacheConnector supports one KV cache group (full attention)")
+        metadata = CacheEngineMetadata(
+            model_name=config.model_config.resolved.name,
+            world_size=config.parallel_config.world_size,
+            worker_id=0,
+            kv_dtype=config.model_config.dtype,
+        )
+        self._instance_id = f"{self.kv_transfer_config.engine_id}"
+        self.engine = CacheEngineBuilder.get_or_create(
+            self._instance_id, self.cache_config, metadata
+        )
+        self.async_loading = self.cache_config.enable_async_loading
+        # Scheduler side.
+        self._lookups: dict[str, tuple[int, int]] = {}  # req_id -> (tier hit, usable tokens)
+        self._tracked: dict[str, _Tracked] = {}
+        self._pending_loads: list[TransferSpec] = []
+        # Worker side.
+        self._kv_caches: list[torch.Tensor] = []
+        self._loader: ThreadPoolExecutor | None = None
+        self._async_loads: dict[str, Future[set[int]]] = {}
+        self._load_errors: set[int] = set()
+
+    # ---- scheduler side --------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(
+        self, request: ConnectorRequest, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        self._lookups.pop(request.request_id, None)
+        if not self.kv_transfer_config.is_kv_consumer:
+            return 0, False
+        tokens = request.all_token_ids
+        hit = self.engine.lookup(tokens, request.request_id, _tags(request.cache_salt))
+        # A full hit still recomputes the last token (its logits pick the next token), and
+        # the scheduler takes whole blocks.
+        usable = min(hit, len(tokens) - 1) // self.block_size * self.block_size
+        self._lookups[request.request_id] = (hit, usable)
+        if usable <= num_computed_tokens:
+            self.engine.release(request.request_id)
+            return 0, False
+        return usable - num_computed_tokens, self.async_loading
+
+    def update_state_after_alloc(
+        self, request: ConnectorRequest, blocks: ConnectorBlocks, num_external_tokens: int
+    ) -> None:
+        block_ids = list(blocks.get_block_ids()[0])
+        hit, usable = self._lookups.pop(request.request_id, (0, 0))
+        self._tracked[request.request_id] = _Tracked(request, block_ids, hit)
+        if num_external_tokens <= 0:
+            self.engine.release(request.request_id)
+            return
+        start = usable - num_external_tokens
+        self._pending_loads.append(
+            TransferSpec(
+                request.request_id,
+                list(request.all_token_ids[:usable]),
+                start,
+                usable,
+                block_ids[: -(-usable // self.block_size)],
+                _tags(request.cache_salt),
+            )
+        )
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        meta = TieredCacheConnectorMetadata(loads=self._pending_loads)
+        self._pending_loads = []
+        scheduled: list[tuple[str, int]] = []
+        for new in scheduler_output.scheduled_new_reqs:
+            if new.req_id in self._tracked:
+                self._tracked[new.req_id].block_ids = list(new.block_ids[0])
+            scheduled.append((new.req_id, new.num_computed_tokens))
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            tracked = self._tracked.get(req_id)
+            new_ids = cached.new_block_ids[i]
+            if tracked is not None and new_ids is not None:
+                if cached.resumed_from_preemption[i]:
+                    tracked.block_ids = list(new_ids[0])
+                else:
+                    tracked.block_ids.extend(new_ids[0])
+            scheduled.append((req_id, cached.num_computed_tokens[i]))
+        if self.kv_transfer_config.is_kv_producer:
+            for req_id, computed in scheduled:
+                spec = self._plan_save(
+                    req_id, computed + scheduler_output.num_scheduled_tokens.get(req_id, 0)
+                )
+                if spec is not None:
+                    meta.saves.append(spec)
+        return meta
+
+    def _plan_save(self, req_id: str, computed_after: int) -> TransferSpec | None:
+        """The chunks whose KV is complete once this step ran and that were not saved yet."""
+        tracked = self._tracked.get(req_id)
+        if tracked is None:
+            return None
+        request = tracked.request
+        num_prompt = len(request.prompt_token_ids)
+        limit = (
+            computed_after
+            if self.cache_config.save_decode_cache
+            else min(computed_after, num_prompt)
+        )
+        end = limit // self.chunk_size * self.chunk_size
+        if self.cache_config.save_unfull_chunk and computed_after >= num_prompt:
+            end = max(end, num_prompt)  # the prompt's short last chunk
+        if end <= tracked.saved_upto:
+            return None
+        start = tracked.saved_upto // self.chunk_size * self.chunk_size
+        tracked.saved_upto = end
+        tokens = list(request.all_token_ids[:end])
+        blocks = tracked.block_ids[: -(-end // self.block_size)]
+        return TransferSpec(req_id, tokens, start, end, blocks, _tags(request.cache_salt))
+
+    def request_finished(
+        self, request: ConnectorRequest, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        # Whatever happened (aborted before loading, load failed), the pins go now.
+        self.engine.release(request.request_id)
+        self._tracked.pop(request.request_id, None)
+        self._lookups.pop(request.request_id, None)
+        return False, None
+
+    # ---- worker side -----------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        # Layer order is the model's (dict order), the same in every process.
+        self._kv_caches = list(kv_caches.values())
+
+    def _block_runs(
+        self, block_ids: list[int], lo: int, hi: int
+    ) -> Iterator[tuple[int, int, int, int]]:
+        """(block id, first slot, end slot, offset from lo) of each block holding tokens
+        [lo, hi). Copying block by block is plain memcpy; index_put over token slots is
+        some 50x slower on CPU."""
+        bs = self.block_size
+        for b in range(lo // bs, -(-hi // bs)):
+            first, end = max(lo, b * bs), min(hi, (b + 1) * bs)
+            yield block_ids[b], first - b * bs, end - b * bs, first - lo
+
+    def _load(self, spec: TransferSpec) -> set[int]:
+        """Writes tokens [start, end) from the tier into the blocks; returns the block ids
+        it could not fill (empty on success). Never raises."""
+        loaded = spec.start
+        try:
+            result = self.engine.retrieve(
+                spec.token_ids, spec.end, lookup_id=spec.req_id, tags=spec.tags, start=spec.start
+            )
+            for chunk_start, chunk_end, kv in result.chunks:
+                lo, hi = max(chunk_start, spec.start), min(chunk_end, spec.end)
+                if hi <= lo:
+                    continue
+                part = kv.narrow(2, lo - chunk_start, hi - lo)
+                runs = list(self._block_runs(spec.block_ids, lo, hi))
+                for layer, cache in enumerate(self._kv_caches):
+                    src = part[layer]
+                    for block, s0, s1, off in runs:
+                        cache[:, block, s0:s1].copy_(src[:, off : off + s1 - s0])
+                loaded = hi
+        except Exception:  # a failed load is recomputed, never a crashed step
+            logger.exception("KV tier load for %s failed", spec.req_id)
+            self.engine.release(spec.req_id)
+        if loaded >= spec.end:
+            return set()
+        logger.warning(
+            "KV tier load for %s stopped at token %d of %d", spec.req_id, loaded, spec.end
+        )
+        first_bad = loaded // self.block_size
+        return set(spec.block_ids[first_bad:])
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, TieredCacheConnectorMetadata)
+        for spec in meta.loads:
+            if self.async_loading:
+                if self._loader is None:
+                    self._loader = ThreadPoolExecutor(1, thread_name_prefix="kvcache-load")
+                self._async_loads[spec.req_id] = self._loader.submit(self._load, spec)
+            else:
+                self._load_errors |= self._load(spec)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None  # loads complete in start_load_kv (or asynchronously, before scheduling)
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
+    ) -> None:
+        return None  # saved whole in wait_for_save, once every layer holds this step's KV
+
+    def wait_for_save(self) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, TieredCacheConnectorMetadata)
+        import torch
+
+        for spec in meta.saves:
+            try:
+                first = self._kv_caches[0]
+                kv = torch.empty(
+                    (len(self._kv_caches), 2, spec.end - spec.start, *first.shape[3:]),
+                    dtype=first.dtype,
+                )
+                runs = list(self._block_runs(spec.block_ids, spec.start, spec.end))
+                for layer, cache in enumerate(self._kv_caches):
+                    for block, s0, s1, off in runs:
+                        kv[layer, :, off : off + s1 - s0].copy_(cache[:, block, s0:s1])
+                self.engine.store(spec.token_ids, kv, spec.start, spec.tags)
+            except Exception:  # a failed save loses a cache entry, never a request
+                logger.exception("KV tier save for %s failed", spec.req_id)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        done = {req_id for req_id, fut in self._async_loads.items() if fut.done()}
+        for req_id in done:
+            self._load_errors |= self._async_loads.pop(req_id).result()
+        return None, (done or None)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def shutdown(self) -> None:
+        if self._loader is not None:
+            self._loader.shutdown(wait=True)
+            self._loader = None
+        # Queued disk writes land before the process may exit, even while the other side
+        # of this connector still holds the shared engine.
+        self.engine.flush(timeout=60)
+        CacheEngineBuilder.release(self._instance_id)

@@ -1,0 +1,1 @@
+"""The KV cache server (`kvserve cache-server`) and its wire protocol."""

@@ -1,0 +1,1 @@
+"""Storage tiers of the KV cache: CPU memory, local disk, Redis, the kvserve cache server."""

@@ -1,0 +1,120 @@
+"""CacheServerBackend: the remote tier on a `kvserve cache-server` (kvserve://host:port).
+
+One blocking TCP connection, guarded by a lock, opened lazily and dropped on any error.
+Every failure or timeout is a miss; after one, calls are skipped for the reconnect interval.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from kvserve.kvcache import serde
+from kvserve.kvcache.key import CacheEngineKey
+from kvserve.kvcache.server.protocol import ProtocolError, recv_reply, send_request
+from kvserve.kvcache.stats import CacheStats
+from kvserve.kvcache.storage.base import RemoteHealth, StorageBackend
+
+MAX_REPLY_PAYLOAD = 1 << 32
+
+
+class CacheServerBackend(StorageBackend):
+    name = "cache_server"
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        stats: CacheStats,
+        serde_name: str = "raw",
+        timeout: float = 5.0,
+        reconnect_interval: float = 1.0,
+    ) -> None:
+        super().__init__(stats)
+        self.host, self.port = host, port
+        self.serde = serde_name
+        self.timeout = timeout
+        self.health_state = RemoteHealth(f"kvserve://{host}:{port}", reconnect_interval)
+        self._lock = threading.Lock()
+        self._sock: socket.socket | None = None
+
+    def _request(
+        self, header: dict[str, Any], payload: serde.Buffer = b""
+    ) -> tuple[dict[str, Any], bytearray] | None:
+        if not self.health_state.should_try():
+            return None
+        with self._lock:
+            try:
+                if self._sock is None:
+                    self._sock = socket.create_connection((self.host, self.port), self.timeout)
+                    self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                send_request(self._sock, header, payload)
+                reply = recv_reply(self._sock, MAX_REPLY_PAYLOAD)
+            except (OSError, ProtocolError) as exc:
+                self._close_locked()
+                self.health_state.failed(exc)
+                self.stats.add(self.name, errors=1)
+                return None
+        self.health_state.succeeded()
+        if reply[0].get("status") == "error":
+            self.stats.add(self.name, errors=1)
+        return reply
+
+    def _close_locked(self) -> None:
+        if self._sock is not None:
+            try:
+                self._sock.close()
+            finally:
+                self._sock = None
+
+    def _ok(self, header: dict[str, Any], check: Callable[[dict[str, Any]], bool]) -> bool:
+        reply = self._request(header)
+        return reply is not None and reply[0].get("status") == "ok" and check(reply[0])
+
+    def contains(self, key: CacheEngineKey) -> bool:
+        return self._ok({"op": "EXISTS", "key": key.to_string()}, lambda r: bool(r.get("exists")))
+
+    def get(self, key: CacheEngineKey) -> torch.Tensor | None:
+        reply = self._request({"op": "GET", "key": key.to_string()})
+        if reply is None or reply[0].get("status") != "ok":
+            self.stats.add(self.name, misses=1)
+            return None
+        header, payload = reply
+        try:
+            kv = serde.decode(serde.ChunkMeta.from_dict(header.get("meta")), payload)
+        except ValueError:
+            self.remove(key)
+            self.stats.add(self.name, misses=1, errors=1)
+            return None
+        self.stats.add(self.name, hits=1, bytes_retrieved=len(payload))
+        return kv
+
+    def put(self, key: CacheEngineKey, kv: torch.Tensor) -> None:
+        meta, payload = serde.encode(kv, self.serde)
+        header = {"op": "PUT", "key": key.to_string(), "meta": meta.to_dict()}
+        reply = self._request(header, payload)
+        if reply is not None and reply[0].get("status") == "ok":
+            self.stats.add(self.name, bytes_stored=len(payload))
+
+    def remove(self, key: CacheEngineKey) -> None:
+        self._request({"op": "DELETE", "key": key.to_string()})
+
+    def clear(self) -> None:
+        # The server is shared by every instance; one instance does not wipe it.
+        pass
+
+    def health(self) -> bool:
+        reply = self._request({"op": "HEALTH"})
+        return reply is not None and reply[0].get("status") == "ok"
+
+    def server_health(self) -> dict[str, Any] | None:
+        reply = self._request({"op": "HEALTH"})
+        return None if reply is None else reply[0]
+
+    def close(self) -> None:
+        with self._lock:
+            self._close_locked()
