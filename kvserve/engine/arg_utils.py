@@ -61,6 +61,18 @@ class EngineArgs:
     kv_events_config: KVEventsConfig | dict[str, Any] | str | None = None
     # A KVTransferConfig, a dict of its fields, or the JSON text of --kv-transfer-config.
     kv_transfer_config: KVTransferConfig | dict[str, Any] | str | None = None
+    # YAML file of the tiered KV cache; on its own it turns on TieredCacheConnector.
+    kv_cache_config: str | None = None
+
+    def _transfer_config(self) -> KVTransferConfig | None:
+        transfer = (None if self.kv_transfer_config is None
+                    else KVTransferConfig.from_cli(self.kv_transfer_config))
+        if self.kv_cache_config is None:
+            return transfer
+        if transfer is None:
+            transfer = KVTransferConfig(kv_connector="TieredCacheConnector")
+        extra = {**transfer.kv_connector_extra_config, "kv_cache_config": self.kv_cache_config}
+        return dataclasses.replace(transfer, kv_connector_extra_config=extra)
 
     def create_engine_config(self) -> EngineConfig:
         model_config = ModelConfig(
@@ -100,11 +112,7 @@ class EngineArgs:
                 if self.kv_events_config is None
                 else KVEventsConfig.from_cli(self.kv_events_config)
             ),
-            kv_transfer_config=(
-                None
-                if self.kv_transfer_config is None
-                else KVTransferConfig.from_cli(self.kv_transfer_config)
-            ),
+            kv_transfer_config=self._transfer_config(),
         )
 
     @classmethod
@@ -160,6 +168,12 @@ class EngineArgs:
             help='KV connector as JSON, e.g. \'{"kv_connector": "SharedStorageConnector", '
             '"kv_role": "kv_both", "kv_connector_extra_config": '
             '{"shared_storage_path": "/tmp/kv"}}\'',
+        )
+        parser.add_argument(
+            "--kv-cache-config",
+            default=None,
+            help="YAML file configuring the tiered KV cache (CPU, disk, Redis, cache server); "
+            "enables TieredCacheConnector unless --kv-transfer-config names another connector",
         )
 
     @classmethod

@@ -1,0 +1,66 @@
+"""EngineArgs: CLI flags and keyword arguments become one validated EngineConfig."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+
+from kvserve.config import KVTransferConfig
+from kvserve.engine.arg_utils import EngineArgs, parse_bytes
+
+
+def parse(argv: list[str]) -> EngineArgs:
+    parser = argparse.ArgumentParser()
+    EngineArgs.add_cli_args(parser)
+    return EngineArgs.from_cli_args(parser.parse_args(argv))
+
+
+def test_vllm_flag_names_reach_the_config() -> None:
+    config = parse([
+        "--max-model-len", "1024", "--max-num-seqs", "7", "--max-num-batched-tokens", "96",
+        "--block-size", "32", "--kv-cache-memory", "64MiB", "--no-enable-prefix-caching",
+        "--scheduling-policy", "priority",
+    ]).create_engine_config()
+    assert config.model_config.max_model_len == 1024
+    assert config.scheduler_config.max_num_seqs == 7
+    assert config.scheduler_config.max_num_batched_tokens == 96
+    assert config.scheduler_config.policy == "priority"
+    assert config.cache_config.block_size == 32
+    assert config.cache_config.kv_cache_memory == 64 << 20
+    assert not config.cache_config.enable_prefix_caching
+
+
+@pytest.mark.parametrize(("text", "value"), [("2G", 2 << 30), ("512MiB", 512 << 20),
+                                             ("1e6", 10**6), ("4096", 4096)])
+def test_parse_bytes(text: str, value: int) -> None:
+    assert parse_bytes(text) == value
+
+
+def test_bad_size_names_the_field() -> None:
+    with pytest.raises(ValueError, match="kv_cache_memory"):
+        parse_bytes("lots")
+
+
+def test_kv_cache_config_turns_on_the_tiered_connector(tmp_path: Path) -> None:
+    yaml_file = tmp_path / "tiers.yaml"
+    yaml_file.write_text("chunk_size: 256\nlocal_cpu: true\n")
+    config = parse(["--kv-cache-config", str(yaml_file)]).create_engine_config()
+    transfer = config.kv_transfer_config
+    assert isinstance(transfer, KVTransferConfig)
+    assert transfer.kv_connector == "TieredCacheConnector"
+    assert transfer.kv_connector_extra_config["kv_cache_config"] == str(yaml_file)
+
+    # With a connector already named, the file is handed to it and the caller's object is kept.
+    given = KVTransferConfig(kv_connector="MultiConnector",
+                             kv_connector_extra_config={"connectors": []})
+    merged = EngineArgs(kv_transfer_config=given, kv_cache_config=str(yaml_file))
+    assert merged.create_engine_config().kv_transfer_config.kv_connector_extra_config == {
+        "connectors": [], "kv_cache_config": str(yaml_file)}
+    assert "kv_cache_config" not in given.kv_connector_extra_config
+
+
+def test_unknown_keyword_is_rejected() -> None:
+    with pytest.raises(ValueError, match="bogus"):
+        EngineArgs.from_kwargs(bogus=1)
