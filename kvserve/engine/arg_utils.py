@@ -65,8 +65,11 @@ class EngineArgs:
     kv_cache_config: str | None = None
 
     def _transfer_config(self) -> KVTransferConfig | None:
-        transfer = (None if self.kv_transfer_config is None
-                    else KVTransferConfig.from_cli(self.kv_transfer_config))
+        transfer = (
+            None
+            if self.kv_transfer_config is None
+            else KVTransferConfig.from_cli(self.kv_transfer_config)
+        )
         if self.kv_cache_config is None:
             return transfer
         if transfer is None:

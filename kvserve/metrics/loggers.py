@@ -180,6 +180,9 @@ class PrometheusStatLogger(StatLoggerBase):
         ]
         # The scheduler reports preemptions as a running total; the counter takes deltas.
         self._last_num_preemptions = 0
+        # KV connector totals (tier hits, bytes, ...): counters made as metrics first appear.
+        self._connector_counters: dict[str, Counter] = {}
+        self._last_connector_stats: dict[tuple[str, str], float] = {}
 
     def record(
         self, scheduler_stats: SchedulerStats | None, iteration_stats: IterationStats | None
@@ -194,6 +197,8 @@ class PrometheusStatLogger(StatLoggerBase):
             new_preemptions = scheduler_stats.num_preemptions - self._last_num_preemptions
             self.num_preemptions.labels(name).inc(max(new_preemptions, 0))
             self._last_num_preemptions = scheduler_stats.num_preemptions
+            if scheduler_stats.kv_connector_stats:
+                self._record_connector_stats(scheduler_stats.kv_connector_stats)
         if iteration_stats is None:
             return
         self.prompt_tokens.labels(name).inc(iteration_stats.num_prompt_tokens)
@@ -210,6 +215,23 @@ class PrometheusStatLogger(StatLoggerBase):
             self.request_queue_time.labels(name).observe(finished.queued_time)
             if finished.num_generation_tokens > 1:
                 self.time_per_output_token.labels(name).observe(finished.mean_time_per_output_token)
+
+    def _record_connector_stats(self, stats: dict[str, dict[str, float]]) -> None:
+        for metric, values in stats.items():
+            counter = self._connector_counters.get(metric)
+            if counter is None:
+                counter = Counter(
+                    PREFIX + "kv_connector_" + metric,
+                    f"KV connector running total: {metric}",
+                    ["model_name", "kind"],
+                    registry=self.registry,
+                )
+                self._connector_counters[metric] = counter
+                self._collectors.append(counter)
+            for kind, value in values.items():
+                delta = value - self._last_connector_stats.get((metric, kind), 0.0)
+                self._last_connector_stats[(metric, kind)] = value
+                counter.labels(self.model_name, kind).inc(max(delta, 0.0))
 
     def unregister(self) -> None:
         for collector in self._collectors:

@@ -60,6 +60,8 @@ class SchedulerStats(msgspec.Struct, omit_defaults=True, kw_only=True):
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     num_preemptions: int = 0
+    # Running totals from the KV connector, {metric: {label: value}} (e.g. tier hits).
+    kv_connector_stats: dict[str, dict[str, float]] | None = None
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, kw_only=True):

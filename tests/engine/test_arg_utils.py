@@ -18,11 +18,23 @@ def parse(argv: list[str]) -> EngineArgs:
 
 
 def test_vllm_flag_names_reach_the_config() -> None:
-    config = parse([
-        "--max-model-len", "1024", "--max-num-seqs", "7", "--max-num-batched-tokens", "96",
-        "--block-size", "32", "--kv-cache-memory", "64MiB", "--no-enable-prefix-caching",
-        "--scheduling-policy", "priority",
-    ]).create_engine_config()
+    config = parse(
+        [
+            "--max-model-len",
+            "1024",
+            "--max-num-seqs",
+            "7",
+            "--max-num-batched-tokens",
+            "96",
+            "--block-size",
+            "32",
+            "--kv-cache-memory",
+            "64MiB",
+            "--no-enable-prefix-caching",
+            "--scheduling-policy",
+            "priority",
+        ]
+    ).create_engine_config()
     assert config.model_config.max_model_len == 1024
     assert config.scheduler_config.max_num_seqs == 7
     assert config.scheduler_config.max_num_batched_tokens == 96
@@ -32,8 +44,9 @@ def test_vllm_flag_names_reach_the_config() -> None:
     assert not config.cache_config.enable_prefix_caching
 
 
-@pytest.mark.parametrize(("text", "value"), [("2G", 2 << 30), ("512MiB", 512 << 20),
-                                             ("1e6", 10**6), ("4096", 4096)])
+@pytest.mark.parametrize(
+    ("text", "value"), [("2G", 2 << 30), ("512MiB", 512 << 20), ("1e6", 10**6), ("4096", 4096)]
+)
 def test_parse_bytes(text: str, value: int) -> None:
     assert parse_bytes(text) == value
 
@@ -53,11 +66,14 @@ def test_kv_cache_config_turns_on_the_tiered_connector(tmp_path: Path) -> None:
     assert transfer.kv_connector_extra_config["kv_cache_config"] == str(yaml_file)
 
     # With a connector already named, the file is handed to it and the caller's object is kept.
-    given = KVTransferConfig(kv_connector="MultiConnector",
-                             kv_connector_extra_config={"connectors": []})
+    given = KVTransferConfig(
+        kv_connector="MultiConnector", kv_connector_extra_config={"connectors": []}
+    )
     merged = EngineArgs(kv_transfer_config=given, kv_cache_config=str(yaml_file))
     assert merged.create_engine_config().kv_transfer_config.kv_connector_extra_config == {
-        "connectors": [], "kv_cache_config": str(yaml_file)}
+        "connectors": [],
+        "kv_cache_config": str(yaml_file),
+    }
     assert "kv_cache_config" not in given.kv_connector_extra_config
 
 

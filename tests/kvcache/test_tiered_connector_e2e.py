@@ -74,6 +74,11 @@ def test_cpu_tier_serves_a_reset_prefix_cache(llm_factory: Callable[..., Any]) -
     assert cached_second == FULL_CHUNKS  # all from the CPU tier: the local cache was reset
     assert second == first
     assert _cache_engine(llm).stats.tier("cpu").hits == FULL_CHUNKS // 256
+    # The same totals ride on SchedulerStats, which the server exports in /metrics.
+    scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+    exported = scheduler.connector.get_kv_connector_stats()
+    assert exported["tier_hits"]["cpu"] == FULL_CHUNKS // 256
+    assert exported["lookup_tokens"]["hit"] >= FULL_CHUNKS
     # Asked a third time without a reset: the local prefix cache answers, not the tier.
     assert _ask(llm, ids)[0] == first
     assert_no_leak(llm)

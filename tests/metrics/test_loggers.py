@@ -145,3 +145,20 @@ def test_logging_stat_logger_line(caplog: pytest.LogCaptureFixture) -> None:
         stat_logger.log()  # ...then silence while idle
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 2 and "Running: 0 reqs" in lines[1]
+
+
+def test_kv_connector_totals_become_counters() -> None:
+    registry = CollectorRegistry()
+    prom = PrometheusStatLogger("m", registry)
+    first = {"tier_hits": {"local_cpu": 3.0, "redis": 1.0}, "lookup_tokens": {"hit": 512.0}}
+    prom.record(SchedulerStats(kv_connector_stats=first), None)
+    later = {"tier_hits": {"local_cpu": 7.0, "redis": 1.0}, "lookup_tokens": {"hit": 768.0}}
+    prom.record(SchedulerStats(kv_connector_stats=later), None)
+    name = "kvserve:kv_connector_tier_hits_total"
+    assert _sample(registry, name, kind="local_cpu") == 7.0
+    assert _sample(registry, name, kind="redis") == 1.0
+    assert _sample(registry, "kvserve:kv_connector_lookup_tokens_total", kind="hit") == 768.0
+    assert b"kvserve:kv_connector_tier_hits_total" in generate_latest(registry)
+    # A second logger on the same registry replaces the first one's metrics cleanly.
+    PrometheusStatLogger("m", registry).record(SchedulerStats(kv_connector_stats=first), None)
+    assert _sample(registry, name, kind="local_cpu") == 3.0

@@ -393,6 +393,7 @@ class Scheduler(SchedulerKVConnectorMixin, SchedulerInterface):
             prefix_cache_queries=prefix.queries if prefix else 0,
             prefix_cache_hits=prefix.hits if prefix else 0,
             num_preemptions=self.num_preemptions,
+            kv_connector_stats=self.connector.get_kv_connector_stats() if self.connector else None,
         )
 
     def shutdown(self) -> None:

@@ -220,6 +220,13 @@ class KVConnectorBase_V1(ABC):
         to the caller on the request's final output."""
         return False, None
 
+    def get_kv_connector_stats(self) -> dict[str, dict[str, float]] | None:
+        """Scheduler side, whenever the scheduler makes its stats: running totals since
+        start as {metric: {label: value}} (for example {"hits": {"local_cpu": 7}}). The
+        engine exports each one as the Prometheus counter ``kvserve:kv_connector_<metric>``
+        with the label as ``kind``. None = nothing to report."""
+        return None
+
     def shutdown(self) -> None:
         """Either side, when the engine stops: release threads, sockets, files."""
         return None

@@ -307,6 +307,21 @@ class TieredCacheConnector(KVConnectorBase_V1):
         errors, self._load_errors = self._load_errors, set()
         return errors
 
+    def get_kv_connector_stats(self) -> dict[str, dict[str, float]]:
+        snap = self.engine.stats.snapshot()
+        stats: dict[str, dict[str, float]] = {}
+        for tier, counts in snap["tiers"].items():
+            for metric, value in counts.items():
+                stats.setdefault(f"tier_{metric}", {})[tier] = value
+        for name in ("store_latency", "retrieve_latency"):
+            count, total = snap[name]
+            stats[f"{name}_seconds"] = {"count": count, "sum": total}
+        stats["lookup_tokens"] = {
+            "query": snap["lookup_query_tokens"],
+            "hit": snap["lookup_hit_tokens"],
+        }
+        return stats
+
     def shutdown(self) -> None:
         if self._loader is not None:
             self._loader.shutdown(wait=True)
