@@ -28,6 +28,7 @@ generate: install
 
 lint: install
 	$(VENV)/bin/ruff check kvserve tests
+	$(VENV)/bin/mypy kvserve
 	$(VENV)/bin/lint-imports
 
 test: install lint

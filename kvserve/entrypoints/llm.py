@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 from tqdm.auto import tqdm
 
@@ -73,8 +73,9 @@ class LLM:
                 "messages must be a list of {'role', 'content'} dicts "
                 "or a list of such conversations"
             )
-        conversations = (
-            [messages] if not messages or isinstance(messages[0], dict) else list(messages)
+        conversations = cast(
+            list[ChatMessages],
+            [messages] if not messages or isinstance(messages[0], dict) else list(messages),
         )
         prompts: list[PromptType] = [
             apply_chat_template(

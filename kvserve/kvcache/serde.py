@@ -82,7 +82,7 @@ def _frombuffer(payload: Buffer, dtype: torch.dtype, count: int, offset: int = 0
 def _tensor_bytes(t: torch.Tensor) -> memoryview:
     """A view of a contiguous CPU tensor's bytes (no copy)."""
     flat = t.detach().contiguous().reshape(-1).view(torch.uint8)
-    return memoryview(flat.numpy())
+    return flat.numpy().data
 
 
 def _expected_len(meta: ChunkMeta) -> int:

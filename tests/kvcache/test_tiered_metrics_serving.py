@@ -35,8 +35,11 @@ def test_tier_hits_reach_prometheus(tmp_path: Path) -> None:
         ids = httpx.post(server.url("/tokenize"), json={"prompt": prompt}).json()["tokens"]
         assert 256 < len(ids) < 480
         texts = [
-            client.completions.create(model="SmolLM2-135M-Instruct", prompt=prompt,
-                                      max_tokens=8, temperature=0).choices[0].text
+            client.completions.create(
+                model="SmolLM2-135M-Instruct", prompt=prompt, max_tokens=8, temperature=0
+            )
+            .choices[0]
+            .text
             for _ in range(2)
         ]
         assert texts[0] == texts[1]

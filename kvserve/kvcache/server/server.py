@@ -117,7 +117,9 @@ class CacheServer:
             except (ConnectionError, OSError):
                 pass
 
-    async def _dispatch(self, header: dict[str, Any], payload: bytes) -> tuple[dict, bytes]:
+    async def _dispatch(
+        self, header: dict[str, Any], payload: bytes
+    ) -> tuple[dict, bytes | memoryview]:
         op = header.get("op")
         if op == "HEALTH":
             return self.health(), b""

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+from typing import cast
 
 import torch
 
@@ -53,7 +54,7 @@ class LocalDiskBackend(StorageBackend):
             item = self._queue.get()
             if item is _STOP:
                 return
-            key, kv = item  # type: ignore[misc]
+            key, kv = cast("tuple[CacheEngineKey, torch.Tensor]", item)
             size = kv.numel() * kv.element_size()
             try:
                 evictions = self.store.evictions

@@ -30,6 +30,7 @@ from kvserve.distributed.kv_transfer.kv_connector.base import (
     KVConnectorMetadata,
     KVConnectorRole,
 )
+from kvserve.distributed.kv_transfer.kv_connector.utils import follow_scheduled_blocks
 from kvserve.kvcache.builder import CacheEngineBuilder
 from kvserve.kvcache.config import load_cache_engine_config
 from kvserve.kvcache.key import CacheEngineMetadata
@@ -155,21 +156,7 @@ class TieredCacheConnector(KVConnectorBase_V1):
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta = TieredCacheConnectorMetadata(loads=self._pending_loads)
         self._pending_loads = []
-        scheduled: list[tuple[str, int]] = []
-        for new in scheduler_output.scheduled_new_reqs:
-            if new.req_id in self._tracked:
-                self._tracked[new.req_id].block_ids = list(new.block_ids[0])
-            scheduled.append((new.req_id, new.num_computed_tokens))
-        cached = scheduler_output.scheduled_cached_reqs
-        for i, req_id in enumerate(cached.req_ids):
-            tracked = self._tracked.get(req_id)
-            new_ids = cached.new_block_ids[i]
-            if tracked is not None and new_ids is not None:
-                if cached.resumed_from_preemption[i]:
-                    tracked.block_ids = list(new_ids[0])
-                else:
-                    tracked.block_ids.extend(new_ids[0])
-            scheduled.append((req_id, cached.num_computed_tokens[i]))
+        scheduled = follow_scheduled_blocks(scheduler_output, self._tracked)
         if self.kv_transfer_config.is_kv_producer:
             for req_id, computed in scheduled:
                 spec = self._plan_save(
