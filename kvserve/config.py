@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from kvserve.transformers_utils.arch_config import ArchConfig, load_arch_config
 from kvserve.transformers_utils.model_resolver import ResolvedModel, resolve_model
@@ -168,26 +170,7 @@ class KVEventsConfig:
         """A config from itself, a dict, or the JSON text of `--kv-events-config`."""
         if isinstance(value, KVEventsConfig):
             return value
-        if isinstance(value, str):
-            import json
-
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"--kv-events-config is not valid JSON: {exc}") from None
-        if not isinstance(value, dict):
-            raise ValueError(f"--kv-events-config must be a JSON object, got {value!r}")
-        known = {f for f in cls.__dataclass_fields__}
-        unknown = sorted(set(value) - known)
-        if unknown:
-            raise ValueError(
-                f"--kv-events-config: unknown key(s) {', '.join(unknown)}; "
-                f"known: {', '.join(sorted(known))}"
-            )
-        try:
-            return cls(**value)
-        except TypeError as exc:  # a value of the wrong type, e.g. "hwm": "big"
-            raise ValueError(f"--kv-events-config: {exc}") from None
+        return _dataclass_from_json(cls, value, "--kv-events-config")
 
 
 _KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
@@ -264,26 +247,7 @@ class KVTransferConfig:
         """A config from itself, a dict, or the JSON text of `--kv-transfer-config`."""
         if isinstance(value, KVTransferConfig):
             return value
-        if isinstance(value, str):
-            import json
-
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"--kv-transfer-config is not valid JSON: {exc}") from None
-        if not isinstance(value, dict):
-            raise ValueError(f"--kv-transfer-config must be a JSON object, got {value!r}")
-        known = set(cls.__dataclass_fields__)
-        unknown = sorted(set(value) - known)
-        if unknown:
-            raise ValueError(
-                f"--kv-transfer-config: unknown key(s) {', '.join(unknown)}; "
-                f"known: {', '.join(sorted(known))}"
-            )
-        try:
-            return cls(**value)
-        except TypeError as exc:
-            raise ValueError(f"--kv-transfer-config: {exc}") from None
+        return _dataclass_from_json(cls, value, "--kv-transfer-config")
 
 
 @dataclass
@@ -300,3 +264,27 @@ class EngineConfig:
         assert self.model_config.max_model_len is not None
         self.scheduler_config.max_model_len = self.model_config.max_model_len
         self.scheduler_config.verify_against_model_len()
+
+
+_Config = TypeVar("_Config")
+
+
+def _dataclass_from_json(cls: type[_Config], value: dict[str, Any] | str, flag: str) -> _Config:
+    """A config dataclass from a dict or JSON text, with errors that name the flag."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{flag} is not valid JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{flag} must be a JSON object, got {value!r}")
+    known = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    unknown = sorted(set(value) - known)
+    if unknown:
+        raise ValueError(
+            f"{flag}: unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}"
+        )
+    try:
+        return cls(**value)
+    except TypeError as exc:  # a value of the wrong type, e.g. "hwm": "big"
+        raise ValueError(f"{flag}: {exc}") from None
