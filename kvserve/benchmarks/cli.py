@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from kvserve.benchmarks import kvcache, serve, throughput
+from kvserve.benchmarks import kvcache, peers, serve, throughput
 
 
 def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -21,4 +21,7 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     tiers = sub.add_parser("kvcache", help="TTFT: recompute vs KV cache tiers; int8 agreement")
     kvcache.add_cli_args(tiers)
     tiers.set_defaults(func=kvcache.main)
+    peer_parser = sub.add_parser("peers", help="kvserve vs HF transformers vs llama.cpp, same GGUF")
+    peers.add_cli_args(peer_parser)
+    peer_parser.set_defaults(func=peers.main)
     return bench

@@ -1,0 +1,263 @@
+"""`kvserve bench peers`: kvserve against HF transformers and llama.cpp, same GGUF, same work.
+
+Each workload is a fixed-seed list of random-token prompts with an exact output length
+(EOS ignored by every engine). Engines run one after another, never side by side, each
+with a short warm-up outside the timed region; model loading is not timed. The float32
+GEMM rate is measured first, and achieved useful FLOP/s (see peers_workloads.workload_flops)
+is reported against it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from typing import Any
+
+from kvserve.benchmarks.peers_workloads import (
+    WORKLOADS,
+    EngineResult,
+    PeerRequest,
+    gemm_rate,
+    machine_info,
+    make_requests,
+    workload_flops,
+)
+from kvserve.engine.arg_utils import EngineArgs
+
+ENGINES = ("kvserve", "hf", "llamacpp")
+LLAMACPP_SKIPPED = "llama.cpp: skipped (pip install llama-cpp-python)"
+
+
+def _int_list(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
+def parse_scale(text: str) -> dict[str, float]:
+    """ "0.25" scales every workload; "b=0.5" or "0.25,b=0.5" scales some of them."""
+    scales = dict.fromkeys(WORKLOADS, 1.0)
+    for item in text.split(","):
+        name, _, value = item.rpartition("=")
+        for key in [name] if name else list(WORKLOADS):
+            if key not in WORKLOADS:
+                raise argparse.ArgumentTypeError(f"unknown workload {key!r} in --scale")
+            scales[key] = float(value)
+    return scales
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=EngineArgs.model, help="GGUF file or a known name")
+    EngineArgs.add_cli_args(parser, with_model=False)
+    parser.add_argument("--workloads", default="a,b,c", help="comma list of a, b, c")
+    parser.add_argument(
+        "--scale", type=parse_scale, default=parse_scale("1"),
+        help="shrink request counts and lengths: 0.25, or per workload: 0.5,b=0.25",
+    )  # fmt: skip
+    parser.add_argument(
+        "--engines", default=",".join(ENGINES), help="comma list of " + ", ".join(ENGINES)
+    )
+    parser.add_argument("--hf-batch-sizes", type=_int_list, default=[1, 8, 32])
+    parser.add_argument(
+        "--llamacpp-parallel", type=_int_list, default=[32], help="sequences per decode to try"
+    )
+    parser.add_argument("--gemm-size", type=int, default=2048)
+    parser.add_argument(
+        "--torch-threads", type=int, default=None,
+        help="torch.set_num_threads for kvserve and HF (default: torch's own choice)",
+    )  # fmt: skip
+    parser.add_argument("--output-json", default=None, help="write the results as JSON here")
+    parser.add_argument("--disable-tqdm", action="store_true")
+
+
+def run_kvserve(
+    args: argparse.Namespace, workloads: dict[str, list[PeerRequest]]
+) -> list[EngineResult]:
+    from kvserve.entrypoints.llm import LLM
+    from kvserve.sampling_params import SamplingParams
+
+    llm = LLM(**dataclasses.asdict(EngineArgs.from_cli_args(args)))
+    results = []
+    try:
+        # Warm-up tokens outside every workload's prompts, so no prefix-cache hit is created.
+        llm.generate(
+            {"prompt_token_ids": [100, 101, 102, 103]}, SamplingParams(max_tokens=2), use_tqdm=False
+        )
+        for name, requests in workloads.items():
+            prompts: list[Any] = [{"prompt_token_ids": r.prompt_token_ids} for r in requests]
+            params = [
+                SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=r.output_len)
+                for r in requests
+            ]
+            start = time.perf_counter()
+            outputs = llm.generate(prompts, params, use_tqdm=not args.disable_tqdm)
+            elapsed = time.perf_counter() - start
+            produced = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+            if produced != sum(r.output_len for r in requests):
+                raise RuntimeError(f"kvserve produced {produced} tokens, not the requested count")
+            results.append(
+                EngineResult(
+                    "kvserve", name, elapsed, sum(len(r.prompt_token_ids) for r in requests), produced,
+                    config=f"continuous batching, max_num_seqs={args.max_num_seqs}",
+                )
+            )  # fmt: skip
+    finally:
+        llm.llm_engine.shutdown()
+    return results
+
+
+def run_peers(args: argparse.Namespace) -> dict[str, Any]:
+    from kvserve.transformers_utils.arch_config import load_arch_config
+    from kvserve.transformers_utils.model_resolver import resolve_model
+    from kvserve.transformers_utils.tokenizer import get_tokenizer
+
+    engines = [e for e in args.engines.split(",") if e]
+    names = [w for w in args.workloads.split(",") if w]
+    for e in engines:
+        if e not in ENGINES:
+            raise SystemExit(f"unknown engine {e!r}; choose from {', '.join(ENGINES)}")
+    for w in names:
+        if w not in WORKLOADS:
+            raise SystemExit(f"unknown workload {w!r}; choose from {', '.join(WORKLOADS)}")
+    resolved = resolve_model(args.model)
+    arch = load_arch_config(resolved)
+    special = set(get_tokenizer(resolved).all_special_ids)
+    specs = {w: WORKLOADS[w].scaled(args.scale[w]) for w in names}
+    workloads = {
+        w: make_requests(s, arch.vocab_size, special, args.seed + i)
+        for i, (w, s) in enumerate(specs.items())
+    }
+
+    if args.torch_threads:
+        import torch
+
+        torch.set_num_threads(args.torch_threads)
+    machine = machine_info()
+    gemm = gemm_rate(args.gemm_size)
+    print(_machine_line(machine, gemm), flush=True)
+    progress = not args.disable_tqdm
+    results: list[EngineResult] = []
+    tries: list[EngineResult] = []
+    notes: list[str] = []
+    for engine in engines:
+        if engine == "kvserve":
+            results += run_kvserve(args, workloads)
+        elif engine == "hf":
+            from kvserve.benchmarks.peers_hf import HFPeer, run_hf
+
+            hf = HFPeer(resolved.path)
+            for w, requests in workloads.items():
+                best, all_tries = run_hf(
+                    resolved.path, w, requests, args.hf_batch_sizes, progress, hf
+                )
+                results.append(best)
+                tries += all_tries
+            del hf
+        else:
+            from kvserve.benchmarks.peers_llamacpp import (
+                LlamaCppPeer,
+                llama_cpp_available,
+                run_llamacpp,
+            )
+
+            if not llama_cpp_available():
+                print(LLAMACPP_SKIPPED, flush=True)
+                notes.append(LLAMACPP_SKIPPED)
+                continue
+            lcpp = LlamaCppPeer(resolved.path, args.torch_threads)
+            try:
+                for w, requests in workloads.items():
+                    best, all_tries = run_llamacpp(
+                        resolved.path, w, requests, args.llamacpp_parallel, progress, lcpp
+                    )
+                    results.append(best)
+                    tries += all_tries
+            finally:
+                lcpp.close()
+    for r in results + tries:
+        r.flops = workload_flops(arch, workloads[r.workload])
+    machine["load_avg_after"] = machine_info()["load_avg"]
+    report = {
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "command": "kvserve bench peers " + " ".join(sys.argv[3:])
+        if sys.argv[1:3] == ["bench", "peers"]
+        else "",
+        "machine": machine,
+        "gemm_flops_per_s": gemm,
+        "workloads": {w: dataclasses.asdict(s) for w, s in specs.items()},
+        "results": [_result_dict(r, results, gemm) for r in results],
+        "tries": [_result_dict(r, results, gemm) for r in tries],
+        "notes": notes,
+    }
+    return report
+
+
+def _kvserve_rate(r: EngineResult, results: list[EngineResult]) -> float | None:
+    for k in results:
+        if k.engine == "kvserve" and k.workload == r.workload:
+            return k.output_tok_s
+    return None
+
+
+def _result_dict(r: EngineResult, results: list[EngineResult], gemm: float) -> dict[str, Any]:
+    base = _kvserve_rate(r, results)
+    achieved = r.flops / r.elapsed_s
+    return {
+        "engine": r.engine,
+        "workload": r.workload,
+        "config": r.config,
+        "elapsed_s": r.elapsed_s,
+        "prompt_tokens": r.prompt_tokens,
+        "output_tokens": r.output_tokens,
+        "output_tok_s": r.output_tok_s,
+        "total_tok_s": r.total_tok_s,
+        "ratio_to_kvserve": r.output_tok_s / base if base else None,
+        "achieved_gflop_s": achieved / 1e9,
+        "flop_utilization": achieved / gemm,
+        **r.extra,
+    }
+
+
+def _machine_line(m: dict[str, Any], gemm: float) -> str:
+    return (
+        f"machine: {m['cores']} cores, {m['cpu_model']}, flags {' '.join(m['simd_flags']) or 'none'}, "
+        f"torch {m['torch_version']} with {m['torch_threads']} threads, "
+        f"fp32 GEMM {gemm / 1e9:.1f} GFLOP/s, load avg {m['load_avg'][0]:.2f}"
+    )
+
+
+def format_table(report: dict[str, Any]) -> str:
+    header = (
+        "engine",
+        "workload",
+        "config",
+        "output tok/s",
+        "total tok/s",
+        "x kvserve",
+        "GFLOP/s",
+        "FLOP util",
+    )
+    rows = [
+        (
+            r["engine"], r["workload"], r["config"], f"{r['output_tok_s']:.1f}", f"{r['total_tok_s']:.1f}",
+            "-" if r["ratio_to_kvserve"] is None else f"{r['ratio_to_kvserve']:.2f}",
+            f"{r['achieved_gflop_s']:.1f}", f"{100 * r['flop_utilization']:.1f}%",
+        )
+        for r in sorted(report["results"], key=lambda r: (r["workload"], ENGINES.index(r["engine"])))
+    ]  # fmt: skip
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(
+        [_machine_line(report["machine"], report["gemm_flops_per_s"]), "", *lines, *report["notes"]]
+    )
+
+
+def main(args: argparse.Namespace) -> int:
+    report = run_peers(args)
+    print(format_table(report))
+    if args.output_json:
+        with open(args.output_json, "w", encoding="utf-8") as f:
+            json.dump(report, f, indent=2)
+        print(f"results written to {args.output_json}")
+    return 0

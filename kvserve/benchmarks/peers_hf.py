@@ -1,0 +1,92 @@
+"""HF transformers static batching on the same GGUF weights, for `kvserve bench peers`.
+
+Static batching: requests (sorted by prompt length, which gives HF its least padding) are
+cut into batches of B, left-padded, and every batch generates the longest output of its
+members, with min_new_tokens so EOS never stops it early. Only each request's own output
+length counts as output; the rest of the batch's tokens are the cost of static batching.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from tqdm.auto import tqdm
+
+from kvserve.benchmarks.peers_workloads import EngineResult, PeerRequest
+
+
+class HFPeer:
+    """One float32 HF model, reused for every workload and batch size."""
+
+    def __init__(self, gguf_path: str) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        path = Path(gguf_path)
+        self.model = AutoModelForCausalLM.from_pretrained(
+            path.parent, gguf_file=path.name, dtype=torch.float32
+        ).eval()
+        eos = self.model.generation_config.eos_token_id
+        eos_ids = eos if isinstance(eos, list) else [eos]
+        self.pad_id = int(self.model.generation_config.pad_token_id or eos_ids[0] or 0)
+
+    def _run_batch(self, batch: list[PeerRequest]) -> int:
+        """Generates one left-padded batch; returns the tokens it generated (incl. waste)."""
+        import torch
+
+        width = max(len(r.prompt_token_ids) for r in batch)
+        new_tokens = max(r.output_len for r in batch)
+        ids = torch.full((len(batch), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(batch), width), dtype=torch.long)
+        for row, r in enumerate(batch):
+            n = len(r.prompt_token_ids)
+            ids[row, width - n :] = torch.tensor(r.prompt_token_ids)
+            mask[row, width - n :] = 1
+        with torch.inference_mode():
+            out = self.model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
+                do_sample=False,
+                pad_token_id=self.pad_id,
+            )
+        return int(out.shape[0] * (out.shape[1] - width))
+
+    def run(
+        self, workload: str, requests: list[PeerRequest], batch_size: int, progress: bool
+    ) -> EngineResult:
+        ordered = sorted(requests, key=lambda r: len(r.prompt_token_ids))
+        batches = [ordered[i : i + batch_size] for i in range(0, len(ordered), batch_size)]
+        self._run_batch([PeerRequest(requests[0].prompt_token_ids[:8], 2)])  # warm-up
+        generated = 0
+        start = time.perf_counter()
+        for batch in tqdm(batches, desc=f"hf B={batch_size} ({workload})", disable=not progress):
+            generated += self._run_batch(batch)
+        elapsed = time.perf_counter() - start
+        return EngineResult(
+            engine="hf",
+            workload=workload,
+            elapsed_s=elapsed,
+            prompt_tokens=sum(len(r.prompt_token_ids) for r in requests),
+            output_tokens=sum(r.output_len for r in requests),
+            config=f"static batch {batch_size}",
+            extra={"generated_tokens_incl_padding_waste": generated},
+        )
+
+
+def run_hf(
+    gguf_path: str,
+    workload: str,
+    requests: list[PeerRequest],
+    batch_sizes: list[int],
+    progress: bool,
+    peer: HFPeer | None = None,
+) -> tuple[EngineResult, list[EngineResult]]:
+    """HF's best static batch size among batch_sizes, and every try (for the JSON)."""
+    peer = peer or HFPeer(gguf_path)
+    # A batch size above the request count is the same run as the request count.
+    sizes = sorted({min(b, len(requests)) for b in batch_sizes})
+    tries = [peer.run(workload, requests, b, progress) for b in sizes]
+    return max(tries, key=lambda r: r.output_tok_s), tries

@@ -1,0 +1,163 @@
+"""Workloads, machine description, GEMM rate and FLOP counting for `kvserve bench peers`.
+
+Everything here is engine-neutral: each engine gets the same list of PeerRequest
+(prompt token ids + exact number of output tokens, EOS ignored) and its elapsed time is
+turned into tok/s and FLOP/s the same way.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from kvserve.transformers_utils.arch_config import ArchConfig
+
+
+@dataclass(frozen=True)
+class WorkloadSpec:
+    """Request count and inclusive [low, high] ranges of prompt and output lengths."""
+
+    name: str
+    num_requests: int
+    prompt_len: tuple[int, int]
+    output_len: tuple[int, int]
+
+    def scaled(self, scale: float) -> WorkloadSpec:
+        def s(x: int) -> int:
+            return max(1, round(x * scale))
+
+        # Single-stream (c) stays single-stream; only its lengths shrink.
+        n = self.num_requests if self.num_requests == 1 else s(self.num_requests)
+        return WorkloadSpec(
+            self.name,
+            n,
+            (s(self.prompt_len[0]), s(self.prompt_len[1])),
+            (s(self.output_len[0]), s(self.output_len[1])),
+        )
+
+
+WORKLOADS: dict[str, WorkloadSpec] = {
+    "a": WorkloadSpec("a", 32, (64, 256), (32, 128)),
+    "b": WorkloadSpec("b", 64, (128, 1024), (64, 256)),
+    "c": WorkloadSpec("c", 1, (32, 32), (256, 256)),
+}
+
+
+@dataclass
+class PeerRequest:
+    prompt_token_ids: list[int]
+    output_len: int
+
+
+@dataclass
+class EngineResult:
+    """One engine on one workload. Output tokens count only the requested ones (tokens a
+    static batch generates past a request's length are waste, not throughput)."""
+
+    engine: str
+    workload: str
+    elapsed_s: float
+    prompt_tokens: int
+    output_tokens: int
+    config: str = ""
+    flops: float = 0.0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def output_tok_s(self) -> float:
+        return self.output_tokens / self.elapsed_s
+
+    @property
+    def total_tok_s(self) -> float:
+        return (self.prompt_tokens + self.output_tokens) / self.elapsed_s
+
+
+def make_requests(
+    spec: WorkloadSpec, vocab_size: int, special_ids: set[int], seed: int
+) -> list[PeerRequest]:
+    """Random token prompts, deterministic for (spec, seed); special tokens left out so no
+    prompt contains an EOS or a chat marker."""
+    rng = np.random.default_rng(seed)
+    pool = np.array([t for t in range(vocab_size) if t not in special_ids], dtype=np.int64)
+    in_lens = rng.integers(spec.prompt_len[0], spec.prompt_len[1] + 1, size=spec.num_requests)
+    out_lens = rng.integers(spec.output_len[0], spec.output_len[1] + 1, size=spec.num_requests)
+    return [
+        PeerRequest(rng.choice(pool, size=int(p)).tolist(), int(o))
+        for p, o in zip(in_lens, out_lens, strict=True)
+    ]
+
+
+def matmul_params(arch: ArchConfig) -> tuple[int, int]:
+    """(weights multiplied per processed token in the layers, lm_head weights).
+
+    The embedding lookup is not a matmul; the lm_head is counted once per sampled token."""
+    h, i = arch.hidden_size, arch.intermediate_size
+    q = arch.num_attention_heads * arch.head_dim
+    kv = arch.num_key_value_heads * arch.head_dim
+    per_layer = h * q + 2 * h * kv + q * h + 3 * h * i
+    return arch.num_hidden_layers * per_layer, arch.vocab_size * h
+
+
+def workload_flops(arch: ArchConfig, requests: list[PeerRequest]) -> float:
+    """Useful FLOPs: 2 x layer weights x every processed token, 2 x lm_head x every sampled
+    token, plus causal attention (QK^T and PV, 4 x heads x head_dim per context position)."""
+    layer_params, head_params = matmul_params(arch)
+    attn_per_pos = 4 * arch.num_attention_heads * arch.head_dim * arch.num_hidden_layers
+    total = 0.0
+    for r in requests:
+        n_proc = (
+            len(r.prompt_token_ids) + r.output_len - 1
+        )  # the last sampled token is never fed back
+        total += 2.0 * layer_params * n_proc + 2.0 * head_params * r.output_len
+        # Token at position t (0-based) attends to t + 1 positions.
+        total += attn_per_pos * n_proc * (n_proc + 1) / 2
+    return total
+
+
+def gemm_rate(n: int = 2048, repeats: int = 5) -> float:
+    """Best-of float32 torch.mm rate in FLOP/s with torch's current thread setting."""
+    import torch
+
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    torch.mm(a, b)  # warm up the BLAS thread pool
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        torch.mm(a, b)
+        best = min(best, time.perf_counter() - t0)
+    return 2.0 * n**3 / best
+
+
+def machine_info() -> dict[str, Any]:
+    import torch
+
+    model, flags = platform.processor() or "unknown", set()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name":
+                    model = value.strip()
+                elif key.strip() == "flags":
+                    flags = set(value.split())
+    except OSError:
+        pass
+    simd = [
+        f
+        for f in ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile")
+        if f in flags
+    ]
+    return {
+        "cores": os.cpu_count(),
+        "cpu_model": model,
+        "simd_flags": simd,
+        "torch_version": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "load_avg": os.getloadavg(),
+    }
