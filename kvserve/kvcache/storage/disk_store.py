@@ -25,6 +25,7 @@ from pathlib import Path
 import msgspec
 
 from kvserve.kvcache.serde import Buffer, ChunkMeta
+from kvserve.kvcache.storage.pins import PinCounts
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +68,7 @@ class DiskStore:
         self._lock = threading.Lock()
         # key string -> file size in bytes, in LRU order (oldest first)
         self._files: OrderedDict[str, int] = OrderedDict()
-        self._pins: dict[str, int] = {}
+        self._pins: PinCounts[str] = PinCounts()
         self.used_bytes = 0
         self.evictions = 0
         self._rescan()
@@ -106,16 +107,12 @@ class DiskStore:
         with self._lock:
             if key not in self._files:
                 return False
-            self._pins[key] = self._pins.get(key, 0) + 1
+            self._pins.add(key)
             return True
 
     def unpin(self, key: str) -> None:
         with self._lock:
-            count = self._pins.get(key, 0) - 1
-            if count > 0:
-                self._pins[key] = count
-            else:
-                self._pins.pop(key, None)
+            self._pins.release(key)
 
     def _evict(self, incoming: int) -> int:
         """Removes cold unpinned files until `incoming` more bytes fit (under self._lock)."""
@@ -195,7 +192,7 @@ class DiskStore:
             size = self._files.pop(key, None)
             if size is not None:
                 self.used_bytes -= size
-            self._pins.pop(key, None)
+            self._pins.discard(key)
 
     def remove(self, key: str) -> None:
         self._forget(key)

@@ -15,6 +15,7 @@ from kvserve.kvcache import serde
 from kvserve.kvcache.key import CacheEngineKey
 from kvserve.kvcache.stats import CacheStats
 from kvserve.kvcache.storage.base import StorageBackend
+from kvserve.kvcache.storage.pins import PinCounts
 
 _Entry = torch.Tensor | tuple[serde.ChunkMeta, serde.Buffer]
 
@@ -34,7 +35,7 @@ class LocalCPUBackend(StorageBackend):
         self.serde = serde_name
         self._lock = threading.Lock()
         self._entries: OrderedDict[CacheEngineKey, _Entry] = OrderedDict()
-        self._pins: dict[CacheEngineKey, int] = {}
+        self._pins: PinCounts[CacheEngineKey] = PinCounts()
         self.used_bytes = 0
 
     def contains(self, key: CacheEngineKey) -> bool:
@@ -45,16 +46,12 @@ class LocalCPUBackend(StorageBackend):
         with self._lock:
             if key not in self._entries:
                 return False
-            self._pins[key] = self._pins.get(key, 0) + 1
+            self._pins.add(key)
             return True
 
     def unpin(self, key: CacheEngineKey) -> None:
         with self._lock:
-            count = self._pins.get(key, 0) - 1
-            if count > 0:
-                self._pins[key] = count
-            else:
-                self._pins.pop(key, None)
+            self._pins.release(key)
 
     def get(self, key: CacheEngineKey) -> torch.Tensor | None:
         with self._lock:
