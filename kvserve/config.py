@@ -12,6 +12,9 @@ from kvserve.transformers_utils.model_resolver import ResolvedModel, resolve_mod
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 GiB = 1 << 30
+# --quantization: "gguf" keeps the GGUF file's own Q4_1/Q8_0/Q4_0 blocks (lossless);
+# "q8_0" quantizes any model's float32 linear weights to Q8_0 blocks.
+QUANTIZATION_METHODS = ("gguf", "q8_0")
 
 
 @dataclass
@@ -22,6 +25,7 @@ class ModelConfig:
     max_model_len: int | None = None
     seed: int = 0
     served_model_name: str | None = None
+    quantization: str | None = None
     resolved: ResolvedModel = field(init=False)
     arch: ArchConfig = field(init=False)
     tokenizer_resolved: ResolvedModel = field(init=False)
@@ -44,6 +48,17 @@ class ModelConfig:
             )
         if self.served_model_name is None:
             self.served_model_name = self.resolved.name
+        if self.quantization is not None:
+            if self.quantization not in QUANTIZATION_METHODS:
+                raise ValueError(
+                    f"quantization must be one of {', '.join(QUANTIZATION_METHODS)} "
+                    f"(or unset), got {self.quantization!r}"
+                )
+            if self.quantization == "gguf" and self.resolved.format != "gguf":
+                raise ValueError(
+                    f"quantization 'gguf' runs a GGUF file's own blocks, but {self.model!r} "
+                    f"is a {self.resolved.format} model (use 'q8_0')"
+                )
 
     @property
     def vocab_size(self) -> int:

@@ -4,7 +4,8 @@ Each workload is a fixed-seed list of random-token prompts with an exact output 
 (EOS ignored by every engine). Engines run one after another, never side by side, each
 with a short warm-up outside the timed region; model loading is not timed. The float32
 GEMM rate is measured first, and achieved useful FLOP/s (see peers_workloads.workload_flops)
-is reported against it.
+is reported against it. `--sweep` runs one workload at several concurrency levels
+instead (see peers_sweep), and `--plot` draws that sweep.
 """
 
 from __future__ import annotations
@@ -16,6 +17,15 @@ import sys
 import time
 from typing import Any
 
+from kvserve.benchmarks.peers_llamacpp import LLAMACPP_SKIPPED
+from kvserve.benchmarks.peers_sweep import (
+    format_sweep_table,
+    new_figure,
+    parse_levels,
+    plot_sweep,
+    run_sweep,
+    sweep_report,
+)
 from kvserve.benchmarks.peers_workloads import (
     WORKLOADS,
     EngineResult,
@@ -27,8 +37,8 @@ from kvserve.benchmarks.peers_workloads import (
 )
 from kvserve.engine.arg_utils import EngineArgs
 
-ENGINES = ("kvserve", "hf", "llamacpp")
-LLAMACPP_SKIPPED = "llama.cpp: skipped (pip install llama-cpp-python)"
+# kvserve-gguf: kvserve with --quantization gguf (the file's Q4_1 blocks, as llama.cpp runs).
+ENGINES = ("kvserve", "kvserve-gguf", "hf", "llamacpp")
 
 
 def _int_list(text: str) -> list[int]:
@@ -67,17 +77,40 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         "--torch-threads", type=int, default=None,
         help="torch.set_num_threads for kvserve and HF (default: torch's own choice)",
     )  # fmt: skip
+    parser.add_argument(
+        "--sweep", type=parse_levels, default=None, metavar="C1,C2,...",
+        help="concurrency levels (e.g. 1,2,4,8,16,32): output tok/s of every engine at each "
+        "level on --sweep-workload, instead of the per-workload table",
+    )  # fmt: skip
+    parser.add_argument("--sweep-workload", default="a", choices=list(WORKLOADS))
+    parser.add_argument(
+        "--plot", default=None, metavar="PNG",
+        help="with --sweep: draw output tok/s against concurrency here (needs matplotlib)",
+    )  # fmt: skip
     parser.add_argument("--output-json", default=None, help="write the results as JSON here")
     parser.add_argument("--disable-tqdm", action="store_true")
 
 
+def kvserve_engine_kwargs(args: argparse.Namespace, engine: str) -> dict[str, Any]:
+    kwargs = dataclasses.asdict(EngineArgs.from_cli_args(args))
+    if engine == "kvserve-gguf":
+        kwargs["quantization"] = "gguf"
+    return kwargs
+
+
+def kvserve_config(kwargs: dict[str, Any], batching: str) -> str:
+    weights = f", {kwargs['quantization']} blocks" if kwargs.get("quantization") else ", float32"
+    return batching + weights
+
+
 def run_kvserve(
-    args: argparse.Namespace, workloads: dict[str, list[PeerRequest]]
+    args: argparse.Namespace, workloads: dict[str, list[PeerRequest]], engine: str = "kvserve"
 ) -> list[EngineResult]:
     from kvserve.entrypoints.llm import LLM
     from kvserve.sampling_params import SamplingParams
 
-    llm = LLM(**dataclasses.asdict(EngineArgs.from_cli_args(args)))
+    kwargs = kvserve_engine_kwargs(args, engine)
+    llm = LLM(**kwargs)
     results = []
     try:
         # Warm-up tokens outside every workload's prompts, so no prefix-cache hit is created.
@@ -98,8 +131,8 @@ def run_kvserve(
                 raise RuntimeError(f"kvserve produced {produced} tokens, not the requested count")
             results.append(
                 EngineResult(
-                    "kvserve", name, elapsed, sum(len(r.prompt_token_ids) for r in requests), produced,
-                    config=f"continuous batching, max_num_seqs={args.max_num_seqs}",
+                    engine, name, elapsed, sum(len(r.prompt_token_ids) for r in requests), produced,
+                    config=kvserve_config(kwargs, f"continuous batching, max_num_seqs={args.max_num_seqs}"),
                 )
             )  # fmt: skip
     finally:
@@ -113,7 +146,12 @@ def run_peers(args: argparse.Namespace) -> dict[str, Any]:
     from kvserve.transformers_utils.tokenizer import get_tokenizer
 
     engines = [e for e in args.engines.split(",") if e]
-    names = [w for w in args.workloads.split(",") if w]
+    # A sweep runs one workload, with the requests `--workloads` alone would give it.
+    names = [args.sweep_workload] if args.sweep else [w for w in args.workloads.split(",") if w]
+    if args.plot and not args.sweep:
+        raise SystemExit("--plot draws the concurrency sweep: give --sweep too")
+    if args.plot:
+        new_figure()  # fails now, not after the benchmark, when matplotlib is missing
     for e in engines:
         if e not in ENGINES:
             raise SystemExit(f"unknown engine {e!r}; choose from {', '.join(ENGINES)}")
@@ -136,21 +174,57 @@ def run_peers(args: argparse.Namespace) -> dict[str, Any]:
     machine = machine_info()
     gemm = gemm_rate(args.gemm_size)
     print(_machine_line(machine, gemm), flush=True)
+    notes: list[str] = []
+    results: list[EngineResult] = []
+    tries: list[EngineResult] = []
+    sweep_runs: list[EngineResult] = []
+    if args.sweep:
+        w = names[0]
+        sweep_runs = run_sweep(args, engines, resolved.path, w, workloads[w], notes)
+    else:
+        results, tries = _run_table(args, engines, resolved.path, workloads, notes)
+    for r in results + tries + sweep_runs:
+        r.flops = workload_flops(arch, workloads[r.workload])
+    machine["load_avg_after"] = machine_info()["load_avg"]
+    report: dict[str, Any] = {
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "command": "kvserve bench peers " + " ".join(sys.argv[3:])
+        if sys.argv[1:3] == ["bench", "peers"]
+        else "",
+        "machine": machine,
+        "gemm_flops_per_s": gemm,
+        "workloads": {w: dataclasses.asdict(s) for w, s in specs.items()},
+        "results": [_result_dict(r, results, gemm) for r in results],
+        "tries": [_result_dict(r, results, gemm) for r in tries],
+        "notes": notes,
+    }
+    if args.sweep:
+        w = names[0]
+        report["sweep"] = sweep_report(sweep_runs, args.sweep, w, len(workloads[w]))
+        report["sweep"]["runs"] = _sweep_run_dicts(sweep_runs, gemm)
+    return report
+
+
+def _run_table(
+    args: argparse.Namespace,
+    engines: list[str],
+    gguf_path: str,
+    workloads: dict[str, list[PeerRequest]],
+    notes: list[str],
+) -> tuple[list[EngineResult], list[EngineResult]]:
+    """Every engine on every workload: each one's best configuration, and every try."""
     progress = not args.disable_tqdm
     results: list[EngineResult] = []
     tries: list[EngineResult] = []
-    notes: list[str] = []
     for engine in engines:
-        if engine == "kvserve":
-            results += run_kvserve(args, workloads)
+        if engine in ("kvserve", "kvserve-gguf"):
+            results += run_kvserve(args, workloads, engine)
         elif engine == "hf":
             from kvserve.benchmarks.peers_hf import HFPeer, run_hf
 
-            hf = HFPeer(resolved.path)
+            hf = HFPeer(gguf_path)
             for w, requests in workloads.items():
-                best, all_tries = run_hf(
-                    resolved.path, w, requests, args.hf_batch_sizes, progress, hf
-                )
+                best, all_tries = run_hf(gguf_path, w, requests, args.hf_batch_sizes, progress, hf)
                 results.append(best)
                 tries += all_tries
             del hf
@@ -165,32 +239,26 @@ def run_peers(args: argparse.Namespace) -> dict[str, Any]:
                 print(LLAMACPP_SKIPPED, flush=True)
                 notes.append(LLAMACPP_SKIPPED)
                 continue
-            lcpp = LlamaCppPeer(resolved.path, args.torch_threads)
+            lcpp = LlamaCppPeer(gguf_path, args.torch_threads)
             try:
                 for w, requests in workloads.items():
                     best, all_tries = run_llamacpp(
-                        resolved.path, w, requests, args.llamacpp_parallel, progress, lcpp
+                        gguf_path, w, requests, args.llamacpp_parallel, progress, lcpp
                     )
                     results.append(best)
                     tries += all_tries
             finally:
                 lcpp.close()
-    for r in results + tries:
-        r.flops = workload_flops(arch, workloads[r.workload])
-    machine["load_avg_after"] = machine_info()["load_avg"]
-    report = {
-        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-        "command": "kvserve bench peers " + " ".join(sys.argv[3:])
-        if sys.argv[1:3] == ["bench", "peers"]
-        else "",
-        "machine": machine,
-        "gemm_flops_per_s": gemm,
-        "workloads": {w: dataclasses.asdict(s) for w, s in specs.items()},
-        "results": [_result_dict(r, results, gemm) for r in results],
-        "tries": [_result_dict(r, results, gemm) for r in tries],
-        "notes": notes,
-    }
-    return report
+    return results, tries
+
+
+def _sweep_run_dicts(runs: list[EngineResult], gemm: float) -> list[dict[str, Any]]:
+    """Every run of the sweep; its "x kvserve" is against kvserve at the same concurrency."""
+
+    def same_level(r: EngineResult) -> list[EngineResult]:
+        return [k for k in runs if k.extra["concurrency"] == r.extra["concurrency"]]
+
+    return [_result_dict(r, same_level(r), gemm) for r in runs]
 
 
 def _kvserve_rate(r: EngineResult, results: list[EngineResult]) -> float | None:
@@ -255,7 +323,14 @@ def format_table(report: dict[str, Any]) -> str:
 
 def main(args: argparse.Namespace) -> int:
     report = run_peers(args)
-    print(format_table(report))
+    if "sweep" in report:
+        line = _machine_line(report["machine"], report["gemm_flops_per_s"])
+        print("\n".join([line, "", format_sweep_table(report["sweep"]), *report["notes"]]))
+        if args.plot:
+            plot_sweep(report["sweep"], line, args.plot)
+            print(f"plot written to {args.plot}")
+    else:
+        print(format_table(report))
     if args.output_json:
         with open(args.output_json, "w", encoding="utf-8") as f:
             json.dump(report, f, indent=2)

@@ -24,6 +24,7 @@ from tqdm.auto import tqdm
 
 from kvserve.benchmarks.peers_workloads import EngineResult, PeerRequest
 
+LLAMACPP_SKIPPED = "llama.cpp: skipped (pip install llama-cpp-python)"
 N_BATCH = 2048
 N_UBATCH = 512
 

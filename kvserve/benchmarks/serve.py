@@ -29,6 +29,11 @@ from kvserve.benchmarks.datasets import (
     sample_shared_prefix_requests,
 )
 from kvserve.benchmarks.metrics import calculate_metrics, print_metrics
+from kvserve.benchmarks.step_times import (
+    print_step_time_breakdown,
+    scrape_step_times,
+    step_time_breakdown,
+)
 
 
 @dataclass
@@ -155,6 +160,8 @@ async def run_benchmark(
 
     timeout = httpx.Timeout(args.request_timeout, connect=10.0)
     async with httpx.AsyncClient(timeout=timeout, headers=headers, limits=limits) as client:
+        # The server's step-time totals bracket the timed region (kvserve servers only).
+        before = await scrape_step_times(client, args.base_url)
         start = time.perf_counter()
         tasks: list[asyncio.Task[None]] = []
 
@@ -171,13 +178,16 @@ async def run_benchmark(
             await asyncio.gather(*tasks, return_exceptions=True)
             print(f"bench serve: stopped after --max-duration={args.max_duration}s")
         duration = time.perf_counter() - start
+        after = await scrape_step_times(client, args.base_url)
     bar.close()
     # Requests cut off by the time limit count as failed.
     outputs.extend(
         RequestFuncOutput(error="not finished within --max-duration")
         for _ in range(total - len(outputs))
     )
-    return calculate_metrics(outputs, duration)
+    metrics = calculate_metrics(outputs, duration)
+    metrics["step_time_breakdown"] = step_time_breakdown(before, after, duration)
+    return metrics
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -302,6 +312,7 @@ def main(args: argparse.Namespace) -> int:
     requests = _dataset(args, _load_tokenizer(args.tokenizer or model))
     metrics = asyncio.run(run_benchmark(args, model, requests))
     print_metrics(metrics)
+    print_step_time_breakdown(metrics["step_time_breakdown"])
     if args.result_file:
         result = {
             "date": datetime.now().isoformat(timespec="seconds"),

@@ -9,6 +9,7 @@ from typing import Any, Literal
 
 from kvserve.config import (
     DEFAULT_MODEL,
+    QUANTIZATION_METHODS,
     CacheConfig,
     DeviceConfig,
     EngineConfig,
@@ -41,6 +42,7 @@ class EngineArgs:
     tokenizer: str | None = None
     served_model_name: str | None = None
     dtype: str = "float32"
+    quantization: str | None = None
     max_model_len: int | None = None
     seed: int = 0
     device: str = "auto"
@@ -85,6 +87,7 @@ class EngineArgs:
             max_model_len=self.max_model_len,
             seed=self.seed,
             served_model_name=self.served_model_name,
+            quantization=self.quantization,
         )
         assert model_config.max_model_len is not None
         return EngineConfig(
@@ -139,6 +142,11 @@ class EngineArgs:
         parser.add_argument("--tokenizer", default=None)
         parser.add_argument("--served-model-name", default=None)
         parser.add_argument("--max-model-len", type=int, default=None)
+        parser.add_argument(
+            "--quantization", "-q", default=None, choices=list(QUANTIZATION_METHODS),
+            help="gguf: run the GGUF file's Q4_1/Q8_0/Q4_0 blocks directly (lossless); "
+            "q8_0: quantize float weights to Q8_0 blocks",
+        )  # fmt: skip
         parser.add_argument("--seed", type=int, default=0)
         parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
         parser.add_argument("--block-size", type=int, default=16)

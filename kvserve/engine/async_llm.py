@@ -252,7 +252,10 @@ class AsyncLLM(EngineClient):
                 outputs.outputs, self.engine_core.pop_scheduled_times(), now
             )
         if outputs.outputs:
+            start = time.perf_counter()
             processed = self.output_processor.process_outputs(outputs.outputs, now)
+            if iteration_stats is not None:
+                iteration_stats.output_processing_time = time.perf_counter() - start
             if processed.reqs_to_abort:
                 # Finished here by a stop string: the core must stop generating them.
                 await self.engine_core.abort_requests_async(processed.reqs_to_abort)

@@ -6,6 +6,8 @@ import logging
 import time
 from typing import cast
 
+import msgspec
+
 from kvserve.config import EngineConfig
 from kvserve.core.kv_cache_utils import get_request_block_hasher
 from kvserve.core.request import Request, RequestStatus
@@ -13,7 +15,12 @@ from kvserve.core.sched.scheduler import Scheduler
 from kvserve.distributed.kv_events import KVEvent, KVEventBatch
 from kvserve.distributed.kv_events_publisher import EventPublisherFactory
 from kvserve.executor.abstract import Executor
-from kvserve.protocol.engine_core import EngineCoreOutputs, EngineCoreRequest
+from kvserve.protocol.engine_core import (
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    SchedulerStats,
+    StepTimes,
+)
 from kvserve.protocol.kv_cache_interface import KVCacheConfig, build_kv_cache_config
 
 logger = logging.getLogger(__name__)
@@ -47,6 +54,8 @@ class EngineCore:
             if cache.enable_prefix_caching
             else None
         )
+        # Running totals per step phase; kept, like the other stats, only when logged.
+        self.step_times: StepTimes | None = StepTimes() if log_stats else None
 
     def _initialize_kv_caches(self) -> KVCacheConfig:
         start = time.perf_counter()
@@ -84,13 +93,39 @@ class EngineCore:
         """One scheduling step. Returns the outputs and whether the model ran."""
         if not self.scheduler.has_requests():
             return EngineCoreOutputs(timestamp=time.monotonic()), False
+        start = time.perf_counter()
         scheduler_output = self.scheduler.schedule()
+        scheduled = time.perf_counter()
         self.model_executor.execute_model(scheduler_output)
         model_output = self.model_executor.sample_tokens()
+        executed = time.perf_counter()
         outputs = self.scheduler.update_from_output(scheduler_output, model_output)
+        updated = time.perf_counter()
         outputs.timestamp = time.monotonic()
         self._publish_kv_events()
+        times = self.step_times
+        if times is not None:
+            times.schedule += scheduled - start
+            times.update += updated - executed
+            # The runner's own split of its part; the executor's glue counts as busy only.
+            runner = model_output.step_times
+            if runner is not None:
+                times.prepare_inputs += runner.prepare_inputs
+                times.forward += runner.forward
+                times.sample += runner.sample
+            times.busy += time.perf_counter() - start
+            times.num_steps += 1
+            if outputs.scheduler_stats is not None:
+                outputs.scheduler_stats.step_times = msgspec.structs.replace(times)
         return outputs, scheduler_output.total_num_scheduled_tokens > 0
+
+    def make_stats(self) -> SchedulerStats | None:
+        """The scheduler's stats with the step-time totals (None when stats are off)."""
+        stats = self.scheduler.make_stats()
+        if stats is not None and self.step_times is not None:
+            # A copy: in-process clients keep the message while the totals move on.
+            stats.step_times = msgspec.structs.replace(self.step_times)
+        return stats
 
     def _publish_kv_events(self) -> None:
         # The block pool only makes the three KVEvent kinds; its queue is typed by their base.

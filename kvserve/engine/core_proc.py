@@ -224,7 +224,7 @@ class EngineCoreProc:
     # --- sending ---------------------------------------------------------------------
 
     def _snapshot_stats(self) -> SchedulerStats:
-        stats = self.scheduler.make_stats() or SchedulerStats()
+        stats = self.engine_core.make_stats() or SchedulerStats()
         self._carried_queries += stats.prefix_cache_queries
         self._carried_hits += stats.prefix_cache_hits
         return stats
@@ -232,7 +232,7 @@ class EngineCoreProc:
     def _send_outputs(
         self, outputs: EngineCoreOutputs, scheduled_times: dict[str, float] | None = None
     ) -> None:
-        stats = outputs.scheduler_stats or self.scheduler.make_stats() or SchedulerStats()
+        stats = outputs.scheduler_stats or self.engine_core.make_stats() or SchedulerStats()
         stats.prefix_cache_queries += self._carried_queries
         stats.prefix_cache_hits += self._carried_hits
         self._carried_queries = self._carried_hits = 0

@@ -11,7 +11,7 @@ import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from kvserve.metrics.stats import IterationStats
-from kvserve.protocol.engine_core import SchedulerStats
+from kvserve.protocol.engine_core import STEP_PHASES, SchedulerStats, StepTimes
 
 logger = logging.getLogger(__name__)
 
@@ -162,6 +162,23 @@ class PrometheusStatLogger(StatLoggerBase):
         self.request_queue_time = histogram(
             "request_queue_time_seconds", "Arrival to first scheduled"
         )
+        self.step_time = counter(
+            "step_time_seconds",
+            "Seconds per step phase: the engine core's and the front end's output_processing",
+            ("phase",),
+        )
+        self.engine_busy = counter("engine_busy_seconds", "Engine-core seconds spent in steps")
+        self.engine_steps = counter("engine_steps", "Engine-core steps")
+        # Children made up front: every phase shows (at 0) before the first request, and
+        # recording skips the label lookups on every message.
+        self._phase_counters = {
+            phase: self.step_time.labels(model_name, phase)
+            for phase in (*STEP_PHASES, "output_processing")
+        }
+        self._busy_counter = self.engine_busy.labels(model_name)
+        self._steps_counter = self.engine_steps.labels(model_name)
+        # The core reports running totals; the counters take deltas.
+        self._last_step_times = StepTimes()
         self._collectors = [
             self.num_requests_running,
             self.num_requests_waiting,
@@ -177,6 +194,9 @@ class PrometheusStatLogger(StatLoggerBase):
             self.time_per_output_token,
             self.e2e_request_latency,
             self.request_queue_time,
+            self.step_time,
+            self.engine_busy,
+            self.engine_steps,
         ]
         # The scheduler reports preemptions as a running total; the counter takes deltas.
         self._last_num_preemptions = 0
@@ -199,8 +219,12 @@ class PrometheusStatLogger(StatLoggerBase):
             self._last_num_preemptions = scheduler_stats.num_preemptions
             if scheduler_stats.kv_connector_stats:
                 self._record_connector_stats(scheduler_stats.kv_connector_stats)
+            if scheduler_stats.step_times is not None:
+                self._record_step_times(scheduler_stats.step_times)
         if iteration_stats is None:
             return
+        if iteration_stats.output_processing_time:
+            self._phase_counters["output_processing"].inc(iteration_stats.output_processing_time)
         self.prompt_tokens.labels(name).inc(iteration_stats.num_prompt_tokens)
         self.generation_tokens.labels(name).inc(iteration_stats.num_generation_tokens)
         ttft = self.time_to_first_token.labels(name)
@@ -215,6 +239,15 @@ class PrometheusStatLogger(StatLoggerBase):
             self.request_queue_time.labels(name).observe(finished.queued_time)
             if finished.num_generation_tokens > 1:
                 self.time_per_output_token.labels(name).observe(finished.mean_time_per_output_token)
+
+    def _record_step_times(self, totals: StepTimes) -> None:
+        last = self._last_step_times
+        for phase in STEP_PHASES:
+            delta = getattr(totals, phase) - getattr(last, phase)
+            self._phase_counters[phase].inc(max(delta, 0.0))
+        self._busy_counter.inc(max(totals.busy - last.busy, 0.0))
+        self._steps_counter.inc(max(totals.num_steps - last.num_steps, 0))
+        self._last_step_times = totals
 
     def _record_connector_stats(self, stats: dict[str, dict[str, float]]) -> None:
         for metric, values in stats.items():

@@ -47,6 +47,8 @@ class IterationStats:
     time_to_first_tokens_iter: list[float] = field(default_factory=list)
     inter_token_latencies_iter: list[float] = field(default_factory=list)
     finished_requests: list[FinishedRequestStats] = field(default_factory=list)
+    # Front-end seconds spent turning this batch into RequestOutputs (detokenizing incl.).
+    output_processing_time: float = 0.0
 
     def update_from_output(self, output: EngineCoreOutput, req: RequestStateStats) -> None:
         num_new = len(output.new_token_ids)

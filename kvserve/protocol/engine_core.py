@@ -53,6 +53,30 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, kw_o
         return self.finish_reason is not None
 
 
+class StepTimes(msgspec.Struct, omit_defaults=True, kw_only=True):
+    """Running totals of the engine core's seconds per step phase since it started.
+
+    Totals rather than per-step values: a stats message that is dropped or taken out of
+    band (get_stats) loses nothing, and the receiver turns them into counter increments.
+    """
+
+    schedule: float = 0.0
+    # The runner's state update, input preparation and attention metadata build.
+    prepare_inputs: float = 0.0
+    # The model forward and compute_logits (with a device sync on accelerators).
+    forward: float = 0.0
+    sample: float = 0.0
+    # scheduler.update_from_output.
+    update: float = 0.0
+    # Whole steps: the phases plus the glue between them (executor calls, KV events).
+    busy: float = 0.0
+    num_steps: int = 0
+
+
+# The engine-core phases of a step, in order (output processing is the front end's).
+STEP_PHASES = ("schedule", "prepare_inputs", "forward", "sample", "update")
+
+
 class SchedulerStats(msgspec.Struct, omit_defaults=True, kw_only=True):
     num_running_reqs: int = 0
     num_waiting_reqs: int = 0
@@ -62,6 +86,7 @@ class SchedulerStats(msgspec.Struct, omit_defaults=True, kw_only=True):
     num_preemptions: int = 0
     # Running totals from the KV connector, {metric: {label: value}} (e.g. tier hits).
     kv_connector_stats: dict[str, dict[str, float]] | None = None
+    step_times: StepTimes | None = None
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, kw_only=True):

@@ -39,6 +39,15 @@ class LogprobsTensors(NamedTuple):
 
 
 @dataclass
+class RunnerStepTimes:
+    """Seconds the runner spent on one step, for the engine core's step-time totals."""
+
+    prepare_inputs: float
+    forward: float
+    sample: float
+
+
+@dataclass
 class ModelRunnerOutput:
     req_ids: list[str]
     req_id_to_index: dict[str, int]
@@ -52,6 +61,8 @@ class ModelRunnerOutput:
     finished_sending: set[str] | None = None
     finished_recving: set[str] | None = None
     invalid_block_ids: set[int] = field(default_factory=set)
+    # None for a step without a forward (EMPTY_MODEL_RUNNER_OUTPUT is shared: never set it).
+    step_times: RunnerStepTimes | None = None
 
 
 EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[])

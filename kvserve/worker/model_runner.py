@@ -3,6 +3,7 @@ over the paged KV cache and samples (the two-phase execute_model / sample_tokens
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,6 +22,7 @@ from kvserve.protocol.runner_output import (
     LogprobsLists,
     LogprobsTensors,
     ModelRunnerOutput,
+    RunnerStepTimes,
 )
 from kvserve.protocol.scheduler_output import NewRequestData, SchedulerOutput
 from kvserve.sample.sampler import Sampler, compute_prompt_logprobs
@@ -43,6 +45,9 @@ class ExecuteModelState:
     hidden_states: torch.Tensor | None
     # The KV connector's report for this step (None without a connector).
     kv_connector_output: KVConnectorOutput | None = None
+    # Seconds before the forward (state update, inputs, attention metadata) and in it.
+    prepare_time: float = 0.0
+    forward_time: float = 0.0
 
 
 class ModelRunner(KVConnectorModelRunnerMixin):
@@ -76,7 +81,7 @@ class ModelRunner(KVConnectorModelRunnerMixin):
 
     def load_model(self) -> None:
         mc = self.config.model_config
-        self.model = get_model(mc.resolved, mc.arch, self.device, self.dtype)
+        self.model = get_model(mc.resolved, mc.arch, self.device, self.dtype, mc.quantization)
 
     def _attention_layers(self) -> dict[str, Attention]:
         if self.model is None:
@@ -214,6 +219,7 @@ class ModelRunner(KVConnectorModelRunnerMixin):
 
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> None:
+        start = time.perf_counter()
         self._update_states(scheduler_output)
         assert self.input_batch is not None
         if scheduler_output.total_num_scheduled_tokens == 0 or self.input_batch.num_reqs == 0:
@@ -231,6 +237,7 @@ class ModelRunner(KVConnectorModelRunnerMixin):
             scheduler_output.total_num_scheduled_tokens,
         )
         attn_metadata = self._build_attn_metadata(inputs)
+        forward_start = time.perf_counter()
         with (
             set_forward_context(attn_metadata, kv_connector=self.kv_connector),
             self.kv_connector_step(scheduler_output) as kv_output,
@@ -239,15 +246,27 @@ class ModelRunner(KVConnectorModelRunnerMixin):
         logits = None
         if len(inputs.sample_rows):
             logits = self.model.compute_logits(hidden_states[inputs.logits_indices])
+        if self.device.type == "cuda":
+            # Kernels run asynchronously: without this the forward's time would show up in
+            # sampling, whose .cpu() waits for it moments later anyway.
+            torch.cuda.synchronize(self.device)
+        forward_end = time.perf_counter()
         keep_hidden = hidden_states if self._wants_prompt_logprobs() else None
         self.execute_model_state = ExecuteModelState(
-            scheduler_output, inputs, logits, keep_hidden, kv_output if self.kv_connector else None
+            scheduler_output,
+            inputs,
+            logits,
+            keep_hidden,
+            kv_output if self.kv_connector else None,
+            prepare_time=forward_start - start,
+            forward_time=forward_end - forward_start,
         )
 
     # ---- per step: sampling ---------------------------------------------------------------
 
     @torch.inference_mode()
     def sample_tokens(self) -> ModelRunnerOutput:
+        start = time.perf_counter()
         state, self.execute_model_state = self.execute_model_state, None
         if state is None:
             raise RuntimeError("sample_tokens() called without a preceding execute_model()")
@@ -288,6 +307,9 @@ class ModelRunner(KVConnectorModelRunnerMixin):
             sampled_token_ids=sampled_token_ids,
             logprobs=logprobs,
             prompt_logprobs_dict=self._prompt_logprobs(state),
+        )
+        output.step_times = RunnerStepTimes(
+            state.prepare_time, state.forward_time, time.perf_counter() - start
         )
         return self.attach_kv_connector_output(output, state.kv_connector_output)
 

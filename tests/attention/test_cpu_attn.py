@@ -5,6 +5,7 @@ import random
 import pytest
 import torch
 
+from kvserve import _custom_ops as ops
 from kvserve.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionMetadata
 from kvserve.attention.backends.registry import get_attn_backend
 from kvserve.attention.backends.utils import make_common_attn_metadata
@@ -62,6 +63,9 @@ def run_case(
     k = torch.cat([full_k[r][c:] for r, c in enumerate(computed)])
     v = torch.cat([full_v[r][c:] for r, c in enumerate(computed)])
     impl = backend.get_impl_cls()(NUM_HEADS, HEAD, HEAD**-0.5, NUM_KV_HEADS, window)
+    # The C++ decode kernel and the torch fallback must both agree with the naive loop.
+    with ops.disabled():
+        out_torch = impl.forward(torch.nn.Module(), q, k, v, kv_cache, metadata)
     out = impl.forward(torch.nn.Module(), q, k, v, kv_cache, metadata)
 
     start = 0
@@ -69,7 +73,10 @@ def run_case(
         expected = naive_attention(
             q[start : start + q_len], full_k[r], full_v[r], computed[r], window
         )
-        torch.testing.assert_close(out[start : start + q_len], expected, atol=1e-5, rtol=1e-5)
+        for result in (out, out_torch):
+            torch.testing.assert_close(
+                result[start : start + q_len], expected, atol=1e-5, rtol=1e-5
+            )
         start += q_len
     # This step's K/V landed in the cache at the right slots.
     for r, c in enumerate(computed):

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 import pytest
 
-from kvserve.benchmarks import peers
-from kvserve.benchmarks.peers_workloads import WORKLOADS, make_requests
+from kvserve.benchmarks import peers, peers_sweep
+from kvserve.benchmarks.peers_workloads import WORKLOADS, EngineResult, make_requests
 
 
 def test_workloads_are_deterministic_and_scaled() -> None:
@@ -60,3 +61,72 @@ def test_peers_table_and_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     hf_tries = [t for t in report["tries"] if t["engine"] == "hf"]
     assert len(hf_tries) == 2
     assert by_engine["hf"]["output_tok_s"] == max(t["output_tok_s"] for t in hf_tries)
+
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def test_sweep_table_plot_and_missing_matplotlib(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert peers_sweep.parse_levels("4,1,2,2") == [1, 2, 4]
+    with pytest.raises(argparse.ArgumentTypeError):
+        peers_sweep.parse_levels("0,2")
+    runs = [
+        EngineResult("kvserve", "a", 2.0, 100, 40, extra={"concurrency": 1}),
+        EngineResult("kvserve", "a", 1.0, 100, 40, extra={"concurrency": 4}),
+        EngineResult("hf", "a", 4.0, 100, 40, extra={"concurrency": 4}),
+    ]
+    sweep = peers_sweep.sweep_report(runs, [1, 4], "a", 5)
+    assert sweep["output_tok_s"] == {"kvserve": [20.0, 40.0], "hf": [None, 10.0]}
+    table = peers_sweep.format_sweep_table(sweep)
+    assert "| engine | C=1 | C=4 |" in table and "| hf | - | 10.0 |" in table
+    png = tmp_path / "sweep.png"
+    peers_sweep.plot_sweep(sweep, "machine: test", str(png))
+    assert png.read_bytes().startswith(PNG_SIGNATURE)
+
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)  # import now fails
+    with pytest.raises(SystemExit, match="pip install 'kvserve\\[bench\\]'"):
+        peers_sweep.new_figure()
+    parser = argparse.ArgumentParser()
+    peers.add_cli_args(parser)
+    with pytest.raises(SystemExit, match="give --sweep too"):
+        peers.run_peers(parser.parse_args(["--plot", str(png)]))
+
+
+@pytest.mark.slow
+def test_peers_sweep_json_and_plot(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    parser = argparse.ArgumentParser()
+    peers.add_cli_args(parser)
+    out, png = tmp_path / "sweep.json", tmp_path / "sweep.png"
+    args = parser.parse_args(
+        [
+            "--sweep", "1,2", "--scale", "0.05", "--engines", "kvserve,hf",
+            "--gemm-size", "256", "--kv-cache-memory", "64M", "--torch-threads", "1",
+            "--output-json", str(out), "--plot", str(png), "--disable-tqdm",
+        ]
+    )  # fmt: skip
+    import torch
+
+    threads = torch.get_num_threads()
+    try:
+        assert peers.main(args) == 0
+    finally:
+        torch.set_num_threads(threads)
+    printed = capsys.readouterr().out
+    assert "| engine | C=1 | C=2 |" in printed and f"plot written to {png}" in printed
+
+    sweep = json.loads(out.read_text())["sweep"]
+    assert sweep["workload"] == "a" and sweep["concurrency"] == [1, 2]
+    assert sweep["num_requests"] == 2
+    assert set(sweep["output_tok_s"]) == {"kvserve", "hf"}
+    for rates in sweep["output_tok_s"].values():
+        assert len(rates) == 2 and all(x > 0 for x in rates)
+    runs = sweep["runs"]
+    assert sorted((r["engine"], r["concurrency"]) for r in runs) == [
+        ("hf", 1), ("hf", 2), ("kvserve", 1), ("kvserve", 2),
+    ]  # fmt: skip
+    # Every engine produced exactly the requested tokens at every level.
+    assert len({r["output_tokens"] for r in runs}) == 1
+    assert all(r["ratio_to_kvserve"] > 0 for r in runs)
+    assert png.read_bytes().startswith(PNG_SIGNATURE)

@@ -134,3 +134,28 @@ def test_engine_core_in_background_process_matches_hf(cases: Any) -> None:
         assert not engine.llm_engine.has_unfinished_requests()
     finally:
         engine.llm_engine.shutdown()
+
+
+def test_greedy_without_cpp_kernels_matches_hf(llm: Any, cases: Any) -> None:
+    """The plain torch fallbacks (no compiler on the machine) give the same tokens."""
+    from kvserve import _custom_ops as ops
+
+    prompts, expected = cases
+    llm.reset_prefix_cache()
+    with ops.disabled():
+        assert run(llm, prompts) == expected
+    assert_no_leak(llm)
+
+
+def test_greedy_gguf_block_weights_match_hf(llm_factory: Any, cases: Any) -> None:
+    """--quantization gguf runs the file's Q4_1/Q8_0 blocks: lossless, so HF's tokens."""
+    from kvserve import _custom_ops as ops
+
+    if not ops.available():
+        pytest.skip("no C++ toolchain for the block kernels")
+    quantized = llm_factory(quantization="gguf")
+    prompts, expected = cases
+    # One at a time too, so single-row (GEMV) and batched kernel paths are both exercised.
+    assert run(quantized, prompts) == expected
+    assert run(quantized, prompts[:2]) == expected[:2]
+    assert_no_leak(quantized)

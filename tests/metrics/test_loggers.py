@@ -9,7 +9,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from kvserve.metrics.loggers import LoggingStatLogger, PrometheusStatLogger
 from kvserve.metrics.stats import IterationStats, RequestStatsTracker
-from kvserve.protocol.engine_core import EngineCoreOutput, FinishReason, SchedulerStats
+from kvserve.protocol.engine_core import EngineCoreOutput, FinishReason, SchedulerStats, StepTimes
 
 
 def _sample(registry: CollectorRegistry, name: str, **labels: str) -> float | None:
@@ -162,3 +162,28 @@ def test_kv_connector_totals_become_counters() -> None:
     # A second logger on the same registry replaces the first one's metrics cleanly.
     PrometheusStatLogger("m", registry).record(SchedulerStats(kv_connector_stats=first), None)
     assert _sample(registry, name, kind="local_cpu") == 3.0
+
+
+def test_step_times_become_counters_per_phase() -> None:
+    registry = CollectorRegistry()
+    prom = PrometheusStatLogger("m", registry)
+    phases = ("schedule", "prepare_inputs", "forward", "sample", "update", "output_processing")
+    # Every phase is exported (at 0) before any step, so a scrape can always take a delta.
+    for phase in phases:
+        assert _sample(registry, "kvserve:step_time_seconds_total", phase=phase) == 0
+    first = StepTimes(
+        schedule=0.5, prepare_inputs=1.0, forward=4.0, sample=0.25, busy=6.0, num_steps=3
+    )
+    prom.record(SchedulerStats(step_times=first), IterationStats(output_processing_time=0.125))
+    # The core sends running totals: the counters add only what is new.
+    later = StepTimes(
+        schedule=1.0, prepare_inputs=1.5, forward=6.0, sample=0.5, update=0.75, busy=10.0,
+        num_steps=5,
+    )  # fmt: skip
+    prom.record(SchedulerStats(step_times=later), IterationStats(output_processing_time=0.25))
+    prom.record(SchedulerStats(), None)  # a message without step times changes nothing
+    expected = dict(zip(phases, (1.0, 1.5, 6.0, 0.5, 0.75, 0.375), strict=True))
+    for phase, seconds in expected.items():
+        assert _sample(registry, "kvserve:step_time_seconds_total", phase=phase) == seconds
+    assert _sample(registry, "kvserve:engine_busy_seconds_total") == 10.0
+    assert _sample(registry, "kvserve:engine_steps_total") == 5

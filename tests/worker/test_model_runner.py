@@ -224,6 +224,7 @@ def test_empty_step_and_seeded_sampling(tiny: tuple[Path, LlamaForCausalLM]) -> 
     runner.execute_model(SchedulerOutput.empty())
     empty = runner.sample_tokens()
     assert empty.req_ids == [] and empty.sampled_token_ids == []
+    assert empty.step_times is None  # no forward, nothing to time
 
     def run(seed: int) -> list[int]:
         sched = HandScheduler(runner)
@@ -234,7 +235,10 @@ def test_empty_step_and_seeded_sampling(tiny: tuple[Path, LlamaForCausalLM]) -> 
         sched.step({req_id: 2})
         sched.step({req_id: 4})
         for _ in range(5):
-            sched.decode([req_id])
+            times = sched.decode([req_id]).step_times
+            # The engine core's step-time totals add these up.
+            assert times is not None and times.forward > 0
+            assert times.prepare_inputs > 0 and times.sample > 0
         sched.finished.add(req_id)
         runner.execute_model(
             SchedulerOutput([], CachedRequestData(), {}, 0, finished_req_ids={req_id})

@@ -2,8 +2,9 @@
 
 A step's batch is split into two groups by the builder:
 
-* decodes (query_len == 1): gathered through the block table all at once and served
-  by one batched SDPA call with a per-request length mask;
+* decodes (query_len == 1): one call of the C++ paged decode kernel, which reads each
+  request's keys and values in place through the block table (without the kernels:
+  gathered all at once and served by one batched SDPA call with a length mask);
 * prefill chunks (query_len > 1, possibly starting after cached tokens): one SDPA per
   request with a causal mask shifted by ``num_computed_tokens``.
 
@@ -18,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from kvserve import _custom_ops as ops
 from kvserve.attention.backends.abstract import (
     AttentionBackend,
     AttentionImpl,
@@ -46,6 +48,8 @@ class DecodeBatch:
     block_table: torch.Tensor  # int64 [D, num_blocks]
     seq_lens: torch.Tensor  # int64 [D]
     key_mask: torch.Tensor  # bool [D, num_blocks*block_size]
+    block_table_i32: torch.Tensor  # int32 [D, num_blocks], contiguous (the kernel's view)
+    seq_lens_i32: torch.Tensor  # int32 [D]
 
 
 @dataclass
@@ -124,11 +128,14 @@ class CPUAttentionMetadataBuilder(AttentionMetadataBuilder):
         req_idx = torch.tensor(reqs, dtype=torch.long, device=device)
         lens_t = torch.tensor(lens, dtype=torch.long, device=device)
         key_pos = torch.arange(num_blocks * self.block_size, device=device)
+        table = block_table[req_idx, :num_blocks]
         return DecodeBatch(
             token_indices=torch.tensor([starts[r] for r in reqs], dtype=torch.long, device=device),
-            block_table=block_table[req_idx, :num_blocks],
+            block_table=table,
             seq_lens=lens_t,
             key_mask=key_pos[None, :] < lens_t[:, None],
+            block_table_i32=table.to(torch.int32).contiguous(),
+            seq_lens_i32=lens_t.to(torch.int32),
         )
 
 
@@ -150,7 +157,14 @@ class CPUAttentionImpl(AttentionImpl):
         output = torch.zeros_like(query)
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         if md.decode is not None:
-            output[md.decode.token_indices] = self._decode(query, k_cache, v_cache, md.decode)
+            if ops.use_for(query):
+                d = md.decode
+                ops.paged_decode_attention(
+                    output, query, k_cache, v_cache, d.block_table_i32, d.seq_lens_i32,
+                    d.token_indices, self.scale, self.sliding_window,
+                )  # fmt: skip
+            else:
+                output[md.decode.token_indices] = self._decode(query, k_cache, v_cache, md.decode)
         for chunk in md.prefills:
             q = query[chunk.token_start : chunk.token_end]
             output[chunk.token_start : chunk.token_end] = self._prefill(q, k_cache, v_cache, chunk)

@@ -6,10 +6,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvserve import _custom_ops as ops
+
 
 class SiluAndMul(nn.Module):
     """``silu(x[..., :d]) * x[..., d:]`` for the fused gate/up projection output."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         d = x.shape[-1] // 2
+        if ops.use_for(x) and x.is_contiguous():
+            out = x.new_empty((*x.shape[:-1], d))
+            ops.silu_and_mul(out, x)
+            return out
         return F.silu(x[..., :d]) * x[..., d:]

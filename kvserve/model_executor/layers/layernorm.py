@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kvserve import _custom_ops as ops
+
 
 class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
@@ -22,7 +24,17 @@ class RMSNorm(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Without ``residual``: ``norm(x)``. With it: ``(norm(x + residual), x + residual)``
-        so the caller carries the un-normalised sum to the next layer."""
+        so the caller carries the un-normalised sum to the next layer. With the kernels
+        the fused form works in place: ``x`` and ``residual`` are overwritten and returned
+        (as in vLLM; the decoder layers own both tensors)."""
+        if ops.use_for(x) and x.is_contiguous():
+            if residual is None:
+                out = torch.empty_like(x)
+                ops.rms_norm(out, x, self.weight, self.eps)
+                return out
+            if residual.is_contiguous() and residual.dtype == x.dtype:
+                ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
+                return x, residual
         if residual is None:
             return self._norm(x)
         summed = x + residual

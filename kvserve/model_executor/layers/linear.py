@@ -8,9 +8,14 @@ needs the collectives (marked where they go) and ``get_tp_rank_size``.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+if TYPE_CHECKING:
+    from kvserve.model_executor.layers.quantization import BlockWeight
 
 
 def get_tp_rank_size() -> tuple[int, int]:
@@ -36,12 +41,21 @@ def _attach_loader(param: nn.Parameter, loader: object) -> nn.Parameter:
 
 
 class LinearBase(nn.Module):
+    weight: nn.Parameter
+
     def __init__(self, input_size: int, output_size: int, prefix: str = "") -> None:
         super().__init__()
         self.input_size = input_size
         self.output_size = output_size
         self.prefix = prefix
         self.tp_rank, self.tp_size = get_tp_rank_size()
+        # Set by quantize_model (--quantization): the weight as GGUF blocks.
+        self.quant_weight: BlockWeight | None = None
+
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quant_weight is not None:
+            return self.quant_weight.linear(x)
+        return F.linear(x, self.weight)
 
     def extra_repr(self) -> str:
         return f"in={self.input_size}, out={self.output_size}, tp={self.tp_rank}/{self.tp_size}"
@@ -75,7 +89,8 @@ class ColumnParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # With TP the output stays sharded; the following RowParallelLinear reduces.
-        return F.linear(x, self.weight, self.bias)
+        out = self._matmul(x)
+        return out if self.bias is None else out + self.bias
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -174,7 +189,7 @@ class RowParallelLinear(LinearBase):
         _copy(param, loaded.narrow(1, self.tp_rank * size, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = F.linear(x, self.weight)
+        out = self._matmul(x)
         # tp_size > 1: all-reduce `out` across the TP group here.
         if self.bias is not None:
             out = out + self.bias

@@ -1,8 +1,9 @@
 """Rotary position embeddings (neox / HF ``rotate_half`` layout) with scaling variants.
 
-cos/sin are computed from ``positions`` on every call rather than from a cached table:
-it is a [T, rotary_dim/2] product, negligible next to attention, it matches HF's
-float32 computation bit for bit, and it needs no max-length buffer.
+With the C++ kernels, q and k are rotated in place from a ``cos_sin_cache`` table
+(vLLM's layout: cos then sin per position) built once with the same float32 expression
+HF uses; without them, cos/sin are computed from ``positions`` on each call. Both give
+HF's values bit for bit. ``get_rope`` hands every layer the same module, as vLLM does.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from kvserve import _custom_ops as ops
 
 
 def _default_inv_freq(rotary_dim: int, base: float) -> torch.Tensor:
@@ -65,18 +68,30 @@ class RotaryEmbedding(nn.Module):
         rotary_dim: int,
         base: float,
         rope_scaling: dict[str, Any] | None = None,
+        max_position: int = 2048,
     ) -> None:
         super().__init__()
         self.head_size = head_size
         self.rotary_dim = rotary_dim
+        self.max_position = max_position
         inv_freq = compute_inv_freq(rotary_dim, base, rope_scaling)
         # Non-persistent: derived from config, never part of a checkpoint.
         self.register_buffer("inv_freq", inv_freq.to(torch.get_default_device()), persistent=False)
+        self._cos_sin_cache: torch.Tensor | None = None
 
     def _cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.float()[:, None] * self.inv_freq.float()[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [T, 1, rotary_dim]
         return emb.cos(), emb.sin()
+
+    @property
+    def cos_sin_cache(self) -> torch.Tensor:
+        """``[max_position, rotary_dim]``: cos of each frequency, then sin (built once)."""
+        if self._cos_sin_cache is None or self._cos_sin_cache.device != self.inv_freq.device:
+            positions = torch.arange(self.max_position, device=self.inv_freq.device)
+            freqs = positions.float()[:, None] * self.inv_freq.float()[None, :]
+            self._cos_sin_cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1).contiguous()
+        return self._cos_sin_cache
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         rot, rest = x[..., : self.rotary_dim], x[..., self.rotary_dim :]
@@ -86,7 +101,11 @@ class RotaryEmbedding(nn.Module):
     def forward(
         self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``query [T, H*hd]``, ``key [T, Hkv*hd]`` -> rotated, same shapes."""
+        """``query [T, H*hd]``, ``key [T, Hkv*hd]`` -> rotated, same shapes. The kernel
+        path rotates in place (the inputs are the fresh qkv projection's views)."""
+        if ops.use_for(query) and query.stride(-1) == 1 and key.stride(-1) == 1:
+            ops.rotary_embedding(positions, query, key, self.head_size, self.cos_sin_cache)
+            return query, key
         num_tokens = positions.shape[0]
         cos, sin = self._cos_sin(positions)
         q = self._rotate(query.view(num_tokens, -1, self.head_size), cos, sin)
@@ -94,10 +113,22 @@ class RotaryEmbedding(nn.Module):
         return q.reshape(query.shape), k.reshape(key.shape)
 
 
+_ROPE_CACHE: dict[tuple[Any, ...], RotaryEmbedding] = {}
+
+
 def get_rope(
     head_size: int,
     base: float,
     rope_scaling: dict[str, Any] | None = None,
     rotary_dim: int | None = None,
+    max_position: int = 2048,
 ) -> RotaryEmbedding:
-    return RotaryEmbedding(head_size, rotary_dim or head_size, base, rope_scaling)
+    """One shared module per configuration (and default device), so every layer of a
+    model indexes the same cos/sin table."""
+    scaling_key = tuple(sorted((k, repr(v)) for k, v in (rope_scaling or {}).items()))
+    key = (head_size, base, scaling_key, rotary_dim, max_position, str(torch.get_default_device()))
+    if key not in _ROPE_CACHE:
+        _ROPE_CACHE[key] = RotaryEmbedding(
+            head_size, rotary_dim or head_size, base, rope_scaling, max_position
+        )
+    return _ROPE_CACHE[key]

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+if TYPE_CHECKING:
+    from kvserve.model_executor.layers.quantization import BlockWeight
 
 from kvserve.model_executor.layers.linear import get_tp_rank_size
 
@@ -55,12 +60,18 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """Output projection onto the vocabulary; may share its weight with the embedding."""
 
+    # Set by quantize_model (--quantization): the projection as GGUF blocks.
+    quant_weight: BlockWeight | None = None
+
     def tie_weights(self, embed_tokens: VocabParallelEmbedding) -> None:
         self.weight = embed_tokens.weight
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """``[N, hidden] -> [N, vocab]`` float32 logits."""
-        logits = F.linear(hidden_states, self.weight).float()
+        if self.quant_weight is not None:
+            logits = self.quant_weight.linear(hidden_states.float())
+        else:
+            logits = F.linear(hidden_states, self.weight).float()
         # tp_size > 1: all-gather the per-rank vocab slices here.
         return logits[..., : self.num_embeddings]
 

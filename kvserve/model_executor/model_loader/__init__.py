@@ -8,6 +8,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
+from kvserve.model_executor.layers.quantization import quantize_model
 from kvserve.model_executor.model_loader.gguf_loader import iterate_gguf_weights
 from kvserve.model_executor.model_loader.hf_loader import iterate_safetensors_weights
 from kvserve.model_executor.models.registry import get_model_cls
@@ -30,9 +31,11 @@ def get_model(
     arch: ArchConfig,
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.float32,
+    quantization: str | None = None,
 ) -> nn.Module:
     """Instantiate ``arch.architecture`` directly on ``device`` (parameters are
-    allocated there, not moved) and load the checkpoint into it, in eval mode."""
+    allocated there, not moved) and load the checkpoint into it, in eval mode; with
+    ``quantization``, its linear layers then switch to GGUF block weights."""
     model_cls = get_model_cls(arch.architecture)
     # Constructing under the device context also makes Attention pick the backend
     # for that device.
@@ -43,6 +46,11 @@ def get_model(
     else:
         weights = iterate_safetensors_weights(resolved.path)
     model.load_weights(weights)  # type: ignore[operator]
+    if quantization is not None:
+        if torch.device(device).type != "cpu":
+            raise ValueError(f"quantization {quantization!r} has CPU kernels only, not {device}")
+        gguf_path = resolved.path if resolved.format == "gguf" else None
+        quantize_model(model, quantization, gguf_path, arch)
     return model.eval()
 
 

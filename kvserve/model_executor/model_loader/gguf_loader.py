@@ -31,6 +31,7 @@ _GLOBAL_NAMES = {
 }
 # Consumed elsewhere (rope_freqs -> ArchConfig.rope_scaling) or not model weights.
 _SKIPPED = {"rope_freqs.weight"}
+_PLAIN_TYPES = {GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16}
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 
 
@@ -71,19 +72,41 @@ def unpermute_rope_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
     return per_head.swapaxes(1, 2).reshape(weight.shape)
 
 
+def _hf_rows(
+    reader: GGUFReader, tensor: ReaderTensor, rows: np.ndarray, arch: ArchConfig
+) -> np.ndarray:
+    """``rows`` (one per output feature, dequantized or raw block bytes) in HF's order."""
+    gguf_arch = reader.get_field("general.architecture")
+    if gguf_arch is None or gguf_arch.contents() != "llama":
+        return rows
+    if ".attn_q." in tensor.name:
+        return unpermute_rope_rows(rows, arch.num_attention_heads)
+    if ".attn_k." in tensor.name:
+        return unpermute_rope_rows(rows, arch.num_key_value_heads)
+    return rows
+
+
 def iterate_gguf_weights(path: str, arch: ArchConfig) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(hf_name, float32 tensor)`` for every weight in the GGUF file."""
     reader: GGUFReader = open_gguf(path)
-    gguf_arch = reader.get_field("general.architecture")
-    permuted = gguf_arch is not None and gguf_arch.contents() == "llama"
     for tensor in reader.tensors:
         if tensor.name in _SKIPPED:
             continue
-        name = gguf_to_hf_name(tensor.name)
-        weight = dequantize_tensor(tensor)
-        if permuted and ".attn_q." in tensor.name:
-            weight = unpermute_rope_rows(weight, arch.num_attention_heads)
-        elif permuted and ".attn_k." in tensor.name:
-            weight = unpermute_rope_rows(weight, arch.num_key_value_heads)
+        weight = _hf_rows(reader, tensor, dequantize_tensor(tensor), arch)
         # from_numpy shares memory; the copy into the parameter happens in load_weights.
-        yield name, torch.from_numpy(np.ascontiguousarray(weight))
+        yield gguf_to_hf_name(tensor.name), torch.from_numpy(np.ascontiguousarray(weight))
+
+
+def iterate_gguf_blocks(
+    path: str, arch: ArchConfig
+) -> Iterator[tuple[str, GGMLQuantizationType, np.ndarray]]:
+    """Yield ``(hf_name, type, raw)`` for every block-quantized 2-D tensor, ``raw`` being
+    uint8 ``[rows, bytes per row]`` exactly as stored, rows in HF's order."""
+    reader: GGUFReader = open_gguf(path)
+    for tensor in reader.tensors:
+        if tensor.name in _SKIPPED or tensor.tensor_type in _PLAIN_TYPES:
+            continue
+        raw = np.asarray(tensor.data, dtype=np.uint8)
+        if raw.ndim != 2:
+            continue
+        yield gguf_to_hf_name(tensor.name), tensor.tensor_type, _hf_rows(reader, tensor, raw, arch)

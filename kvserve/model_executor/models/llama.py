@@ -62,7 +62,10 @@ class LlamaAttention(nn.Module):
             bias=o_bias,
             prefix=f"{prefix}.o_proj",
         )
-        self.rotary_emb = get_rope(arch.head_dim, arch.rope_theta, arch.rope_scaling)
+        self.rotary_emb = get_rope(
+            arch.head_dim, arch.rope_theta, arch.rope_scaling,
+            max_position=arch.max_position_embeddings,
+        )  # fmt: skip
         # Local (per-TP-rank) head counts come from the sharded projection.
         self.attn = Attention(
             num_heads=self.qkv_proj.num_heads,

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from kvserve.benchmarks.cli import add_bench_parser
+from kvserve.benchmarks.step_times import PHASES
 from tests.entrypoints.openai.utils import RemoteServer
 
 pytestmark = pytest.mark.slow
@@ -65,6 +66,8 @@ def test_bench_serve_prints_and_saves_metrics(
     assert code == 0
     printed = capsys.readouterr().out
     assert "Serving Benchmark Result" in printed and "Mean TTFT (ms)" in printed
+    assert "overhead (scheduler + input preparation + output processing): " in printed
+    assert "% of wall time" in printed
     result = json.loads(result_file.read_text())
     assert result["completed"] == num_requests and result["failed"] == 0
     # ignore_eos is on by default: every request generates exactly the asked length.
@@ -74,3 +77,12 @@ def test_bench_serve_prints_and_saves_metrics(
     assert result["p99_e2el_ms"] >= result["median_e2el_ms"] > 0
     assert result["mean_tpot_ms"] > 0 and result["request_throughput"] > 0
     assert result["model"] == "SmolLM2-135M-Instruct"
+    # The server's step time over the run, from its /metrics before and after.
+    steps = result["step_time_breakdown"]
+    assert set(steps["step_time_s"]) == set(PHASES) and steps["engine_steps"] > 0
+    assert steps["step_time_s"]["forward"] > 0 and steps["engine_busy_s"] > 0
+    assert steps["wall_s"] == result["duration"]
+    overhead = sum(steps["step_time_s"][p] for p in PHASES if p != "forward")
+    assert steps["overhead_s"] == pytest.approx(overhead)
+    assert steps["overhead_wall_share"] == pytest.approx(overhead / result["duration"])
+    assert steps["overhead_busy_share"] == pytest.approx(overhead / steps["engine_busy_s"])

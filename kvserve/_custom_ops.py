@@ -1,0 +1,152 @@
+"""The C++ CPU kernels (kvserve/csrc/cpu_ops.cpp), compiled on first use.
+
+They are built just in time with torch's cpp_extension for the machine they run on
+(``-march=native``), cached under the user's torch extensions directory, and registered
+as ``torch.ops.kvserve.*``. Where no compiler is available, or with
+``KVSERVE_DISABLE_CUSTOM_OPS=1``, ``available()`` is False and callers use their plain
+torch paths, which compute the same thing.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import sysconfig
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+ENV_DISABLE = "KVSERVE_DISABLE_CUSTOM_OPS"
+_SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.cpp"
+_CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"]
+
+_lock = threading.Lock()
+_state: dict[str, bool] = {}
+_forced_off = threading.local()
+
+
+def _build() -> bool:
+    from torch.utils import cpp_extension
+
+    # The venv's own ninja (a pip dependency) is found even when the venv is not activated.
+    scripts = sysconfig.get_path("scripts")
+    os.environ["PATH"] = os.pathsep.join([scripts, os.path.dirname(sys.executable)]) + (
+        os.pathsep + os.environ.get("PATH", "")
+    )
+    cpp_extension.load(
+        name="kvserve_cpu_ops",
+        sources=[str(_SOURCE)],
+        extra_cflags=_CFLAGS,
+        extra_ldflags=["-fopenmp"],
+        is_python_module=False,
+        verbose=False,
+    )
+    return True
+
+
+def available() -> bool:
+    """Whether torch.ops.kvserve's CPU kernels are loaded (builds them on the first call)."""
+    if "ok" in _state:
+        return _state["ok"]
+    with _lock:
+        if "ok" not in _state:
+            if os.environ.get(ENV_DISABLE, "") not in ("", "0"):
+                _state["ok"] = False
+            else:
+                try:
+                    _state["ok"] = _build()
+                except Exception as exc:  # no compiler, no headers: the torch paths remain
+                    logger.warning("kvserve CPU kernels unavailable, using torch ops: %s", exc)
+                    _state["ok"] = False
+    return _state["ok"]
+
+
+def use_for(tensor: torch.Tensor) -> bool:
+    """Kernels apply to float32 CPU tensors when they are built."""
+    return (
+        tensor.device.type == "cpu"
+        and tensor.dtype == torch.float32
+        and not getattr(_forced_off, "on", False)
+        and available()
+    )
+
+
+@contextmanager
+def disabled() -> Iterator[None]:
+    """Take the plain torch paths in this thread even where the kernels are built, so
+    tests and benchmarks can compare the two."""
+    before = getattr(_forced_off, "on", False)
+    _forced_off.on = True
+    try:
+        yield
+    finally:
+        _forced_off.on = before
+
+
+def paged_decode_attention(
+    out: torch.Tensor,
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    token_indices: torch.Tensor,
+    scale: float,
+    sliding_window: int | None,
+) -> None:
+    torch.ops.kvserve.paged_decode_attention(
+        out, query, k_cache, v_cache, block_table, seq_lens, token_indices, scale,
+        sliding_window or 0,
+    )  # fmt: skip
+
+
+def rotary_embedding(
+    positions: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    head_size: int,
+    cos_sin_cache: torch.Tensor,
+) -> None:
+    torch.ops.kvserve.rotary_embedding(positions, query, key, head_size, cos_sin_cache)
+
+
+def rms_norm(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
+    torch.ops.kvserve.rms_norm(out, x, weight, eps)
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> None:
+    torch.ops.kvserve.fused_add_rms_norm(x, residual, weight, eps)
+
+
+def silu_and_mul(out: torch.Tensor, x: torch.Tensor) -> None:
+    torch.ops.kvserve.silu_and_mul(out, x)
+
+
+def require() -> None:
+    """For features that exist only as kernels (block-quantized linear layers)."""
+    if not available():
+        raise RuntimeError(
+            "this feature needs kvserve's C++ CPU kernels, which could not be built "
+            f"(a C++ compiler and torch's headers are needed; ${ENV_DISABLE} must be unset)"
+        )
+
+
+def dequantize_blocks(
+    qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor, kind: int
+) -> torch.Tensor:
+    require()
+    return torch.ops.kvserve.dequantize_blocks(qs, d, m, kind)
+
+
+def block_linear(
+    x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor, kind: int
+) -> torch.Tensor:
+    return torch.ops.kvserve.block_linear(x, qs, d, m, kind)

@@ -1,0 +1,93 @@
+"""GGUF block weights: exact dequantization, the block matmul kernel on every path, and
+the model conversion (--quantization)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType as T
+from gguf.quants import dequantize, quantize
+
+from kvserve import _custom_ops as ops
+from kvserve.config import ModelConfig
+from kvserve.model_executor.layers.quantization import BlockWeight, concat_rows
+
+pytestmark = pytest.mark.skipif(not ops.available(), reason="no C++ toolchain for the kernels")
+
+TYPES = [T.Q8_0, T.Q4_1, T.Q4_0]
+
+
+def _block_weight(qtype: T, rows: int, cols: int, seed: int) -> tuple[BlockWeight, torch.Tensor]:
+    rng = np.random.default_rng(seed)
+    raw = quantize((rng.standard_normal((rows, cols)) * 0.05).astype(np.float32), qtype)
+    reference = torch.from_numpy(dequantize(raw, qtype).astype(np.float32))
+    return BlockWeight.from_raw(raw, qtype), reference
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+def test_dequantize_is_bit_exact_with_gguf(qtype: T) -> None:
+    weight, reference = _block_weight(qtype, 70, 576, seed=1)
+    assert weight.shape == (70, 576)
+    assert torch.equal(weight.dequantize(), reference)
+
+
+# 1-6 rows: the per-row GEMV; 7..47: cache-sized tiles; 48+: one dequantize + BLAS.
+@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 13, 47, 48, 130])
+@pytest.mark.parametrize("qtype", TYPES)
+def test_block_linear_matches_float32_matmul(qtype: T, rows: int) -> None:
+    weight, reference = _block_weight(qtype, 197, 1536, seed=rows)
+    x = torch.randn(rows, 1536)
+    torch.testing.assert_close(weight.linear(x), F.linear(x, reference), rtol=1e-4, atol=1e-4)
+
+
+def test_block_linear_keeps_leading_dims_and_rejects_wrong_width() -> None:
+    weight, reference = _block_weight(T.Q4_1, 64, 64, seed=3)
+    x = torch.randn(2, 3, 64)
+    out = weight.linear(x)
+    assert out.shape == (2, 3, 64)
+    torch.testing.assert_close(out, F.linear(x, reference), rtol=1e-4, atol=1e-4)
+    with pytest.raises(RuntimeError, match="features"):
+        weight.linear(torch.randn(2, 32))
+
+
+def test_concat_rows_stacks_shards_and_refuses_mixed_types() -> None:
+    a, ref_a = _block_weight(T.Q4_1, 8, 64, seed=4)
+    b, ref_b = _block_weight(T.Q4_1, 4, 64, seed=5)
+    assert torch.equal(concat_rows([a, b]).dequantize(), torch.cat([ref_a, ref_b]))
+    c, _ = _block_weight(T.Q8_0, 4, 64, seed=6)
+    with pytest.raises(ValueError, match="mix block types"):
+        concat_rows([a, c])
+
+
+def test_quantize_q8_0_round_trips_within_about_half_a_step() -> None:
+    w = torch.randn(16, 128)
+    q = BlockWeight.quantize(w, T.Q8_0)
+    step = w.view(16, 4, 32).abs().amax(-1, keepdim=True) / 127
+    # Half a quantization step, plus the float16 rounding of the block scale.
+    assert ((q.dequantize() - w).view(16, 4, 32).abs() <= 0.6 * step).all()
+
+
+def test_model_uses_the_files_blocks_for_every_linear_layer() -> None:
+    from kvserve.model_executor.layers.linear import LinearBase
+    from kvserve.model_executor.model_loader import get_model
+
+    config = ModelConfig(quantization="gguf")
+    model = get_model(config.resolved, config.arch, "cpu", torch.float32, "gguf")
+    linears = [m for m in model.modules() if isinstance(m, LinearBase)]
+    assert len(linears) == 4 * config.arch.num_hidden_layers
+    assert all(m.quant_weight is not None and m.weight.numel() == 0 for m in linears)
+    kinds = {m.quant_weight.qtype for m in linears}  # type: ignore[union-attr]
+    assert kinds == {T.Q4_1}  # SmolLM2's GGUF stores every projection as Q4_1
+    head = model.lm_head.quant_weight
+    assert head is not None and head.qtype == T.Q8_0  # the tied token_embd table
+    assert model.model.embed_tokens.weight.numel() > 0  # lookups keep the float32 table
+    # 4-bit weights plus scales: about a sixth of the float32 bytes.
+    fp32_bytes = sum(4 * m.quant_weight.shape[0] * m.quant_weight.shape[1] for m in linears)  # type: ignore[union-attr]
+    assert sum(m.quant_weight.nbytes for m in linears) < fp32_bytes / 5  # type: ignore[union-attr]
+
+
+def test_quantization_config_is_validated() -> None:
+    with pytest.raises(ValueError, match="quantization must be one of"):
+        ModelConfig(quantization="int3")

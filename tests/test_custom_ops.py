@@ -1,0 +1,67 @@
+"""The C++ CPU kernels against the torch expressions they replace."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvserve import _custom_ops as ops
+from kvserve.model_executor.layers.activation import SiluAndMul
+from kvserve.model_executor.layers.layernorm import RMSNorm
+from kvserve.model_executor.layers.rotary_embedding import RotaryEmbedding
+
+pytestmark = pytest.mark.skipif(not ops.available(), reason="no C++ toolchain for the kernels")
+
+
+def test_kernels_are_built_on_this_machine() -> None:
+    # The CI machine has a compiler: the fast paths must really be in use there.
+    assert ops.available()
+    assert ops.use_for(torch.zeros(1))
+    assert not ops.use_for(torch.zeros(1, dtype=torch.float64))
+    with ops.disabled():
+        assert not ops.use_for(torch.zeros(1))
+
+
+@pytest.mark.parametrize("scaling", [None, {"rope_type": "linear", "factor": 2.0}])
+def test_rotary_kernel_matches_torch_bit_for_bit(scaling: dict | None) -> None:
+    torch.manual_seed(0)
+    rope = RotaryEmbedding(64, 64, 10000.0, scaling, max_position=4096)
+    positions = torch.randint(0, 4096, (37,))
+    qkv = torch.randn(37, 9 * 64 + 2 * 3 * 64)
+    q, k, _ = qkv.split([9 * 64, 3 * 64, 3 * 64], dim=-1)  # strided views, as in the model
+    with ops.disabled():
+        q_ref, k_ref = rope(positions, q.clone(), k.clone())
+    q_out, k_out = rope(positions, q, k)
+    assert q_out.data_ptr() == q.data_ptr()  # rotated in place
+    assert torch.equal(q_out, q_ref)
+    assert torch.equal(k_out, k_ref)
+
+
+def test_rotary_kernel_rejects_positions_beyond_its_table() -> None:
+    rope = RotaryEmbedding(64, 64, 10000.0, None, max_position=16)
+    q, k = torch.randn(1, 64), torch.randn(1, 64)
+    with pytest.raises(RuntimeError, match="outside the rotary cache"):
+        rope(torch.tensor([16]), q, k)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 64])
+def test_rms_norm_kernels_match_torch(rows: int) -> None:
+    torch.manual_seed(rows)
+    norm = RMSNorm(576, 1e-5)
+    norm.weight.data = torch.randn(576)
+    x, residual = torch.randn(rows, 576) * 3, torch.randn(rows, 576)
+    with ops.disabled():
+        ref_plain = norm(x)
+        ref_out, ref_sum = norm(x, residual)
+    torch.testing.assert_close(norm(x), ref_plain, rtol=1e-6, atol=1e-6)
+    out, summed = norm(x.clone(), residual.clone())
+    assert torch.equal(summed, ref_sum)  # the residual add is exact
+    torch.testing.assert_close(out, ref_out, rtol=1e-6, atol=1e-6)
+
+
+def test_silu_and_mul_kernel_matches_torch() -> None:
+    torch.manual_seed(1)
+    x = torch.randn(33, 2 * 1536) * 4
+    with ops.disabled():
+        ref = SiluAndMul()(x)
+    torch.testing.assert_close(SiluAndMul()(x), ref, rtol=1e-6, atol=1e-6)
