@@ -48,7 +48,10 @@ inline void axpy(float* y, float a, const float* x, int64_t n) {
 // 2 ulp). Inputs below -87 flush to 0, as expf does within rounding.
 inline float exp_nonpositive(float x) {
   x = x < -87.f ? -87.f : x;
-  const float k = __builtin_nearbyintf(x * 1.44269504088896341f);
+  // Round x / ln2 to the nearest integer with the 1.5 * 2^23 trick (vectorizes, unlike
+  // nearbyint); the integer then sits in the low mantissa bits of t.
+  const float t = x * 1.44269504088896341f + 12582912.f;
+  const float k = t - 12582912.f;
   const float r = (x - k * 0.693359375f) + k * 2.12194440e-4f;
   float p = 1.3981999507e-3f;
   p = p * r + 8.3334519073e-3f;
@@ -56,11 +59,12 @@ inline float exp_nonpositive(float x) {
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   p = p * r * r + r + 1.f;
-  int32_t bits;
-  __builtin_memcpy(&bits, &p, sizeof bits);
-  bits += static_cast<int32_t>(k) << 23;
-  __builtin_memcpy(&p, &bits, sizeof bits);
-  return x <= -87.f ? 0.f : p;
+  union {
+    float f;
+    int32_t i;
+  } tb{t}, pb{p};
+  pb.i += (tb.i - 0x4B400000) << 23;
+  return x <= -87.f ? 0.f : pb.f;
 }
 
 void check_float(const at::Tensor& t, const char* name) {
@@ -279,6 +283,8 @@ void fused_add_rms_norm(at::Tensor& x, at::Tensor& residual, const at::Tensor& w
 }
 
 // out[t, i] = silu(x[t, i]) * x[t, d + i] for the fused gate/up projection output [T, 2d].
+// silu(g) = g / (1 + exp(-g)), with exp(-g) = 1 / exp(g) for g > 0 so that one
+// vectorizable exp of a non-positive argument covers both signs.
 void silu_and_mul(at::Tensor& out, const at::Tensor& x) {
   check_float(out, "out");
   check_float(x, "x");
@@ -292,11 +298,16 @@ void silu_and_mul(at::Tensor& out, const at::Tensor& x) {
       const float* gate = xp + r * 2 * d;
       const float* up = gate + d;
       float* o = op + r * d;
-      for (int64_t i = 0; i < d; ++i) o[i] = gate[i] / (1.f + std::exp(-gate[i])) * up[i];
+#pragma omp simd
+      for (int64_t i = 0; i < d; ++i) {
+        const float g = gate[i];
+        const float e = exp_nonpositive(-std::fabs(g));  // exp(-|g|)
+        const float sig = g >= 0.f ? 1.f / (1.f + e) : e / (1.f + e);
+        o[i] = g * sig * up[i];
+      }
     }
   });
 }
-
 
 // ---- GGUF block weights ------------------------------------------------------------
 // Linear layers can keep llama.cpp's 32-weight blocks instead of float32 weights, split

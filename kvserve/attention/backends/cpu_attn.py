@@ -199,19 +199,26 @@ class CPUAttentionImpl(AttentionImpl):
         # covers the cached prefix and the chunk alike.
         k = k_cache[c.block_ids].reshape(-1, self.num_kv_heads, self.head_size)[: c.seq_len]
         v = v_cache[c.block_ids].reshape(-1, self.num_kv_heads, self.head_size)[: c.seq_len]
-        mask = c.causal_mask
+        mask: torch.Tensor | None = c.causal_mask
         if self.sliding_window is not None:
-            key_pos = torch.arange(c.seq_len, device=mask.device)
-            mask = mask & (key_pos[None, :] > c.query_positions[:, None] - self.sliding_window)
+            key_pos = torch.arange(c.seq_len, device=c.causal_mask.device)
+            mask = c.causal_mask & (
+                key_pos[None, :] > c.query_positions[:, None] - self.sliding_window
+            )
+        elif q.shape[0] == c.seq_len:
+            mask = None  # nothing cached before the chunk: plain causal attention
+        # 4-D inputs: SDPA's fused CPU (flash) kernel takes those, masks and GQA included;
+        # 3-D ones fall back to the math path that materializes the score matrix.
         out = F.scaled_dot_product_attention(
-            q.transpose(0, 1),  # [Hq, Lq, hd]
-            k.transpose(0, 1),
-            v.transpose(0, 1),
+            q.transpose(0, 1).unsqueeze(0),  # [1, Hq, Lq, hd]
+            k.transpose(0, 1).unsqueeze(0),
+            v.transpose(0, 1).unsqueeze(0),
             attn_mask=mask,
+            is_causal=mask is None,
             scale=self.scale,
             enable_gqa=self.num_heads != self.num_kv_heads,
         )
-        return out.transpose(0, 1)
+        return out.squeeze(0).transpose(0, 1)
 
 
 class CPUAttentionBackend(AttentionBackend):
