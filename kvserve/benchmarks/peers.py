@@ -17,7 +17,6 @@ import sys
 import time
 from typing import Any
 
-from kvserve.benchmarks.peers_llamacpp import LLAMACPP_SKIPPED
 from kvserve.benchmarks.peers_sweep import (
     format_sweep_table,
     new_figure,
@@ -229,17 +228,11 @@ def _run_table(
                 tries += all_tries
             del hf
         else:
-            from kvserve.benchmarks.peers_llamacpp import (
-                LlamaCppPeer,
-                llama_cpp_available,
-                run_llamacpp,
-            )
+            from kvserve.benchmarks.peers_llamacpp import open_llamacpp, run_llamacpp
 
-            if not llama_cpp_available():
-                print(LLAMACPP_SKIPPED, flush=True)
-                notes.append(LLAMACPP_SKIPPED)
+            lcpp = open_llamacpp(gguf_path, args.torch_threads, notes)
+            if lcpp is None:
                 continue
-            lcpp = LlamaCppPeer(gguf_path, args.torch_threads)
             try:
                 for w, requests in workloads.items():
                     best, all_tries = run_llamacpp(

@@ -37,6 +37,15 @@ def llama_cpp_available() -> bool:
     return True
 
 
+def open_llamacpp(gguf_path: str, threads: int | None, notes: list[str]) -> LlamaCppPeer | None:
+    """The llama.cpp peer, or None (with a printed and noted skip) when not installed."""
+    if not llama_cpp_available():
+        print(LLAMACPP_SKIPPED, flush=True)
+        notes.append(LLAMACPP_SKIPPED)
+        return None
+    return LlamaCppPeer(gguf_path, threads)
+
+
 @dataclass
 class _Slot:
     request: PeerRequest

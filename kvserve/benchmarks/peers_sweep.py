@@ -140,17 +140,11 @@ def run_sweep(
                 results.append(result)
             del hf
         else:
-            from kvserve.benchmarks.peers_llamacpp import (
-                LLAMACPP_SKIPPED,
-                LlamaCppPeer,
-                llama_cpp_available,
-            )
+            from kvserve.benchmarks.peers_llamacpp import open_llamacpp
 
-            if not llama_cpp_available():
-                print(LLAMACPP_SKIPPED, flush=True)
-                notes.append(LLAMACPP_SKIPPED)
+            lcpp = open_llamacpp(gguf_path, args.torch_threads, notes)
+            if lcpp is None:
                 continue
-            lcpp = LlamaCppPeer(gguf_path, args.torch_threads)
             try:
                 for level in levels:
                     result = lcpp.run(workload, requests, level, progress)

@@ -141,16 +141,19 @@ void paged_decode_attention(at::Tensor& out, const at::Tensor& query, const at::
         for (int64_t i = 0; i < head_size; ++i) qs[g * head_size + i] = q[i];
       }
 
-      // Walk the context block by block: one table lookup per block, not per token.
-      for (int64_t t0 = first - first % block_size; t0 < seq_len; t0 += block_size) {
-        const float* kb = k_base + table[t0 / block_size] * block_stride + h * head_size;
-        const int64_t lo = std::max(t0, first), hi = std::min(t0 + block_size, seq_len);
-        for (int64_t t = lo; t < hi; ++t) {
-          const float* k = kb + (t - t0) * token_stride;
-          for (int64_t g = 0; g < group; ++g)
-            scores[g * n + (t - first)] = dot(qs.data() + g * head_size, k, head_size) * fscale;
+      // Visits this head's row of every context position in [first, seq_len) of one cache,
+      // block by block: one table lookup per block, not per token.
+      auto for_each_position = [&](const float* cache, auto&& visit) {
+        for (int64_t t0 = first - first % block_size; t0 < seq_len; t0 += block_size) {
+          const float* block = cache + table[t0 / block_size] * block_stride + h * head_size;
+          const int64_t lo = std::max(t0, first), hi = std::min(t0 + block_size, seq_len);
+          for (int64_t t = lo; t < hi; ++t) visit(t - first, block + (t - t0) * token_stride);
         }
-      }
+      };
+      for_each_position(k_base, [&](int64_t i, const float* k) {
+        for (int64_t g = 0; g < group; ++g)
+          scores[g * n + i] = dot(qs.data() + g * head_size, k, head_size) * fscale;
+      });
       for (int64_t g = 0; g < group; ++g) {
         float* s = scores.data() + g * n;
         float m = -INFINITY;
@@ -164,15 +167,10 @@ void paged_decode_attention(at::Tensor& out, const at::Tensor& query, const at::
         inv_sum[g] = 1.f / sum;
       }
       std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t t0 = first - first % block_size; t0 < seq_len; t0 += block_size) {
-        const float* vb = v_base + table[t0 / block_size] * block_stride + h * head_size;
-        const int64_t lo = std::max(t0, first), hi = std::min(t0 + block_size, seq_len);
-        for (int64_t t = lo; t < hi; ++t) {
-          const float* v = vb + (t - t0) * token_stride;
-          for (int64_t g = 0; g < group; ++g)
-            axpy(acc.data() + g * head_size, scores[g * n + (t - first)], v, head_size);
-        }
-      }
+      for_each_position(v_base, [&](int64_t i, const float* v) {
+        for (int64_t g = 0; g < group; ++g)
+          axpy(acc.data() + g * head_size, scores[g * n + i], v, head_size);
+      });
       for (int64_t g = 0; g < group; ++g) {
         float* o = o_base + tok * os0 + (h * group + g) * os1;
         const float* a = acc.data() + g * head_size;
