@@ -1,4 +1,4 @@
-"""The C++ CPU kernels (kvserve/csrc/cpu_ops.cpp), compiled on first use.
+"""The C++ CPU kernels (kvserve/csrc/), compiled on first use.
 
 They are built just in time with torch's cpp_extension for the machine they run on
 (``-march=native``), cached under the user's torch extensions directory, and registered
@@ -9,6 +9,7 @@ torch paths, which compute the same thing.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import sys
@@ -23,7 +24,8 @@ import torch
 logger = logging.getLogger(__name__)
 
 ENV_DISABLE = "KVSERVE_DISABLE_CUSTOM_OPS"
-_SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.cpp"
+_CSRC = Path(__file__).parent / "csrc"
+_SOURCES = [_CSRC / "cpu_ops.cpp", _CSRC / "block_gemm.cpp"]
 _CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"]
 
 _lock = threading.Lock()
@@ -39,10 +41,13 @@ def _build() -> bool:
     os.environ["PATH"] = os.pathsep.join([scripts, os.path.dirname(sys.executable)]) + (
         os.pathsep + os.environ.get("PATH", "")
     )
+    # torch re-builds when the sources or flags change; headers only count through a flag.
+    header_hash = hashlib.sha256((_CSRC / "cpu_common.h").read_bytes()).hexdigest()[:16]
     cpp_extension.load(
         name="kvserve_cpu_ops",
-        sources=[str(_SOURCE)],
-        extra_cflags=_CFLAGS,
+        sources=[str(path) for path in _SOURCES],
+        extra_include_paths=[str(_CSRC)],
+        extra_cflags=[*_CFLAGS, f"-DKVSERVE_HEADERS={header_hash}"],
         extra_ldflags=["-fopenmp"],
         is_python_module=False,
         verbose=False,

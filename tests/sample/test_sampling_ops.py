@@ -47,3 +47,20 @@ def test_partial_topk_path_matches_full_sort_path() -> None:
         with_disabled, torch.cat((k, torch.tensor([64]))), torch.cat((p, p[:1]))
     )
     assert torch.equal(partial, full[:3])
+
+
+def test_random_sample_never_picks_masked_tokens_and_follows_the_weights() -> None:
+    from kvserve.sample.ops.topk_topp import random_sample
+
+    torch.manual_seed(0)
+    probs = torch.zeros(4000, 50)
+    probs[:, [3, 17, 49]] = torch.tensor([1.0, 2.0, 5.0])  # unnormalized weights
+    sampled = random_sample(probs, {})
+    assert set(sampled.tolist()) <= {3, 17, 49}
+    counts = torch.bincount(sampled, minlength=50)[[3, 17, 49]].float() / 4000
+    torch.testing.assert_close(counts, torch.tensor([1.0, 2.0, 5.0]) / 8, atol=0.03, rtol=0)
+    # A row's own generator decides its draw, whatever the other rows do.
+    gen_a, gen_b = torch.Generator().manual_seed(7), torch.Generator().manual_seed(7)
+    first = random_sample(probs[:3].clone(), {1: gen_a})[1]
+    again = random_sample(probs[:5].clone(), {1: gen_b})[1]
+    assert first == again

@@ -44,7 +44,7 @@ SUPPORTED_TYPES = frozenset(_KINDS)
 
 @dataclass
 class BlockWeight:
-    """A ``[rows, cols]`` weight as separate planes of its blocks (see cpu_ops.cpp)."""
+    """A ``[rows, cols]`` weight as separate planes of its blocks (see csrc/block_gemm.cpp)."""
 
     qtype: GGMLQuantizationType
     qs: torch.Tensor  # int8 [rows, cols] (Q8_0) or uint8 [rows, cols/2] (4-bit)

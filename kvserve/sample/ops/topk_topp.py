@@ -36,13 +36,24 @@ def apply_top_k_top_p(
 
 
 def random_sample(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
-    """Samples one token per row of probs [N, V] as argmax(probs / Exponential(1) noise).
+    """Samples one token per row of probs [N, V] (unnormalized is fine) by inverse CDF: the
+    first token whose cumulative probability exceeds u * total, u ~ U[0, 1).
 
-    Rows listed in generators draw their noise from their own generator, so a seeded request
-    gets the same token wherever it sits in the batch; the others share the default one."""
-    noise = torch.empty_like(probs)
-    if len(generators) != probs.shape[0]:
-        noise.exponential_()
+    One uniform per row instead of vLLM's exponential race over the whole vocabulary
+    (which costs an exponential per vocabulary entry: ~30 ms per step at 32 rows on a CPU).
+    Rows listed in generators draw u from their own generator, so a seeded request gets
+    the same token wherever it sits in the batch; the others share the default one."""
+    num_rows, vocab = probs.shape
+    u = torch.empty(num_rows, dtype=torch.float32, device=probs.device)
+    if len(generators) != num_rows:
+        u.uniform_()
     for row, generator in generators.items():
-        noise[row].exponential_(generator=generator)
-    return probs.div_(noise).argmax(dim=-1).view(-1)
+        u[row : row + 1].uniform_(generator=generator)
+    # In place (callers pass a fresh softmax). Adding a zero leaves a running sum exactly
+    # unchanged, so tokens masked by top-k/top-p can never be picked.
+    cdf = probs.float().cumsum_(dim=-1)
+    total = cdf[:, -1:].contiguous()
+    sampled = torch.searchsorted(cdf, u.unsqueeze(1) * total, right=True)
+    # u * total can round up to total itself; such a row takes the last token with mass.
+    last = torch.searchsorted(cdf, total, right=False)
+    return torch.where(sampled < vocab, sampled, last).view(-1)

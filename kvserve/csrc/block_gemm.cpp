@@ -1,0 +1,304 @@
+// GGUF block weights: dequantization and the block matmul behind --quantization.
+// Registered with the other torch.ops.kvserve kernels (schemas in cpu_ops.cpp).
+
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <cstring>
+#include <vector>
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
+
+#include "cpu_common.h"
+
+// Fortran BLAS sgemm (LP64), which torch's MKL exports; ATen's own cpublas::gemm is not.
+extern "C" void sgemm_(const char* transa, const char* transb, const int* m, const int* n,
+                       const int* k, const float* alpha, const float* a, const int* lda,
+                       const float* b, const int* ldb, const float* beta, float* c,
+                       const int* ldc);
+
+namespace {
+
+using namespace kvserve_cpu;
+
+// ---- GGUF block weights ------------------------------------------------------------
+// Linear layers can keep llama.cpp's 32-weight blocks instead of float32 weights, split
+// into planes: qs (the quants), d (block scale) and m (block minimum, Q4_1 only), both
+// scales as float32 (converted losslessly from the file's float16). Dequantization is
+// the gguf package's own expression, so a dequantized block equals the float32 weight
+// the model would otherwise load, bit for bit.
+//   kind 0, Q8_0: w = d * q, q int8;                 qs: int8  [N, K]
+//   kind 1, Q4_1: w = d * q + m, q in 0..15;         qs: uint8 [N, K/2]
+//   kind 2, Q4_0: w = d * (q - 8), q in 0..15;       qs: uint8 [N, K/2]
+// In a 4-bit block, byte j holds weight j in its low nibble and weight j + 16 in its high.
+constexpr int64_t kBlock = 32;
+
+template <int KIND>
+inline void dequant_block(const uint8_t* __restrict qs, float d, float m, float* __restrict w) {
+  if constexpr (KIND == 0) {
+    const int8_t* q = reinterpret_cast<const int8_t*>(qs);
+#pragma omp simd
+    for (int i = 0; i < 32; ++i) w[i] = d * static_cast<float>(q[i]);
+  } else {
+    int32_t lo[16], hi[16];
+#pragma omp simd
+    for (int j = 0; j < 16; ++j) {
+      lo[j] = qs[j] & 15;
+      hi[j] = qs[j] >> 4;
+    }
+    if constexpr (KIND == 1) {
+#pragma omp simd
+      for (int j = 0; j < 16; ++j) {
+        w[j] = d * static_cast<float>(lo[j]) + m;
+        w[j + 16] = d * static_cast<float>(hi[j]) + m;
+      }
+    } else {
+#pragma omp simd
+      for (int j = 0; j < 16; ++j) {
+        w[j] = d * static_cast<float>(lo[j] - 8);
+        w[j + 16] = d * static_cast<float>(hi[j] - 8);
+      }
+    }
+  }
+}
+
+#ifdef __AVX2__
+// The 32 quants of a block as four vectors of 8 floats (weights 0-7, 8-15, 16-23, 24-31).
+template <int KIND>
+inline void load_quants(const uint8_t* qs, __m256 q[4]) {
+  if constexpr (KIND == 0) {
+    for (int i = 0; i < 4; ++i)
+      q[i] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(
+          reinterpret_cast<const __m128i*>(qs + 8 * i))));
+  } else {
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+    const __m128i mask = _mm_set1_epi8(15);
+    __m128i lo = _mm_and_si128(bytes, mask);
+    __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), mask);
+    if constexpr (KIND == 2) {
+      lo = _mm_sub_epi8(lo, _mm_set1_epi8(8));
+      hi = _mm_sub_epi8(hi, _mm_set1_epi8(8));
+    }
+    q[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo));
+    q[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8)));
+    q[2] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi));
+    q[3] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8)));
+  }
+}
+
+inline float hsum(__m256 v) {
+  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
+}
+#endif
+
+inline int64_t block_bytes_of(int64_t kind) { return kind == 0 ? 32 : 16; }
+
+struct BlockWeight {
+  int64_t kind, rows, cols, row_bytes;
+  const uint8_t* qs;
+  const float* d;
+  const float* m;
+
+  template <int KIND>
+  void dequant_rows_t(int64_t begin, int64_t end, float* out) const {
+    const int64_t nb = cols / kBlock, bb = block_bytes_of(KIND);
+    for (int64_t n = begin; n < end; ++n)
+      for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* block = qs + n * row_bytes + b * bb;
+        float* o = out + (n - begin) * cols + b * kBlock;
+        const float db = d[n * nb + b], mb = KIND == 1 ? m[n * nb + b] : 0.f;
+#ifdef __AVX2__
+        __m256 q[4];
+        load_quants<KIND>(block, q);
+        const __m256 dv = _mm256_set1_ps(db), mv = _mm256_set1_ps(mb);
+        for (int i = 0; i < 4; ++i) {
+          // Multiply, then add: the gguf package's rounding, not a fused multiply-add.
+          __m256 v = _mm256_mul_ps(dv, q[i]);
+          if constexpr (KIND == 1) v = _mm256_add_ps(v, mv);
+          _mm256_storeu_ps(o + 8 * i, v);
+        }
+#else
+        dequant_block<KIND>(block, db, mb, o);
+#endif
+      }
+  }
+
+  void dequant_rows(int64_t begin, int64_t end, float* out) const {
+    if (kind == 0) dequant_rows_t<0>(begin, end, out);
+    else if (kind == 1) dequant_rows_t<1>(begin, end, out);
+    else dequant_rows_t<2>(begin, end, out);
+  }
+
+  // out[r * ldo + n] = sum_k x[r, k] * W[n, k] for n in [begin, end), R rows of x.
+  // out[r * ldo + n] = sum_k x[r, k] * W[n, k] for n in [begin, end), R rows of x.
+  // Per block, sum_i (d q_i + m) x_i = d (q . x) + m sum(x): the scale multiplies one
+  // vector of partial sums, and the minimum a per-block sum of x computed once per call.
+  template <int KIND, int R>
+  void gemv_t(const float* __restrict x, const float* __restrict xsum, float* __restrict out,
+              int64_t ldo, int64_t begin, int64_t end) const {
+    const int64_t nb = cols / kBlock, bb = block_bytes_of(KIND);
+    for (int64_t n = begin; n < end; ++n) {
+      const uint8_t* row = qs + n * row_bytes;
+      const float* dn = d + n * nb;
+#ifdef __AVX2__
+      float min_term[R] = {};
+      __m256 acc[R];
+      for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+      for (int64_t b = 0; b < nb; ++b) {
+        __m256 q[4];
+        load_quants<KIND>(row + b * bb, q);
+        const __m256 scale = _mm256_set1_ps(dn[b]);
+        for (int r = 0; r < R; ++r) {
+          const float* xb = x + r * cols + b * kBlock;
+          __m256 qx = _mm256_mul_ps(q[0], _mm256_loadu_ps(xb));
+          qx = _mm256_fmadd_ps(q[1], _mm256_loadu_ps(xb + 8), qx);
+          qx = _mm256_fmadd_ps(q[2], _mm256_loadu_ps(xb + 16), qx);
+          qx = _mm256_fmadd_ps(q[3], _mm256_loadu_ps(xb + 24), qx);
+          acc[r] = _mm256_fmadd_ps(scale, qx, acc[r]);
+          if constexpr (KIND == 1) min_term[r] += m[n * nb + b] * xsum[r * nb + b];
+        }
+      }
+      for (int r = 0; r < R; ++r) out[r * ldo + n] = hsum(acc[r]) + min_term[r];
+#else
+      float acc[R] = {};
+      alignas(64) float wb[kBlock];
+      for (int64_t b = 0; b < nb; ++b) {
+        dequant_block<KIND>(row + b * bb, dn[b], KIND == 1 ? m[n * nb + b] : 0.f, wb);
+        for (int r = 0; r < R; ++r) acc[r] += dot(wb, x + r * cols + b * kBlock, kBlock);
+      }
+      for (int r = 0; r < R; ++r) out[r * ldo + n] = acc[r];
+      (void)xsum;  // the dequantized block already carries the minimum
+#endif
+    }
+  }
+
+  template <int KIND>
+  void gemv_kind(int64_t rows_x, const float* x, const float* xsum, float* out, int64_t begin,
+                 int64_t end) const {
+    switch (rows_x) {
+      case 1: return gemv_t<KIND, 1>(x, xsum, out, rows, begin, end);
+      case 2: return gemv_t<KIND, 2>(x, xsum, out, rows, begin, end);
+      case 3: return gemv_t<KIND, 3>(x, xsum, out, rows, begin, end);
+      case 4: return gemv_t<KIND, 4>(x, xsum, out, rows, begin, end);
+      case 5: return gemv_t<KIND, 5>(x, xsum, out, rows, begin, end);
+      default: return gemv_t<KIND, 6>(x, xsum, out, rows, begin, end);
+    }
+  }
+
+  // xsum: [rows_x, cols / 32] sums of x per block (used by Q4_1's minimum).
+  void gemv(int64_t rows_x, const float* x, const float* xsum, float* out, int64_t begin,
+            int64_t end) const {
+    if (kind == 0) gemv_kind<0>(rows_x, x, xsum, out, begin, end);
+    else if (kind == 1) gemv_kind<1>(rows_x, x, xsum, out, begin, end);
+    else gemv_kind<2>(rows_x, x, xsum, out, begin, end);
+  }
+};
+
+BlockWeight block_weight(const at::Tensor& qs, const at::Tensor& d, const at::Tensor& m,
+                         int64_t kind) {
+  TORCH_CHECK(kind >= 0 && kind <= 2, "unknown block kind ", kind);
+  TORCH_CHECK(qs.is_contiguous() && d.is_contiguous() && qs.dim() == 2, "qs must be contiguous 2-D");
+  check_float(d, "d");
+  const int64_t rows = qs.size(0);
+  const int64_t cols = kind == 0 ? qs.size(1) : qs.size(1) * 2;
+  TORCH_CHECK(cols % kBlock == 0, "columns must be a multiple of 32");
+  TORCH_CHECK(d.numel() == rows * cols / kBlock, "one scale per block expected");
+  const float* m_ptr = nullptr;
+  if (kind == 1) {
+    check_float(m, "m");
+    TORCH_CHECK(m.is_contiguous() && m.numel() == d.numel(), "one minimum per block expected");
+    m_ptr = m.data_ptr<float>();
+  }
+  return {kind, rows, cols, qs.size(1), static_cast<const uint8_t*>(qs.data_ptr()),
+          d.data_ptr<float>(), m_ptr};
+}
+
+at::Tensor dequantize_blocks(const at::Tensor& qs, const at::Tensor& d, const at::Tensor& m,
+                             int64_t kind) {
+  const BlockWeight w = block_weight(qs, d, m, kind);
+  at::Tensor out = at::empty({w.rows, w.cols}, d.options());
+  float* o = out.data_ptr<float>();
+  at::parallel_for(0, w.rows, 64, [&](int64_t begin, int64_t end) {
+    w.dequant_rows(begin, end, o + begin * w.cols);
+  });
+  return out;
+}
+
+// y = x @ W^T for x [M, K] float32 and W in blocks [N, K]. Weights cross the memory bus
+// as 4-8 bits per value on every path; decode-sized inputs never materialize them.
+constexpr int64_t kGemvRows = 6;
+constexpr int64_t kTileRows = 64;
+constexpr int64_t kBlasRows = 16;  // from here on: dequantized tiles + BLAS
+constexpr int64_t kBlasTileRows = 128;
+
+// Row-major out[M, ldc] (columns n0.. of it) = x[M, K] @ w[nw, K]^T, via column-major BLAS:
+// C^T[nw, M] = w (a K x nw matrix, transposed) @ x^T (K x M).
+void sgemm_nt(int64_t nw, int64_t rows_x, int64_t K, const float* w, const float* x, float* out,
+              int64_t ldc) {
+  const int m = static_cast<int>(nw), n = static_cast<int>(rows_x), k = static_cast<int>(K);
+  const int ld = static_cast<int>(ldc);
+  const float one = 1.f, zero = 0.f;
+  sgemm_("T", "N", &m, &n, &k, &one, w, &k, x, &k, &zero, out, &ld);
+}
+
+at::Tensor block_linear(const at::Tensor& x_in, const at::Tensor& qs, const at::Tensor& d,
+                        const at::Tensor& m, int64_t kind) {
+  const BlockWeight w = block_weight(qs, d, m, kind);
+  check_float(x_in, "x");
+  TORCH_CHECK(x_in.size(-1) == w.cols, "x has ", x_in.size(-1), " features, weight ", w.cols);
+  const at::Tensor x = x_in.reshape({-1, w.cols}).contiguous();
+  const int64_t rows_x = x.size(0), N = w.rows, K = w.cols, nb = K / kBlock;
+  std::vector<int64_t> out_shape(x_in.sizes().begin(), x_in.sizes().end());
+  out_shape.back() = N;
+  at::Tensor out = at::empty(out_shape, x_in.options());
+  const float* xp = x.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  if (rows_x == 0) return out;
+
+  if (rows_x < kBlasRows) {
+    // Tiles of W small enough to stay in cache while every group of x rows passes over
+    // them; the quants are converted once per group, not once per row.
+    std::vector<float> xsum(rows_x * nb);
+    for (int64_t i = 0; i < rows_x * nb; ++i) {
+      float sum = 0.f;
+      for (int64_t j = 0; j < kBlock; ++j) sum += xp[i * kBlock + j];
+      xsum[i] = sum;
+    }
+    const int64_t num_tiles = (N + kTileRows - 1) / kTileRows;
+    at::parallel_for(0, num_tiles, 1, [&](int64_t begin, int64_t end) {
+      const int64_t n_begin = begin * kTileRows, n_end = std::min(N, end * kTileRows);
+      for (int64_t n0 = n_begin; n0 < n_end; n0 += kTileRows) {
+        const int64_t n1 = std::min(n_end, n0 + kTileRows);
+        for (int64_t r0 = 0; r0 < rows_x; r0 += kGemvRows) {
+          w.gemv(std::min(kGemvRows, rows_x - r0), xp + r0 * K, xsum.data() + r0 * nb,
+                 op + r0 * N, n0, n1);
+        }
+      }
+    });
+    return out;
+  }
+
+  // Larger inputs (prefill chunks, big batches): each thread dequantizes a tile of W
+  // into a cache-sized float32 buffer and multiplies it with single-threaded BLAS, so the
+  // GEMM runs at full speed while W is still read once, in its quantized form.
+  const int64_t num_tiles = (N + kBlasTileRows - 1) / kBlasTileRows;
+  at::parallel_for(0, num_tiles, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> tile(kBlasTileRows * K);
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t n0 = t * kBlasTileRows, nt = std::min(kBlasTileRows, N - n0);
+      w.dequant_rows(n0, n0 + nt, tile.data());
+      sgemm_nt(nt, rows_x, K, tile.data(), xp, op + n0, N);
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(kvserve, CPU, m) {
+  m.impl("dequantize_blocks", &dequantize_blocks);
+  m.impl("block_linear", &block_linear);
+}

@@ -1,0 +1,59 @@
+// Helpers shared by kvserve's CPU kernels (cpu_ops.cpp, block_gemm.cpp).
+#pragma once
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+
+namespace kvserve_cpu {
+
+// 16 independent lanes so the compiler emits full-width vector code without -ffast-math.
+inline float dot(const float* a, const float* b, int64_t n) {
+  float lanes[16] = {};
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    for (int l = 0; l < 16; ++l) lanes[l] += a[i + l] * b[i + l];
+  float acc = 0.f;
+  for (; i < n; ++i) acc += a[i] * b[i];
+  for (int l = 0; l < 16; ++l) acc += lanes[l];
+  return acc;
+}
+
+inline void axpy(float* y, float a, const float* x, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) y[i] += a * x[i];
+}
+
+// exp(x) for x <= 0 (softmax after subtracting the max), written so that a loop over it
+// vectorizes: 2^k * p(r) with x = k ln2 + r, |r| <= ln2/2, a degree-6 polynomial (about
+// 2 ulp). Inputs below -87 flush to 0, as expf does within rounding.
+inline float exp_nonpositive(float x) {
+  x = x < -87.f ? -87.f : x;
+  // Round x / ln2 to the nearest integer with the 1.5 * 2^23 trick (vectorizes, unlike
+  // nearbyint); the integer then sits in the low mantissa bits of t.
+  const float t = x * 1.44269504088896341f + 12582912.f;
+  const float k = t - 12582912.f;
+  const float r = (x - k * 0.693359375f) + k * 2.12194440e-4f;
+  float p = 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.f;
+  union {
+    float f;
+    int32_t i;
+  } tb{t}, pb{p};
+  pb.i += (tb.i - 0x4B400000) << 23;
+  return x <= -87.f ? 0.f : pb.f;
+}
+
+inline void check_float(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.scalar_type() == at::kFloat, name, " must be float32");
+  TORCH_CHECK(t.device().is_cpu(), name, " must be on the CPU");
+}
+
+}  // namespace kvserve_cpu
