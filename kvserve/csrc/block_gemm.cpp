@@ -5,6 +5,7 @@
 #include <torch/library.h>
 
 #include <cstring>
+#include <memory>
 #include <vector>
 #ifdef __AVX2__
 #include <immintrin.h>
@@ -286,11 +287,12 @@ at::Tensor block_linear(const at::Tensor& x_in, const at::Tensor& qs, const at::
   // GEMM runs at full speed while W is still read once, in its quantized form.
   const int64_t num_tiles = (N + kBlasTileRows - 1) / kBlasTileRows;
   at::parallel_for(0, num_tiles, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> tile(kBlasTileRows * K);
+    // Uninitialized: every element is written by dequant_rows before BLAS reads it.
+    std::unique_ptr<float[]> tile(new float[kBlasTileRows * K]);
     for (int64_t t = begin; t < end; ++t) {
       const int64_t n0 = t * kBlasTileRows, nt = std::min(kBlasTileRows, N - n0);
-      w.dequant_rows(n0, n0 + nt, tile.data());
-      sgemm_nt(nt, rows_x, K, tile.data(), xp, op + n0, N);
+      w.dequant_rows(n0, n0 + nt, tile.get());
+      sgemm_nt(nt, rows_x, K, tile.get(), xp, op + n0, N);
     }
   });
   return out;

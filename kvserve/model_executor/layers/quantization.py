@@ -130,8 +130,16 @@ def _targets(model: nn.Module) -> dict[str, Any]:
     }
 
 
+def _fused_shards(model: nn.Module) -> dict[str, list[str]]:
+    """Fused module leaf name -> its checkpoint shards in order (qkv_proj -> q, k, v)."""
+    stacked: dict[str, list[str]] = {}
+    for ckpt_part, (param_part, _) in getattr(model, "stacked_params", {}).items():
+        stacked.setdefault(param_part.strip("."), []).append(ckpt_part.strip("."))
+    return stacked
+
+
 def _gguf_blocks_for(
-    name: str, blocks: dict[str, BlockWeight], model: nn.Module, tied: bool
+    name: str, blocks: dict[str, BlockWeight], stacked: dict[str, list[str]], tied: bool
 ) -> BlockWeight | None:
     """The file's blocks for one module: its own tensor, its fused shards in order, or the
     tied embedding for an LM head. None when some part is not block-quantized."""
@@ -139,9 +147,6 @@ def _gguf_blocks_for(
         return blocks[f"{name}.weight"]
     if tied:
         return blocks.get(name.removesuffix("lm_head") + "model.embed_tokens.weight")
-    stacked: dict[str, list[str]] = {}
-    for ckpt_part, (param_part, _) in getattr(model, "stacked_params", {}).items():
-        stacked.setdefault(param_part.strip("."), []).append(ckpt_part.strip("."))
     prefix, _, leaf = name.rpartition(".")
     shard_names = [f"{prefix}.{shard}.weight" for shard in stacked.get(leaf, [])]
     if not shard_names or any(n not in blocks for n in shard_names):
@@ -169,6 +174,7 @@ def quantize_model(model: nn.Module, method: str, gguf_path: str | None, arch: A
     elif method != "q8_0":
         raise ValueError(f"unknown quantization method {method!r}")
 
+    stacked = _fused_shards(model)
     kept: list[str] = []
     for name, module in targets.items():
         weight: torch.Tensor = module.weight
@@ -177,7 +183,7 @@ def quantize_model(model: nn.Module, method: str, gguf_path: str | None, arch: A
         if method == "q8_0":
             bw: BlockWeight | None = BlockWeight.quantize(weight, GGMLQuantizationType.Q8_0)
         else:
-            bw = _gguf_blocks_for(name, blocks, model, tied)
+            bw = _gguf_blocks_for(name, blocks, stacked, tied)
             if bw is not None and not torch.equal(bw.dequantize(), weight):
                 raise RuntimeError(f"{name}: GGUF blocks do not reproduce the loaded weight")
         if bw is None:

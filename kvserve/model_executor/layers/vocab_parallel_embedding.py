@@ -8,10 +8,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvserve.model_executor.layers.linear import get_tp_rank_size
+
 if TYPE_CHECKING:
     from kvserve.model_executor.layers.quantization import BlockWeight
-
-from kvserve.model_executor.layers.linear import get_tp_rank_size
 
 
 class VocabParallelEmbedding(nn.Module):
