@@ -74,12 +74,11 @@ def available() -> bool:
 
 def use_for(tensor: torch.Tensor) -> bool:
     """Kernels apply to float32 CPU tensors when they are built."""
-    return (
-        tensor.device.type == "cpu"
-        and tensor.dtype == torch.float32
-        and not getattr(_forced_off, "on", False)
-        and available()
-    )
+    # Asked several times per layer and step: the cheapest checks come first.
+    if tensor.dtype != torch.float32 or not tensor.is_cpu or getattr(_forced_off, "on", False):
+        return False
+    ok = _state.get("ok")
+    return available() if ok is None else ok
 
 
 @contextmanager
@@ -94,20 +93,24 @@ def disabled() -> Iterator[None]:
         _forced_off.on = before
 
 
-def paged_decode_attention(
+def cache_and_decode_attention(
     out: torch.Tensor,
     query: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
     block_table: torch.Tensor,
     seq_lens: torch.Tensor,
     token_indices: torch.Tensor,
     scale: float,
     sliding_window: int | None,
 ) -> None:
-    torch.ops.kvserve.paged_decode_attention(
-        out, query, k_cache, v_cache, block_table, seq_lens, token_indices, scale,
-        sliding_window or 0,
+    """Write ``key``/``value`` rows into the paged ``kv_cache`` at ``slot_mapping`` (-1 =
+    skip), then decode attention for the ``token_indices`` rows (none when empty)."""
+    torch.ops.kvserve.cache_and_decode_attention(
+        out, query, key, value, kv_cache, slot_mapping, block_table, seq_lens, token_indices,
+        scale, sliding_window or 0,
     )  # fmt: skip
 
 
@@ -155,3 +158,9 @@ def block_linear(
     x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor, kind: int
 ) -> torch.Tensor:
     return torch.ops.kvserve.block_linear(x, qs, d, m, kind)
+
+
+def block_linear_int8(
+    x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor, kind: int
+) -> torch.Tensor:
+    return torch.ops.kvserve.block_linear_int8(x, qs, d, m, kind)

@@ -13,8 +13,10 @@ from kvserve.transformers_utils.model_resolver import ResolvedModel, resolve_mod
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 GiB = 1 << 30
 # --quantization: "gguf" keeps the GGUF file's own Q4_1/Q8_0/Q4_0 blocks (lossless);
+# "gguf_int8" multiplies the same blocks with int8-quantized activations in small batches,
+# as llama.cpp's CPU backend does (faster single-stream decode, lossy);
 # "q8_0" quantizes any model's float32 linear weights to Q8_0 blocks.
-QUANTIZATION_METHODS = ("gguf", "q8_0")
+QUANTIZATION_METHODS = ("gguf", "gguf_int8", "q8_0")
 
 
 @dataclass
@@ -54,9 +56,10 @@ class ModelConfig:
                     f"quantization must be one of {', '.join(QUANTIZATION_METHODS)} "
                     f"(or unset), got {self.quantization!r}"
                 )
-            if self.quantization == "gguf" and self.resolved.format != "gguf":
+            if self.quantization.startswith("gguf") and self.resolved.format != "gguf":
                 raise ValueError(
-                    f"quantization 'gguf' runs a GGUF file's own blocks, but {self.model!r} "
+                    f"quantization {self.quantization!r} runs a GGUF file's own blocks, "
+                    f"but {self.model!r} "
                     f"is a {self.resolved.format} model (use 'q8_0')"
                 )
 

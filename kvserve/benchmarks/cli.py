@@ -1,10 +1,10 @@
-"""`kvserve bench serve|throughput|kvcache`: wires the benchmarks into the kvserve command."""
+"""`kvserve bench serve|throughput|kvcache|peers|quantization`: wires the benchmarks into the kvserve command."""
 
 from __future__ import annotations
 
 import argparse
 
-from kvserve.benchmarks import kvcache, peers, serve, throughput
+from kvserve.benchmarks import kvcache, peers, quant_accuracy, serve, throughput
 
 
 def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -24,4 +24,7 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     peer_parser = sub.add_parser("peers", help="kvserve vs HF transformers vs llama.cpp, same GGUF")
     peers.add_cli_args(peer_parser)
     peer_parser.set_defaults(func=peers.main)
+    quant = sub.add_parser("quantization", help="greedy agreement of --quantization methods")
+    quant_accuracy.add_cli_args(quant)
+    quant.set_defaults(func=quant_accuracy.main)
     return bench

@@ -26,6 +26,8 @@ from kvserve.benchmarks.peers_sweep import (
     sweep_report,
 )
 from kvserve.benchmarks.peers_workloads import (
+    KVSERVE_ENGINES,
+    KVSERVE_QUANTIZATION,
     WORKLOADS,
     EngineResult,
     PeerRequest,
@@ -36,8 +38,7 @@ from kvserve.benchmarks.peers_workloads import (
 )
 from kvserve.engine.arg_utils import EngineArgs
 
-# kvserve-gguf: kvserve with --quantization gguf (the file's Q4_1 blocks, as llama.cpp runs).
-ENGINES = ("kvserve", "kvserve-gguf", "hf", "llamacpp")
+ENGINES = (*KVSERVE_ENGINES, "hf", "llamacpp")
 
 
 def _int_list(text: str) -> list[int]:
@@ -92,8 +93,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
 
 def kvserve_engine_kwargs(args: argparse.Namespace, engine: str) -> dict[str, Any]:
     kwargs = dataclasses.asdict(EngineArgs.from_cli_args(args))
-    if engine == "kvserve-gguf":
-        kwargs["quantization"] = "gguf"
+    if engine in KVSERVE_QUANTIZATION:
+        kwargs["quantization"] = KVSERVE_QUANTIZATION[engine]
     return kwargs
 
 
@@ -216,7 +217,7 @@ def _run_table(
     results: list[EngineResult] = []
     tries: list[EngineResult] = []
     for engine in engines:
-        if engine in ("kvserve", "kvserve-gguf"):
+        if engine in KVSERVE_ENGINES:
             results += run_kvserve(args, workloads, engine)
         elif engine == "hf":
             from kvserve.benchmarks.peers_hf import HFPeer, run_hf

@@ -16,7 +16,7 @@ import textwrap
 import time
 from typing import TYPE_CHECKING, Any
 
-from kvserve.benchmarks.peers_workloads import EngineResult, PeerRequest
+from kvserve.benchmarks.peers_workloads import KVSERVE_ENGINES, EngineResult, PeerRequest
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -128,7 +128,7 @@ def run_sweep(
     progress = not args.disable_tqdm
     results: list[EngineResult] = []
     for engine in engines:
-        if engine in ("kvserve", "kvserve-gguf"):
+        if engine in KVSERVE_ENGINES:
             results += run_kvserve_sweep(args, workload, requests, levels, engine)
         elif engine == "hf":
             from kvserve.benchmarks.peers_hf import HFPeer

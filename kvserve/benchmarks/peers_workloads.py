@@ -18,6 +18,11 @@ import numpy as np
 if TYPE_CHECKING:
     from kvserve.transformers_utils.arch_config import ArchConfig
 
+# kvserve-gguf: kvserve with --quantization gguf (the file's Q4_1 blocks, as llama.cpp runs);
+# kvserve-gguf-int8: --quantization gguf_int8 (also int8 activations, as llama.cpp computes).
+KVSERVE_QUANTIZATION = {"kvserve-gguf": "gguf", "kvserve-gguf-int8": "gguf_int8"}
+KVSERVE_ENGINES = ("kvserve", *KVSERVE_QUANTIZATION)
+
 
 @dataclass(frozen=True)
 class WorkloadSpec:

@@ -134,7 +134,6 @@ struct BlockWeight {
   }
 
   // out[r * ldo + n] = sum_k x[r, k] * W[n, k] for n in [begin, end), R rows of x.
-  // out[r * ldo + n] = sum_k x[r, k] * W[n, k] for n in [begin, end), R rows of x.
   // Per block, sum_i (d q_i + m) x_i = d (q . x) + m sum(x): the scale multiplies one
   // vector of partial sums, and the minimum a per-block sum of x computed once per call.
   template <int KIND, int R>
@@ -298,9 +297,201 @@ at::Tensor block_linear(const at::Tensor& x_in, const at::Tensor& qs, const at::
   return out;
 }
 
+
+// ---- int8 activations (--quantization gguf_int8) ------------------------------------
+// llama.cpp's CPU arithmetic: each row of x is quantized per 32-value block to int8 with
+// a float32 scale (its Q8_1: dx = max|x| / 127, q = round(x / dx), s = dx * sum(q) for
+// Q4_1's minimum), and a block's dot product runs in 8-bit integer SIMD, 32
+// multiply-adds per instruction instead of float32's 8. The quantized activations cost
+// accuracy, which is why this is a separate method from the lossless float path.
+struct Int8Rows {
+  int64_t rows, cols, nb;
+  std::vector<int8_t> q;  // [rows, cols]
+  std::vector<float> d;   // [rows, nb]
+  std::vector<float> s;   // [rows, nb]: d * sum of the block's quants
+
+  Int8Rows(const float* x, int64_t rows_, int64_t cols_)
+      : rows(rows_), cols(cols_), nb(cols_ / kBlock), q(rows_ * cols_), d(rows_ * nb),
+        s(rows_ * nb) {
+    at::parallel_for(0, rows * nb, 256, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) quantize_block(x + i * kBlock, q.data() + i * kBlock,
+                                                           d[i], s[i]);
+    });
+  }
+
+  static void quantize_block(const float* x, int8_t* q, float& d, float& s) {
+    float amax = 0.f;
+    for (int i = 0; i < kBlock; ++i) amax = std::max(amax, std::fabs(x[i]));
+    d = amax / 127.f;
+    const float id = amax > 0.f ? 127.f / amax : 0.f;
+#ifdef __AVX2__
+    const __m256 idv = _mm256_set1_ps(id);
+    __m256i v[4];
+    for (int i = 0; i < 4; ++i)
+      v[i] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(x + 8 * i), idv),
+                                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    const __m256i sum = _mm256_add_epi32(_mm256_add_epi32(v[0], v[1]), _mm256_add_epi32(v[2], v[3]));
+    // packs interleaves the two 128-bit lanes; the permutation restores element order.
+    const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]), _mm256_packs_epi32(v[2], v[3]));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q),
+                        _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+    alignas(32) int32_t lanes[8];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), sum);
+    int32_t total = 0;
+    for (int i = 0; i < 8; ++i) total += lanes[i];
+#else
+    int32_t total = 0;
+    for (int i = 0; i < kBlock; ++i) {
+      q[i] = static_cast<int8_t>(std::nearbyint(x[i] * id));
+      total += q[i];
+    }
+#endif
+    s = d * static_cast<float>(total);
+  }
+};
+
+#ifdef __AVX2__
+// A block's 32 quants as 32 bytes in weight order: unsigned 0..15 for Q4_1, signed for
+// Q8_0 and Q4_0 (q - 8).
+template <int KIND>
+inline __m256i load_quants_i8(const uint8_t* qs) {
+  if constexpr (KIND == 0) {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs));
+  } else {
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+    const __m256i both = _mm256_set_m128i(_mm_srli_epi16(bytes, 4), bytes);
+    const __m256i q = _mm256_and_si256(both, _mm256_set1_epi8(15));
+    return KIND == 2 ? _mm256_sub_epi8(q, _mm256_set1_epi8(8)) : q;
+  }
+}
+#endif
+
+// Q4_1's sum over blocks of m * s. A short reduction paid once per output, so it must
+// not be a chain of dependent scalar adds (hsum is a tree).
+inline float min_term(const float* m, const float* s, int64_t nb) {
+#ifdef __AVX2__
+  __m256 acc = _mm256_setzero_ps();
+  int64_t b = 0;
+  for (; b + 8 <= nb; b += 8)
+    acc = _mm256_fmadd_ps(_mm256_loadu_ps(m + b), _mm256_loadu_ps(s + b), acc);
+  float total = hsum(acc);
+#else
+  float total = 0.f;
+  int64_t b = 0;
+#endif
+  for (; b < nb; ++b) total += m[b] * s[b];
+  return total;
+}
+
+template <int KIND, int R>
+void gemv_int8_t(const BlockWeight& w, const Int8Rows& xq, int64_t r0, float* __restrict out,
+                 int64_t begin, int64_t end) {
+  const int64_t nb = w.cols / kBlock, bb = block_bytes_of(KIND), K = w.cols, N = w.rows;
+  const int8_t* xqs = xq.q.data() + r0 * K;
+  const float* xd = xq.d.data() + r0 * nb;
+  for (int64_t n = begin; n < end; ++n) {
+    const uint8_t* row = w.qs + n * w.row_bytes;
+    const float* dn = w.d + n * nb;
+    float result[R];
+#ifdef __AVX2__
+    const __m256i ones = _mm256_set1_epi16(1);
+    const auto block_dot = [&](int64_t b, __m256 (&acc)[R]) {
+      const __m256i wq = load_quants_i8<KIND>(row + b * bb);
+      // maddubs multiplies unsigned by signed bytes: signed weights move their sign to x.
+      const __m256i wu = KIND == 1 ? wq : _mm256_sign_epi8(wq, wq);
+      for (int r = 0; r < R; ++r) {
+        __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xqs + r * K + b * kBlock));
+        if constexpr (KIND != 1) xv = _mm256_sign_epi8(xv, wq);
+        const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(wu, xv), ones);
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(dn[b] * xd[r * nb + b]),
+                                 acc[r]);
+      }
+    };
+    // Even and odd blocks accumulate separately: a single chain of dependent FMAs per
+    // row would wait out the FMA latency at every block.
+    __m256 even[R], odd[R];
+    for (int r = 0; r < R; ++r) even[r] = odd[r] = _mm256_setzero_ps();
+    int64_t b = 0;
+    for (; b + 2 <= nb; b += 2) {
+      block_dot(b, even);
+      block_dot(b + 1, odd);
+    }
+    if (b < nb) block_dot(b, even);
+    for (int r = 0; r < R; ++r) result[r] = hsum(_mm256_add_ps(even[r], odd[r]));
+#else
+    for (int r = 0; r < R; ++r) {
+      float acc = 0.f;
+      for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* block = row + b * bb;
+        const int8_t* xb = xqs + r * K + b * kBlock;
+        int32_t dot = 0;
+        for (int i = 0; i < kBlock; ++i) {
+          int32_t wi;
+          if constexpr (KIND == 0) wi = reinterpret_cast<const int8_t*>(block)[i];
+          else wi = (i < 16 ? block[i] & 15 : block[i - 16] >> 4) - (KIND == 2 ? 8 : 0);
+          dot += wi * xb[i];
+        }
+        acc += dn[b] * xd[r * nb + b] * static_cast<float>(dot);
+      }
+      result[r] = acc;
+    }
+#endif
+    for (int r = 0; r < R; ++r) {
+      if constexpr (KIND == 1) result[r] += min_term(w.m + n * nb, xq.s.data() + (r0 + r) * nb, nb);
+      out[(r0 + r) * N + n] = result[r];
+    }
+  }
+}
+
+template <int KIND>
+void gemv_int8_kind(const BlockWeight& w, const Int8Rows& xq, int64_t r0, int64_t rows,
+                    float* out, int64_t begin, int64_t end) {
+  switch (rows) {
+    case 1: return gemv_int8_t<KIND, 1>(w, xq, r0, out, begin, end);
+    case 2: return gemv_int8_t<KIND, 2>(w, xq, r0, out, begin, end);
+    default: return gemv_int8_t<KIND, 3>(w, xq, r0, out, begin, end);
+  }
+}
+
+constexpr int64_t kInt8GroupRows = 3;
+// Past a few rows the float path's weight conversion is shared by enough rows that it is
+// as fast as the integer one (per row and block both cost about the same instructions),
+// and it is exact, so batches take it.
+constexpr int64_t kInt8MaxRows = 4;
+
+at::Tensor block_linear_int8(const at::Tensor& x_in, const at::Tensor& qs, const at::Tensor& d,
+                             const at::Tensor& m, int64_t kind) {
+  const BlockWeight w = block_weight(qs, d, m, kind);
+  check_float(x_in, "x");
+  TORCH_CHECK(x_in.size(-1) == w.cols, "x has ", x_in.size(-1), " features, weight ", w.cols);
+  const at::Tensor x = x_in.reshape({-1, w.cols}).contiguous();
+  const int64_t rows_x = x.size(0), N = w.rows;
+  if (rows_x >= kInt8MaxRows) return block_linear(x_in, qs, d, m, kind);
+  std::vector<int64_t> out_shape(x_in.sizes().begin(), x_in.sizes().end());
+  out_shape.back() = N;
+  at::Tensor out = at::empty(out_shape, x_in.options());
+  if (rows_x == 0) return out;
+  const Int8Rows xq(x.data_ptr<float>(), rows_x, w.cols);
+  float* op = out.data_ptr<float>();
+  const int64_t num_tiles = (N + kTileRows - 1) / kTileRows;
+  at::parallel_for(0, num_tiles, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t n0 = t * kTileRows, n1 = std::min(N, n0 + kTileRows);
+      for (int64_t r0 = 0; r0 < rows_x; r0 += kInt8GroupRows) {
+        const int64_t rows = std::min(kInt8GroupRows, rows_x - r0);
+        if (kind == 0) gemv_int8_kind<0>(w, xq, r0, rows, op, n0, n1);
+        else if (kind == 1) gemv_int8_kind<1>(w, xq, r0, rows, op, n0, n1);
+        else gemv_int8_kind<2>(w, xq, r0, rows, op, n0, n1);
+      }
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(kvserve, CPU, m) {
   m.impl("dequantize_blocks", &dequantize_blocks);
   m.impl("block_linear", &block_linear);
+  m.impl("block_linear_int8", &block_linear_int8);
 }

@@ -6,6 +6,11 @@
 // Built with -ffp-contract=off so that the elementwise kernels round exactly like the
 // torch expressions they replace (no fused multiply-add where torch does mul then add).
 
+// Without this GCC keeps float selects (a ? b : c on a comparison) as branches, which
+// blocks vectorizing the exp-based loops. It only drops the assumption that FP exceptions
+// are observed; no value changes. Placed first so the shared header's helpers get it too.
+#pragma GCC optimize("no-trapping-math")
+
 #include <torch/library.h>
 
 #include <vector>
@@ -16,21 +21,98 @@ namespace {
 
 using namespace kvserve_cpu;
 
+// Below this much work (multiply-adds) a kernel runs on the calling thread: waking the
+// OpenMP team costs more than the whole job (e.g. one decode row of a small model), and
+// on a busy machine far more. Chunks of a parallel job get at least this much each.
+constexpr int64_t kMinParallelWork = 1 << 18;
+
+inline int64_t grain_for(int64_t work_per_item) {
+  return std::max<int64_t>(1, kMinParallelWork / std::max<int64_t>(1, work_per_item));
+}
+
+// Tokens whose query.key products are reduced together (see score_tile).
+constexpr int64_t kTile = 8;
+
+// scores[j] = dot(q, k[j]) * scale for up to kTile keys, each rounded exactly as dot()
+// rounds it (16 lane sums, then the tail, then the lanes added in order), but with the
+// final lane-by-lane additions running across the tile's tokens at once instead of as
+// one 16-add dependency chain per token.
+inline void score_tile(const float* q, const float* const* k, int64_t m, int64_t n_dim,
+                       float scale, float* scores) {
+  float lanes[16][kTile];
+  float acc[kTile];
+  for (int64_t j = 0; j < m; ++j) {
+    float l16[16] = {};
+    int64_t i = 0;
+    for (; i + 16 <= n_dim; i += 16)
+      for (int l = 0; l < 16; ++l) l16[l] += q[i + l] * k[j][i + l];
+    float tail = 0.f;
+    for (; i < n_dim; ++i) tail += q[i] * k[j][i];
+    acc[j] = tail;
+    for (int l = 0; l < 16; ++l) lanes[l][j] = l16[l];
+  }
+  for (int64_t j = m; j < kTile; ++j) {
+    acc[j] = 0.f;
+    for (int l = 0; l < 16; ++l) lanes[l][j] = 0.f;
+  }
+  for (int l = 0; l < 16; ++l)
+#pragma omp simd
+    for (int64_t j = 0; j < kTile; ++j) acc[j] += lanes[l][j];
+  for (int64_t j = 0; j < m; ++j) scores[j] = acc[j] * scale;
+}
+
+// This step's keys and values into the paged cache: row t goes to slot slot_mapping[t]
+// (block * block_size + offset); negative slots (padding) are skipped.
+//   key, value: [T, Hkv, hd] with hd contiguous (views into the qkv projection's output)
+//   kv_cache: [2, num_blocks, block_size, Hkv, hd], contiguous; slot_mapping: int64 [n <= T]
+void write_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor& kv_cache,
+              const at::Tensor& slot_mapping) {
+  check_float(key, "key");
+  check_float(value, "value");
+  check_float(kv_cache, "kv_cache");
+  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous(),
+              "kv_cache must be a contiguous [2, num_blocks, block_size, kv_heads, head_size]");
+  TORCH_CHECK(key.dim() == 3 && value.dim() == 3 && key.stride(2) == 1 && value.stride(2) == 1,
+              "key and value must be [T, kv_heads, head_size], head_size contiguous");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong, "slot_mapping must be int64");
+  const int64_t heads = kv_cache.size(3), head_size = kv_cache.size(4);
+  TORCH_CHECK(key.size(1) == heads && key.size(2) == head_size && value.size(1) == heads &&
+                  value.size(2) == head_size,
+              "key/value heads or head size differ from the cache's");
+  const int64_t n = slot_mapping.numel();
+  TORCH_CHECK(n <= key.size(0) && n <= value.size(0), "more slots than key/value rows");
+  const int64_t num_slots = kv_cache.size(1) * kv_cache.size(2);
+  const int64_t row = heads * head_size;
+  const auto slots = slot_mapping.contiguous();
+  const int64_t* slot_ptr = slots.data_ptr<int64_t>();
+  float* k_cache = kv_cache.data_ptr<float>();
+  float* v_cache = k_cache + num_slots * row;
+  const float* k_base = key.data_ptr<float>();
+  const float* v_base = value.data_ptr<float>();
+  const int64_t ks0 = key.stride(0), ks1 = key.stride(1);
+  const int64_t vs0 = value.stride(0), vs1 = value.stride(1);
+  for (int64_t t = 0; t < n; ++t) {
+    const int64_t slot = slot_ptr[t];
+    if (slot < 0) continue;
+    TORCH_CHECK(slot < num_slots, "slot ", slot, " outside the KV cache of ", num_slots);
+    for (int64_t h = 0; h < heads; ++h) {
+      std::copy_n(k_base + t * ks0 + h * ks1, head_size, k_cache + slot * row + h * head_size);
+      std::copy_n(v_base + t * vs0 + h * vs1, head_size, v_cache + slot * row + h * head_size);
+    }
+  }
+}
+
 // Decode attention straight from the paged cache: one task per (request, kv head) reads
 // that head's keys and values once and serves all query heads of its GQA group.
 //   out, query: [T, Hq, hd] (rows of the flattened batch; only token_indices are touched)
-//   k_cache, v_cache: [num_blocks, block_size, Hkv, hd], contiguous
+//   kv_cache: [2, num_blocks, block_size, Hkv, hd], contiguous
 //   block_table: int32 [D, max_blocks]; seq_lens: int32 [D]; token_indices: int64 [D]
 //   sliding_window <= 0: no window (else keys at positions >= seq_len - window).
-void paged_decode_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache,
-                            const at::Tensor& v_cache, const at::Tensor& block_table,
-                            const at::Tensor& seq_lens, const at::Tensor& token_indices,
-                            double scale, int64_t sliding_window) {
+void decode_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache,
+                      const at::Tensor& block_table, const at::Tensor& seq_lens,
+                      const at::Tensor& token_indices, double scale, int64_t sliding_window) {
   check_float(out, "out");
   check_float(query, "query");
-  check_float(k_cache, "k_cache");
-  check_float(v_cache, "v_cache");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
   TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1, "query must be [T, Hq, hd], hd contiguous");
   TORCH_CHECK(out.dim() == 3 && out.stride(2) == 1, "out must be [T, Hq, hd], hd contiguous");
   TORCH_CHECK(block_table.scalar_type() == at::kInt && block_table.is_contiguous(),
@@ -39,21 +121,23 @@ void paged_decode_attention(at::Tensor& out, const at::Tensor& query, const at::
   TORCH_CHECK(token_indices.scalar_type() == at::kLong, "token_indices must be int64");
 
   const int64_t num_reqs = block_table.size(0);
+  if (num_reqs == 0) return;
   const int64_t max_blocks = block_table.size(1);
   const int64_t num_heads = query.size(1);
   const int64_t head_size = query.size(2);
-  const int64_t block_size = k_cache.size(1);
-  const int64_t num_kv_heads = k_cache.size(2);
-  TORCH_CHECK(k_cache.size(3) == head_size, "head size mismatch between query and cache");
+  const int64_t num_blocks = kv_cache.size(1);
+  const int64_t block_size = kv_cache.size(2);
+  const int64_t num_kv_heads = kv_cache.size(3);
+  TORCH_CHECK(kv_cache.size(4) == head_size, "head size mismatch between query and cache");
   TORCH_CHECK(num_heads % num_kv_heads == 0, "query heads must be a multiple of kv heads");
   const int64_t group = num_heads / num_kv_heads;
-  const int64_t token_stride = block_size > 0 ? num_kv_heads * head_size : 0;
+  const int64_t token_stride = num_kv_heads * head_size;
   const int64_t block_stride = block_size * token_stride;
 
   const float* q_base = query.data_ptr<float>();
   float* o_base = out.data_ptr<float>();
-  const float* k_base = k_cache.data_ptr<float>();
-  const float* v_base = v_cache.data_ptr<float>();
+  const float* k_base = kv_cache.data_ptr<float>();
+  const float* v_base = k_base + num_blocks * block_stride;
   const int32_t* tables = block_table.data_ptr<int32_t>();
   const auto lens = seq_lens.contiguous();
   const auto toks = token_indices.contiguous();
@@ -63,8 +147,15 @@ void paged_decode_attention(at::Tensor& out, const at::Tensor& query, const at::
   const int64_t os0 = out.stride(0), os1 = out.stride(1);
   const float fscale = static_cast<float>(scale);
 
-  at::parallel_for(0, num_reqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+  int64_t total_len = 0;
+  for (int64_t r = 0; r < num_reqs; ++r) total_len += len_ptr[r];
+  // Keys and values each take group * head_size multiply-adds per context position.
+  const int64_t work_per_task = 2 * group * head_size * std::max<int64_t>(1, total_len / num_reqs);
+
+  at::parallel_for(0, num_reqs * num_kv_heads, grain_for(work_per_task), [&](int64_t begin,
+                                                                             int64_t end) {
     std::vector<float> scores;
+    std::vector<const float*> rows;
     std::vector<float> qs(group * head_size), acc(group * head_size), inv_sum(group);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t r = task / num_kv_heads;
@@ -80,27 +171,30 @@ void paged_decode_attention(at::Tensor& out, const at::Tensor& query, const at::
         continue;
       }
       scores.resize(group * n);
+      rows.resize(n);
       for (int64_t g = 0; g < group; ++g) {
         const float* q = q_base + tok * qs0 + (h * group + g) * qs1;
         for (int64_t i = 0; i < head_size; ++i) qs[g * head_size + i] = q[i];
       }
+      // This head's row of every context position in [first, seq_len), relative to the
+      // start of the key cache (the value cache has the same layout): one table lookup
+      // per block, not per token.
+      for (int64_t t0 = first - first % block_size; t0 < seq_len; t0 += block_size) {
+        const int64_t block = table[t0 / block_size];
+        TORCH_CHECK(block >= 0 && block < num_blocks, "block id ", block, " outside the cache");
+        const float* base = k_base + block * block_stride + h * head_size;
+        const int64_t lo = std::max(t0, first), hi = std::min(t0 + block_size, seq_len);
+        for (int64_t t = lo; t < hi; ++t) rows[t - first] = base + (t - t0) * token_stride;
+      }
 
-      // Visits this head's row of every context position in [first, seq_len) of one cache,
-      // block by block: one table lookup per block, not per token.
-      auto for_each_position = [&](const float* cache, auto&& visit) {
-        for (int64_t t0 = first - first % block_size; t0 < seq_len; t0 += block_size) {
-          const float* block = cache + table[t0 / block_size] * block_stride + h * head_size;
-          const int64_t lo = std::max(t0, first), hi = std::min(t0 + block_size, seq_len);
-          for (int64_t t = lo; t < hi; ++t) visit(t - first, block + (t - t0) * token_stride);
-        }
-      };
-      for_each_position(k_base, [&](int64_t i, const float* k) {
-        for (int64_t g = 0; g < group; ++g)
-          scores[g * n + i] = dot(qs.data() + g * head_size, k, head_size) * fscale;
-      });
+      for (int64_t g = 0; g < group; ++g)
+        for (int64_t i0 = 0; i0 < n; i0 += kTile)
+          score_tile(qs.data() + g * head_size, rows.data() + i0, std::min(kTile, n - i0),
+                     head_size, fscale, scores.data() + g * n + i0);
       for (int64_t g = 0; g < group; ++g) {
         float* s = scores.data() + g * n;
         float m = -INFINITY;
+#pragma omp simd reduction(max : m)
         for (int64_t i = 0; i < n; ++i) m = std::max(m, s[i]);
         float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
@@ -111,10 +205,12 @@ void paged_decode_attention(at::Tensor& out, const at::Tensor& query, const at::
         inv_sum[g] = 1.f / sum;
       }
       std::fill(acc.begin(), acc.end(), 0.f);
-      for_each_position(v_base, [&](int64_t i, const float* v) {
+      const int64_t v_offset = v_base - k_base;
+      for (int64_t i = 0; i < n; ++i) {
+        const float* v = rows[i] + v_offset;
         for (int64_t g = 0; g < group; ++g)
           axpy(acc.data() + g * head_size, scores[g * n + i], v, head_size);
-      });
+      }
       for (int64_t g = 0; g < group; ++g) {
         float* o = o_base + tok * os0 + (h * group + g) * os1;
         const float* a = acc.data() + g * head_size;
@@ -122,6 +218,18 @@ void paged_decode_attention(at::Tensor& out, const at::Tensor& query, const at::
       }
     }
   });
+}
+
+// One call per attention layer and step: write the step's K/V into the paged cache, then
+// attend for the decode rows (prefill rows are left to the caller's SDPA).
+void cache_and_decode_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor& key,
+                                const at::Tensor& value, at::Tensor& kv_cache,
+                                const at::Tensor& slot_mapping, const at::Tensor& block_table,
+                                const at::Tensor& seq_lens, const at::Tensor& token_indices,
+                                double scale, int64_t sliding_window) {
+  write_kv(key, value, kv_cache, slot_mapping);
+  decode_attention(out, query, kv_cache, block_table, seq_lens, token_indices, scale,
+                   sliding_window);
 }
 
 // Neox-style rotary embedding in place. query/key: [T, heads * head_size] with any row
@@ -160,7 +268,7 @@ void rotary_embedding(const at::Tensor& positions, at::Tensor& query, at::Tensor
       x[i + half] = x2 * c + x1 * s;
     }
   };
-  at::parallel_for(0, num_tokens, 16, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, num_tokens, grain_for((nq + nk) * head_size), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const float* cos = cache + pos_ptr[t] * rot_dim;
       const float* sin = cos + half;
@@ -188,7 +296,7 @@ void rms_norm(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, do
   const float* w = weight.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const float e = static_cast<float>(eps);
-  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, rows, grain_for(2 * hidden), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const float* xr = xp + r * hidden;
       float* orow = op + r * hidden;
@@ -211,7 +319,7 @@ void fused_add_rms_norm(at::Tensor& x, at::Tensor& residual, const at::Tensor& w
   float* rp = residual.data_ptr<float>();
   const float* w = weight.data_ptr<float>();
   const float e = static_cast<float>(eps);
-  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, rows, grain_for(2 * hidden), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       float* xr = xp + r * hidden;
       float* rr = rp + r * hidden;
@@ -235,7 +343,7 @@ void silu_and_mul(at::Tensor& out, const at::Tensor& x) {
   const int64_t rows = x.numel() / (2 * d);
   const float* xp = x.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, rows, grain_for(8 * d), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const float* gate = xp + r * 2 * d;
       const float* up = gate + d;
@@ -244,7 +352,9 @@ void silu_and_mul(at::Tensor& out, const at::Tensor& x) {
       for (int64_t i = 0; i < d; ++i) {
         const float g = gate[i];
         const float e = exp_nonpositive(-std::fabs(g));  // exp(-|g|)
-        const float sig = g >= 0.f ? 1.f / (1.f + e) : e / (1.f + e);
+        // Same quotient either way; choosing the numerator first leaves no branch, so
+        // the loop vectorizes.
+        const float sig = (g >= 0.f ? 1.f : e) / (1.f + e);
         o[i] = g * sig * up[i];
       }
     }
@@ -255,9 +365,9 @@ void silu_and_mul(at::Tensor& out, const at::Tensor& x) {
 
 TORCH_LIBRARY(kvserve, m) {
   m.def(
-      "paged_decode_attention(Tensor(a!) out, Tensor query, Tensor k_cache, Tensor v_cache, "
-      "Tensor block_table, Tensor seq_lens, Tensor token_indices, float scale, "
-      "int sliding_window) -> ()");
+      "cache_and_decode_attention(Tensor(a!) out, Tensor query, Tensor key, Tensor value, "
+      "Tensor(b!) kv_cache, Tensor slot_mapping, Tensor block_table, Tensor seq_lens, "
+      "Tensor token_indices, float scale, int sliding_window) -> ()");
   m.def(
       "rotary_embedding(Tensor positions, Tensor(a!) query, Tensor(b!) key, int head_size, "
       "Tensor cos_sin_cache) -> ()");
@@ -266,10 +376,11 @@ TORCH_LIBRARY(kvserve, m) {
   m.def("silu_and_mul(Tensor(a!) out, Tensor x) -> ()");
   m.def("dequantize_blocks(Tensor qs, Tensor d, Tensor m, int kind) -> Tensor");
   m.def("block_linear(Tensor x, Tensor qs, Tensor d, Tensor m, int kind) -> Tensor");
+  m.def("block_linear_int8(Tensor x, Tensor qs, Tensor d, Tensor m, int kind) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvserve, CPU, m) {
-  m.impl("paged_decode_attention", &paged_decode_attention);
+  m.impl("cache_and_decode_attention", &cache_and_decode_attention);
   m.impl("rotary_embedding", &rotary_embedding);
   m.impl("rms_norm", &rms_norm);
   m.impl("fused_add_rms_norm", &fused_add_rms_norm);

@@ -244,7 +244,12 @@ class ModelRunner(KVConnectorModelRunnerMixin):
         ):
             hidden_states = self.model(inputs.input_ids, inputs.positions)
         logits = None
-        if len(inputs.sample_rows):
+        num_sample = len(inputs.sample_rows)
+        if num_sample == scheduler_output.total_num_scheduled_tokens:
+            # One token per row and every row samples (pure decode): the rows are the
+            # logits rows already, no gather needed.
+            logits = self.model.compute_logits(hidden_states)
+        elif num_sample:
             logits = self.model.compute_logits(hidden_states[inputs.logits_indices])
         if self.device.type == "cuda":
             # Kernels run asynchronously: without this the forward's time would show up in

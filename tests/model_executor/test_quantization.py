@@ -91,3 +91,43 @@ def test_model_uses_the_files_blocks_for_every_linear_layer() -> None:
 def test_quantization_config_is_validated() -> None:
     with pytest.raises(ValueError, match="quantization must be one of"):
         ModelConfig(quantization="int3")
+
+
+def _int8_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """llama.cpp's arithmetic in float64: x quantized per 32 values to int8 (scale
+    max|x| / 127, round half to even), times the exactly dequantized weight."""
+    rows, cols = x.shape
+    blocks = x.reshape(rows, cols // 32, 32).double()
+    amax = blocks.abs().amax(-1, keepdim=True)
+    inverse = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
+    xq = (torch.round(blocks * inverse) * (amax / 127)).reshape(rows, cols)
+    return (xq @ weight.double().T).float()
+
+
+# 1-3 rows: integer dot products; 4+: the exact float path of block_linear.
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 9])
+@pytest.mark.parametrize("qtype", TYPES)
+def test_block_linear_int8_is_llamacpp_arithmetic(qtype: T, rows: int) -> None:
+    weight, reference = _block_weight(qtype, 197, 1536, seed=rows)
+    x = torch.randn(rows, 1536)
+    x[0, :32] = 0.0  # an all-zero block has scale 0
+    out = ops.block_linear_int8(x, weight.qs, weight.d, weight.m, weight.kind)
+    if rows < 4:
+        torch.testing.assert_close(out, _int8_reference(x, reference), rtol=1e-5, atol=1e-5)
+        # The activation rounding is the only loss: well under 1% of the output's scale.
+        exact = F.linear(x, reference)
+        assert (out - exact).abs().max() < 0.01 * exact.abs().max()
+    else:
+        assert torch.equal(out, weight.linear(x))
+
+
+def test_gguf_int8_method_marks_every_block_weight() -> None:
+    from kvserve.model_executor.model_loader import get_model
+
+    config = ModelConfig(quantization="gguf_int8")
+    model = get_model(config.resolved, config.arch, "cpu", torch.float32, "gguf_int8")
+    weights = [m.quant_weight for m in model.modules() if getattr(m, "quant_weight", None)]
+    assert weights and all(w.int8_activations for w in weights)
+    x = torch.randn(1, config.arch.hidden_size)
+    head = model.lm_head.quant_weight
+    assert not torch.equal(head.linear(x), F.linear(x, head.dequantize()))

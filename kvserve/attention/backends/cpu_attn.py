@@ -2,9 +2,10 @@
 
 A step's batch is split into two groups by the builder:
 
-* decodes (query_len == 1): one call of the C++ paged decode kernel, which reads each
-  request's keys and values in place through the block table (without the kernels:
-  gathered all at once and served by one batched SDPA call with a length mask);
+* decodes (query_len == 1): one call of the C++ kernel, which also writes the step's K/V
+  into the cache and reads each request's keys and values in place through the block
+  table (without the kernels: gathered all at once and served by one batched SDPA call
+  with a length mask);
 * prefill chunks (query_len > 1, possibly starting after cached tokens): one SDPA per
   request with a causal mask shifted by ``num_computed_tokens``.
 
@@ -60,6 +61,10 @@ class CPUAttentionMetadata:
     slot_token_indices: torch.Tensor | None  # tokens owning those slots; None = all
     decode: DecodeBatch | None
     prefills: list[PrefillChunk] = field(default_factory=list)
+    # The kernel's inputs, prepared once per step: every token's slot (-1 = skip) and the
+    # decode rows' (block_table_i32, seq_lens_i32, token_indices), empty without decodes.
+    all_slots: torch.Tensor | None = None
+    kernel_decode: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
 
 class CPUAttentionMetadataBuilder(AttentionMetadataBuilder):
@@ -82,19 +87,30 @@ class CPUAttentionMetadataBuilder(AttentionMetadataBuilder):
             elif end > start:
                 prefills.append(self._prefill(block_table[r], start, end, computed[r], seq_lens[r]))
 
-        slot_mapping = common.slot_mapping[: common.num_actual_tokens].long()
-        token_indices = None
-        if bool((slot_mapping < 0).any()):  # one sync per step, not per layer
-            token_indices = torch.nonzero(slot_mapping >= 0).flatten()
-            slot_mapping = slot_mapping[token_indices]
+        all_slots = common.slot_mapping[: common.num_actual_tokens].long()
+        slot_mapping, token_indices = all_slots, None
+        if bool((all_slots < 0).any()):  # one sync per step, not per layer
+            token_indices = torch.nonzero(all_slots >= 0).flatten()
+            slot_mapping = all_slots[token_indices]
 
+        decode = self._decode(block_table, decode_reqs, starts, seq_lens, device)
+        if decode is not None:
+            kernel_decode = (decode.block_table_i32, decode.seq_lens_i32, decode.token_indices)
+        else:
+            kernel_decode = (
+                torch.zeros((0, 1), dtype=torch.int32, device=device),
+                torch.zeros(0, dtype=torch.int32, device=device),
+                torch.zeros(0, dtype=torch.long, device=device),
+            )
         return CPUAttentionMetadata(
             num_actual_tokens=common.num_actual_tokens,
             block_size=bs,
             slot_mapping=slot_mapping,
             slot_token_indices=token_indices,
-            decode=self._decode(block_table, decode_reqs, starts, seq_lens, device),
+            decode=decode,
             prefills=prefills,
+            all_slots=all_slots,
+            kernel_decode=kernel_decode,
         )
 
     def _prefill(
@@ -151,20 +167,27 @@ class CPUAttentionImpl(AttentionImpl):
     ) -> torch.Tensor:
         md = attn_metadata
         n = md.num_actual_tokens
-        write_to_kv_cache(key[:n], value[:n], kv_cache, md.slot_mapping, md.slot_token_indices)
-
-        # Tokens past num_actual_tokens are padding; they keep zeros.
-        output = torch.zeros_like(query)
-        k_cache, v_cache = kv_cache[0], kv_cache[1]
-        if md.decode is not None:
-            if ops.use_for(query):
-                d = md.decode
-                ops.paged_decode_attention(
-                    output, query, k_cache, v_cache, d.block_table_i32, d.seq_lens_i32,
-                    d.token_indices, self.scale, self.sliding_window,
-                )  # fmt: skip
+        if md.kernel_decode is not None and md.all_slots is not None and ops.use_for(query):
+            # Every row below n is a decode (written by the kernel) or a prefill (written
+            # below); rows past n are padding and keep zeros.
+            if n == query.shape[0] and not md.prefills:
+                output = torch.empty_like(query)
             else:
+                output = torch.zeros_like(query)
+            # One call: this step's K/V into the cache, then the decode rows' attention.
+            ops.cache_and_decode_attention(
+                output, query, key, value, kv_cache, md.all_slots, *md.kernel_decode,
+                self.scale, self.sliding_window,
+            )  # fmt: skip
+            if not md.prefills:
+                return output
+        else:
+            write_to_kv_cache(key[:n], value[:n], kv_cache, md.slot_mapping, md.slot_token_indices)
+            output = torch.zeros_like(query)
+            if md.decode is not None:
+                k_cache, v_cache = kv_cache[0], kv_cache[1]
                 output[md.decode.token_indices] = self._decode(query, k_cache, v_cache, md.decode)
+        k_cache, v_cache = kv_cache[0], kv_cache[1]
         for chunk in md.prefills:
             q = query[chunk.token_start : chunk.token_end]
             output[chunk.token_start : chunk.token_end] = self._prefill(q, k_cache, v_cache, chunk)

@@ -7,6 +7,10 @@ kernel (``block_linear``) multiplies straight from them. Methods:
 * ``gguf``: the blocks exactly as stored in the model's GGUF file. Lossless: every block
   is dequantized once at load and checked equal, bit for bit, to the float32 weight the
   unquantized engine uses. Tensors stored in other formats stay float32.
+* ``gguf_int8``: the same blocks, but inputs of up to 3 rows (single-stream and small-batch
+  decode) are quantized to int8 per 32 values and multiplied in integer SIMD, as
+  llama.cpp's CPU backend does: about 1.5x faster on those steps, at an accuracy cost
+  measured as greedy agreement with float32. Larger batches take the exact float path.
 * ``q8_0``: quantize any model's float32 weights to Q8_0 blocks (gguf's own quantizer);
   this one costs accuracy, measured as greedy agreement with float32.
 """
@@ -50,6 +54,7 @@ class BlockWeight:
     qs: torch.Tensor  # int8 [rows, cols] (Q8_0) or uint8 [rows, cols/2] (4-bit)
     d: torch.Tensor  # float32 [rows, cols/32]
     m: torch.Tensor  # float32 [rows, cols/32] for Q4_1, else empty
+    int8_activations: bool = False
 
     @property
     def kind(self) -> int:
@@ -102,6 +107,8 @@ class BlockWeight:
         return ops.dequantize_blocks(self.qs, self.d, self.m, self.kind)
 
     def linear(self, x: torch.Tensor) -> torch.Tensor:
+        if self.int8_activations:
+            return ops.block_linear_int8(x, self.qs, self.d, self.m, self.kind)
         return ops.block_linear(x, self.qs, self.d, self.m, self.kind)
 
 
@@ -115,6 +122,7 @@ def concat_rows(parts: list[BlockWeight]) -> BlockWeight:
         torch.cat([p.qs for p in parts]),
         torch.cat([p.d for p in parts]),
         torch.cat([p.m for p in parts]),
+        parts[0].int8_activations,
     )
 
 
@@ -158,14 +166,15 @@ def quantize_model(model: nn.Module, method: str, gguf_path: str | None, arch: A
     """Give each linear layer (and the LM head) block weights and drop its float32 copy.
 
     ``gguf``: the file's blocks, each checked to dequantize to exactly the loaded weight.
+    ``gguf_int8``: the same blocks, multiplied with int8 activations in small batches.
     ``q8_0``: the loaded float32 weights quantized to Q8_0.
     """
     ops.require()
     targets = _targets(model)
     blocks: dict[str, BlockWeight] = {}
-    if method == "gguf":
+    if method in ("gguf", "gguf_int8"):
         if gguf_path is None:
-            raise ValueError("quantization 'gguf' needs a GGUF model file")
+            raise ValueError(f"quantization {method!r} needs a GGUF model file")
         from kvserve.model_executor.model_loader.gguf_loader import iterate_gguf_blocks
 
         for hf_name, qtype, raw in iterate_gguf_blocks(gguf_path, arch):
@@ -189,6 +198,7 @@ def quantize_model(model: nn.Module, method: str, gguf_path: str | None, arch: A
         if bw is None:
             kept.append(name)
             continue
+        bw.int8_activations = method == "gguf_int8"
         module.quant_weight = bw
         if not tied:
             module.weight = nn.Parameter(torch.empty(0, device=weight.device), requires_grad=False)

@@ -104,7 +104,12 @@ class RotaryEmbedding(nn.Module):
         """``query [T, H*hd]``, ``key [T, Hkv*hd]`` -> rotated, same shapes. The kernel
         path rotates in place (the inputs are the fresh qkv projection's views)."""
         if ops.use_for(query) and query.stride(-1) == 1 and key.stride(-1) == 1:
-            ops.rotary_embedding(positions, query, key, self.head_size, self.cos_sin_cache)
+            # The property's device check costs more than the kernel for one token; a
+            # CPU-resident table is current (the kernel path only runs on CPU tensors).
+            cache = self._cos_sin_cache
+            if cache is None or not cache.is_cpu:
+                cache = self.cos_sin_cache
+            ops.rotary_embedding(positions, query, key, self.head_size, cache)
             return query, key
         num_tokens = positions.shape[0]
         cos, sin = self._cos_sin(positions)

@@ -3,6 +3,11 @@ such as Qwen2 that differ only in which projections carry a bias.
 
 Inputs are the flattened tokens of every request in the step (no batch dim); the
 paged ``Attention`` layer finds each request's context through the forward context.
+
+The forwards call their submodules' ``forward`` directly rather than through
+``nn.Module.__call__``: a decode step makes about 12 such calls per layer, and the hook
+bookkeeping of ``__call__`` costs as much as the small ops themselves. Nothing registers
+hooks on these modules.
 """
 
 from __future__ import annotations
@@ -41,7 +46,7 @@ class LlamaMLP(nn.Module):
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+        return self.down_proj.forward(self.act_fn.forward(self.gate_up_proj.forward(x)))
 
 
 class LlamaAttention(nn.Module):
@@ -75,13 +80,13 @@ class LlamaAttention(nn.Module):
             layer_name=f"{prefix}.attn",
             sliding_window=arch.sliding_window,
         )
+        self.qkv_split = [self.qkv_proj.q_size, self.qkv_proj.kv_size, self.qkv_proj.kv_size]
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
-        qkv = self.qkv_proj(hidden_states)
-        q_size, kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
-        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-        q, k = self.rotary_emb(positions, q, k)
-        return self.o_proj(self.attn(q, k, v))
+        qkv = self.qkv_proj.forward(hidden_states)
+        q, k, v = qkv.split(self.qkv_split, dim=-1)
+        q, k = self.rotary_emb.forward(positions, q, k)
+        return self.o_proj.forward(self.attn.forward(q, k, v))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -98,12 +103,12 @@ class LlamaDecoderLayer(nn.Module):
         # The residual stream is carried separately so each norm can fuse the add.
         if residual is None:
             residual = hidden_states
-            hidden_states = self.input_layernorm(hidden_states)
+            hidden_states = self.input_layernorm.forward(hidden_states)
         else:
-            hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        hidden_states = self.self_attn(positions, hidden_states)
-        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
-        return self.mlp(hidden_states), residual
+            hidden_states, residual = self.input_layernorm.forward(hidden_states, residual)
+        hidden_states = self.self_attn.forward(positions, hidden_states)
+        hidden_states, residual = self.post_attention_layernorm.forward(hidden_states, residual)
+        return self.mlp.forward(hidden_states), residual
 
 
 class LlamaModel(nn.Module):
@@ -119,11 +124,11 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden_states = self.embed_tokens(input_ids)
+        hidden_states = self.embed_tokens.forward(input_ids)
         residual: torch.Tensor | None = None
         for layer in self.layers:
-            hidden_states, residual = layer(positions, hidden_states, residual)
-        hidden_states, _ = self.norm(hidden_states, residual)
+            hidden_states, residual = layer.forward(positions, hidden_states, residual)
+        hidden_states, _ = self.norm.forward(hidden_states, residual)
         return hidden_states
 
 
@@ -159,7 +164,7 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """``input_ids``, ``positions``: ``[T]`` -> hidden states ``[T, hidden]``."""
-        return self.model(input_ids, positions)
+        return self.model.forward(input_ids, positions)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """``[N, hidden] -> [N, vocab]`` float32."""

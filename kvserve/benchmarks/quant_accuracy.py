@@ -1,0 +1,128 @@
+"""`kvserve bench quantization`: what each --quantization method costs in accuracy.
+
+Greedy continuations of a fixed prompt set under each method are compared token by token
+with the float32 engine's. Prompts run one at a time (single-stream decode, where
+``gguf_int8`` quantizes activations) and all together (batched decode).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from kvserve.config import QUANTIZATION_METHODS
+
+PROMPTS = (
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village by the sea,",
+    "The three laws of thermodynamics are",
+    "Translate to German: Good morning, how are you today?",
+    "List the planets of the solar system in order:",
+    "Water boils at a lower temperature on a mountain because",
+    "The best way to learn a new programming language is",
+    "SELECT name, age FROM users WHERE",
+    "In machine learning, overfitting means",
+    "A recipe for pancakes: first,",
+    "The French Revolution began in",
+    "import numpy as np\n\ndef normalize(v):",
+    "Photosynthesis is the process by which",
+    "Dear hiring manager, I am writing to apply for",
+    "The difference between a list and a tuple in Python is",
+)
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None, help="model (default: the embedded default)")
+    parser.add_argument(
+        "--methods", default=",".join(QUANTIZATION_METHODS),
+        help="comma-separated --quantization methods to compare with float32",
+    )  # fmt: skip
+    parser.add_argument("--num-prompts", type=int, default=len(PROMPTS))
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--output-json", default=None)
+
+
+def agreement(reference: list[list[int]], got: list[list[int]]) -> dict[str, float]:
+    """Share of positions with the same token, prompts identical throughout, and the mean
+    length of the common prefix (after a first difference greedy decoding drifts)."""
+    same = total = identical = prefix = 0
+    for ref, out in zip(reference, got, strict=True):
+        same += sum(a == b for a, b in zip(ref, out, strict=False))
+        total += len(ref)
+        identical += ref == out
+        prefix += next(
+            (i for i, (a, b) in enumerate(zip(ref, out, strict=False)) if a != b), len(ref)
+        )
+    n = max(len(reference), 1)
+    return {
+        "position_agreement": same / max(total, 1),
+        "identical_prompts": identical,
+        "mean_common_prefix": prefix / n,
+    }
+
+
+def _continuations(method: str | None, args: argparse.Namespace) -> dict[str, list[list[int]]]:
+    from kvserve.entrypoints.llm import LLM
+    from kvserve.sampling_params import SamplingParams
+
+    kwargs: dict[str, Any] = {"quantization": method}
+    if args.model:
+        kwargs["model"] = args.model
+    llm = LLM(**kwargs)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+    prompts = list(PROMPTS[: args.num_prompts])
+    try:
+        batched = [
+            list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)
+        ]
+        single = [
+            list(llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids) for p in prompts
+        ]
+    finally:
+        llm.llm_engine.shutdown()
+    return {"single_stream": single, "batched": batched}
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    methods = [m for m in args.methods.split(",") if m]
+    unknown = sorted(set(methods) - set(QUANTIZATION_METHODS))
+    if unknown:
+        raise ValueError(
+            f"--methods: unknown quantization {unknown}; known: {QUANTIZATION_METHODS}"
+        )
+    if not 1 <= args.num_prompts <= len(PROMPTS):
+        raise ValueError(f"--num-prompts must be in [1, {len(PROMPTS)}], got {args.num_prompts}")
+    reference = _continuations(None, args)
+    results: dict[str, Any] = {"prompts": args.num_prompts, "tokens_per_prompt": args.max_tokens}
+    for method in methods:
+        got = _continuations(method, args)
+        results[method] = {mode: agreement(reference[mode], got[mode]) for mode in reference}
+    return results
+
+
+def format_table(results: dict[str, Any]) -> str:
+    lines = [
+        f"greedy agreement with float32, {results['prompts']} prompts x "
+        f"{results['tokens_per_prompt']} tokens",
+        f"{'method':<11} {'mode':<14} {'positions':>9} {'identical':>9} {'common prefix':>13}",
+    ]
+    for method, modes in results.items():
+        if not isinstance(modes, dict):
+            continue
+        for mode, a in modes.items():
+            lines.append(
+                f"{method:<11} {mode:<14} {a['position_agreement']:>9.1%} "
+                f"{a['identical_prompts']:>5}/{results['prompts']:<3} {a['mean_common_prefix']:>13.1f}"
+            )
+    return "\n".join(lines)
+
+
+def main(args: argparse.Namespace) -> int:
+    results = run(args)
+    print(format_table(results))
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump(results, f, indent=2)
+    return 0
