@@ -65,3 +65,26 @@ def test_silu_and_mul_kernel_matches_torch() -> None:
     with ops.disabled():
         ref = SiluAndMul()(x)
     torch.testing.assert_close(SiluAndMul()(x), ref, rtol=1e-6, atol=1e-6)
+
+
+def test_cache_write_skips_negative_slots_and_matches_index_copy() -> None:
+    from kvserve.attention.backends.utils import write_to_kv_cache
+
+    kv_cache = torch.zeros(2, 4, 8, 3, 64)  # [K/V, blocks, block_size, kv heads, head size]
+    key, value = torch.randn(4, 3, 64), torch.randn(4, 3, 64)
+    query = torch.randn(4, 9, 64)
+    slots = torch.tensor([5, -1, 17, 31])
+    no_decodes = (
+        torch.zeros((0, 1), dtype=torch.int32),
+        torch.zeros(0, dtype=torch.int32),
+        torch.zeros(0, dtype=torch.long),
+    )
+    out = torch.zeros_like(query)
+    ops.cache_and_decode_attention(
+        out, query, key, value, kv_cache, slots, *no_decodes, 0.125, None
+    )  # fmt: skip
+    expected = torch.zeros_like(kv_cache)
+    valid = torch.nonzero(slots >= 0).flatten()
+    write_to_kv_cache(key, value, expected, slots[valid], valid)
+    assert torch.equal(kv_cache, expected)
+    assert not out.any()  # no decode rows: the output is untouched
