@@ -6,6 +6,7 @@
 
 #include <cstring>
 #include <memory>
+#include <utility>
 #include <vector>
 #ifdef __AVX2__
 #include <immintrin.h>
@@ -244,16 +245,20 @@ void sgemm_nt(int64_t nw, int64_t rows_x, int64_t K, const float* w, const float
   sgemm_("T", "N", &m, &n, &k, &one, w, &k, x, &k, &zero, out, &ld);
 }
 
+// x as contiguous [rows, K], and an uninitialized output shaped like x with N features.
+std::pair<at::Tensor, at::Tensor> linear_operands(const at::Tensor& x_in, const BlockWeight& w) {
+  check_float(x_in, "x");
+  TORCH_CHECK(x_in.size(-1) == w.cols, "x has ", x_in.size(-1), " features, weight ", w.cols);
+  std::vector<int64_t> out_shape(x_in.sizes().begin(), x_in.sizes().end());
+  out_shape.back() = w.rows;
+  return {x_in.reshape({-1, w.cols}).contiguous(), at::empty(out_shape, x_in.options())};
+}
+
 at::Tensor block_linear(const at::Tensor& x_in, const at::Tensor& qs, const at::Tensor& d,
                         const at::Tensor& m, int64_t kind) {
   const BlockWeight w = block_weight(qs, d, m, kind);
-  check_float(x_in, "x");
-  TORCH_CHECK(x_in.size(-1) == w.cols, "x has ", x_in.size(-1), " features, weight ", w.cols);
-  const at::Tensor x = x_in.reshape({-1, w.cols}).contiguous();
+  const auto [x, out] = linear_operands(x_in, w);
   const int64_t rows_x = x.size(0), N = w.rows, K = w.cols, nb = K / kBlock;
-  std::vector<int64_t> out_shape(x_in.sizes().begin(), x_in.sizes().end());
-  out_shape.back() = N;
-  at::Tensor out = at::empty(out_shape, x_in.options());
   const float* xp = x.data_ptr<float>();
   float* op = out.data_ptr<float>();
   if (rows_x == 0) return out;
@@ -462,14 +467,9 @@ constexpr int64_t kInt8MaxRows = 4;
 at::Tensor block_linear_int8(const at::Tensor& x_in, const at::Tensor& qs, const at::Tensor& d,
                              const at::Tensor& m, int64_t kind) {
   const BlockWeight w = block_weight(qs, d, m, kind);
-  check_float(x_in, "x");
-  TORCH_CHECK(x_in.size(-1) == w.cols, "x has ", x_in.size(-1), " features, weight ", w.cols);
-  const at::Tensor x = x_in.reshape({-1, w.cols}).contiguous();
+  const auto [x, out] = linear_operands(x_in, w);
   const int64_t rows_x = x.size(0), N = w.rows;
   if (rows_x >= kInt8MaxRows) return block_linear(x_in, qs, d, m, kind);
-  std::vector<int64_t> out_shape(x_in.sizes().begin(), x_in.sizes().end());
-  out_shape.back() = N;
-  at::Tensor out = at::empty(out_shape, x_in.options());
   if (rows_x == 0) return out;
   const Int8Rows xq(x.data_ptr<float>(), rows_x, w.cols);
   float* op = out.data_ptr<float>();
