@@ -25,7 +25,7 @@ logger = logging.getLogger(__name__)
 
 ENV_DISABLE = "KVSERVE_DISABLE_CUSTOM_OPS"
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = [_CSRC / "cpu_ops.cpp", _CSRC / "block_gemm.cpp"]
+_SOURCES = [_CSRC / "cpu_ops.cpp", _CSRC / "block_gemm.cpp", _CSRC / "decode_stack.cpp"]
 _CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"]
 
 _lock = threading.Lock()
@@ -164,3 +164,19 @@ def block_linear_int8(
     x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor, kind: int
 ) -> torch.Tensor:
     return torch.ops.kvserve.block_linear_int8(x, qs, d, m, kind)
+
+
+def decoder_stack(
+    num_heads: int,
+    num_kv_heads: int,
+    head_size: int,
+    eps: float,
+    scale: float,
+    cos_sin_cache: torch.Tensor,
+) -> torch.ScriptObject:
+    """An empty ``torch.classes.kvserve.DecoderStack`` (csrc/decode_stack.cpp); its
+    ``add_layer`` is called once per decoder layer."""
+    require()
+    return torch.classes.kvserve.DecoderStack(
+        num_heads, num_kv_heads, head_size, eps, scale, cos_sin_cache
+    )

@@ -56,4 +56,22 @@ inline void check_float(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu(), name, " must be on the CPU");
 }
 
+// The kernels registered as torch.ops.kvserve.*, callable directly from other kernels
+// (decode_stack.cpp runs a whole decoder stack through them without the dispatcher).
+void cache_and_decode_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor& key,
+                                const at::Tensor& value, at::Tensor& kv_cache,
+                                const at::Tensor& slot_mapping, const at::Tensor& block_table,
+                                const at::Tensor& seq_lens, const at::Tensor& token_indices,
+                                double scale, int64_t sliding_window);
+void rotary_embedding(const at::Tensor& positions, at::Tensor& query, at::Tensor& key,
+                      int64_t head_size, const at::Tensor& cos_sin_cache);
+void rms_norm(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, double eps);
+void fused_add_rms_norm(at::Tensor& x, at::Tensor& residual, const at::Tensor& weight,
+                        double eps);
+void silu_and_mul(at::Tensor& out, const at::Tensor& x);
+at::Tensor block_linear(const at::Tensor& x_in, const at::Tensor& qs, const at::Tensor& d,
+                        const at::Tensor& m, int64_t kind);
+at::Tensor block_linear_int8(const at::Tensor& x_in, const at::Tensor& qs, const at::Tensor& d,
+                             const at::Tensor& m, int64_t kind);
+
 }  // namespace kvserve_cpu

@@ -17,9 +17,7 @@
 
 #include "cpu_common.h"
 
-namespace {
-
-using namespace kvserve_cpu;
+namespace kvserve_cpu {
 
 // Below this much work (multiply-adds) a kernel runs on the calling thread: waking the
 // OpenMP team costs more than the whole job (e.g. one decode row of a small model), and
@@ -361,7 +359,7 @@ void silu_and_mul(at::Tensor& out, const at::Tensor& x) {
   });
 }
 
-}  // namespace
+}  // namespace kvserve_cpu
 
 TORCH_LIBRARY(kvserve, m) {
   m.def(
@@ -380,9 +378,9 @@ TORCH_LIBRARY(kvserve, m) {
 }
 
 TORCH_LIBRARY_IMPL(kvserve, CPU, m) {
-  m.impl("cache_and_decode_attention", &cache_and_decode_attention);
-  m.impl("rotary_embedding", &rotary_embedding);
-  m.impl("rms_norm", &rms_norm);
-  m.impl("fused_add_rms_norm", &fused_add_rms_norm);
-  m.impl("silu_and_mul", &silu_and_mul);
+  m.impl("cache_and_decode_attention", &kvserve_cpu::cache_and_decode_attention);
+  m.impl("rotary_embedding", &kvserve_cpu::rotary_embedding);
+  m.impl("rms_norm", &kvserve_cpu::rms_norm);
+  m.impl("fused_add_rms_norm", &kvserve_cpu::fused_add_rms_norm);
+  m.impl("silu_and_mul", &kvserve_cpu::silu_and_mul);
 }

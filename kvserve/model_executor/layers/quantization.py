@@ -52,8 +52,8 @@ class BlockWeight:
 
     qtype: GGMLQuantizationType
     qs: torch.Tensor  # int8 [rows, cols] (Q8_0) or uint8 [rows, cols/2] (4-bit)
-    d: torch.Tensor  # float32 [rows, cols/32]
-    m: torch.Tensor  # float32 [rows, cols/32] for Q4_1, else empty
+    d: torch.Tensor  # float16 [rows, cols/32], as stored in the file
+    m: torch.Tensor  # float16 [rows, cols/32] for Q4_1, else empty
     int8_activations: bool = False
 
     @property
@@ -78,12 +78,12 @@ class BlockWeight:
         _, block_bytes, has_min = _KINDS[qtype]
         rows = raw.shape[0]
         blocks = np.ascontiguousarray(raw).reshape(rows, -1, block_bytes)
-        d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+        d = blocks[..., 0:2].copy().view(np.float16)[..., 0]
         start = 4 if has_min else 2
         m = (
-            blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+            blocks[..., 2:4].copy().view(np.float16)[..., 0]
             if has_min
-            else np.zeros((0,), np.float32)
+            else np.zeros((0,), np.float16)
         )
         quants = blocks[..., start:].reshape(rows, -1)
         if qtype == GGMLQuantizationType.Q8_0:

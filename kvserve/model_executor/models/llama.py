@@ -31,6 +31,7 @@ from kvserve.model_executor.layers.vocab_parallel_embedding import (
     ParallelLMHead,
     VocabParallelEmbedding,
 )
+from kvserve.model_executor.models.llama_decode_stack import LlamaDecodeStack
 from kvserve.transformers_utils.arch_config import ArchConfig
 
 
@@ -122,9 +123,17 @@ class LlamaModel(nn.Module):
             for i in range(arch.num_hidden_layers)
         )
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        # Decode steps as one C++ call (same kernels, same result); None: always the
+        # modules (tests compare the two).
+        self.decode_stack: LlamaDecodeStack | None = LlamaDecodeStack(list(self.layers))  # type: ignore[arg-type]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden_states = self.embed_tokens.forward(input_ids)
+        stack = self.decode_stack
+        stacked = stack.forward(hidden_states, positions) if stack is not None else None
+        if stacked is not None:  # (last MLP output, residual)
+            hidden_states, _ = self.norm.forward(*stacked)
+            return hidden_states
         residual: torch.Tensor | None = None
         for layer in self.layers:
             hidden_states, residual = layer.forward(positions, hidden_states, residual)

@@ -1,0 +1,163 @@
+// A Llama-family decoder stack, run for a decode step as one call from Python.
+//
+// A single-stream decode step does about 15 small ops per layer. Through the Python
+// modules and the dispatcher each costs a few microseconds of framework time, which for
+// a 30-layer model is several milliseconds per token: as much as reading the quantized
+// weights. Here the same kernels (the ones torch.ops.kvserve registers) are called
+// directly, in the same order on the same operands, so the result is bit for bit what
+// the per-layer Python path computes. Prefill steps keep the Python path (their
+// attention is SDPA over gathered blocks).
+//
+// Registered as torch.classes.kvserve.DecoderStack; built by
+// kvserve/model_executor/models/llama_decode_stack.py, which holds the eligibility rules.
+
+#include <ATen/ops/add.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/linear.h>
+#include <ATen/ops/zeros.h>
+#include <torch/custom_class.h>
+#include <torch/library.h>
+
+#include <optional>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+#include "cpu_common.h"
+
+namespace kvserve_cpu {
+namespace {
+
+// One linear layer: a float32 weight (kind < 0) or GGUF block planes (kinds as in
+// block_gemm.cpp), with an optional bias added after the product, as the modules do.
+struct Projection {
+  at::Tensor weight;  // float32 [N, K], or the block quants
+  at::Tensor d, m;
+  int64_t kind = -1;
+  bool int8_activations = false;
+  std::optional<at::Tensor> bias;
+
+  at::Tensor operator()(const at::Tensor& x) const {
+    at::Tensor y = kind < 0              ? at::linear(x, weight)
+                   : int8_activations ? block_linear_int8(x, weight, d, m, kind)
+                                         : block_linear(x, weight, d, m, kind);
+    return bias ? at::add(y, *bias) : y;
+  }
+};
+
+struct Layer {
+  at::Tensor input_norm, post_norm;
+  Projection qkv, o, gate_up, down;
+  int64_t sliding_window = 0;  // <= 0: none
+};
+
+}  // namespace
+
+class DecoderStack : public torch::CustomClassHolder {
+ public:
+  DecoderStack(int64_t num_heads, int64_t num_kv_heads, int64_t head_size, double eps,
+               double scale, at::Tensor cos_sin_cache)
+      : num_heads_(num_heads), num_kv_heads_(num_kv_heads), head_size_(head_size), eps_(eps),
+        scale_(scale), cos_sin_cache_(std::move(cos_sin_cache)) {
+    TORCH_CHECK(num_heads > 0 && num_kv_heads > 0 && num_heads % num_kv_heads == 0,
+                "query heads must be a positive multiple of kv heads");
+    check_float(cos_sin_cache_, "cos_sin_cache");
+  }
+
+  // planes: (weight, d, m) for qkv, o, gate_up and down in that order; kinds: one per
+  // projection, -1 for a float32 weight (its d and m are ignored).
+  void add_layer(at::Tensor input_norm, at::Tensor post_norm, std::vector<at::Tensor> planes,
+                 std::vector<int64_t> kinds, bool int8_activations,
+                 std::optional<at::Tensor> qkv_bias, std::optional<at::Tensor> o_bias,
+                 int64_t sliding_window) {
+    TORCH_CHECK(planes.size() == 12 && kinds.size() == 4,
+                "add_layer takes 4 projections as (weight, d, m) and their 4 kinds");
+    check_float(input_norm, "input_norm");
+    check_float(post_norm, "post_norm");
+    Layer layer;
+    layer.input_norm = std::move(input_norm);
+    layer.post_norm = std::move(post_norm);
+    Projection* projections[4] = {&layer.qkv, &layer.o, &layer.gate_up, &layer.down};
+    for (int p = 0; p < 4; ++p) {
+      Projection& proj = *projections[p];
+      proj.weight = planes[3 * p];
+      proj.d = planes[3 * p + 1];
+      proj.m = planes[3 * p + 2];
+      proj.kind = kinds[p];
+      proj.int8_activations = int8_activations;
+      if (proj.kind < 0) check_float(proj.weight, "float32 weight");
+    }
+    layer.qkv.bias = std::move(qkv_bias);
+    layer.o.bias = std::move(o_bias);
+    layer.sliding_window = sliding_window;
+    layers_.push_back(std::move(layer));
+  }
+
+  int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
+
+  // hidden: [T, H] embeddings of the step's tokens, every one a decode row; returns
+  // (last layer's MLP output, residual stream), for the model's final fused add + norm.
+  // The attention arguments are CPUAttentionMetadata's kernel inputs; rows at and past
+  // num_actual_tokens are padding, whose attention output is zero.
+  std::tuple<at::Tensor, at::Tensor> forward(at::Tensor hidden, at::Tensor positions,
+                                             std::vector<at::Tensor> kv_caches,
+                                             at::Tensor slot_mapping, at::Tensor block_table,
+                                             at::Tensor seq_lens, at::Tensor token_indices,
+                                             int64_t num_actual_tokens) {
+    TORCH_CHECK(!layers_.empty(), "the decoder stack has no layers");
+    TORCH_CHECK(kv_caches.size() == layers_.size(), "one KV cache per layer expected, got ",
+                kv_caches.size(), " for ", layers_.size());
+    check_float(hidden, "hidden");
+    TORCH_CHECK(hidden.dim() == 2 && hidden.is_contiguous(), "hidden must be contiguous [T, H]");
+    const int64_t tokens = hidden.size(0);
+    const int64_t q_size = num_heads_ * head_size_, kv_size = num_kv_heads_ * head_size_;
+    const bool padded = num_actual_tokens != tokens;
+
+    at::Tensor residual = hidden;
+    at::Tensor x = at::empty_like(hidden);
+    rms_norm(x, hidden, layers_[0].input_norm, eps_);
+    for (size_t i = 0; i < layers_.size(); ++i) {
+      const Layer& layer = layers_[i];
+      if (i > 0) fused_add_rms_norm(x, residual, layer.input_norm, eps_);
+
+      const at::Tensor qkv = layer.qkv(x);
+      at::Tensor q = qkv.narrow(1, 0, q_size);
+      at::Tensor k = qkv.narrow(1, q_size, kv_size);
+      const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size);
+      rotary_embedding(positions, q, k, head_size_, cos_sin_cache_);
+      at::Tensor attn = padded ? at::zeros({tokens, q_size}, hidden.options())
+                               : at::empty({tokens, q_size}, hidden.options());
+      at::Tensor attn_heads = attn.view({tokens, num_heads_, head_size_});
+      cache_and_decode_attention(attn_heads, q.view({tokens, num_heads_, head_size_}),
+                                 k.view({tokens, num_kv_heads_, head_size_}),
+                                 v.view({tokens, num_kv_heads_, head_size_}), kv_caches[i],
+                                 slot_mapping, block_table, seq_lens, token_indices, scale_,
+                                 layer.sliding_window);
+
+      x = layer.o(attn);
+      fused_add_rms_norm(x, residual, layer.post_norm, eps_);
+      const at::Tensor gate_up = layer.gate_up(x);
+      at::Tensor act = at::empty({tokens, gate_up.size(1) / 2}, hidden.options());
+      silu_and_mul(act, gate_up);
+      x = layer.down(act);
+    }
+    return {x, residual};
+  }
+
+ private:
+  int64_t num_heads_, num_kv_heads_, head_size_;
+  double eps_, scale_;
+  at::Tensor cos_sin_cache_;
+  std::vector<Layer> layers_;
+};
+
+}  // namespace kvserve_cpu
+
+TORCH_LIBRARY_FRAGMENT(kvserve, m) {
+  m.class_<kvserve_cpu::DecoderStack>("DecoderStack")
+      .def(torch::init<int64_t, int64_t, int64_t, double, double, at::Tensor>())
+      .def("add_layer", &kvserve_cpu::DecoderStack::add_layer)
+      .def("num_layers", &kvserve_cpu::DecoderStack::num_layers)
+      .def("forward", &kvserve_cpu::DecoderStack::forward);
+}

@@ -1,0 +1,123 @@
+"""The native decode stack (csrc/decode_stack.cpp) against the per-layer module path.
+
+Both run the same kernels in the same order, so every comparison here is exact: the
+stack is only a faster way to make the same calls.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvserve import _custom_ops as ops
+from kvserve.attention.backends.registry import get_attn_backend
+from kvserve.attention.backends.utils import make_common_attn_metadata
+from kvserve.forward_context import set_forward_context
+from kvserve.model_executor.layers.quantization import quantize_model
+from kvserve.model_executor.model_loader import get_model
+from kvserve.transformers_utils.arch_config import load_arch_config
+from kvserve.transformers_utils.model_resolver import resolve_model
+
+pytestmark = pytest.mark.skipif(not ops.available(), reason="needs the C++ CPU kernels")
+
+
+def _load(path: Path, quantization: str | None = None, int8: bool = False) -> torch.nn.Module:
+    resolved = resolve_model(str(path))
+    arch = load_arch_config(resolved)
+    model = get_model(resolved, arch)
+    if quantization is not None:
+        quantize_model(model, quantization, None, arch)
+        for module in model.modules():
+            bw = getattr(module, "quant_weight", None)
+            if bw is not None:
+                bw.int8_activations = int8
+    return model
+
+
+def _decode_run(runner_cls: Callable, model: torch.nn.Module) -> list[torch.Tensor]:
+    """Prefill three prompts of different lengths, then eight batched decode steps (the
+    requests' lengths cross block boundaries at different steps)."""
+    runner = runner_cls(model, block_size=4)
+    torch.manual_seed(5)
+    prompts = {r: torch.randint(3, 256, (n,)).tolist() for r, n in (("a", 5), ("b", 11), ("c", 2))}
+    logits = runner.step(list(prompts.items()))
+    out = [torch.cat(logits)]
+    last = {r: int(lg[-1].argmax()) for r, lg in zip(prompts, logits, strict=True)}
+    for _ in range(8):
+        logits = runner.step([(r, [last[r]]) for r in prompts])
+        out.append(torch.cat(logits))
+        last = {r: int(lg[-1].argmax()) for r, lg in zip(prompts, logits, strict=True)}
+    return out
+
+
+@pytest.mark.parametrize(
+    ("which", "quantization", "int8"),
+    [
+        ("tiny_llama", None, False),
+        ("tiny_qwen2", None, False),  # q/k/v biases
+        ("tiny_llama", "q8_0", False),  # block weights, float activations
+        ("tiny_llama", "q8_0", True),  # block weights, int8 activations
+    ],
+)
+def test_decode_steps_equal_the_module_path_exactly(
+    which: str,
+    quantization: str | None,
+    int8: bool,
+    request: pytest.FixtureRequest,
+    paged_runner: Callable,
+) -> None:
+    path, _ = request.getfixturevalue(which)
+    native = _load(path, quantization, int8)
+    modules = _load(path, quantization, int8)
+    modules.model.decode_stack = None
+
+    got = _decode_run(paged_runner, native)
+    want = _decode_run(paged_runner, modules)
+    assert native.model.decode_stack._stack is not None  # the decode steps took it
+    for step, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert torch.equal(g, w), f"step {step} differs"
+
+
+def test_prefill_steps_and_kernel_fallbacks_take_the_modules(
+    tiny_llama: tuple, paged_runner: Callable
+) -> None:
+    path, _ = tiny_llama
+    model = _load(path)
+    stack = model.model.decode_stack
+    runner = paged_runner(model, block_size=4)
+    runner.step([("a", [5, 6, 7])])
+    assert stack._stack is None  # a prefill-only step never builds it
+    # Mixed step: one decode row plus a prefill chunk.
+    runner.step([("a", [8]), ("b", [9, 10])])
+    assert stack._stack is None
+    with ops.disabled():
+        runner.step([("a", [11]), ("b", [12])])
+    assert stack._stack is None
+    runner.step([("a", [13]), ("b", [14])])
+    assert stack._stack is not None
+
+
+@torch.no_grad()
+def test_padding_rows_past_the_actual_tokens_are_ignored(tiny_llama: tuple) -> None:
+    from kvserve.attention.layer import allocate_kv_caches, bind_kv_cache
+
+    path, _ = tiny_llama
+    outputs = []
+    for use_stack in (True, False):
+        model = _load(path)
+        if not use_stack:
+            model.model.decode_stack = None
+        bind_kv_cache(model, allocate_kv_caches(model, 16, 4, "cpu"))
+        builder = get_attn_backend("cpu").get_builder_cls()(4, "cpu")
+        prefill = make_common_attn_metadata([6], [0], [[3, 7]], 4)
+        with set_forward_context(builder.build(prefill)):
+            model(torch.arange(10, 16), torch.arange(6))
+        # One real decode token (position 6, slot 7*4+2) and one padding row.
+        decode = make_common_attn_metadata([1], [6], [[3, 7]], 4)
+        with set_forward_context(builder.build(decode)):
+            hidden = model(torch.tensor([20, 0]), torch.tensor([6, 0]))
+        outputs.append(hidden)
+    assert torch.equal(outputs[0][:1], outputs[1][:1])
