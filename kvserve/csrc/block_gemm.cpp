@@ -88,11 +88,6 @@ inline void load_quants(const uint8_t* qs, __m256 q[4]) {
   }
 }
 
-inline float hsum(__m256 v) {
-  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
-}
 #endif
 
 inline int64_t block_bytes_of(int64_t kind) { return kind == 0 ? 32 : 16; }

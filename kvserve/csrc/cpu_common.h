@@ -7,8 +7,19 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#if defined(__AVX2__) || defined(__F16C__)
+#include <immintrin.h>
+#endif
 
 namespace kvserve_cpu {
+
+#ifdef __AVX2__
+inline float hsum(__m256 v) {
+  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
+}
+#endif
 
 // 16 independent lanes so the compiler emits full-width vector code without -ffast-math.
 inline float dot(const float* a, const float* b, int64_t n) {

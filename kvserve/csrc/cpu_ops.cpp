@@ -23,6 +23,7 @@ namespace kvserve_cpu {
 // OpenMP team costs more than the whole job (e.g. one decode row of a small model), and
 // on a busy machine far more. Chunks of a parallel job get at least this much each.
 constexpr int64_t kMinParallelWork = 1 << 18;
+constexpr int64_t kMinParallelAttention = 1 << 15;
 
 inline int64_t grain_for(int64_t work_per_item) {
   return std::max<int64_t>(1, kMinParallelWork / std::max<int64_t>(1, work_per_item));
@@ -30,6 +31,8 @@ inline int64_t grain_for(int64_t work_per_item) {
 
 // Tokens whose query.key products are reduced together (see score_tile).
 constexpr int64_t kTile = 8;
+// Value rows accumulated per query head before moving to the next head of the group.
+constexpr int64_t kValueRows = 32;
 
 // scores[j] = dot(q, k[j]) * scale for up to kTile keys, each rounded exactly as dot()
 // rounds it (16 lane sums, then the tail, then the lanes added in order), but with the
@@ -58,6 +61,53 @@ inline void score_tile(const float* q, const float* const* k, int64_t m, int64_t
     for (int64_t j = 0; j < kTile; ++j) acc[j] += lanes[l][j];
   for (int64_t j = 0; j < m; ++j) scores[j] = acc[j] * scale;
 }
+
+#ifdef __AVX2__
+// scores[j] = scale * (q . k_j) for m <= 8 keys, head_size a multiple of 8. A full batch
+// of eight keys keeps eight accumulators and reduces them with one hadd tree.
+inline void score_batch_avx2(const float* q, const float* const* k, int64_t m, int64_t head_size,
+                             float scale, float* scores) {
+  if (m < 8) {
+    for (int64_t j = 0; j < m; ++j) {
+      __m256 acc = _mm256_setzero_ps();
+      for (int64_t c = 0; c < head_size; c += 8)
+        acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + c), _mm256_loadu_ps(k[j] + c), acc);
+      scores[j] = hsum(acc) * scale;
+    }
+    return;
+  }
+  __m256 acc[8];
+  for (int t = 0; t < 8; ++t) acc[t] = _mm256_setzero_ps();
+  for (int64_t c = 0; c < head_size; c += 8) {
+    const __m256 qv = _mm256_loadu_ps(q + c);
+    for (int t = 0; t < 8; ++t) acc[t] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[t] + c), acc[t]);
+  }
+  // hadd(hadd(a0, a1), hadd(a2, a3)) holds keys 0-3's low-lane sums in its low half and
+  // their high-lane sums in its high half; same for keys 4-7.
+  const __m256 s03 = _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]), _mm256_hadd_ps(acc[2], acc[3]));
+  const __m256 s47 = _mm256_hadd_ps(_mm256_hadd_ps(acc[4], acc[5]), _mm256_hadd_ps(acc[6], acc[7]));
+  const __m256 sum = _mm256_add_ps(_mm256_permute2f128_ps(s03, s47, 0x20),
+                                   _mm256_permute2f128_ps(s03, s47, 0x31));
+  _mm256_storeu_ps(scores, _mm256_mul_ps(sum, _mm256_set1_ps(scale)));
+}
+
+// acc += sum_j p[j] v_j over value rows j in [j0, j1) (v[j] + v_offset), head_size a
+// multiple of 8: up to 64 accumulator values at a time stay in registers across the rows.
+inline void accumulate_values_avx2(const float* p, const float* const* v, int64_t v_offset,
+                                   int64_t j0, int64_t j1, int64_t head_size, float* acc) {
+  for (int64_t c0 = 0; c0 < head_size; c0 += 64) {
+    const int64_t chunks = std::min<int64_t>(8, (head_size - c0) / 8);
+    __m256 a[8];
+    for (int c = 0; c < chunks; ++c) a[c] = _mm256_loadu_ps(acc + c0 + 8 * c);
+    for (int64_t j = j0; j < j1; ++j) {
+      const __m256 pj = _mm256_set1_ps(p[j]);
+      const float* row = v[j] + v_offset + c0;
+      for (int c = 0; c < chunks; ++c) a[c] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(row + 8 * c), a[c]);
+    }
+    for (int c = 0; c < chunks; ++c) _mm256_storeu_ps(acc + c0 + 8 * c, a[c]);
+  }
+}
+#endif
 
 // This step's keys and values into the paged cache: row t goes to slot slot_mapping[t]
 // (block * block_size + offset); negative slots (padding) are skipped.
@@ -101,7 +151,8 @@ void write_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor& kv_cac
 }
 
 // Decode attention straight from the paged cache: one task per (request, kv head) reads
-// that head's keys and values once and serves all query heads of its GQA group.
+// that head's keys and values once and serves all query heads of its GQA group (with
+// few requests, one task per query head; see below).
 //   out, query: [T, Hq, hd] (rows of the flattened batch; only token_indices are touched)
 //   kv_cache: [2, num_blocks, block_size, Hkv, hd], contiguous
 //   block_table: int32 [D, max_blocks]; seq_lens: int32 [D]; token_indices: int64 [D]
@@ -144,76 +195,126 @@ void decode_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor
   const int64_t qs0 = query.stride(0), qs1 = query.stride(1);
   const int64_t os0 = out.stride(0), os1 = out.stride(1);
   const float fscale = static_cast<float>(scale);
+  // FMA kernels for the usual head sizes; the portable loops below cover the rest.
+  [[maybe_unused]] const bool vectorized = head_size % 8 == 0;
 
   int64_t total_len = 0;
   for (int64_t r = 0; r < num_reqs; ++r) total_len += len_ptr[r];
-  // Keys and values each take group * head_size multiply-adds per context position.
-  const int64_t work_per_task = 2 * group * head_size * std::max<int64_t>(1, total_len / num_reqs);
+  // Task size. With many requests a task is one request, all heads: a token's keys for
+  // every head are one contiguous row, so the cache streams in order. With fewer, one
+  // task per kv head, and with fewer still (single-stream decode) one per query head,
+  // which re-reads its group's keys and values from cache but gives every thread work.
+  // Each query head's arithmetic is the same whatever the split.
+  const int64_t threads = at::get_num_threads();
+  const int64_t kv_per_task = num_reqs >= 4 * threads ? num_kv_heads : 1;
+  const int64_t q_per_task = num_reqs * num_kv_heads >= 4 * threads ? group : 1;
+  const int64_t kv_tasks = num_kv_heads / kv_per_task, q_tasks = group / q_per_task;
+  // Keys and values each take head_size multiply-adds per context position and query head.
+  const int64_t work_per_task = 2 * kv_per_task * q_per_task * head_size *
+                                std::max<int64_t>(1, total_len / num_reqs);
+  // Decode attention streams the KV cache from memory: worth both threads at a smaller
+  // size than the compute-bound kernels' threshold.
+  const int64_t grain = std::max<int64_t>(1, kMinParallelAttention / work_per_task);
+  const int64_t v_offset = v_base - k_base;
 
-  at::parallel_for(0, num_reqs * num_kv_heads, grain_for(work_per_task), [&](int64_t begin,
-                                                                             int64_t end) {
+  at::parallel_for(0, num_reqs * kv_tasks * q_tasks, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
-    std::vector<const float*> rows;
-    std::vector<float> qs(group * head_size), acc(group * head_size), inv_sum(group);
+    std::vector<const float*> rows;  // each context token's key row (all heads)
+    std::vector<float> qs(num_heads * head_size), acc(num_heads * head_size), inv_sum(num_heads);
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t r = task / num_kv_heads;
-      const int64_t h = task % num_kv_heads;
+      const int64_t r = task / (kv_tasks * q_tasks);
+      const int64_t h0 = (task / q_tasks) % kv_tasks * kv_per_task, h1 = h0 + kv_per_task;
+      const int64_t g0 = task % q_tasks * q_per_task, g1 = g0 + q_per_task;
       const int64_t seq_len = len_ptr[r];
       const int64_t first = sliding_window > 0 ? std::max<int64_t>(0, seq_len - sliding_window) : 0;
       const int64_t n = seq_len - first;
       const int64_t tok = tok_ptr[r];
       const int32_t* table = tables + r * max_blocks;
+      // Query head qh = h * group + g; its scores at qh * n, its q and acc at qh * head_size.
       if (n <= 0) {
-        for (int64_t g = 0; g < group; ++g)
-          std::fill_n(o_base + tok * os0 + (h * group + g) * os1, head_size, 0.f);
+        for (int64_t h = h0; h < h1; ++h)
+          for (int64_t g = g0; g < g1; ++g)
+            std::fill_n(o_base + tok * os0 + (h * group + g) * os1, head_size, 0.f);
         continue;
       }
-      scores.resize(group * n);
+      scores.resize(num_heads * n);
       rows.resize(n);
-      for (int64_t g = 0; g < group; ++g) {
-        const float* q = q_base + tok * qs0 + (h * group + g) * qs1;
-        for (int64_t i = 0; i < head_size; ++i) qs[g * head_size + i] = q[i];
-      }
-      // This head's row of every context position in [first, seq_len), relative to the
-      // start of the key cache (the value cache has the same layout): one table lookup
-      // per block, not per token.
+      for (int64_t h = h0; h < h1; ++h)
+        for (int64_t g = g0; g < g1; ++g) {
+          const int64_t qh = h * group + g;
+          std::copy_n(q_base + tok * qs0 + qh * qs1, head_size, qs.data() + qh * head_size);
+        }
+      // Every context position in [first, seq_len), relative to the start of the key
+      // cache (the value cache has the same layout): one table lookup per block.
       for (int64_t t0 = first - first % block_size; t0 < seq_len; t0 += block_size) {
         const int64_t block = table[t0 / block_size];
         TORCH_CHECK(block >= 0 && block < num_blocks, "block id ", block, " outside the cache");
-        const float* base = k_base + block * block_stride + h * head_size;
+        const float* base = k_base + block * block_stride;
         const int64_t lo = std::max(t0, first), hi = std::min(t0 + block_size, seq_len);
         for (int64_t t = lo; t < hi; ++t) rows[t - first] = base + (t - t0) * token_stride;
       }
 
-      for (int64_t g = 0; g < group; ++g)
-        for (int64_t i0 = 0; i0 < n; i0 += kTile)
-          score_tile(qs.data() + g * head_size, rows.data() + i0, std::min(kTile, n - i0),
-                     head_size, fscale, scores.data() + g * n + i0);
-      for (int64_t g = 0; g < group; ++g) {
-        float* s = scores.data() + g * n;
-        float m = -INFINITY;
-#pragma omp simd reduction(max : m)
-        for (int64_t i = 0; i < n; ++i) m = std::max(m, s[i]);
-        float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t i = 0; i < n; ++i) {
-          s[i] = exp_nonpositive(s[i] - m);
-          sum += s[i];
+      // Heads inner: a batch of key rows serves every head of the task while in L1.
+      const float* head_rows[kTile];
+      for (int64_t i0 = 0; i0 < n; i0 += kTile) {
+        const int64_t m = std::min(kTile, n - i0);
+        for (int64_t h = h0; h < h1; ++h) {
+          for (int64_t j = 0; j < m; ++j) head_rows[j] = rows[i0 + j] + h * head_size;
+          for (int64_t g = g0; g < g1; ++g) {
+            const int64_t qh = h * group + g;
+            float* out_scores = scores.data() + qh * n + i0;
+#ifdef __AVX2__
+            if (vectorized) {
+              score_batch_avx2(qs.data() + qh * head_size, head_rows, m, head_size, fscale,
+                               out_scores);
+              continue;
+            }
+#endif
+            score_tile(qs.data() + qh * head_size, head_rows, m, head_size, fscale, out_scores);
+          }
         }
-        inv_sum[g] = 1.f / sum;
       }
-      std::fill(acc.begin(), acc.end(), 0.f);
-      const int64_t v_offset = v_base - k_base;
-      for (int64_t i = 0; i < n; ++i) {
-        const float* v = rows[i] + v_offset;
-        for (int64_t g = 0; g < group; ++g)
-          axpy(acc.data() + g * head_size, scores[g * n + i], v, head_size);
+      for (int64_t h = h0; h < h1; ++h)
+        for (int64_t g = g0; g < g1; ++g) {
+          const int64_t qh = h * group + g;
+          float* s = scores.data() + qh * n;
+          float mx = -INFINITY;
+#pragma omp simd reduction(max : mx)
+          for (int64_t i = 0; i < n; ++i) mx = std::max(mx, s[i]);
+          float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+          for (int64_t i = 0; i < n; ++i) {
+            s[i] = exp_nonpositive(s[i] - mx);
+            sum += s[i];
+          }
+          inv_sum[qh] = 1.f / sum;
+          std::fill_n(acc.data() + qh * head_size, head_size, 0.f);
+        }
+      // Value rows in runs of kValueRows, each run serving every head of the task.
+      for (int64_t j0 = 0; j0 < n; j0 += kValueRows) {
+        const int64_t j1 = std::min(n, j0 + kValueRows);
+        for (int64_t h = h0; h < h1; ++h)
+          for (int64_t g = g0; g < g1; ++g) {
+            const int64_t qh = h * group + g;
+            const float* p = scores.data() + qh * n;
+            float* a = acc.data() + qh * head_size;
+            const int64_t offset = v_offset + h * head_size;
+#ifdef __AVX2__
+            if (vectorized) {
+              accumulate_values_avx2(p, rows.data(), offset, j0, j1, head_size, a);
+              continue;
+            }
+#endif
+            for (int64_t j = j0; j < j1; ++j) axpy(a, p[j], rows[j] + offset, head_size);
+          }
       }
-      for (int64_t g = 0; g < group; ++g) {
-        float* o = o_base + tok * os0 + (h * group + g) * os1;
-        const float* a = acc.data() + g * head_size;
-        for (int64_t i = 0; i < head_size; ++i) o[i] = a[i] * inv_sum[g];
-      }
+      for (int64_t h = h0; h < h1; ++h)
+        for (int64_t g = g0; g < g1; ++g) {
+          const int64_t qh = h * group + g;
+          float* o = o_base + tok * os0 + qh * os1;
+          const float* a = acc.data() + qh * head_size;
+          for (int64_t i = 0; i < head_size; ++i) o[i] = a[i] * inv_sum[qh];
+        }
     }
   });
 }
