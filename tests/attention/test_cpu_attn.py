@@ -17,14 +17,14 @@ def naive_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first_pos: int, window: int | None
 ) -> torch.Tensor:
     """q [Lq, H, D] at positions first_pos.., k/v [S, Hkv, D] for positions 0..S-1."""
-    group = NUM_HEADS // NUM_KV_HEADS
+    group = q.shape[1] // k.shape[1]
     k = k.repeat_interleave(group, dim=1)
     v = v.repeat_interleave(group, dim=1)
     out = torch.empty_like(q)
     for i in range(q.shape[0]):
         pos = first_pos + i
         lo = 0 if window is None else max(0, pos - window + 1)
-        scores = torch.einsum("hd,shd->hs", q[i], k[lo : pos + 1]) * HEAD**-0.5
+        scores = torch.einsum("hd,shd->hs", q[i], k[lo : pos + 1]) * q.shape[2] ** -0.5
         out[i] = torch.einsum("hs,shd->hd", scores.softmax(-1), v[lo : pos + 1])
     return out
 
@@ -35,7 +35,9 @@ def run_case(
     query_lens: list[int],
     computed: list[int],
     window: int | None = None,
+    dims: tuple[int, int, int] = (NUM_HEADS, NUM_KV_HEADS, HEAD),
 ) -> None:
+    num_heads, num_kv_heads, head = dims
     seq_lens = [c + q for c, q in zip(computed, query_lens, strict=True)]
     blocks_needed = [-(-s // block_size) for s in seq_lens]
     num_blocks = sum(blocks_needed) + 3
@@ -47,9 +49,9 @@ def run_case(
         pool = pool[n:]
 
     backend = get_attn_backend("cpu")
-    kv_cache = torch.zeros(backend.get_kv_cache_shape(num_blocks, block_size, NUM_KV_HEADS, HEAD))
-    full_k = [torch.randn(s, NUM_KV_HEADS, HEAD) for s in seq_lens]
-    full_v = [torch.randn(s, NUM_KV_HEADS, HEAD) for s in seq_lens]
+    kv_cache = torch.zeros(backend.get_kv_cache_shape(num_blocks, block_size, num_kv_heads, head))
+    full_k = [torch.randn(s, num_kv_heads, head) for s in seq_lens]
+    full_v = [torch.randn(s, num_kv_heads, head) for s in seq_lens]
     # Place the already-computed prefix in the cache, as earlier steps would have.
     for r, c in enumerate(computed):
         for pos in range(c):
@@ -59,10 +61,10 @@ def run_case(
 
     common = make_common_attn_metadata(query_lens, computed, tables, block_size)
     metadata = backend.get_builder_cls()(block_size, "cpu").build(common)
-    q = torch.randn(sum(query_lens), NUM_HEADS, HEAD)
+    q = torch.randn(sum(query_lens), num_heads, head)
     k = torch.cat([full_k[r][c:] for r, c in enumerate(computed)])
     v = torch.cat([full_v[r][c:] for r, c in enumerate(computed)])
-    impl = backend.get_impl_cls()(NUM_HEADS, HEAD, HEAD**-0.5, NUM_KV_HEADS, window)
+    impl = backend.get_impl_cls()(num_heads, head, head**-0.5, num_kv_heads, window)
     # The C++ decode kernel and the torch fallback must both agree with the naive loop.
     with ops.disabled():
         out_torch = impl.forward(torch.nn.Module(), q, k, v, kv_cache, metadata)
@@ -142,3 +144,22 @@ def test_backend_selection() -> None:
     assert CPUAttentionBackend.get_kv_cache_shape(10, 16, 2, 64) == (2, 10, 16, 2, 64)
     with pytest.raises(ValueError, match="not available"):
         get_attn_backend("cpu", name="GPU_FLASH")
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("num_decodes", [1, 3, 12])
+@pytest.mark.parametrize("head", [16, 12])
+def test_decode_kernel_task_splits_match_naive(threads: int, num_decodes: int, head: int) -> None:
+    """The kernel splits a step into tasks by query head (single stream), by kv head or by
+    request (large batches), depending on requests per thread; head sizes that are a
+    multiple of 8 take the FMA loops, others the portable ones. All must agree."""
+    rng = random.Random(num_decodes * 100 + head)
+    torch.manual_seed(num_decodes)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        computed = [rng.randint(1, 70) for _ in range(num_decodes)]
+        run_case(rng, 4, [1] * num_decodes, computed, dims=(6, 2, head))
+        run_case(rng, 4, [1] * num_decodes, computed, window=5, dims=(6, 2, head))
+    finally:
+        torch.set_num_threads(before)
