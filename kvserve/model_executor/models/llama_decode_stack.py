@@ -86,14 +86,19 @@ class LlamaDecodeStack:
             a, mlp = layer.self_attn, layer.mlp
             planes: list[torch.Tensor] = []
             kinds: list[int] = []
-            int8 = False
+            int8_flags: set[bool] = set()
             for linear in (a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj):
                 tensors, kind, int8_activations = _projection(linear)
                 planes += tensors
                 kinds.append(kind)
-                int8 = int8 or int8_activations
+                if kind >= 0:
+                    int8_flags.add(int8_activations)
+            # The kernel takes one int8-activation flag per layer for its block weights.
+            if len(int8_flags) > 1:
+                return None
             if mlp.gate_up_proj.bias is not None or mlp.down_proj.bias is not None:
                 return None
+            int8 = int8_flags == {True}
             stack.add_layer(
                 layer.input_layernorm.weight, layer.post_attention_layernorm.weight, planes,
                 kinds, int8, a.qkv_proj.bias, a.o_proj.bias, a.attn.sliding_window or 0,
