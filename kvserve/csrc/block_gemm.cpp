@@ -306,7 +306,6 @@ at::Tensor block_linear(const at::Tensor& x_in, const at::Tensor& qs, const at::
   return out;
 }
 
-
 // ---- int8 activations (--quantization gguf_int8) ------------------------------------
 // llama.cpp's CPU arithmetic: each row of x is quantized per 32-value block to int8 with
 // a float32 scale (its Q8_1: dx = max|x| / 127, q = round(x / dx), s = dx * sum(q) for

@@ -150,9 +150,9 @@ void write_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor& kv_cac
   }
 }
 
-// Decode attention straight from the paged cache: one task per (request, kv head) reads
-// that head's keys and values once and serves all query heads of its GQA group (with
-// few requests, one task per query head; see below).
+// Decode attention straight from the paged cache. A task is one request's heads, one kv
+// head with its GQA group, or one query head, by how many requests share the threads
+// (see the task size below).
 //   out, query: [T, Hq, hd] (rows of the flattened batch; only token_indices are touched)
 //   kv_cache: [2, num_blocks, block_size, Hkv, hd], contiguous
 //   block_table: int32 [D, max_blocks]; seq_lens: int32 [D]; token_indices: int64 [D]

@@ -65,14 +65,15 @@ class DecoderStack : public torch::CustomClassHolder {
     check_float(cos_sin_cache_, "cos_sin_cache");
   }
 
-  // planes: (weight, d, m) for qkv, o, gate_up and down in that order; kinds: one per
-  // projection, -1 for a float32 weight (its d and m are ignored).
+  // planes: (weight, d, m) for qkv, o, gate_up and down in that order; kinds and
+  // int8_activations: one per projection, kind -1 for a float32 weight (its d and m are
+  // ignored).
   void add_layer(at::Tensor input_norm, at::Tensor post_norm, std::vector<at::Tensor> planes,
-                 std::vector<int64_t> kinds, bool int8_activations,
+                 std::vector<int64_t> kinds, c10::List<bool> int8_activations,
                  std::optional<at::Tensor> qkv_bias, std::optional<at::Tensor> o_bias,
                  int64_t sliding_window) {
-    TORCH_CHECK(planes.size() == 12 && kinds.size() == 4,
-                "add_layer takes 4 projections as (weight, d, m) and their 4 kinds");
+    TORCH_CHECK(planes.size() == 12 && kinds.size() == 4 && int8_activations.size() == 4,
+                "add_layer takes 4 projections as (weight, d, m), their 4 kinds and 4 int8 flags");
     check_float(input_norm, "input_norm");
     check_float(post_norm, "post_norm");
     Layer layer;
@@ -85,7 +86,7 @@ class DecoderStack : public torch::CustomClassHolder {
       proj.d = planes[3 * p + 1];
       proj.m = planes[3 * p + 2];
       proj.kind = kinds[p];
-      proj.int8_activations = int8_activations;
+      proj.int8_activations = int8_activations.get(p);
       if (proj.kind < 0) check_float(proj.weight, "float32 weight");
     }
     layer.qkv.bias = std::move(qkv_bias);

@@ -68,6 +68,15 @@ class CPUAttentionMetadata:
 
 
 class CPUAttentionMetadataBuilder(AttentionMetadataBuilder):
+    def __init__(self, block_size: int, device: torch.device | str) -> None:
+        super().__init__(block_size, device)
+        # The kernel's decode inputs for steps without decodes, made once.
+        self._no_decodes = (
+            torch.zeros((0, 1), dtype=torch.int32, device=self.device),
+            torch.zeros(0, dtype=torch.int32, device=self.device),
+            torch.zeros(0, dtype=torch.long, device=self.device),
+        )
+
     def build(self, common: CommonAttentionMetadata) -> CPUAttentionMetadata:
         bs = self.block_size
         device = common.block_table_tensor.device
@@ -94,14 +103,9 @@ class CPUAttentionMetadataBuilder(AttentionMetadataBuilder):
             slot_mapping = all_slots[token_indices]
 
         decode = self._decode(block_table, decode_reqs, starts, seq_lens, device)
+        kernel_decode = self._no_decodes
         if decode is not None:
             kernel_decode = (decode.block_table_i32, decode.seq_lens_i32, decode.token_indices)
-        else:
-            kernel_decode = (
-                torch.zeros((0, 1), dtype=torch.int32, device=device),
-                torch.zeros(0, dtype=torch.int32, device=device),
-                torch.zeros(0, dtype=torch.long, device=device),
-            )
         return CPUAttentionMetadata(
             num_actual_tokens=common.num_actual_tokens,
             block_size=bs,

@@ -76,6 +76,8 @@ class LlamaDecodeStack:
                 or layer.post_attention_layernorm.eps != eps
                 or a.qkv_proj.tp_size != 1
                 or a.o_proj.tp_size != 1
+                or layer.mlp.gate_up_proj.bias is not None
+                or layer.mlp.down_proj.bias is not None
             ):
                 return None
         stack: Any = ops.decoder_stack(
@@ -86,19 +88,12 @@ class LlamaDecodeStack:
             a, mlp = layer.self_attn, layer.mlp
             planes: list[torch.Tensor] = []
             kinds: list[int] = []
-            int8_flags: set[bool] = set()
+            int8: list[bool] = []
             for linear in (a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj):
                 tensors, kind, int8_activations = _projection(linear)
                 planes += tensors
                 kinds.append(kind)
-                if kind >= 0:
-                    int8_flags.add(int8_activations)
-            # The kernel takes one int8-activation flag per layer for its block weights.
-            if len(int8_flags) > 1:
-                return None
-            if mlp.gate_up_proj.bias is not None or mlp.down_proj.bias is not None:
-                return None
-            int8 = int8_flags == {True}
+                int8.append(int8_activations)
             stack.add_layer(
                 layer.input_layernorm.weight, layer.post_attention_layernorm.weight, planes,
                 kinds, int8, a.qkv_proj.bias, a.o_proj.bias, a.attn.sliding_window or 0,
