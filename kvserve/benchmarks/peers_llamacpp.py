@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import collections
 import os
+import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -37,13 +39,38 @@ def llama_cpp_available() -> bool:
     return True
 
 
+def extra_buffer_types_run(gguf_path: str, threads: int | None) -> bool:
+    """Whether llama.cpp survives a small batched decode with its extra CPU buffer types
+    (AMX, weight repacking), tried in a child process: a build for a CPU that advertises
+    AMX dies with SIGILL in its tile kernels on VMs that do not really run them."""
+    probe = (
+        "import sys; from kvserve.benchmarks.peers_llamacpp import LlamaCppPeer as P; "
+        "from kvserve.benchmarks.peers_workloads import PeerRequest as R; "
+        "P(sys.argv[1], int(sys.argv[2]) or None).run('probe', [R(list(range(100, 164)), 2)], 1, False)"
+    )
+    child = subprocess.run(
+        [sys.executable, "-c", probe, gguf_path, str(threads or 0)],
+        capture_output=True,
+        timeout=300,
+    )
+    return child.returncode == 0
+
+
 def open_llamacpp(gguf_path: str, threads: int | None, notes: list[str]) -> LlamaCppPeer | None:
     """The llama.cpp peer, or None (with a printed and noted skip) when not installed."""
     if not llama_cpp_available():
         print(LLAMACPP_SKIPPED, flush=True)
         notes.append(LLAMACPP_SKIPPED)
         return None
-    return LlamaCppPeer(gguf_path, threads)
+    if extra_buffer_types_run(gguf_path, threads):
+        return LlamaCppPeer(gguf_path, threads)
+    note = (
+        "llama.cpp: its extra CPU buffer types (AMX, repacking) crashed a probe decode on this "
+        "machine; it runs without them (use_extra_bufts off)"
+    )
+    print(note, flush=True)
+    notes.append(note)
+    return LlamaCppPeer(gguf_path, threads, extra_buffer_types=False)
 
 
 @dataclass
@@ -56,7 +83,9 @@ class _Slot:
 
 
 class LlamaCppPeer:
-    def __init__(self, gguf_path: str, n_threads: int | None = None) -> None:
+    def __init__(
+        self, gguf_path: str, n_threads: int | None = None, extra_buffer_types: bool = True
+    ) -> None:
         import llama_cpp as lc
 
         self.lc = lc
@@ -66,6 +95,7 @@ class LlamaCppPeer:
         lc.llama_log_set(self._quiet_log, None)
         lc.llama_backend_init()
         mparams = lc.llama_model_default_params()
+        mparams.use_extra_bufts = extra_buffer_types
         self.model = lc.llama_model_load_from_file(gguf_path.encode(), mparams)
         if not self.model:
             raise RuntimeError(f"llama.cpp could not load {gguf_path}")

@@ -374,6 +374,25 @@ inline __m256i load_quants_i8(const uint8_t* qs) {
 }
 #endif
 
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
+#define KVSERVE_VNNI512 1
+// Two consecutive blocks' 64 quants as bytes in weight order (block b's 32, then b + 1's).
+template <int KIND>
+inline __m512i load_quants_i8x2(const uint8_t* qs) {
+  if constexpr (KIND == 0) {
+    return _mm512_loadu_si512(qs);
+  } else {
+    const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs));
+    // 128-bit lanes (b's bytes, b+1's bytes, b's high nibbles, b+1's high nibbles),
+    // reordered to b low, b high, b+1 low, b+1 high.
+    const __m512i both =
+        _mm512_inserti64x4(_mm512_castsi256_si512(bytes), _mm256_srli_epi16(bytes, 4), 1);
+    const __m512i q = _mm512_and_si512(_mm512_shuffle_i64x2(both, both, 0xD8), _mm512_set1_epi8(15));
+    return KIND == 2 ? _mm512_sub_epi8(q, _mm512_set1_epi8(8)) : q;
+  }
+}
+#endif
+
 // Q4_1's sum over blocks of m * s. A short reduction paid once per output, so it must
 // not be a chain of dependent scalar adds (hsum is a tree).
 inline float min_term(const uint16_t* m, const float* s, int64_t nb) {
@@ -393,9 +412,10 @@ inline float min_term(const uint16_t* m, const float* s, int64_t nb) {
   return total;
 }
 
+// scales: room for R * (cols / 32) floats, per-call scratch.
 template <int KIND, int R>
 void gemv_int8_t(const BlockWeight& w, const Int8Rows& xq, int64_t r0, float* __restrict out,
-                 int64_t begin, int64_t end) {
+                 int64_t begin, int64_t end, float* __restrict scales) {
   const int64_t nb = w.cols / kBlock, bb = block_bytes_of(KIND), K = w.cols, N = w.rows;
   const int8_t* xqs = xq.q.data() + r0 * K;
   const float* xd = xq.d.data() + r0 * nb;
@@ -417,18 +437,57 @@ void gemv_int8_t(const BlockWeight& w, const Int8Rows& xq, int64_t r0, float* __
                                  _mm256_set1_ps(f16(dn[b]) * xd[r * nb + b]), acc[r]);
       }
     };
-    // Even and odd blocks accumulate separately: a single chain of dependent FMAs per
-    // row would wait out the FMA latency at every block.
     __m256 even[R], odd[R];
     for (int r = 0; r < R; ++r) even[r] = odd[r] = _mm256_setzero_ps();
     int64_t b = 0;
+#ifdef KVSERVE_VNNI512
+    // Two blocks per 512-bit VNNI multiply-add (64 byte products, 4 per int32 lane): the
+    // lanes of block b take its scale, those of b + 1 the next one.
+    // Every block's combined scale d_w * d_x first, 16 blocks per vector operation.
+    for (int r = 0; r < R; ++r) {
+      int64_t i = 0;
+      for (; i + 16 <= nb; i += 16)
+        _mm512_storeu_ps(scales + r * nb + i,
+                         _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256(
+                                           reinterpret_cast<const __m256i*>(dn + i))),
+                                       _mm512_loadu_ps(xd + r * nb + i)));
+      for (; i < nb; ++i) scales[r * nb + i] = f16(dn[i]) * xd[r * nb + i];
+    }
+    // Lanes 0-7 take block b's scale, 8-15 block b + 1's.
+    const __m512i pair_index = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+    __m512 pair[R];
+    for (int r = 0; r < R; ++r) pair[r] = _mm512_setzero_ps();
+    for (; b + 2 <= nb; b += 2) {
+      const __m512i wq = load_quants_i8x2<KIND>(row + b * bb);
+      // dpbusd multiplies unsigned by signed bytes, as maddubs does below.
+      const __m512i wu = KIND == 1 ? wq : _mm512_abs_epi8(wq);
+      const __mmask64 negative = KIND == 1 ? 0 : _mm512_movepi8_mask(wq);
+      for (int r = 0; r < R; ++r) {
+        __m512i xv = _mm512_loadu_si512(xqs + r * K + b * kBlock);
+        if constexpr (KIND != 1) xv = _mm512_mask_sub_epi8(xv, negative, _mm512_setzero_si512(), xv);
+        const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wu, xv);
+        double two_scales;
+        std::memcpy(&two_scales, scales + r * nb + b, sizeof two_scales);
+        const __m512 scale = _mm512_permutexvar_ps(pair_index, _mm512_castpd_ps(_mm512_set1_pd(two_scales)));
+        pair[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, pair[r]);
+      }
+    }
+    if (b < nb) block_dot(b, even);
+    for (int r = 0; r < R; ++r) result[r] = _mm512_reduce_add_ps(pair[r]) + hsum(even[r]);
+    (void)odd;
+#else
+    // Even and odd blocks accumulate separately: a single chain of dependent FMAs per
+    // row would wait out the FMA latency at every block.
     for (; b + 2 <= nb; b += 2) {
       block_dot(b, even);
       block_dot(b + 1, odd);
     }
     if (b < nb) block_dot(b, even);
     for (int r = 0; r < R; ++r) result[r] = hsum(_mm256_add_ps(even[r], odd[r]));
+    (void)scales;
+#endif
 #else
+    (void)scales;
     for (int r = 0; r < R; ++r) {
       float acc = 0.f;
       for (int64_t b = 0; b < nb; ++b) {
@@ -455,11 +514,11 @@ void gemv_int8_t(const BlockWeight& w, const Int8Rows& xq, int64_t r0, float* __
 
 template <int KIND>
 void gemv_int8_kind(const BlockWeight& w, const Int8Rows& xq, int64_t r0, int64_t rows,
-                    float* out, int64_t begin, int64_t end) {
+                    float* out, int64_t begin, int64_t end, float* scales) {
   switch (rows) {
-    case 1: return gemv_int8_t<KIND, 1>(w, xq, r0, out, begin, end);
-    case 2: return gemv_int8_t<KIND, 2>(w, xq, r0, out, begin, end);
-    default: return gemv_int8_t<KIND, 3>(w, xq, r0, out, begin, end);
+    case 1: return gemv_int8_t<KIND, 1>(w, xq, r0, out, begin, end, scales);
+    case 2: return gemv_int8_t<KIND, 2>(w, xq, r0, out, begin, end, scales);
+    default: return gemv_int8_t<KIND, 3>(w, xq, r0, out, begin, end, scales);
   }
 }
 
@@ -483,13 +542,14 @@ at::Tensor block_linear_int8(const at::Tensor& x_in, const at::Tensor& qs, const
   float* op = out.data_ptr<float>();
   const int64_t num_tiles = (N + kInt8TileRows - 1) / kInt8TileRows;
   at::parallel_for(0, num_tiles, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scales(kInt8GroupRows * xq.nb);
     for (int64_t t = begin; t < end; ++t) {
       const int64_t n0 = t * kInt8TileRows, n1 = std::min(N, n0 + kInt8TileRows);
       for (int64_t r0 = 0; r0 < rows_x; r0 += kInt8GroupRows) {
         const int64_t rows = std::min(kInt8GroupRows, rows_x - r0);
-        if (kind == 0) gemv_int8_kind<0>(w, xq, r0, rows, op, n0, n1);
-        else if (kind == 1) gemv_int8_kind<1>(w, xq, r0, rows, op, n0, n1);
-        else gemv_int8_kind<2>(w, xq, r0, rows, op, n0, n1);
+        if (kind == 0) gemv_int8_kind<0>(w, xq, r0, rows, op, n0, n1, scales.data());
+        else if (kind == 1) gemv_int8_kind<1>(w, xq, r0, rows, op, n0, n1, scales.data());
+        else gemv_int8_kind<2>(w, xq, r0, rows, op, n0, n1, scales.data());
       }
     }
   });

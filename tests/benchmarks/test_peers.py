@@ -130,3 +130,28 @@ def test_peers_sweep_json_and_plot(tmp_path: Path, capsys: pytest.CaptureFixture
     assert len({r["output_tokens"] for r in runs}) == 1
     assert all(r["ratio_to_kvserve"] > 0 for r in runs)
     assert png.read_bytes().startswith(PNG_SIGNATURE)
+
+
+def test_llamacpp_probe_reports_a_failing_child(tmp_path: Path) -> None:
+    from kvserve.benchmarks.peers_llamacpp import extra_buffer_types_run
+
+    # A child that cannot load its model exits non-zero, as one killed by SIGILL does.
+    assert extra_buffer_types_run(str(tmp_path / "missing.gguf"), 1) is False
+
+
+def test_open_llamacpp_runs_with_or_without_extra_buffer_types() -> None:
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python is an optional extra")
+    from kvserve.benchmarks.peers_llamacpp import open_llamacpp
+    from kvserve.benchmarks.peers_workloads import PeerRequest
+    from kvserve.transformers_utils.model_resolver import resolve_model
+
+    notes: list[str] = []
+    peer = open_llamacpp(resolve_model(None).path, 1, notes)
+    assert peer is not None
+    try:
+        result = peer.run("probe", [PeerRequest(list(range(100, 140)), 3)] * 2, 2, False)
+    finally:
+        peer.close()
+    assert result.output_tokens == 6
+    # Without the extra buffer types the note says so.
+    assert all("use_extra_bufts off" in n for n in notes)
