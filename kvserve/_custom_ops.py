@@ -25,7 +25,10 @@ logger = logging.getLogger(__name__)
 
 ENV_DISABLE = "KVSERVE_DISABLE_CUSTOM_OPS"
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = [_CSRC / "cpu_ops.cpp", _CSRC / "block_gemm.cpp", _CSRC / "decode_stack.cpp"]
+_SOURCES = [
+    _CSRC / name
+    for name in ("cpu_ops.cpp", "block_gemm.cpp", "block_gemm_vnni.cpp", "decode_stack.cpp")
+]
 _CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"]
 
 _lock = threading.Lock()
@@ -161,9 +164,19 @@ def block_linear(
 
 
 def block_linear_int8(
-    x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor, kind: int
+    x: torch.Tensor,
+    qs: torch.Tensor,
+    d: torch.Tensor,
+    m: torch.Tensor,
+    kind: int,
+    packed: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    return torch.ops.kvserve.block_linear_int8(x, qs, d, m, kind)
+    return torch.ops.kvserve.block_linear_int8(x, qs, d, m, kind, packed)
+
+
+def pack_blocks_vnni(qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor, kind: int) -> torch.Tensor:
+    """gguf_int8's row-interleaved copy of a block weight; empty without AVX-512 VNNI."""
+    return torch.ops.kvserve.pack_blocks_vnni(qs, d, m, kind)
 
 
 def decoder_stack(

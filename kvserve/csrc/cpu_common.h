@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <optional>
 #if defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
@@ -83,6 +84,16 @@ void silu_and_mul(at::Tensor& out, const at::Tensor& x);
 at::Tensor block_linear(const at::Tensor& x_in, const at::Tensor& qs, const at::Tensor& d,
                         const at::Tensor& m, int64_t kind);
 at::Tensor block_linear_int8(const at::Tensor& x_in, const at::Tensor& qs, const at::Tensor& d,
-                             const at::Tensor& m, int64_t kind);
+                             const at::Tensor& m, int64_t kind,
+                             const std::optional<at::Tensor>& packed);
+
+// block_gemm_vnni.cpp: gguf_int8's row-interleaved copy of the blocks, and its matmul for
+// 1-3 rows of int8-quantized x (false, nothing written, in builds without AVX-512 VNNI).
+bool packed_vnni_available();
+at::Tensor pack_blocks_vnni(const at::Tensor& qs, const at::Tensor& d, const at::Tensor& m,
+                            int64_t kind);
+bool packed_linear_vnni(const at::Tensor& packed, int64_t kind, int64_t N, int64_t K,
+                        int64_t rows, const int8_t* xq, const float* xd, const float* xs,
+                        float* out);
 
 }  // namespace kvserve_cpu

@@ -475,7 +475,10 @@ TORCH_LIBRARY(kvserve, m) {
   m.def("silu_and_mul(Tensor(a!) out, Tensor x) -> ()");
   m.def("dequantize_blocks(Tensor qs, Tensor d, Tensor m, int kind) -> Tensor");
   m.def("block_linear(Tensor x, Tensor qs, Tensor d, Tensor m, int kind) -> Tensor");
-  m.def("block_linear_int8(Tensor x, Tensor qs, Tensor d, Tensor m, int kind) -> Tensor");
+  m.def(
+      "block_linear_int8(Tensor x, Tensor qs, Tensor d, Tensor m, int kind, Tensor? packed=None) "
+      "-> Tensor");
+  m.def("pack_blocks_vnni(Tensor qs, Tensor d, Tensor m, int kind) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvserve, CPU, m) {

@@ -34,13 +34,14 @@ namespace {
 struct Projection {
   at::Tensor weight;  // float32 [N, K], or the block quants
   at::Tensor d, m;
+  std::optional<at::Tensor> packed;  // gguf_int8's interleaved copy (block_gemm_vnni.cpp)
   int64_t kind = -1;
   bool int8_activations = false;
   std::optional<at::Tensor> bias;
 
   at::Tensor operator()(const at::Tensor& x) const {
     at::Tensor y = kind < 0              ? at::linear(x, weight)
-                   : int8_activations ? block_linear_int8(x, weight, d, m, kind)
+                   : int8_activations ? block_linear_int8(x, weight, d, m, kind, packed)
                                          : block_linear(x, weight, d, m, kind);
     return bias ? at::add(y, *bias) : y;
   }
@@ -65,15 +66,17 @@ class DecoderStack : public torch::CustomClassHolder {
     check_float(cos_sin_cache_, "cos_sin_cache");
   }
 
-  // planes: (weight, d, m) for qkv, o, gate_up and down in that order; kinds and
+  // planes: (weight, d, m, packed) for qkv, o, gate_up and down in that order (packed
+  // empty where there is none); kinds and
   // int8_activations: one per projection, kind -1 for a float32 weight (its d and m are
   // ignored).
   void add_layer(at::Tensor input_norm, at::Tensor post_norm, std::vector<at::Tensor> planes,
                  std::vector<int64_t> kinds, c10::List<bool> int8_activations,
                  std::optional<at::Tensor> qkv_bias, std::optional<at::Tensor> o_bias,
                  int64_t sliding_window) {
-    TORCH_CHECK(planes.size() == 12 && kinds.size() == 4 && int8_activations.size() == 4,
-                "add_layer takes 4 projections as (weight, d, m), their 4 kinds and 4 int8 flags");
+    TORCH_CHECK(planes.size() == 16 && kinds.size() == 4 && int8_activations.size() == 4,
+                "add_layer takes 4 projections as (weight, d, m, packed), their 4 kinds and 4 "
+                "int8 flags");
     check_float(input_norm, "input_norm");
     check_float(post_norm, "post_norm");
     Layer layer;
@@ -82,9 +85,10 @@ class DecoderStack : public torch::CustomClassHolder {
     Projection* projections[4] = {&layer.qkv, &layer.o, &layer.gate_up, &layer.down};
     for (int p = 0; p < 4; ++p) {
       Projection& proj = *projections[p];
-      proj.weight = planes[3 * p];
-      proj.d = planes[3 * p + 1];
-      proj.m = planes[3 * p + 2];
+      proj.weight = planes[4 * p];
+      proj.d = planes[4 * p + 1];
+      proj.m = planes[4 * p + 2];
+      if (planes[4 * p + 3].numel() > 0) proj.packed = planes[4 * p + 3];
       proj.kind = kinds[p];
       proj.int8_activations = int8_activations.get(p);
       if (proj.kind < 0) check_float(proj.weight, "float32 weight");

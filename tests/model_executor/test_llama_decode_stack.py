@@ -32,8 +32,8 @@ def _load(path: Path, quantization: str | None = None, int8: bool = False) -> to
         quantize_model(model, quantization, None, arch)
         for module in model.modules():
             bw = getattr(module, "quant_weight", None)
-            if bw is not None:
-                bw.int8_activations = int8
+            if bw is not None and int8:
+                bw.use_int8_activations()  # with the interleaved copy on AVX-512 VNNI
     return model
 
 

@@ -114,6 +114,12 @@ def test_block_linear_int8_is_llamacpp_arithmetic(qtype: T, rows: int, cols: int
     x = torch.randn(rows, cols)
     x[0, :32] = 0.0  # an all-zero block has scale 0
     out = ops.block_linear_int8(x, weight.qs, weight.d, weight.m, weight.kind)
+    # The row-interleaved copy (AVX-512 VNNI builds; 197 rows leave a partial group of 16)
+    # gives the same integer dot products, summed in another order.
+    packed = ops.pack_blocks_vnni(weight.qs, weight.d, weight.m, weight.kind)
+    if packed.numel():
+        out_packed = ops.block_linear_int8(x, weight.qs, weight.d, weight.m, weight.kind, packed)
+        torch.testing.assert_close(out_packed, out, rtol=1e-5, atol=1e-5)
     if rows < 4:
         torch.testing.assert_close(out, _int8_reference(x, reference), rtol=1e-5, atol=1e-5)
         # The activation rounding is the only loss: well under 1% of the output's scale.
@@ -121,6 +127,13 @@ def test_block_linear_int8_is_llamacpp_arithmetic(qtype: T, rows: int, cols: int
         assert (out - exact).abs().max() < 0.01 * exact.abs().max()
     else:
         assert torch.equal(out, weight.linear(x))
+        if packed.numel():
+            assert torch.equal(out_packed, out)  # 4+ rows: the float path either way
+
+
+def _vnni_probe_planes() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    weight, _ = _block_weight(T.Q8_0, 1, 32, seed=0)
+    return weight.qs, weight.d, weight.m, weight.kind
 
 
 def test_gguf_int8_method_marks_every_block_weight() -> None:
@@ -130,6 +143,8 @@ def test_gguf_int8_method_marks_every_block_weight() -> None:
     model = get_model(config.resolved, config.arch, "cpu", torch.float32, "gguf_int8")
     weights = [m.quant_weight for m in model.modules() if getattr(m, "quant_weight", None)]
     assert weights and all(w.int8_activations for w in weights)
+    has_packing = ops.pack_blocks_vnni(*_vnni_probe_planes()).numel() > 0
+    assert all((w.packed is not None) == has_packing for w in weights)
     x = torch.randn(1, config.arch.hidden_size)
     head = model.lm_head.quant_weight
     assert not torch.equal(head.linear(x), F.linear(x, head.dequantize()))

@@ -55,6 +55,9 @@ class BlockWeight:
     d: torch.Tensor  # float16 [rows, cols/32], as stored in the file
     m: torch.Tensor  # float16 [rows, cols/32] for Q4_1, else empty
     int8_activations: bool = False
+    # gguf_int8 on AVX-512 VNNI: the same blocks interleaved 16 rows at a time for its
+    # 1-3 row matmuls (csrc/block_gemm_vnni.cpp); None elsewhere.
+    packed: torch.Tensor | None = None
 
     @property
     def kind(self) -> int:
@@ -68,6 +71,13 @@ class BlockWeight:
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.qs, self.d, self.m))
+
+    def use_int8_activations(self) -> None:
+        """Switch to gguf_int8's arithmetic, with the interleaved copy where the CPU has
+        AVX-512 VNNI."""
+        self.int8_activations = True
+        packed = ops.pack_blocks_vnni(self.qs, self.d, self.m, self.kind)
+        self.packed = packed if packed.numel() else None
 
     @classmethod
     def from_raw(cls, raw: np.ndarray, qtype: GGMLQuantizationType) -> BlockWeight:
@@ -108,7 +118,7 @@ class BlockWeight:
 
     def linear(self, x: torch.Tensor) -> torch.Tensor:
         if self.int8_activations:
-            return ops.block_linear_int8(x, self.qs, self.d, self.m, self.kind)
+            return ops.block_linear_int8(x, self.qs, self.d, self.m, self.kind, self.packed)
         return ops.block_linear(x, self.qs, self.d, self.m, self.kind)
 
 
@@ -198,7 +208,8 @@ def quantize_model(model: nn.Module, method: str, gguf_path: str | None, arch: A
         if bw is None:
             kept.append(name)
             continue
-        bw.int8_activations = method == "gguf_int8"
+        if method == "gguf_int8":
+            bw.use_int8_activations()
         module.quant_weight = bw
         if not tied:
             module.weight = nn.Parameter(torch.empty(0, device=weight.device), requires_grad=False)

@@ -30,11 +30,12 @@ _EMPTY = torch.empty(0)
 
 
 def _projection(linear: LinearBase) -> tuple[list[torch.Tensor], int, bool]:
-    """(weight, d, m), kind (-1: float32 weight), int8 activations."""
+    """(weight, d, m, packed), kind (-1: float32 weight), int8 activations."""
     bw = linear.quant_weight
     if bw is None:
-        return [linear.weight, _EMPTY, _EMPTY], -1, False
-    return [bw.qs, bw.d, bw.m], bw.kind, bw.int8_activations
+        return [linear.weight, _EMPTY, _EMPTY, _EMPTY], -1, False
+    packed = bw.packed if bw.packed is not None else _EMPTY
+    return [bw.qs, bw.d, bw.m, packed], bw.kind, bw.int8_activations
 
 
 def _decode_step_metadata() -> CPUAttentionMetadata | None:

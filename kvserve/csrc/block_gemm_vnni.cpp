@@ -1,0 +1,209 @@
+// gguf_int8's single-stream matmul on AVX-512 VNNI, from a row-interleaved copy of the
+// blocks (llama.cpp's AMX/repack buffers do the same kind of thing).
+//
+// In the plain layout every output row is a dot product of its own: per pair of blocks,
+// unpack, multiply-add, convert, scale, and a horizontal sum per row at the end. Here
+// 16 rows' blocks are interleaved 4 bytes at a time, so one vpdpbusd multiplies 4 quants
+// of each of 16 rows with the same 4 (broadcast) quants of x, and the 16 int32 lanes are
+// the 16 rows' partial sums: scales apply as vectors and no horizontal sums remain.
+//
+// Packed weight: groups of 16 rows (the last one zero-padded); per group and block one
+// record of
+//   quants   16 rows x 4 bytes per chunk: Q8_0 8 chunks (weights 4c..4c+3), Q4 4 chunks
+//            (the file's bytes 4c..4c+3: low nibbles weights 4c.., high nibbles 16+4c..)
+//   d        16 x float16
+//   m        16 x float16 (Q4_1 only)
+//   wsum     16 x int32, 128 * sum of the block's quants (Q8_0 only: dpbusd takes x as
+//            unsigned x + 128, and this takes the excess back out)
+
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <torch/library.h>
+
+#include <cstring>
+#include <vector>
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512F__)
+#include <immintrin.h>
+#define KVSERVE_PACKED_VNNI 1
+#endif
+
+#include "cpu_common.h"
+
+namespace kvserve_cpu {
+namespace {
+
+constexpr int64_t kGroup = 16, kBlk = 32;
+
+struct PackedLayout {
+  int64_t kind, quant_bytes, record;
+  explicit PackedLayout(int64_t kind_) : kind(kind_) {
+    quant_bytes = kGroup * (kind == 0 ? 32 : 16);
+    record = quant_bytes + 2 * kGroup + (kind == 1 ? 2 * kGroup : 0) + (kind == 0 ? 4 * kGroup : 0);
+  }
+};
+
+#ifdef KVSERVE_PACKED_VNNI
+inline __m512i broadcast4(const void* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm512_set1_epi32(v);
+}
+
+// acc[r] (16 output rows as lanes) += the group's blocks times R rows of x.
+template <int KIND, int R>
+void group_dot(const uint8_t* group, int64_t nb, const PackedLayout& L, const int8_t* xq,
+               const uint8_t* xu, const float* xd, const float* xs, int64_t K, __m512 acc[R]) {
+  const __m512i nibble = _mm512_set1_epi8(15);
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* rec = group + b * L.record;
+    const __m512 dv = _mm512_cvtph_ps(
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + L.quant_bytes)));
+    // Two independent chains per row: a block's 8 multiply-adds would otherwise wait on
+    // each other's latency.
+    __m512i even[R], odd[R];
+    for (int r = 0; r < R; ++r) even[r] = odd[r] = _mm512_setzero_si512();
+    if constexpr (KIND == 0) {
+      for (int c = 0; c < 8; c += 2) {
+        const __m512i w0 = _mm512_loadu_si512(rec + c * 64);
+        const __m512i w1 = _mm512_loadu_si512(rec + (c + 1) * 64);
+        for (int r = 0; r < R; ++r) {
+          const uint8_t* xb = xu + r * K + b * kBlk;
+          even[r] = _mm512_dpbusd_epi32(even[r], broadcast4(xb + 4 * c), w0);
+          odd[r] = _mm512_dpbusd_epi32(odd[r], broadcast4(xb + 4 * c + 4), w1);
+        }
+      }
+      const __m512i wsum = _mm512_loadu_si512(rec + L.quant_bytes + 2 * kGroup);
+      for (int r = 0; r < R; ++r) even[r] = _mm512_sub_epi32(even[r], wsum);
+    } else {
+      for (int c = 0; c < 4; ++c) {
+        const __m512i v = _mm512_loadu_si512(rec + c * 64);
+        const __m512i lo = _mm512_and_si512(v, nibble);
+        const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+        for (int r = 0; r < R; ++r) {
+          const int8_t* xb = xq + r * K + b * kBlk;
+          even[r] = _mm512_dpbusd_epi32(even[r], lo, broadcast4(xb + 4 * c));
+          odd[r] = _mm512_dpbusd_epi32(odd[r], hi, broadcast4(xb + 16 + 4 * c));
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(even[r], odd[r]));
+      acc[r] = _mm512_fmadd_ps(dot, _mm512_mul_ps(dv, _mm512_set1_ps(xd[r * nb + b])), acc[r]);
+      if constexpr (KIND == 1) {
+        // sum (d q + m) x = d (q . x) + m sum(x), sum(x) = xs (already times x's scale).
+        const __m512 mv = _mm512_cvtph_ps(_mm256_loadu_si256(
+            reinterpret_cast<const __m256i*>(rec + L.quant_bytes + 2 * kGroup)));
+        acc[r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(xs[r * nb + b]), acc[r]);
+      } else if constexpr (KIND == 2) {
+        // Quants were taken unsigned: d (q - 8) . x = d (q . x) - 8 d sum(x).
+        acc[r] = _mm512_fmadd_ps(dv, _mm512_set1_ps(-8.f * xs[r * nb + b]), acc[r]);
+      }
+    }
+  }
+}
+
+template <int KIND, int R>
+void packed_rows(const uint8_t* packed, const PackedLayout& L, int64_t N, int64_t K,
+                 const int8_t* xq, const uint8_t* xu, const float* xd, const float* xs,
+                 float* out) {
+  const int64_t nb = K / kBlk, groups = (N + kGroup - 1) / kGroup;
+  at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g) {
+      __m512 acc[R];
+      for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+      group_dot<KIND, R>(packed + g * nb * L.record, nb, L, xq, xu, xd, xs, K, acc);
+      const int64_t valid = std::min(kGroup, N - g * kGroup);
+      const __mmask16 mask = static_cast<__mmask16>((1u << valid) - 1);
+      for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(out + r * N + g * kGroup, mask, acc[r]);
+    }
+  });
+}
+
+template <int KIND>
+void packed_kind(const uint8_t* packed, const PackedLayout& L, int64_t N, int64_t K,
+                 int64_t rows, const int8_t* xq, const uint8_t* xu, const float* xd,
+                 const float* xs, float* out) {
+  switch (rows) {
+    case 1: return packed_rows<KIND, 1>(packed, L, N, K, xq, xu, xd, xs, out);
+    case 2: return packed_rows<KIND, 2>(packed, L, N, K, xq, xu, xd, xs, out);
+    default: return packed_rows<KIND, 3>(packed, L, N, K, xq, xu, xd, xs, out);
+  }
+}
+#endif
+
+}  // namespace
+
+bool packed_vnni_available() {
+#ifdef KVSERVE_PACKED_VNNI
+  return true;
+#else
+  return false;
+#endif
+}
+
+at::Tensor pack_blocks_vnni(const at::Tensor& qs, const at::Tensor& d, const at::Tensor& m,
+                            int64_t kind) {
+  TORCH_CHECK(kind >= 0 && kind <= 2, "unknown block kind ", kind);
+  TORCH_CHECK(qs.is_contiguous() && d.is_contiguous() && qs.dim() == 2,
+              "qs must be contiguous 2-D");
+  TORCH_CHECK(d.scalar_type() == at::kHalf && (kind != 1 || m.scalar_type() == at::kHalf),
+              "block scales must be float16");
+  if (!packed_vnni_available()) return at::empty({0}, qs.options().dtype(at::kByte));
+  const PackedLayout L(kind);
+  const int64_t N = qs.size(0), row_bytes = qs.size(1);
+  const int64_t bpb = kind == 0 ? 32 : 16, nb = row_bytes / bpb, groups = (N + kGroup - 1) / kGroup;
+  TORCH_CHECK(d.numel() == N * nb, "one scale per block expected");
+  at::Tensor packed = at::zeros({groups * nb * L.record}, qs.options().dtype(at::kByte));
+  uint8_t* p = packed.data_ptr<uint8_t>();
+  const uint8_t* q = static_cast<const uint8_t*>(qs.data_ptr());
+  const uint16_t* dp = static_cast<const uint16_t*>(d.data_ptr());
+  const uint16_t* mp = kind == 1 ? static_cast<const uint16_t*>(m.data_ptr()) : nullptr;
+  for (int64_t g = 0; g < groups; ++g)
+    for (int64_t b = 0; b < nb; ++b) {
+      uint8_t* rec = p + (g * nb + b) * L.record;
+      for (int64_t i = 0; i < kGroup && g * kGroup + i < N; ++i) {
+        const int64_t n = g * kGroup + i;
+        const uint8_t* block = q + n * row_bytes + b * bpb;
+        for (int64_t c = 0; c < bpb / 4; ++c)
+          std::memcpy(rec + (c * kGroup + i) * 4, block + 4 * c, 4);
+        std::memcpy(rec + L.quant_bytes + 2 * i, dp + n * nb + b, 2);
+        if (kind == 1) std::memcpy(rec + L.quant_bytes + 2 * kGroup + 2 * i, mp + n * nb + b, 2);
+        if (kind == 0) {
+          int32_t sum = 0;
+          for (int64_t j = 0; j < 32; ++j) sum += static_cast<int8_t>(block[j]);
+          const int32_t excess = 128 * sum;
+          std::memcpy(rec + L.quant_bytes + 2 * kGroup + 4 * i, &excess, 4);
+        }
+      }
+    }
+  return packed;
+}
+
+bool packed_linear_vnni(const at::Tensor& packed, int64_t kind, int64_t N, int64_t K,
+                        int64_t rows, const int8_t* xq, const float* xd, const float* xs,
+                        float* out) {
+#ifdef KVSERVE_PACKED_VNNI
+  const PackedLayout L(kind);
+  TORCH_CHECK(packed.numel() == (N + kGroup - 1) / kGroup * (K / kBlk) * L.record,
+              "packed weight does not match a [", N, ", ", K, "] weight of kind ", kind);
+  const uint8_t* p = packed.data_ptr<uint8_t>();
+  std::vector<uint8_t> xu;
+  if (kind == 0) {  // x as unsigned bytes for vpdpbusd: q + 128
+    xu.resize(rows * K);
+    for (int64_t i = 0; i < rows * K; ++i) xu[i] = static_cast<uint8_t>(xq[i] + 128);
+  }
+  if (kind == 0) packed_kind<0>(p, L, N, K, rows, xq, xu.data(), xd, xs, out);
+  else if (kind == 1) packed_kind<1>(p, L, N, K, rows, xq, nullptr, xd, xs, out);
+  else packed_kind<2>(p, L, N, K, rows, xq, nullptr, xd, xs, out);
+  return true;
+#else
+  (void)packed, (void)kind, (void)N, (void)K, (void)rows, (void)xq, (void)xd, (void)xs, (void)out;
+  return false;
+#endif
+}
+
+}  // namespace kvserve_cpu
+
+TORCH_LIBRARY_IMPL(kvserve, CPU, m) {
+  m.impl("pack_blocks_vnni", &kvserve_cpu::pack_blocks_vnni);
+}
