@@ -11,6 +11,7 @@ kernel (``block_linear``) multiplies straight from them. Methods:
   decode) are quantized to int8 per 32 values and multiplied in integer SIMD, as
   llama.cpp's CPU backend does: about 1.5x faster on those steps, at an accuracy cost
   measured as greedy agreement with float32. Larger batches take the exact float path.
+  With AVX-512 VNNI a row-interleaved copy of the blocks serves those 1-3 row inputs.
 * ``q8_0``: quantize any model's float32 weights to Q8_0 blocks (gguf's own quantizer);
   this one costs accuracy, measured as greedy agreement with float32.
 """
