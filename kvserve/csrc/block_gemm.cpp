@@ -36,7 +36,7 @@ namespace kvserve_cpu {
 //   kind 1, Q4_1: w = d * q + m, q in 0..15;         qs: uint8 [N, K/2]
 //   kind 2, Q4_0: w = d * (q - 8), q in 0..15;       qs: uint8 [N, K/2]
 // In a 4-bit block, byte j holds weight j in its low nibble and weight j + 16 in its high.
-constexpr int64_t kBlock = 32;
+// (kBlock, the 32 weights of a block, is in cpu_common.h.)
 constexpr int64_t kPrefetchRows = 4;
 
 template <int KIND>
@@ -460,13 +460,12 @@ void gemv_int8_t(const BlockWeight& w, const Int8Rows& xq, int64_t r0, float* __
                                  _mm256_set1_ps(f16(dn[b]) * xd[r * nb + b]), acc[r]);
       }
     };
-    __m256 even[R], odd[R];
-    for (int r = 0; r < R; ++r) even[r] = odd[r] = _mm256_setzero_ps();
+    __m256 even[R];
+    for (int r = 0; r < R; ++r) even[r] = _mm256_setzero_ps();
     int64_t b = 0;
 #ifdef KVSERVE_VNNI512
-    // Two blocks per 512-bit VNNI multiply-add (64 byte products, 4 per int32 lane): the
-    // lanes of block b take its scale, those of b + 1 the next one.
-    // Every block's combined scale d_w * d_x first, 16 blocks per vector operation.
+    // Two blocks per 512-bit VNNI multiply-add (64 byte products, 4 per int32 lane). The
+    // combined scales d_w * d_x come first, 16 blocks per vector operation.
     for (int r = 0; r < R; ++r) {
       int64_t i = 0;
       for (; i + 16 <= nb; i += 16)
@@ -499,10 +498,11 @@ void gemv_int8_t(const BlockWeight& w, const Int8Rows& xq, int64_t r0, float* __
     }
     if (b < nb) block_dot(b, even);
     for (int r = 0; r < R; ++r) result[r] = _mm512_reduce_add_ps(pair[r]) + hsum(even[r]);
-    (void)odd;
 #else
     // Even and odd blocks accumulate separately: a single chain of dependent FMAs per
     // row would wait out the FMA latency at every block.
+    __m256 odd[R];
+    for (int r = 0; r < R; ++r) odd[r] = _mm256_setzero_ps();
     for (; b + 2 <= nb; b += 2) {
       block_dot(b, even);
       block_dot(b + 1, odd);

@@ -25,6 +25,9 @@
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512F__)
 #include <immintrin.h>
 #define KVSERVE_PACKED_VNNI 1
+constexpr bool kPackedVnni = true;
+#else
+constexpr bool kPackedVnni = false;
 #endif
 
 #include "cpu_common.h"
@@ -32,11 +35,11 @@
 namespace kvserve_cpu {
 namespace {
 
-constexpr int64_t kGroup = 16, kBlk = 32;
+constexpr int64_t kGroup = 16;
 
 struct PackedLayout {
-  int64_t kind, quant_bytes, record;
-  explicit PackedLayout(int64_t kind_) : kind(kind_) {
+  int64_t quant_bytes, record;
+  explicit PackedLayout(int64_t kind) {
     quant_bytes = kGroup * (kind == 0 ? 32 : 16);
     record = quant_bytes + 2 * kGroup + (kind == 1 ? 2 * kGroup : 0) + (kind == 0 ? 4 * kGroup : 0);
   }
@@ -67,7 +70,7 @@ void group_dot(const uint8_t* group, int64_t nb, const PackedLayout& L, const in
         const __m512i w0 = _mm512_loadu_si512(rec + c * 64);
         const __m512i w1 = _mm512_loadu_si512(rec + (c + 1) * 64);
         for (int r = 0; r < R; ++r) {
-          const uint8_t* xb = xu + r * K + b * kBlk;
+          const uint8_t* xb = xu + r * K + b * kBlock;
           even[r] = _mm512_dpbusd_epi32(even[r], broadcast4(xb + 4 * c), w0);
           odd[r] = _mm512_dpbusd_epi32(odd[r], broadcast4(xb + 4 * c + 4), w1);
         }
@@ -80,7 +83,7 @@ void group_dot(const uint8_t* group, int64_t nb, const PackedLayout& L, const in
         const __m512i lo = _mm512_and_si512(v, nibble);
         const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
         for (int r = 0; r < R; ++r) {
-          const int8_t* xb = xq + r * K + b * kBlk;
+          const int8_t* xb = xq + r * K + b * kBlock;
           even[r] = _mm512_dpbusd_epi32(even[r], lo, broadcast4(xb + 4 * c));
           odd[r] = _mm512_dpbusd_epi32(odd[r], hi, broadcast4(xb + 16 + 4 * c));
         }
@@ -106,7 +109,7 @@ template <int KIND, int R>
 void packed_rows(const uint8_t* packed, const PackedLayout& L, int64_t N, int64_t K,
                  const int8_t* xq, const uint8_t* xu, const float* xd, const float* xs,
                  float* out) {
-  const int64_t nb = K / kBlk, groups = (N + kGroup - 1) / kGroup;
+  const int64_t nb = K / kBlock, groups = (N + kGroup - 1) / kGroup;
   at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
     for (int64_t g = begin; g < end; ++g) {
       __m512 acc[R];
@@ -133,14 +136,6 @@ void packed_kind(const uint8_t* packed, const PackedLayout& L, int64_t N, int64_
 
 }  // namespace
 
-bool packed_vnni_available() {
-#ifdef KVSERVE_PACKED_VNNI
-  return true;
-#else
-  return false;
-#endif
-}
-
 at::Tensor pack_blocks_vnni(const at::Tensor& qs, const at::Tensor& d, const at::Tensor& m,
                             int64_t kind) {
   TORCH_CHECK(kind >= 0 && kind <= 2, "unknown block kind ", kind);
@@ -148,7 +143,7 @@ at::Tensor pack_blocks_vnni(const at::Tensor& qs, const at::Tensor& d, const at:
               "qs must be contiguous 2-D");
   TORCH_CHECK(d.scalar_type() == at::kHalf && (kind != 1 || m.scalar_type() == at::kHalf),
               "block scales must be float16");
-  if (!packed_vnni_available()) return at::empty({0}, qs.options().dtype(at::kByte));
+  if (!kPackedVnni) return at::empty({0}, qs.options().dtype(at::kByte));
   const PackedLayout L(kind);
   const int64_t N = qs.size(0), row_bytes = qs.size(1);
   const int64_t bpb = kind == 0 ? 32 : 16, nb = row_bytes / bpb, groups = (N + kGroup - 1) / kGroup;
@@ -184,7 +179,7 @@ bool packed_linear_vnni(const at::Tensor& packed, int64_t kind, int64_t N, int64
                         float* out) {
 #ifdef KVSERVE_PACKED_VNNI
   const PackedLayout L(kind);
-  TORCH_CHECK(packed.numel() == (N + kGroup - 1) / kGroup * (K / kBlk) * L.record,
+  TORCH_CHECK(packed.numel() == (N + kGroup - 1) / kGroup * (K / kBlock) * L.record,
               "packed weight does not match a [", N, ", ", K, "] weight of kind ", kind);
   const uint8_t* p = packed.data_ptr<uint8_t>();
   std::vector<uint8_t> xu;

@@ -66,10 +66,9 @@ class DecoderStack : public torch::CustomClassHolder {
     check_float(cos_sin_cache_, "cos_sin_cache");
   }
 
-  // planes: (weight, d, m, packed) for qkv, o, gate_up and down in that order (packed
-  // empty where there is none); kinds and
-  // int8_activations: one per projection, kind -1 for a float32 weight (its d and m are
-  // ignored).
+  // planes: (weight, d, m, packed) for qkv, o, gate_up and down in that order, packed
+  // empty where there is none; kinds and int8_activations: one per projection, kind -1
+  // for a float32 weight (its d, m and packed are ignored).
   void add_layer(at::Tensor input_norm, at::Tensor post_norm, std::vector<at::Tensor> planes,
                  std::vector<int64_t> kinds, c10::List<bool> int8_activations,
                  std::optional<at::Tensor> qkv_bias, std::optional<at::Tensor> o_bias,
