@@ -27,7 +27,13 @@ ENV_DISABLE = "KVSERVE_DISABLE_CUSTOM_OPS"
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = [
     _CSRC / name
-    for name in ("cpu_ops.cpp", "block_gemm.cpp", "block_gemm_vnni.cpp", "decode_stack.cpp")
+    for name in (
+        "cpu_ops.cpp",
+        "decode_attention.cpp",
+        "block_gemm.cpp",
+        "block_gemm_vnni.cpp",
+        "decode_stack.cpp",
+    )
 ]
 _CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"]
 
@@ -177,6 +183,17 @@ def block_linear_int8(
 def pack_blocks_vnni(qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor, kind: int) -> torch.Tensor:
     """gguf_int8's row-interleaved copy of a block weight; empty without AVX-512 VNNI."""
     return torch.ops.kvserve.pack_blocks_vnni(qs, d, m, kind)
+
+
+def packs_int8_weights() -> bool:
+    """Whether this build makes gguf_int8's interleaved copy (AVX-512 VNNI), with which
+    every matmul, batches included, runs on int8 activations."""
+    if "packs" not in _state:
+        require()
+        planes = torch.zeros(1, 32, dtype=torch.int8), torch.zeros(1, 1, dtype=torch.float16)
+        empty = torch.zeros(0, dtype=torch.float16)
+        _state["packs"] = pack_blocks_vnni(*planes, empty, 0).numel() > 0
+    return _state["packs"]
 
 
 def decoder_stack(

@@ -13,10 +13,11 @@ from kvserve.transformers_utils.model_resolver import ResolvedModel, resolve_mod
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 GiB = 1 << 30
 # --quantization: "gguf" keeps the GGUF file's own Q4_1/Q8_0/Q4_0 blocks (lossless);
-# "gguf_int8" multiplies the same blocks with int8-quantized activations in small batches,
-# as llama.cpp's CPU backend does (faster single-stream decode, lossy);
+# "gguf_int8" multiplies the same blocks with int8-quantized activations, as llama.cpp's
+# CPU backend does (faster, lossy);
 # "q8_0" quantizes any model's float32 linear weights to Q8_0 blocks.
 QUANTIZATION_METHODS = ("gguf", "gguf_int8", "q8_0")
+KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16")
 
 
 @dataclass
@@ -77,8 +78,16 @@ class CacheConfig:
     # Seed of the block hash, so every process and machine agrees on block keys.
     prefix_caching_hash_seed: int = 0
     num_blocks_override: int | None = None
+    # Element type of the paged KV cache (vLLM's --kv-cache-dtype). "auto" is the model's
+    # dtype; float16 / bfloat16 halve the cache's bytes (decode attention at long contexts
+    # is bound by reading them) at the cost of rounding the stored keys and values.
+    cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.cache_dtype!r}"
+            )
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two >= 1, got {self.block_size}")
         if self.kv_cache_memory <= 0:
@@ -87,6 +96,10 @@ class CacheConfig:
             raise ValueError(
                 f"num_blocks_override must be at least 2, got {self.num_blocks_override}"
             )
+
+    def kv_dtype(self, model_dtype: str) -> str:
+        """The cache's element type by name ("auto": the model's)."""
+        return model_dtype if self.cache_dtype == "auto" else self.cache_dtype
 
 
 @dataclass

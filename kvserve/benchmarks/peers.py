@@ -27,7 +27,7 @@ from kvserve.benchmarks.peers_sweep import (
 )
 from kvserve.benchmarks.peers_workloads import (
     KVSERVE_ENGINES,
-    KVSERVE_QUANTIZATION,
+    KVSERVE_VARIANTS,
     WORKLOADS,
     EngineResult,
     PeerRequest,
@@ -93,14 +93,14 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
 
 def kvserve_engine_kwargs(args: argparse.Namespace, engine: str) -> dict[str, Any]:
     kwargs = dataclasses.asdict(EngineArgs.from_cli_args(args))
-    if engine in KVSERVE_QUANTIZATION:
-        kwargs["quantization"] = KVSERVE_QUANTIZATION[engine]
+    kwargs.update(KVSERVE_VARIANTS.get(engine, {}))
     return kwargs
 
 
 def kvserve_config(kwargs: dict[str, Any], batching: str) -> str:
     weights = f", {kwargs['quantization']} blocks" if kwargs.get("quantization") else ", float32"
-    return batching + weights
+    cache = kwargs.get("kv_cache_dtype", "auto")
+    return batching + weights + ("" if cache == "auto" else f", {cache} KV cache")
 
 
 def run_kvserve(

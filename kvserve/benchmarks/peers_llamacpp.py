@@ -39,17 +39,21 @@ def llama_cpp_available() -> bool:
     return True
 
 
-def extra_buffer_types_run(gguf_path: str, threads: int | None) -> bool:
-    """Whether llama.cpp survives a small batched decode with its extra CPU buffer types
-    (AMX, weight repacking), tried in a child process: a build for a CPU that advertises
-    AMX dies with SIGILL in its tile kernels on VMs that do not really run them."""
+def extra_buffer_types_run(
+    gguf_path: str, threads: int | None, tokens_per_decode: int = N_BATCH
+) -> bool:
+    """Whether llama.cpp survives a small prefill and decode with its extra CPU buffer
+    types (AMX, weight repacking), fed at most ``tokens_per_decode`` tokens per
+    llama_decode, tried in a child process: a build for a CPU that advertises AMX dies with
+    SIGILL in its tile kernels (which serve batches) on VMs that do not really run them."""
     probe = (
         "import sys; from kvserve.benchmarks.peers_llamacpp import LlamaCppPeer as P; "
         "from kvserve.benchmarks.peers_workloads import PeerRequest as R; "
-        "P(sys.argv[1], int(sys.argv[2]) or None).run('probe', [R(list(range(100, 164)), 2)], 1, False)"
+        "P(sys.argv[1], int(sys.argv[2]) or None, tokens_per_decode=int(sys.argv[3]))"
+        ".run('probe', [R(list(range(100, 164)), 2)], 1, False)"
     )
     child = subprocess.run(
-        [sys.executable, "-c", probe, gguf_path, str(threads or 0)],
+        [sys.executable, "-c", probe, gguf_path, str(threads or 0), str(tokens_per_decode)],
         capture_output=True,
         timeout=300,
     )
@@ -64,13 +68,19 @@ def open_llamacpp(gguf_path: str, threads: int | None, notes: list[str]) -> Llam
         return None
     if extra_buffer_types_run(gguf_path, threads):
         return LlamaCppPeer(gguf_path, threads)
+    peer = LlamaCppPeer(gguf_path, threads, extra_buffer_types=False)
     note = (
         "llama.cpp: its extra CPU buffer types (AMX, repacking) crashed a probe decode on this "
-        "machine; it runs without them (use_extra_bufts off)"
+        "machine; batched runs go without them (use_extra_bufts off)"
     )
+    if extra_buffer_types_run(gguf_path, threads, tokens_per_decode=1):
+        # One token per llama_decode keeps to their matrix-vector kernels: llama.cpp's
+        # fastest single stream on such a machine, prompt fed a token at a time.
+        peer.single_stream = LlamaCppPeer(gguf_path, threads, tokens_per_decode=1)
+        note += "; single-stream runs keep them, one token per llama_decode"
     print(note, flush=True)
     notes.append(note)
-    return LlamaCppPeer(gguf_path, threads, extra_buffer_types=False)
+    return peer
 
 
 @dataclass
@@ -84,12 +94,20 @@ class _Slot:
 
 class LlamaCppPeer:
     def __init__(
-        self, gguf_path: str, n_threads: int | None = None, extra_buffer_types: bool = True
+        self,
+        gguf_path: str,
+        n_threads: int | None = None,
+        extra_buffer_types: bool = True,
+        tokens_per_decode: int = N_BATCH,
     ) -> None:
         import llama_cpp as lc
 
         self.lc = lc
         self.n_threads = n_threads or os.cpu_count() or 1
+        self.extra_buffer_types = extra_buffer_types
+        self.tokens_per_decode = tokens_per_decode
+        # Serves n_parallel == 1 runs where set (see open_llamacpp).
+        self.single_stream: LlamaCppPeer | None = None
         # Kept on self: llama.cpp calls it for as long as the library lives.
         self._quiet_log = lc.llama_log_callback(lambda level, text, data: None)
         lc.llama_log_set(self._quiet_log, None)
@@ -102,6 +120,8 @@ class LlamaCppPeer:
         self.n_vocab = lc.llama_vocab_n_tokens(lc.llama_model_get_vocab(self.model))
 
     def close(self) -> None:
+        if self.single_stream is not None:
+            self.single_stream.close()
         self.lc.llama_model_free(self.model)
 
     def _new_context(self, n_parallel: int, max_len: int) -> Any:
@@ -124,6 +144,12 @@ class LlamaCppPeer:
     ) -> EngineResult:
         lc = self.lc
         n_parallel = max(1, min(n_parallel, len(requests)))
+        if n_parallel == 1 and self.single_stream is not None:
+            return self.single_stream.run(workload, requests, n_parallel, progress)
+        if n_parallel > self.tokens_per_decode:
+            raise ValueError(
+                f"{n_parallel} sequences need more than {self.tokens_per_decode} tokens per decode"
+            )
         max_len = max(len(r.prompt_token_ids) + r.output_len for r in requests)
         ctx = self._new_context(n_parallel, max_len)
         mem = lc.llama_get_memory(ctx)
@@ -152,7 +178,9 @@ class LlamaCppPeer:
             elapsed_s=elapsed,
             prompt_tokens=sum(len(r.prompt_token_ids) for r in requests),
             output_tokens=sum(r.output_len for r in requests),
-            config=f"{n_parallel} seqs/decode, {self.n_threads} threads, GGUF as stored",
+            config=f"{n_parallel} seqs/decode, {self.n_threads} threads, GGUF as stored"
+            + ("" if self.extra_buffer_types else ", no extra buffer types")
+            + (", 1 token per llama_decode" if self.tokens_per_decode == 1 else ""),
         )
 
     def _generate(
@@ -188,7 +216,7 @@ class LlamaCppPeer:
                     continue
                 slot.logits_row = -1
                 prompt = slot.request.prompt_token_ids
-                take = min(len(prompt) - slot.prefilled, N_BATCH - n)
+                take = min(len(prompt) - slot.prefilled, self.tokens_per_decode - n)
                 for p in range(slot.prefilled, slot.prefilled + take):
                     add(prompt[p], p, s, p == len(prompt) - 1)
                 slot.prefilled += take

@@ -18,10 +18,16 @@ import numpy as np
 if TYPE_CHECKING:
     from kvserve.transformers_utils.arch_config import ArchConfig
 
-# kvserve-gguf: kvserve with --quantization gguf (the file's Q4_1 blocks, as llama.cpp runs);
-# kvserve-gguf-int8: --quantization gguf_int8 (also int8 activations, as llama.cpp computes).
-KVSERVE_QUANTIZATION = {"kvserve-gguf": "gguf", "kvserve-gguf-int8": "gguf_int8"}
-KVSERVE_ENGINES = ("kvserve", *KVSERVE_QUANTIZATION)
+# Engine arguments of each kvserve variant over the command line's:
+# kvserve-gguf: --quantization gguf (the file's Q4_1 blocks, as llama.cpp runs);
+# kvserve-gguf-int8: --quantization gguf_int8 (also int8 activations, as llama.cpp computes);
+# kvserve-gguf-int8-kv16: and a float16 KV cache, llama.cpp's default.
+KVSERVE_VARIANTS: dict[str, dict[str, str]] = {
+    "kvserve-gguf": {"quantization": "gguf"},
+    "kvserve-gguf-int8": {"quantization": "gguf_int8"},
+    "kvserve-gguf-int8-kv16": {"quantization": "gguf_int8", "kv_cache_dtype": "float16"},
+}
+KVSERVE_ENGINES = ("kvserve", *KVSERVE_VARIANTS)
 
 
 @dataclass(frozen=True)

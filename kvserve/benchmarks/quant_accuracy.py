@@ -1,8 +1,10 @@
 """`kvserve bench quantization`: what each --quantization method costs in accuracy.
 
 Greedy continuations of a fixed prompt set under each method are compared token by token
-with the float32 engine's. Prompts run one at a time (single-stream decode, where
-``gguf_int8`` quantizes activations) and all together (batched decode).
+with the float32 engine's. Prompts run one at a time (single-stream decode) and all
+together (batched decode). Free-running, one flip at a near tie changes the rest of a
+continuation, so a teacher-forced figure is reported too: fed float32's continuation as
+its prompt, the share of steps where the method's own top token is float32's.
 """
 
 from __future__ import annotations
@@ -11,7 +13,10 @@ import argparse
 import json
 from typing import Any
 
-from kvserve.config import QUANTIZATION_METHODS
+from kvserve.config import KV_CACHE_DTYPES, QUANTIZATION_METHODS
+
+# --methods also takes "none" (float32 weights), to measure --kv-cache-dtype on its own.
+METHODS = (*QUANTIZATION_METHODS, "none")
 
 PROMPTS = (
     "The capital of France is",
@@ -37,7 +42,11 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="model (default: the embedded default)")
     parser.add_argument(
         "--methods", default=",".join(QUANTIZATION_METHODS),
-        help="comma-separated --quantization methods to compare with float32",
+        help="comma-separated --quantization methods (or none) to compare with float32",
+    )  # fmt: skip
+    parser.add_argument(
+        "--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
+        help="KV cache of the compared engines (the float32 reference keeps its own)",
     )  # fmt: skip
     parser.add_argument("--num-prompts", type=int, default=len(PROMPTS))
     parser.add_argument("--max-tokens", type=int, default=32)
@@ -63,58 +72,92 @@ def agreement(reference: list[list[int]], got: list[list[int]]) -> dict[str, flo
     }
 
 
-def _continuations(method: str | None, args: argparse.Namespace) -> dict[str, list[list[int]]]:
+def _continuations(
+    method: str | None,
+    args: argparse.Namespace,
+    forced: list[list[int]] | None = None,
+    kv_cache_dtype: str = "auto",
+) -> dict[str, Any]:
     from kvserve.entrypoints.llm import LLM
     from kvserve.sampling_params import SamplingParams
 
-    kwargs: dict[str, Any] = {"quantization": method}
+    kwargs: dict[str, Any] = {"quantization": method, "kv_cache_dtype": kv_cache_dtype}
     if args.model:
         kwargs["model"] = args.model
     llm = LLM(**kwargs)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
     prompts = list(PROMPTS[: args.num_prompts])
+    results: dict[str, Any] = {}
     try:
-        batched = [
-            list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)
-        ]
-        single = [
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        results["batched"] = [list(o.outputs[0].token_ids) for o in outputs]
+        results["single_stream"] = [
             list(llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids) for p in prompts
         ]
+        if forced is not None:
+            prompt_ids = [list(o.prompt_token_ids or []) for o in outputs]
+            results["teacher_forced"] = _teacher_forced(llm, prompt_ids, forced)
     finally:
         llm.llm_engine.shutdown()
-    return {"single_stream": single, "batched": batched}
+    return results
+
+
+def _teacher_forced(llm: Any, prompt_ids: list[list[int]], forced: list[list[int]]) -> float:
+    """Share of the ``forced`` continuations' tokens that are the engine's top choice when
+    the continuation is part of the prompt."""
+    from kvserve.sampling_params import SamplingParams
+
+    outputs = llm.generate(
+        [{"prompt_token_ids": p + f} for p, f in zip(prompt_ids, forced, strict=True)],
+        SamplingParams(max_tokens=1, prompt_logprobs=0),
+        use_tqdm=False,
+    )
+    ranks = [
+        output.prompt_logprobs[len(prompt) + step][token].rank
+        for prompt, continuation, output in zip(prompt_ids, forced, outputs, strict=True)
+        for step, token in enumerate(continuation)
+    ]
+    return sum(rank == 1 for rank in ranks) / max(len(ranks), 1)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     methods = [m for m in args.methods.split(",") if m]
-    unknown = sorted(set(methods) - set(QUANTIZATION_METHODS))
+    unknown = sorted(set(methods) - set(METHODS))
     if unknown:
-        raise ValueError(
-            f"--methods: unknown quantization {unknown}; known: {QUANTIZATION_METHODS}"
-        )
+        raise ValueError(f"--methods: unknown quantization {unknown}; known: {METHODS}")
     if not 1 <= args.num_prompts <= len(PROMPTS):
         raise ValueError(f"--num-prompts must be in [1, {len(PROMPTS)}], got {args.num_prompts}")
     reference = _continuations(None, args)
-    results: dict[str, Any] = {"prompts": args.num_prompts, "tokens_per_prompt": args.max_tokens}
+    results: dict[str, Any] = {
+        "prompts": args.num_prompts,
+        "tokens_per_prompt": args.max_tokens,
+        "kv_cache_dtype": args.kv_cache_dtype,
+    }
+    modes = ("single_stream", "batched")
     for method in methods:
-        got = _continuations(method, args)
-        results[method] = {mode: agreement(reference[mode], got[mode]) for mode in reference}
+        quantization = None if method == "none" else method
+        got = _continuations(quantization, args, reference["batched"], args.kv_cache_dtype)
+        results[method] = {mode: agreement(reference[mode], got[mode]) for mode in modes}
+        results[method]["teacher_forced"] = got["teacher_forced"]
     return results
 
 
 def format_table(results: dict[str, Any]) -> str:
     lines = [
         f"greedy agreement with float32, {results['prompts']} prompts x "
-        f"{results['tokens_per_prompt']} tokens",
-        f"{'method':<11} {'mode':<14} {'positions':>9} {'identical':>9} {'common prefix':>13}",
+        f"{results['tokens_per_prompt']} tokens, KV cache {results.get('kv_cache_dtype', 'auto')}",
+        f"{'method':<11} {'mode':<14} {'positions':>9} {'identical':>9} {'common prefix':>13}"
+        f" {'teacher-forced':>14}",
     ]
     for method, modes in results.items():
         if not isinstance(modes, dict):
             continue
-        for mode, a in modes.items():
+        for mode in ("single_stream", "batched"):
+            a = modes[mode]
             lines.append(
                 f"{method:<11} {mode:<14} {a['position_agreement']:>9.1%} "
                 f"{a['identical_prompts']:>5}/{results['prompts']:<3} {a['mean_common_prefix']:>13.1f}"
+                f" {modes['teacher_forced']:>14.1%}"
             )
     return "\n".join(lines)
 

@@ -548,9 +548,10 @@ void gemv_int8_kind(const BlockWeight& w, const Int8Rows& xq, int64_t r0, int64_
 }
 
 constexpr int64_t kInt8GroupRows = 3;
-// Past a few rows the float path's weight conversion is shared by enough rows that it is
-// as fast as the integer one (per row and block both cost about the same instructions),
-// and it is exact, so batches take it.
+// Without the interleaved copy, past a few rows the float path's weight conversion is
+// shared by enough rows that it is as fast as the integer one (per row and block both
+// cost about the same instructions), and it is exact, so batches take it. With the copy
+// (AVX-512 VNNI) every row count takes the integer path: block_gemm_vnni.cpp.
 constexpr int64_t kInt8MaxRows = 4;
 // Decode matmuls are a few hundred rows: tiles this small split them evenly between
 // threads (64-row tiles left one thread 25% more rows on 576-row weights).
@@ -562,14 +563,15 @@ at::Tensor block_linear_int8(const at::Tensor& x_in, const at::Tensor& qs, const
   const BlockWeight w = block_weight(qs, d, m, kind);
   const auto [x, out] = linear_operands(x_in, w);
   const int64_t rows_x = x.size(0), N = w.rows;
-  if (rows_x >= kInt8MaxRows) return block_linear(x_in, qs, d, m, kind);
+  const bool has_packed = packed && packed->numel() > 0;
+  if (rows_x >= kInt8MaxRows && !has_packed) return block_linear(x_in, qs, d, m, kind);
   if (rows_x == 0) return out;
   const Int8Rows xq(x.data_ptr<float>(), rows_x, w.cols);
   float* op = out.data_ptr<float>();
-  if (packed && packed->numel() > 0 &&
-      packed_linear_vnni(*packed, kind, N, w.cols, rows_x, xq.q.data(), xq.d.data(),
-                         xq.s.data(), op))
+  if (has_packed && packed_linear_vnni(*packed, kind, N, w.cols, rows_x, xq.q.data(),
+                                       xq.d.data(), xq.s.data(), op))
     return out;
+  TORCH_CHECK(rows_x < kInt8MaxRows, "a packed weight needs a build with AVX-512 VNNI");
   const int64_t num_tiles = (N + kInt8TileRows - 1) / kInt8TileRows;
   at::parallel_for(0, num_tiles, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scales(kInt8GroupRows * xq.nb);

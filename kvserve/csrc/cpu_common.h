@@ -1,4 +1,4 @@
-// Helpers shared by kvserve's CPU kernels (cpu_ops.cpp, block_gemm.cpp).
+// Helpers shared by kvserve's CPU kernels (cpu_ops.cpp, decode_attention.cpp, block_gemm*.cpp).
 #pragma once
 
 #include <ATen/Parallel.h>
@@ -35,11 +35,6 @@ inline float dot(const float* a, const float* b, int64_t n) {
   for (; i < n; ++i) acc += a[i] * b[i];
   for (int l = 0; l < 16; ++l) acc += lanes[l];
   return acc;
-}
-
-inline void axpy(float* y, float a, const float* x, int64_t n) {
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) y[i] += a * x[i];
 }
 
 // exp(x) for x <= 0 (softmax after subtracting the max), written so that a loop over it
@@ -91,8 +86,8 @@ at::Tensor block_linear_int8(const at::Tensor& x_in, const at::Tensor& qs, const
                              const std::optional<at::Tensor>& packed);
 
 // block_gemm_vnni.cpp: gguf_int8's row-interleaved copy of the blocks (empty in builds
-// without AVX-512 VNNI), and its matmul for 1-3 rows of int8-quantized x (false, nothing
-// written, in those builds).
+// without AVX-512 VNNI), and its matmul for any number of rows of int8-quantized x
+// (false, nothing written, in those builds).
 at::Tensor pack_blocks_vnni(const at::Tensor& qs, const at::Tensor& d, const at::Tensor& m,
                             int64_t kind);
 bool packed_linear_vnni(const at::Tensor& packed, int64_t kind, int64_t N, int64_t K,

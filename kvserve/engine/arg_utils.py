@@ -9,6 +9,7 @@ from typing import Any, Literal
 
 from kvserve.config import (
     DEFAULT_MODEL,
+    KV_CACHE_DTYPES,
     QUANTIZATION_METHODS,
     CacheConfig,
     DeviceConfig,
@@ -47,6 +48,7 @@ class EngineArgs:
     seed: int = 0
     device: str = "auto"
     block_size: int = 16
+    kv_cache_dtype: str = "auto"
     kv_cache_memory: int | str = CacheConfig.kv_cache_memory
     num_blocks_override: int | None = None
     enable_prefix_caching: bool = True
@@ -94,6 +96,7 @@ class EngineArgs:
             model_config=model_config,
             cache_config=CacheConfig(
                 block_size=self.block_size,
+                cache_dtype=self.kv_cache_dtype,
                 kv_cache_memory=parse_bytes(self.kv_cache_memory),
                 enable_prefix_caching=self.enable_prefix_caching,
                 prefix_caching_hash_seed=self.prefix_caching_hash_seed,
@@ -150,6 +153,11 @@ class EngineArgs:
         parser.add_argument("--seed", type=int, default=0)
         parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
         parser.add_argument("--block-size", type=int, default=16)
+        parser.add_argument(
+            "--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
+            help="element type of the KV cache; auto: the model's (float32). float16 or "
+            "bfloat16 halve the bytes decode attention reads, rounding stored keys/values",
+        )  # fmt: skip
         parser.add_argument(
             "--kv-cache-memory",
             default=str(CacheConfig.kv_cache_memory),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 from typing import cast
@@ -56,6 +57,12 @@ class EngineCore:
         )
         # Running totals per step phase; kept, like the other stats, only when logged.
         self.step_times: StepTimes | None = StepTimes() if log_stats else None
+        # What is alive now (modules, tokenizer tables, imported libraries) lives as long
+        # as the engine. Frozen, it is left out of the collector's full passes, which the
+        # objects every step allocates would otherwise trigger over and over (~3% of a
+        # long batched run). shutdown() hands it back.
+        gc.collect()
+        gc.freeze()
 
     def _initialize_kv_caches(self) -> KVCacheConfig:
         start = time.perf_counter()
@@ -142,3 +149,4 @@ class EngineCore:
         self.scheduler.shutdown()
         self.model_executor.shutdown()
         self.kv_event_publisher.shutdown()
+        gc.unfreeze()

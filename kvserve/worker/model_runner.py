@@ -61,6 +61,9 @@ class ModelRunner(KVConnectorModelRunnerMixin):
         self.max_num_tokens = config.scheduler_config.max_num_batched_tokens
         self.vocab_size = model_config.vocab_size
         self.dtype = torch.float32
+        self.kv_cache_dtype: torch.dtype = getattr(
+            torch, config.cache_config.kv_dtype(model_config.dtype)
+        )
         eos_ids = model_config.arch.eos_token_ids
         self.eos_token_id: int | None = eos_ids[0] if eos_ids else None
         self.pin_memory = self.device.type == "cuda" and torch.cuda.is_available()
@@ -90,7 +93,7 @@ class ModelRunner(KVConnectorModelRunnerMixin):
 
     def get_kv_cache_spec(self) -> dict[str, FullAttentionSpec]:
         block_size = self.config.cache_config.block_size
-        dtype_size = torch.empty(0, dtype=self.dtype).element_size()
+        dtype_size = torch.empty(0, dtype=self.kv_cache_dtype).element_size()
         return {
             name: FullAttentionSpec(
                 block_size=block_size,
@@ -113,7 +116,9 @@ class ModelRunner(KVConnectorModelRunnerMixin):
                 shape = layer.backend.get_kv_cache_shape(
                     kv_cache_config.num_blocks, spec.block_size, layer.num_kv_heads, layer.head_size
                 )
-                self.kv_caches[name] = torch.zeros(shape, dtype=self.dtype, device=self.device)
+                self.kv_caches[name] = torch.zeros(
+                    shape, dtype=self.kv_cache_dtype, device=self.device
+                )
                 self.layer_to_group[name] = group_id
             backend = layers[group.layer_names[0]].backend
             self.attn_builders.append(backend.get_builder_cls()(spec.block_size, self.device))

@@ -36,6 +36,7 @@ def run_case(
     computed: list[int],
     window: int | None = None,
     dims: tuple[int, int, int] = (NUM_HEADS, NUM_KV_HEADS, HEAD),
+    cache_dtype: torch.dtype = torch.float32,
 ) -> None:
     num_heads, num_kv_heads, head = dims
     seq_lens = [c + q for c, q in zip(computed, query_lens, strict=True)]
@@ -49,9 +50,13 @@ def run_case(
         pool = pool[n:]
 
     backend = get_attn_backend("cpu")
-    kv_cache = torch.zeros(backend.get_kv_cache_shape(num_blocks, block_size, num_kv_heads, head))
+    shape = backend.get_kv_cache_shape(num_blocks, block_size, num_kv_heads, head)
+    kv_cache = torch.zeros(shape, dtype=cache_dtype)
     full_k = [torch.randn(s, num_kv_heads, head) for s in seq_lens]
     full_v = [torch.randn(s, num_kv_heads, head) for s in seq_lens]
+    # What a narrower cache holds: each value rounded to its type.
+    stored_k = [t.to(cache_dtype) for t in full_k]
+    stored_v = [t.to(cache_dtype) for t in full_v]
     # Place the already-computed prefix in the cache, as earlier steps would have.
     for r, c in enumerate(computed):
         for pos in range(c):
@@ -73,7 +78,7 @@ def run_case(
     start = 0
     for r, q_len in enumerate(query_lens):
         expected = naive_attention(
-            q[start : start + q_len], full_k[r], full_v[r], computed[r], window
+            q[start : start + q_len], stored_k[r].float(), stored_v[r].float(), computed[r], window
         )
         for result in (out, out_torch):
             torch.testing.assert_close(
@@ -84,8 +89,8 @@ def run_case(
     for r, c in enumerate(computed):
         for pos in range(c, seq_lens[r]):
             block, off = tables[r][pos // block_size], pos % block_size
-            assert torch.equal(kv_cache[0, block, off], full_k[r][pos])
-            assert torch.equal(kv_cache[1, block, off], full_v[r][pos])
+            assert torch.equal(kv_cache[0, block, off], stored_k[r][pos])
+            assert torch.equal(kv_cache[1, block, off], stored_v[r][pos])
 
 
 @pytest.mark.parametrize("block_size", [16, 4])
@@ -105,6 +110,29 @@ def test_random_mixed_batches_match_naive(block_size: int, seed: int) -> None:
 def test_single_token_prefill_and_pure_decode_batch() -> None:
     rng = random.Random(7)
     run_case(rng, 4, [1, 1, 1], [0, 5, 17])
+
+
+@pytest.mark.parametrize("head", [16, 12])  # 12: the portable loops, not the FMA ones
+@pytest.mark.parametrize("cache_dtype", [torch.float16, torch.bfloat16])
+def test_narrow_kv_cache_matches_naive_on_the_stored_values(
+    cache_dtype: torch.dtype, head: int
+) -> None:
+    """--kv-cache-dtype float16/bfloat16: keys and values are rounded once, when written;
+    attention over them is float32 arithmetic, so kernel and torch fallback agree with
+    the naive loop run on the rounded values. Decodes, prefills, chunks and a window."""
+    rng = random.Random(head)
+    torch.manual_seed(head)
+    dims = (6, 2, head)
+    run_case(rng, 4, [1, 1, 17, 9, 1], [3, 40, 0, 12, 70], dims=dims, cache_dtype=cache_dtype)
+    run_case(
+        rng,
+        4,
+        [1] * 12,
+        [rng.randint(1, 70) for _ in range(12)],
+        dims=dims,
+        cache_dtype=cache_dtype,
+    )
+    run_case(rng, 4, [1, 5], [30, 9], window=5, dims=dims, cache_dtype=cache_dtype)
 
 
 @pytest.mark.parametrize("window", [1, 5, 8])

@@ -149,9 +149,13 @@ def test_open_llamacpp_runs_with_or_without_extra_buffer_types() -> None:
     peer = open_llamacpp(resolve_model(None).path, 1, notes)
     assert peer is not None
     try:
-        result = peer.run("probe", [PeerRequest(list(range(100, 140)), 3)] * 2, 2, False)
+        batched = peer.run("probe", [PeerRequest(list(range(100, 140)), 3)] * 2, 2, False)
+        single = peer.run("probe", [PeerRequest(list(range(100, 110)), 3)], 1, False)
     finally:
         peer.close()
-    assert result.output_tokens == 6
-    # Without the extra buffer types the note says so.
+    assert batched.output_tokens == 6 and single.output_tokens == 3
+    # Without the extra buffer types the note and the configs say so; where only single
+    # tokens survive them, single-stream runs keep them.
     assert all("use_extra_bufts off" in n for n in notes)
+    assert ("no extra buffer types" in batched.config) == bool(notes)
+    assert ("1 token per llama_decode" in single.config) == (peer.single_stream is not None)

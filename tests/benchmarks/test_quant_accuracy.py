@@ -40,8 +40,9 @@ def test_table_lists_every_method_and_mode() -> None:
     results = {
         "prompts": 2,
         "tokens_per_prompt": 4,
-        "gguf": {"single_stream": same, "batched": same},
+        "gguf": {"single_stream": same, "batched": same, "teacher_forced": 0.975},
     }
     table = quant_accuracy.format_table(results)
     assert "gguf        single_stream     100.0%" in table
     assert "batched" in table
+    assert table.splitlines()[-1].endswith("97.5%")

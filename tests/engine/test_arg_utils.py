@@ -33,6 +33,8 @@ def test_vllm_flag_names_reach_the_config() -> None:
             "--no-enable-prefix-caching",
             "--scheduling-policy",
             "priority",
+            "--kv-cache-dtype",
+            "bfloat16",
         ]
     ).create_engine_config()
     assert config.model_config.max_model_len == 1024
@@ -42,6 +44,7 @@ def test_vllm_flag_names_reach_the_config() -> None:
     assert config.cache_config.block_size == 32
     assert config.cache_config.kv_cache_memory == 64 << 20
     assert not config.cache_config.enable_prefix_caching
+    assert config.cache_config.kv_dtype(config.model_config.dtype) == "bfloat16"
 
 
 @pytest.mark.parametrize(
@@ -54,6 +57,13 @@ def test_parse_bytes(text: str, value: int) -> None:
 def test_bad_size_names_the_field() -> None:
     with pytest.raises(ValueError, match="kv_cache_memory"):
         parse_bytes("lots")
+
+
+def test_kv_cache_dtype_defaults_to_the_model_dtype_and_is_validated() -> None:
+    config = EngineArgs().create_engine_config()
+    assert config.cache_config.kv_dtype(config.model_config.dtype) == "float32"
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        EngineArgs(kv_cache_dtype="fp8").create_engine_config()
 
 
 def test_kv_cache_config_turns_on_the_tiered_connector(tmp_path: Path) -> None:

@@ -162,27 +162,59 @@ def test_greedy_gguf_block_weights_match_hf(llm_factory: Any, cases: Any) -> Non
     assert_no_leak(quantized)
 
 
-def test_gguf_int8_single_stream_stays_near_greedy(llm_factory: Any, cases: Any) -> None:
-    """--quantization gguf_int8 rounds single-stream activations to int8, so tokens may
-    part from HF's at near ties, but never for a token HF thinks clearly worse; batches
-    of 4+ rows take the exact float path and keep HF's tokens."""
+def assert_near_greedy(
+    engine: Any, prompts: list[list[int]], expected: list[list[int]], got: list[list[int]]
+) -> None:
+    """For lossy paths. Free-running, one flip at a near tie changes the rest of a
+    continuation, so: every token ``got`` holds is within 0.5 nats of HF's own choice at
+    that step, and fed HF's continuation, the engine's top choice is HF's at > 90% of
+    steps."""
+    reference = hf_reference()
+    for prompt, continuation, want in zip(prompts, got, expected, strict=True):
+        logprobs = reference.log_softmax(prompt + continuation)[len(prompt) - 1 : -1]
+        chosen = logprobs.gather(1, torch.tensor(continuation)[:, None])[:, 0]
+        gap = (logprobs.max(dim=1).values - chosen).max().item()
+        assert gap < 0.5, (gap, continuation, want)
+    forced = engine.generate(
+        [{"prompt_token_ids": p + w} for p, w in zip(prompts, expected, strict=True)],
+        SamplingParams(max_tokens=1, prompt_logprobs=0),
+        use_tqdm=False,
+    )
+    ranks = [
+        output.prompt_logprobs[len(prompt) + step][token].rank
+        for prompt, want, output in zip(prompts, expected, forced, strict=True)
+        for step, token in enumerate(want)
+    ]
+    assert sum(rank == 1 for rank in ranks) / len(ranks) > 0.9, ranks
+
+
+def test_gguf_int8_stays_near_greedy(llm_factory: Any, cases: Any) -> None:
+    """--quantization gguf_int8 rounds activations to int8. Single-stream steps always
+    take the integer path; batches of 4+ rows take it with AVX-512 VNNI (where a
+    request's tokens then do not depend on its batch) and the exact float path
+    elsewhere."""
     from kvserve import _custom_ops as ops
 
     if not ops.available():
         pytest.skip("no C++ toolchain for the block kernels")
     engine = llm_factory(quantization="gguf_int8")
     prompts, expected = cases
-    assert run(engine, prompts) == expected
-    reference = hf_reference()
-    agree = total = 0
-    for prompt, want in zip(prompts, expected, strict=True):
-        [got] = run(engine, [prompt])
-        logprobs = reference.log_softmax(prompt + got)[len(prompt) - 1 : -1]
-        chosen = logprobs.gather(1, torch.tensor(got)[:, None])[:, 0]
-        # HF's own choice at each step of this continuation vs the token int8 picked.
-        gap = (logprobs.max(dim=1).values - chosen).max().item()
-        assert gap < 0.5, (gap, got, want)
-        agree += sum(a == b for a, b in zip(got, want, strict=True))
-        total += len(want)
-    assert agree / total > 0.5
+    batched = run(engine, prompts)
+    singles = [run(engine, [prompt])[0] for prompt in prompts]
+    if ops.packs_int8_weights():
+        assert singles == batched
+    else:
+        assert batched == expected
+    assert_near_greedy(engine, prompts, expected, singles)
+    assert_no_leak(engine)
+
+
+def test_float16_kv_cache_stays_near_greedy(llm_factory: Any, cases: Any) -> None:
+    """--kv-cache-dtype float16 rounds the stored keys and values once; the rest is the
+    float32 model, so tokens stay HF's but at near ties."""
+    engine = llm_factory(kv_cache_dtype="float16")
+    runner = engine.llm_engine.engine_core.engine_core.model_executor.driver_worker.model_runner
+    assert {t.dtype for t in runner.kv_caches.values()} == {torch.float16}
+    prompts, expected = cases
+    assert_near_greedy(engine, prompts, expected, run(engine, prompts))
     assert_no_leak(engine)

@@ -84,6 +84,22 @@ def test_cpu_tier_serves_a_reset_prefix_cache(llm_factory: Callable[..., Any]) -
     assert_no_leak(llm)
 
 
+def test_float16_kv_cache_round_trips_through_the_cpu_tier(
+    llm_factory: Callable[..., Any],
+) -> None:
+    """--kv-cache-dtype float16: chunks are stored as the cache holds them and keyed by
+    that dtype, so a reload gives back the same values and the same tokens."""
+    llm = llm_factory(kv_transfer_config=_transfer(), kv_cache_dtype="float16")
+    ids = make_document_ids(llm.get_tokenizer(), DOC_TOKENS, seed=12)
+    first, _ = _ask(llm, ids)
+    llm.reset_prefix_cache()
+    second, cached = _ask(llm, ids)
+    assert cached == FULL_CHUNKS
+    assert second == first
+    assert _cache_engine(llm).metadata.kv_dtype == "float16"
+    assert_no_leak(llm)
+
+
 def test_redis_shared_by_two_processes_and_disk_survives_restart(
     redis_server: RedisServer, tmp_path: Path
 ) -> None:

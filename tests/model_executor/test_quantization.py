@@ -94,46 +94,50 @@ def test_quantization_config_is_validated() -> None:
 
 
 def _int8_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """llama.cpp's arithmetic in float64: x quantized per 32 values to int8 (scale
-    max|x| / 127, round half to even), times the exactly dequantized weight."""
+    """llama.cpp's arithmetic: x quantized per 32 values to int8 (scale max|x| / 127,
+    round half to even, in float32 as the kernels do it: float64 would round some
+    near-halves the other way), times the exactly dequantized weight in float64."""
     rows, cols = x.shape
-    blocks = x.reshape(rows, cols // 32, 32).double()
+    blocks = x.reshape(rows, cols // 32, 32)
     amax = blocks.abs().amax(-1, keepdim=True)
     inverse = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
-    xq = (torch.round(blocks * inverse) * (amax / 127)).reshape(rows, cols)
+    xq = (torch.round(blocks * inverse).double() * (amax / 127).double()).reshape(rows, cols)
     return (xq @ weight.double().T).float()
 
 
-# 1-3 rows: integer dot products; 4+: the exact float path of block_linear. 96 columns is
-# an odd number of blocks: the last one misses its pair in the AVX-512 VNNI loop.
+# Plain layout: integer dot products for 1-3 rows, the exact float path of block_linear
+# for 4+. The row-interleaved copy (AVX-512 VNNI builds) takes every row count in integer
+# arithmetic. 96 columns is an odd number of blocks (the last one misses its pair in the
+# plain VNNI loop); 197 rows leave a partial group of 16 in the copy; 19 rows are two full
+# tiles of 8 and a partial one.
 @pytest.mark.parametrize("cols", [1536, 96])
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 9])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 9, 19])
 @pytest.mark.parametrize("qtype", TYPES)
 def test_block_linear_int8_is_llamacpp_arithmetic(qtype: T, rows: int, cols: int) -> None:
     weight, reference = _block_weight(qtype, 197, cols, seed=rows)
     x = torch.randn(rows, cols)
     x[0, :32] = 0.0  # an all-zero block has scale 0
+    int8_reference = _int8_reference(x, reference)
     out = ops.block_linear_int8(x, weight.qs, weight.d, weight.m, weight.kind)
-    # The row-interleaved copy (AVX-512 VNNI builds; 197 rows leave a partial group of 16)
-    # gives the same integer dot products, summed in another order.
-    packed = ops.pack_blocks_vnni(weight.qs, weight.d, weight.m, weight.kind)
-    if packed.numel():
-        out_packed = ops.block_linear_int8(x, weight.qs, weight.d, weight.m, weight.kind, packed)
-        torch.testing.assert_close(out_packed, out, rtol=1e-5, atol=1e-5)
     if rows < 4:
-        torch.testing.assert_close(out, _int8_reference(x, reference), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(out, int8_reference, rtol=1e-5, atol=1e-5)
         # The activation rounding is the only loss: well under 1% of the output's scale.
         exact = F.linear(x, reference)
         assert (out - exact).abs().max() < 0.01 * exact.abs().max()
     else:
         assert torch.equal(out, weight.linear(x))
-        if packed.numel():
-            assert torch.equal(out_packed, out)  # 4+ rows: the float path either way
-
-
-def _vnni_probe_planes() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
-    weight, _ = _block_weight(T.Q8_0, 1, 32, seed=0)
-    return weight.qs, weight.d, weight.m, weight.kind
+    packed = ops.pack_blocks_vnni(weight.qs, weight.d, weight.m, weight.kind)
+    if packed.numel():
+        out_packed = ops.block_linear_int8(x, weight.qs, weight.d, weight.m, weight.kind, packed)
+        torch.testing.assert_close(out_packed, int8_reference, rtol=1e-5, atol=1e-5)
+        if rows < 4:  # the same integer dot products as the plain layout, summed in another order
+            torch.testing.assert_close(out_packed, out, rtol=1e-5, atol=1e-5)
+        # Integer sums are exact: a row's output does not depend on the rows beside it.
+        for i in range(rows):
+            alone = ops.block_linear_int8(
+                x[i : i + 1], weight.qs, weight.d, weight.m, weight.kind, packed
+            )
+            assert torch.equal(alone[0], out_packed[i])
 
 
 def test_gguf_int8_method_marks_every_block_weight() -> None:
@@ -143,8 +147,7 @@ def test_gguf_int8_method_marks_every_block_weight() -> None:
     model = get_model(config.resolved, config.arch, "cpu", torch.float32, "gguf_int8")
     weights = [m.quant_weight for m in model.modules() if getattr(m, "quant_weight", None)]
     assert weights and all(w.int8_activations for w in weights)
-    has_packing = ops.pack_blocks_vnni(*_vnni_probe_planes()).numel() > 0
-    assert all((w.packed is not None) == has_packing for w in weights)
+    assert all((w.packed is not None) == ops.packs_int8_weights() for w in weights)
     x = torch.randn(1, config.arch.hidden_size)
     head = model.lm_head.quant_weight
     assert not torch.equal(head.linear(x), F.linear(x, head.dequantize()))

@@ -204,6 +204,7 @@ class CPUAttentionImpl(AttentionImpl):
         # [D, nb, bs, Hkv, hd] -> [D, Hkv, L, hd]
         k = k_cache[d.block_table].reshape(num_reqs, -1, self.num_kv_heads, self.head_size)
         v = v_cache[d.block_table].reshape(num_reqs, -1, self.num_kv_heads, self.head_size)
+        k, v = k.to(query.dtype), v.to(query.dtype)  # a float16/bfloat16 cache, widened
         mask = d.key_mask
         if self.sliding_window is not None:
             key_pos = torch.arange(mask.shape[1], device=mask.device)
@@ -226,6 +227,7 @@ class CPUAttentionImpl(AttentionImpl):
         # covers the cached prefix and the chunk alike.
         k = k_cache[c.block_ids].reshape(-1, self.num_kv_heads, self.head_size)[: c.seq_len]
         v = v_cache[c.block_ids].reshape(-1, self.num_kv_heads, self.head_size)[: c.seq_len]
+        k, v = k.to(q.dtype), v.to(q.dtype)  # a float16/bfloat16 cache, widened
         mask: torch.Tensor | None = c.causal_mask
         if self.sliding_window is not None:
             key_pos = torch.arange(c.seq_len, device=c.causal_mask.device)

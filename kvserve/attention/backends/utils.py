@@ -45,10 +45,12 @@ def write_to_kv_cache(
 
     ``token_indices`` selects the tokens whose slot is valid; the builder computes it
     once per step so the layers never do a data-dependent ``slot >= 0`` filter (a
-    device sync on GPU) themselves.
+    device sync on GPU) themselves. A narrower cache (--kv-cache-dtype) stores the values
+    rounded to its type.
     """
     if token_indices is not None:
         key, value = key[token_indices], value[token_indices]
+    key, value = key.to(kv_cache.dtype), value.to(kv_cache.dtype)
     num_kv_heads, head_size = kv_cache.shape[-2:]
     kv_cache[0].view(-1, num_kv_heads, head_size).index_copy_(0, slot_mapping, key)
     kv_cache[1].view(-1, num_kv_heads, head_size).index_copy_(0, slot_mapping, value)

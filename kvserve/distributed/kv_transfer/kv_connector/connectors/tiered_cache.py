@@ -96,7 +96,7 @@ class TieredCacheConnector(KVConnectorBase_V1):
             model_name=config.model_config.resolved.name,
             world_size=config.parallel_config.world_size,
             worker_id=0,
-            kv_dtype=config.model_config.dtype,
+            kv_dtype=config.cache_config.kv_dtype(config.model_config.dtype),
         )
         self._instance_id = f"{self.kv_transfer_config.engine_id}"
         self.engine = CacheEngineBuilder.get_or_create(
