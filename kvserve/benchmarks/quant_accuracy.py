@@ -96,13 +96,15 @@ def _continuations(
         ]
         if forced is not None:
             prompt_ids = [list(o.prompt_token_ids or []) for o in outputs]
-            results["teacher_forced"] = _teacher_forced(llm, prompt_ids, forced)
+            results["teacher_forced"] = teacher_forced_agreement(llm, prompt_ids, forced)
     finally:
         llm.llm_engine.shutdown()
     return results
 
 
-def _teacher_forced(llm: Any, prompt_ids: list[list[int]], forced: list[list[int]]) -> float:
+def teacher_forced_agreement(
+    llm: Any, prompt_ids: list[list[int]], forced: list[list[int]]
+) -> float:
     """Share of the ``forced`` continuations' tokens that are the engine's top choice when
     the continuation is part of the prompt."""
     from kvserve.sampling_params import SamplingParams

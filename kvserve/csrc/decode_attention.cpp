@@ -105,21 +105,41 @@ void score_batch_avx2(const float* q, const T* const* k, int64_t m, int64_t head
   _mm256_storeu_ps(scores, _mm256_mul_ps(sum, _mm256_set1_ps(scale)));
 }
 
+// acc[0, 8 * CHUNKS) += sum_j p[j] v_j over value rows j in [j0, j1) (v[j] + offset). The
+// chunk count is a compile-time constant so the accumulators stay in registers: with a
+// runtime count they went through the stack, one store-to-load round trip per FMA.
+template <int CHUNKS, typename T>
+inline void accumulate_chunks(const float* p, const T* const* v, int64_t offset, int64_t j0,
+                              int64_t j1, float* acc) {
+  __m256 a[CHUNKS];
+  for (int c = 0; c < CHUNKS; ++c) a[c] = _mm256_loadu_ps(acc + 8 * c);
+  for (int64_t j = j0; j < j1; ++j) {
+    const __m256 pj = _mm256_set1_ps(p[j]);
+    const T* row = v[j] + offset;
+    for (int c = 0; c < CHUNKS; ++c) a[c] = _mm256_fmadd_ps(pj, load8(row + 8 * c), a[c]);
+  }
+  for (int c = 0; c < CHUNKS; ++c) _mm256_storeu_ps(acc + 8 * c, a[c]);
+}
+
 // acc += sum_j p[j] v_j over value rows j in [j0, j1) (v[j] + v_offset), head_size a
-// multiple of 8: up to 64 accumulator values at a time stay in registers across the rows.
+// multiple of 8, 64 accumulator values at a time.
 template <typename T>
 void accumulate_values_avx2(const float* p, const T* const* v, int64_t v_offset, int64_t j0,
                             int64_t j1, int64_t head_size, float* acc) {
-  for (int64_t c0 = 0; c0 < head_size; c0 += 64) {
-    const int64_t chunks = std::min<int64_t>(8, (head_size - c0) / 8);
-    __m256 a[8];
-    for (int c = 0; c < chunks; ++c) a[c] = _mm256_loadu_ps(acc + c0 + 8 * c);
-    for (int64_t j = j0; j < j1; ++j) {
-      const __m256 pj = _mm256_set1_ps(p[j]);
-      const T* row = v[j] + v_offset + c0;
-      for (int c = 0; c < chunks; ++c) a[c] = _mm256_fmadd_ps(pj, load8(row + 8 * c), a[c]);
-    }
-    for (int c = 0; c < chunks; ++c) _mm256_storeu_ps(acc + c0 + 8 * c, a[c]);
+  int64_t c0 = 0;
+  for (; c0 + 64 <= head_size; c0 += 64)
+    accumulate_chunks<8>(p, v, v_offset + c0, j0, j1, acc + c0);
+  const int64_t off = v_offset + c0;
+  float* a = acc + c0;
+  switch ((head_size - c0) / 8) {
+    case 1: return accumulate_chunks<1>(p, v, off, j0, j1, a);
+    case 2: return accumulate_chunks<2>(p, v, off, j0, j1, a);
+    case 3: return accumulate_chunks<3>(p, v, off, j0, j1, a);
+    case 4: return accumulate_chunks<4>(p, v, off, j0, j1, a);
+    case 5: return accumulate_chunks<5>(p, v, off, j0, j1, a);
+    case 6: return accumulate_chunks<6>(p, v, off, j0, j1, a);
+    case 7: return accumulate_chunks<7>(p, v, off, j0, j1, a);
+    default: return;
   }
 }
 #endif

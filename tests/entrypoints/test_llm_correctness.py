@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 import torch
 
+from kvserve.benchmarks.quant_accuracy import teacher_forced_agreement
 from kvserve.sampling_params import SamplingParams
 from tests.prompts import all_prompt_ids
 from tests.reference import assert_no_leak, hf_reference
@@ -175,17 +176,7 @@ def assert_near_greedy(
         chosen = logprobs.gather(1, torch.tensor(continuation)[:, None])[:, 0]
         gap = (logprobs.max(dim=1).values - chosen).max().item()
         assert gap < 0.5, (gap, continuation, want)
-    forced = engine.generate(
-        [{"prompt_token_ids": p + w} for p, w in zip(prompts, expected, strict=True)],
-        SamplingParams(max_tokens=1, prompt_logprobs=0),
-        use_tqdm=False,
-    )
-    ranks = [
-        output.prompt_logprobs[len(prompt) + step][token].rank
-        for prompt, want, output in zip(prompts, expected, forced, strict=True)
-        for step, token in enumerate(want)
-    ]
-    assert sum(rank == 1 for rank in ranks) / len(ranks) > 0.9, ranks
+    assert teacher_forced_agreement(engine, prompts, expected) > 0.9
 
 
 def test_gguf_int8_stays_near_greedy(llm_factory: Any, cases: Any) -> None:
