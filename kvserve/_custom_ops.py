@@ -31,6 +31,7 @@ _SOURCES = [
         "cpu_ops.cpp",
         "decode_attention.cpp",
         "block_gemm.cpp",
+        "block_gemm_int8.cpp",
         "block_gemm_vnni.cpp",
         "decode_stack.cpp",
     )
@@ -51,7 +52,8 @@ def _build() -> bool:
         os.pathsep + os.environ.get("PATH", "")
     )
     # torch re-builds when the sources or flags change; headers only count through a flag.
-    header_hash = hashlib.sha256((_CSRC / "cpu_common.h").read_bytes()).hexdigest()[:16]
+    headers = b"".join(path.read_bytes() for path in sorted(_CSRC.glob("*.h")))
+    header_hash = hashlib.sha256(headers).hexdigest()[:16]
     cpp_extension.load(
         name="kvserve_cpu_ops",
         sources=[str(path) for path in _SOURCES],

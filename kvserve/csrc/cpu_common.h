@@ -14,7 +14,7 @@
 
 namespace kvserve_cpu {
 
-// Weights per GGUF block (Q8_0, Q4_1, Q4_0): block_gemm.cpp, block_gemm_vnni.cpp.
+// Weights per GGUF block (Q8_0, Q4_1, Q4_0): block_gemm*.cpp.
 constexpr int64_t kBlock = 32;
 
 #ifdef __AVX2__

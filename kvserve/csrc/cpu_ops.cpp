@@ -1,6 +1,6 @@
 // CPU kernels for the hot per-layer ops that plain torch runs as many small passes.
 // Registered as torch.ops.kvserve.*; loaded by kvserve/_custom_ops.py.
-// The GGUF block matmul lives in block_gemm.cpp, paged decode attention in
+// The GGUF block matmuls live in block_gemm*.cpp, paged decode attention in
 // decode_attention.cpp.
 //
 // Built with -ffp-contract=off so that the elementwise kernels round exactly like the

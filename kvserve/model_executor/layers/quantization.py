@@ -51,7 +51,7 @@ SUPPORTED_TYPES = frozenset(_KINDS)
 
 @dataclass
 class BlockWeight:
-    """A ``[rows, cols]`` weight as separate planes of its blocks (see csrc/block_gemm.cpp)."""
+    """A ``[rows, cols]`` weight as separate planes of its blocks (see csrc/block_gemm.h)."""
 
     qtype: GGMLQuantizationType
     qs: torch.Tensor  # int8 [rows, cols] (Q8_0) or uint8 [rows, cols/2] (4-bit)

@@ -1,0 +1,226 @@
+// GGUF block weights shared by the block matmuls: the planes, their dequantization and
+// the float GEMV (block_gemm.cpp), used by the int8 path too (block_gemm_int8.cpp).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstring>
+#include <utility>
+#if defined(__AVX2__) || defined(__F16C__)
+#include <immintrin.h>
+#endif
+#ifdef __SSE__
+#include <xmmintrin.h>  // _mm_prefetch
+#endif
+
+#include "cpu_common.h"
+
+namespace kvserve_cpu {
+
+// ---- GGUF block weights ------------------------------------------------------------
+// Linear layers can keep llama.cpp's 32-weight blocks instead of float32 weights, split
+// into planes: qs (the quants), d (block scale) and m (block minimum, Q4_1 only), both
+// scales float16 as in the file (decode streams every byte of them per token: float32
+// scales would be 20% more traffic for Q4_1). Dequantization is the gguf package's own
+// expression on the exactly converted scales, so a dequantized block equals the float32
+// weight the model would otherwise load, bit for bit.
+//   kind 0, Q8_0: w = d * q, q int8;                 qs: int8  [N, K]
+//   kind 1, Q4_1: w = d * q + m, q in 0..15;         qs: uint8 [N, K/2]
+//   kind 2, Q4_0: w = d * (q - 8), q in 0..15;       qs: uint8 [N, K/2]
+// In a 4-bit block, byte j holds weight j in its low nibble and weight j + 16 in its high.
+// (kBlock, the 32 weights of a block, is in cpu_common.h.)
+constexpr int64_t kPrefetchRows = 4;
+
+template <int KIND>
+inline void dequant_block(const uint8_t* __restrict qs, float d, float m, float* __restrict w) {
+  if constexpr (KIND == 0) {
+    const int8_t* q = reinterpret_cast<const int8_t*>(qs);
+#pragma omp simd
+    for (int i = 0; i < 32; ++i) w[i] = d * static_cast<float>(q[i]);
+  } else {
+    int32_t lo[16], hi[16];
+#pragma omp simd
+    for (int j = 0; j < 16; ++j) {
+      lo[j] = qs[j] & 15;
+      hi[j] = qs[j] >> 4;
+    }
+    if constexpr (KIND == 1) {
+#pragma omp simd
+      for (int j = 0; j < 16; ++j) {
+        w[j] = d * static_cast<float>(lo[j]) + m;
+        w[j + 16] = d * static_cast<float>(hi[j]) + m;
+      }
+    } else {
+#pragma omp simd
+      for (int j = 0; j < 16; ++j) {
+        w[j] = d * static_cast<float>(lo[j] - 8);
+        w[j + 16] = d * static_cast<float>(hi[j] - 8);
+      }
+    }
+  }
+}
+
+#ifdef __AVX2__
+// The 32 quants of a block as four vectors of 8 floats (weights 0-7, 8-15, 16-23, 24-31).
+template <int KIND>
+inline void load_quants(const uint8_t* qs, __m256 q[4]) {
+  if constexpr (KIND == 0) {
+    for (int i = 0; i < 4; ++i)
+      q[i] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(
+          reinterpret_cast<const __m128i*>(qs + 8 * i))));
+  } else {
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+    const __m128i mask = _mm_set1_epi8(15);
+    __m128i lo = _mm_and_si128(bytes, mask);
+    __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), mask);
+    if constexpr (KIND == 2) {
+      lo = _mm_sub_epi8(lo, _mm_set1_epi8(8));
+      hi = _mm_sub_epi8(hi, _mm_set1_epi8(8));
+    }
+    q[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo));
+    q[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8)));
+    q[2] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi));
+    q[3] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8)));
+  }
+}
+
+#endif
+
+inline int64_t block_bytes_of(int64_t kind) { return kind == 0 ? 32 : 16; }
+
+// float16 -> float32, exact (F16C's vcvtph2ps where the CPU has it).
+inline float f16(uint16_t h) {
+#ifdef __F16C__
+  return _cvtsh_ss(h);
+#else
+  return c10::detail::fp16_ieee_to_fp32_value(h);
+#endif
+}
+
+struct BlockWeight {
+  int64_t kind, rows, cols, row_bytes;
+  const uint8_t* qs;
+  const uint16_t* d;  // float16 bits
+  const uint16_t* m;
+
+  // Decode reads every weight from DRAM once per token, and the hardware prefetcher stops
+  // at 4 KiB page boundaries (every ~14 rows of a 576-wide Q4_1 weight), so the GEMVs ask
+  // for the row kPrefetchRows ahead themselves. Single-stream gguf_int8 decode on a noisy
+  // AVX-512 VM: 3% (6 alternating runs) to 15% (5 runs, another hour) faster.
+  void prefetch_row(int64_t n) const {
+#if defined(__SSE__)
+    if (n >= rows) return;
+    const int64_t nb = cols / kBlock;
+    for (int64_t off = 0; off < row_bytes; off += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(qs + n * row_bytes + off), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(d + n * nb), _MM_HINT_T0);
+    if (m != nullptr) _mm_prefetch(reinterpret_cast<const char*>(m + n * nb), _MM_HINT_T0);
+#else
+    (void)n;
+#endif
+  }
+
+  template <int KIND>
+  void dequant_rows_t(int64_t begin, int64_t end, float* out) const {
+    const int64_t nb = cols / kBlock, bb = block_bytes_of(KIND);
+    for (int64_t n = begin; n < end; ++n)
+      for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* block = qs + n * row_bytes + b * bb;
+        float* o = out + (n - begin) * cols + b * kBlock;
+        const float db = f16(d[n * nb + b]), mb = KIND == 1 ? f16(m[n * nb + b]) : 0.f;
+#ifdef __AVX2__
+        __m256 q[4];
+        load_quants<KIND>(block, q);
+        const __m256 dv = _mm256_set1_ps(db), mv = _mm256_set1_ps(mb);
+        for (int i = 0; i < 4; ++i) {
+          // Multiply, then add: the gguf package's rounding, not a fused multiply-add.
+          __m256 v = _mm256_mul_ps(dv, q[i]);
+          if constexpr (KIND == 1) v = _mm256_add_ps(v, mv);
+          _mm256_storeu_ps(o + 8 * i, v);
+        }
+#else
+        dequant_block<KIND>(block, db, mb, o);
+#endif
+      }
+  }
+
+  void dequant_rows(int64_t begin, int64_t end, float* out) const {
+    if (kind == 0) dequant_rows_t<0>(begin, end, out);
+    else if (kind == 1) dequant_rows_t<1>(begin, end, out);
+    else dequant_rows_t<2>(begin, end, out);
+  }
+
+  // out[r * ldo + n] = sum_k x[r, k] * W[n, k] for n in [begin, end), R rows of x.
+  // Per block, sum_i (d q_i + m) x_i = d (q . x) + m sum(x): the scale multiplies one
+  // vector of partial sums, and the minimum a per-block sum of x computed once per call.
+  template <int KIND, int R>
+  void gemv_t(const float* __restrict x, const float* __restrict xsum, float* __restrict out,
+              int64_t ldo, int64_t begin, int64_t end) const {
+    const int64_t nb = cols / kBlock, bb = block_bytes_of(KIND);
+    for (int64_t n = begin; n < end; ++n) {
+      const uint8_t* row = qs + n * row_bytes;
+      const uint16_t* dn = d + n * nb;
+      prefetch_row(n + kPrefetchRows);
+#ifdef __AVX2__
+      float min_term[R] = {};
+      __m256 acc[R];
+      for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+      for (int64_t b = 0; b < nb; ++b) {
+        __m256 q[4];
+        load_quants<KIND>(row + b * bb, q);
+        const __m256 scale = _mm256_set1_ps(f16(dn[b]));
+        const float mb = KIND == 1 ? f16(m[n * nb + b]) : 0.f;
+        for (int r = 0; r < R; ++r) {
+          const float* xb = x + r * cols + b * kBlock;
+          __m256 qx = _mm256_mul_ps(q[0], _mm256_loadu_ps(xb));
+          qx = _mm256_fmadd_ps(q[1], _mm256_loadu_ps(xb + 8), qx);
+          qx = _mm256_fmadd_ps(q[2], _mm256_loadu_ps(xb + 16), qx);
+          qx = _mm256_fmadd_ps(q[3], _mm256_loadu_ps(xb + 24), qx);
+          acc[r] = _mm256_fmadd_ps(scale, qx, acc[r]);
+          if constexpr (KIND == 1) min_term[r] += mb * xsum[r * nb + b];
+        }
+      }
+      for (int r = 0; r < R; ++r) out[r * ldo + n] = hsum(acc[r]) + min_term[r];
+#else
+      float acc[R] = {};
+      alignas(64) float wb[kBlock];
+      for (int64_t b = 0; b < nb; ++b) {
+        dequant_block<KIND>(row + b * bb, f16(dn[b]), KIND == 1 ? f16(m[n * nb + b]) : 0.f, wb);
+        for (int r = 0; r < R; ++r) acc[r] += dot(wb, x + r * cols + b * kBlock, kBlock);
+      }
+      for (int r = 0; r < R; ++r) out[r * ldo + n] = acc[r];
+      (void)xsum;  // the dequantized block already carries the minimum
+#endif
+    }
+  }
+
+  template <int KIND>
+  void gemv_kind(int64_t rows_x, const float* x, const float* xsum, float* out, int64_t begin,
+                 int64_t end) const {
+    switch (rows_x) {
+      case 1: return gemv_t<KIND, 1>(x, xsum, out, rows, begin, end);
+      case 2: return gemv_t<KIND, 2>(x, xsum, out, rows, begin, end);
+      case 3: return gemv_t<KIND, 3>(x, xsum, out, rows, begin, end);
+      case 4: return gemv_t<KIND, 4>(x, xsum, out, rows, begin, end);
+      case 5: return gemv_t<KIND, 5>(x, xsum, out, rows, begin, end);
+      default: return gemv_t<KIND, 6>(x, xsum, out, rows, begin, end);
+    }
+  }
+
+  // xsum: [rows_x, cols / 32] sums of x per block (used by Q4_1's minimum).
+  void gemv(int64_t rows_x, const float* x, const float* xsum, float* out, int64_t begin,
+            int64_t end) const {
+    if (kind == 0) gemv_kind<0>(rows_x, x, xsum, out, begin, end);
+    else if (kind == 1) gemv_kind<1>(rows_x, x, xsum, out, begin, end);
+    else gemv_kind<2>(rows_x, x, xsum, out, begin, end);
+  }
+};
+
+// Checked view of a weight's planes (kinds as above).
+BlockWeight block_weight(const at::Tensor& qs, const at::Tensor& d, const at::Tensor& m,
+                         int64_t kind);
+
+// x as contiguous [rows, K], and an uninitialized output shaped like x with N features.
+std::pair<at::Tensor, at::Tensor> linear_operands(const at::Tensor& x_in, const BlockWeight& w);
+
+}  // namespace kvserve_cpu
