@@ -1,5 +1,6 @@
 // GGUF block weights shared by the block matmuls: the planes, their dequantization and
-// the float GEMV (block_gemm.cpp), used by the int8 path too (block_gemm_int8.cpp).
+// the float GEMV (block_gemm.cpp), used by the int8 paths too (block_gemm_int8.cpp,
+// block_gemm_vnni.cpp).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -28,7 +29,7 @@ namespace kvserve_cpu {
 //   kind 1, Q4_1: w = d * q + m, q in 0..15;         qs: uint8 [N, K/2]
 //   kind 2, Q4_0: w = d * (q - 8), q in 0..15;       qs: uint8 [N, K/2]
 // In a 4-bit block, byte j holds weight j in its low nibble and weight j + 16 in its high.
-// (kBlock, the 32 weights of a block, is in cpu_common.h.)
+constexpr int64_t kBlock = 32;  // weights per block
 constexpr int64_t kPrefetchRows = 4;
 
 template <int KIND>
@@ -222,5 +223,14 @@ BlockWeight block_weight(const at::Tensor& qs, const at::Tensor& d, const at::Te
 
 // x as contiguous [rows, K], and an uninitialized output shaped like x with N features.
 std::pair<at::Tensor, at::Tensor> linear_operands(const at::Tensor& x_in, const BlockWeight& w);
+
+// block_gemm_vnni.cpp: gguf_int8's row-interleaved copy of the blocks (empty in builds
+// without AVX-512 VNNI), and its matmul for any number of rows of int8-quantized x
+// (false, nothing written, in those builds).
+at::Tensor pack_blocks_vnni(const at::Tensor& qs, const at::Tensor& d, const at::Tensor& m,
+                            int64_t kind);
+bool packed_linear_vnni(const at::Tensor& packed, int64_t kind, int64_t N, int64_t K,
+                        int64_t rows, const int8_t* xq, const float* xd, const float* xs,
+                        float* out);
 
 }  // namespace kvserve_cpu

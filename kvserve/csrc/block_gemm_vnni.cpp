@@ -33,7 +33,7 @@ constexpr bool kPackedVnni = true;
 constexpr bool kPackedVnni = false;
 #endif
 
-#include "cpu_common.h"
+#include "block_gemm.h"
 
 namespace kvserve_cpu {
 namespace {
@@ -43,7 +43,7 @@ constexpr int64_t kGroup = 16;
 struct PackedLayout {
   int64_t quant_bytes, record;
   explicit PackedLayout(int64_t kind) {
-    quant_bytes = kGroup * (kind == 0 ? 32 : 16);
+    quant_bytes = kGroup * block_bytes_of(kind);
     record = quant_bytes + 2 * kGroup + (kind == 1 ? 2 * kGroup : 0) + (kind == 0 ? 4 * kGroup : 0);
   }
 };
@@ -162,31 +162,23 @@ void packed_kind(const uint8_t* packed, const PackedLayout& L, int64_t N, int64_
 
 at::Tensor pack_blocks_vnni(const at::Tensor& qs, const at::Tensor& d, const at::Tensor& m,
                             int64_t kind) {
-  TORCH_CHECK(kind >= 0 && kind <= 2, "unknown block kind ", kind);
-  TORCH_CHECK(qs.is_contiguous() && d.is_contiguous() && qs.dim() == 2,
-              "qs must be contiguous 2-D");
-  TORCH_CHECK(d.scalar_type() == at::kHalf && (kind != 1 || m.scalar_type() == at::kHalf),
-              "block scales must be float16");
+  const BlockWeight w = block_weight(qs, d, m, kind);
   if (!kPackedVnni) return at::empty({0}, qs.options().dtype(at::kByte));
   const PackedLayout L(kind);
-  const int64_t N = qs.size(0), row_bytes = qs.size(1);
-  const int64_t bpb = kind == 0 ? 32 : 16, nb = row_bytes / bpb, groups = (N + kGroup - 1) / kGroup;
-  TORCH_CHECK(d.numel() == N * nb, "one scale per block expected");
+  const int64_t N = w.rows, bpb = block_bytes_of(kind), nb = w.cols / kBlock;
+  const int64_t groups = (N + kGroup - 1) / kGroup;
   at::Tensor packed = at::zeros({groups * nb * L.record}, qs.options().dtype(at::kByte));
   uint8_t* p = packed.data_ptr<uint8_t>();
-  const uint8_t* q = static_cast<const uint8_t*>(qs.data_ptr());
-  const uint16_t* dp = static_cast<const uint16_t*>(d.data_ptr());
-  const uint16_t* mp = kind == 1 ? static_cast<const uint16_t*>(m.data_ptr()) : nullptr;
   for (int64_t g = 0; g < groups; ++g)
     for (int64_t b = 0; b < nb; ++b) {
       uint8_t* rec = p + (g * nb + b) * L.record;
       for (int64_t i = 0; i < kGroup && g * kGroup + i < N; ++i) {
         const int64_t n = g * kGroup + i;
-        const uint8_t* block = q + n * row_bytes + b * bpb;
+        const uint8_t* block = w.qs + n * w.row_bytes + b * bpb;
         for (int64_t c = 0; c < bpb / 4; ++c)
           std::memcpy(rec + (c * kGroup + i) * 4, block + 4 * c, 4);
-        std::memcpy(rec + L.quant_bytes + 2 * i, dp + n * nb + b, 2);
-        if (kind == 1) std::memcpy(rec + L.quant_bytes + 2 * kGroup + 2 * i, mp + n * nb + b, 2);
+        std::memcpy(rec + L.quant_bytes + 2 * i, w.d + n * nb + b, 2);
+        if (kind == 1) std::memcpy(rec + L.quant_bytes + 2 * kGroup + 2 * i, w.m + n * nb + b, 2);
         if (kind == 0) {
           int32_t sum = 0;
           for (int64_t j = 0; j < 32; ++j) sum += static_cast<int8_t>(block[j]);

@@ -14,9 +14,6 @@
 
 namespace kvserve_cpu {
 
-// Weights per GGUF block (Q8_0, Q4_1, Q4_0): block_gemm*.cpp.
-constexpr int64_t kBlock = 32;
-
 #ifdef __AVX2__
 inline float hsum(__m256 v) {
   const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -84,14 +81,5 @@ at::Tensor block_linear(const at::Tensor& x_in, const at::Tensor& qs, const at::
 at::Tensor block_linear_int8(const at::Tensor& x_in, const at::Tensor& qs, const at::Tensor& d,
                              const at::Tensor& m, int64_t kind,
                              const std::optional<at::Tensor>& packed);
-
-// block_gemm_vnni.cpp: gguf_int8's row-interleaved copy of the blocks (empty in builds
-// without AVX-512 VNNI), and its matmul for any number of rows of int8-quantized x
-// (false, nothing written, in those builds).
-at::Tensor pack_blocks_vnni(const at::Tensor& qs, const at::Tensor& d, const at::Tensor& m,
-                            int64_t kind);
-bool packed_linear_vnni(const at::Tensor& packed, int64_t kind, int64_t N, int64_t K,
-                        int64_t rows, const int8_t* xq, const float* xd, const float* xs,
-                        float* out);
 
 }  // namespace kvserve_cpu
