@@ -34,6 +34,7 @@ _SOURCES = [
         "block_gemm_int8.cpp",
         "block_gemm_vnni.cpp",
         "decode_stack.cpp",
+        "decode_step.cpp",
     )
 ]
 _CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"]

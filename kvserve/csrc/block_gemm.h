@@ -232,5 +232,19 @@ at::Tensor pack_blocks_vnni(const at::Tensor& qs, const at::Tensor& d, const at:
 bool packed_linear_vnni(const at::Tensor& packed, int64_t kind, int64_t N, int64_t K,
                         int64_t rows, const int8_t* xq, const float* xd, const float* xs,
                         float* out);
+// The same matmul in pieces, for callers that split the work themselves: the output's
+// groups of 16 features, [g_begin, g_end) of packed_groups(N) on the calling thread.
+// xu: Q8_0 (kind 0) only, x as unsigned bytes (unsigned_activations), else unused.
+constexpr int64_t kPackedGroup = 16;
+inline int64_t packed_groups(int64_t N) { return (N + kPackedGroup - 1) / kPackedGroup; }
+void check_packed_vnni(const at::Tensor& packed, int64_t kind, int64_t N, int64_t K);
+void unsigned_activations(const int8_t* xq, uint8_t* xu, int64_t n);
+void packed_groups_vnni(const uint8_t* packed, int64_t kind, int64_t N, int64_t K,
+                        int64_t rows, const int8_t* xq, const uint8_t* xu, const float* xd,
+                        const float* xs, float* out, int64_t g_begin, int64_t g_end);
+
+// block_gemm_int8.cpp: x's 32 values quantized as gguf_int8 does (llama.cpp's Q8_1):
+// int8 quants q, scale d and s = d * sum(q).
+void quantize_block_q8(const float* x, int8_t* q, float& d, float& s);
 
 }  // namespace kvserve_cpu

@@ -17,6 +17,36 @@ namespace kvserve_cpu {
 // Q4_1's minimum), and a block's dot product runs in 8-bit integer SIMD, 32
 // multiply-adds per instruction instead of float32's 8. The quantized activations cost
 // accuracy, which is why this is a separate method from the lossless float path.
+void quantize_block_q8(const float* x, int8_t* q, float& d, float& s) {
+  float amax = 0.f;
+  for (int i = 0; i < kBlock; ++i) amax = std::max(amax, std::fabs(x[i]));
+  d = amax / 127.f;
+  const float id = amax > 0.f ? 127.f / amax : 0.f;
+#ifdef __AVX2__
+  const __m256 idv = _mm256_set1_ps(id);
+  __m256i v[4];
+  for (int i = 0; i < 4; ++i)
+    v[i] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(x + 8 * i), idv),
+                                              _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  const __m256i sum = _mm256_add_epi32(_mm256_add_epi32(v[0], v[1]), _mm256_add_epi32(v[2], v[3]));
+  // packs interleaves the two 128-bit lanes; the permutation restores element order.
+  const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]), _mm256_packs_epi32(v[2], v[3]));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q),
+                      _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+  alignas(32) int32_t lanes[8];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), sum);
+  int32_t total = 0;
+  for (int i = 0; i < 8; ++i) total += lanes[i];
+#else
+  int32_t total = 0;
+  for (int i = 0; i < kBlock; ++i) {
+    q[i] = static_cast<int8_t>(std::nearbyint(x[i] * id));
+    total += q[i];
+  }
+#endif
+  s = d * static_cast<float>(total);
+}
+
 struct Int8Rows {
   int64_t rows, cols, nb;
   std::vector<int8_t> q;  // [rows, cols]
@@ -27,39 +57,9 @@ struct Int8Rows {
       : rows(rows_), cols(cols_), nb(cols_ / kBlock), q(rows_ * cols_), d(rows_ * nb),
         s(rows_ * nb) {
     at::parallel_for(0, rows * nb, 256, [&](int64_t begin, int64_t end) {
-      for (int64_t i = begin; i < end; ++i) quantize_block(x + i * kBlock, q.data() + i * kBlock,
-                                                           d[i], s[i]);
+      for (int64_t i = begin; i < end; ++i)
+        quantize_block_q8(x + i * kBlock, q.data() + i * kBlock, d[i], s[i]);
     });
-  }
-
-  static void quantize_block(const float* x, int8_t* q, float& d, float& s) {
-    float amax = 0.f;
-    for (int i = 0; i < kBlock; ++i) amax = std::max(amax, std::fabs(x[i]));
-    d = amax / 127.f;
-    const float id = amax > 0.f ? 127.f / amax : 0.f;
-#ifdef __AVX2__
-    const __m256 idv = _mm256_set1_ps(id);
-    __m256i v[4];
-    for (int i = 0; i < 4; ++i)
-      v[i] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(x + 8 * i), idv),
-                                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-    const __m256i sum = _mm256_add_epi32(_mm256_add_epi32(v[0], v[1]), _mm256_add_epi32(v[2], v[3]));
-    // packs interleaves the two 128-bit lanes; the permutation restores element order.
-    const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]), _mm256_packs_epi32(v[2], v[3]));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q),
-                        _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
-    alignas(32) int32_t lanes[8];
-    _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), sum);
-    int32_t total = 0;
-    for (int i = 0; i < 8; ++i) total += lanes[i];
-#else
-    int32_t total = 0;
-    for (int i = 0; i < kBlock; ++i) {
-      q[i] = static_cast<int8_t>(std::nearbyint(x[i] * id));
-      total += q[i];
-    }
-#endif
-    s = d * static_cast<float>(total);
   }
 };
 

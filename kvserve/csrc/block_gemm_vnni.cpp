@@ -38,7 +38,7 @@ constexpr bool kPackedVnni = false;
 namespace kvserve_cpu {
 namespace {
 
-constexpr int64_t kGroup = 16;
+constexpr int64_t kGroup = kPackedGroup;
 
 struct PackedLayout {
   int64_t quant_bytes, record;
@@ -132,29 +132,27 @@ void group_tile(const uint8_t* packed, const PackedLayout& L, int64_t N, int64_t
     _mm512_mask_storeu_ps(out + (r0 + r) * N + g * kGroup, mask, acc[r]);
 }
 
+// Groups [g_begin, g_end) of the output for every row of x, on the calling thread.
 template <int KIND>
 void packed_kind(const uint8_t* packed, const PackedLayout& L, int64_t N, int64_t K,
                  int64_t rows, const int8_t* xq, const uint8_t* xu, const float* xd,
-                 const float* xs, float* out) {
-  const int64_t groups = (N + kGroup - 1) / kGroup;
-  // Threads split the weight's groups; each group (at most a few KB per block column)
-  // stays in L1 while every tile of x rows passes over it.
-  at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t g = begin; g < end; ++g)
-      for (int64_t r0 = 0; r0 < rows; r0 += kRowTile) {
-        const auto run = [&](auto fn) { fn(packed, L, N, K, g, r0, xq, xu, xd, xs, out); };
-        switch (std::min(kRowTile, rows - r0)) {
-          case 1: run(group_tile<KIND, 1>); break;
-          case 2: run(group_tile<KIND, 2>); break;
-          case 3: run(group_tile<KIND, 3>); break;
-          case 4: run(group_tile<KIND, 4>); break;
-          case 5: run(group_tile<KIND, 5>); break;
-          case 6: run(group_tile<KIND, 6>); break;
-          case 7: run(group_tile<KIND, 7>); break;
-          default: run(group_tile<KIND, 8>); break;
-        }
+                 const float* xs, float* out, int64_t g_begin, int64_t g_end) {
+  // Each group (at most a few KB per block column) stays in L1 while every tile of x
+  // rows passes over it.
+  for (int64_t g = g_begin; g < g_end; ++g)
+    for (int64_t r0 = 0; r0 < rows; r0 += kRowTile) {
+      const auto run = [&](auto fn) { fn(packed, L, N, K, g, r0, xq, xu, xd, xs, out); };
+      switch (std::min(kRowTile, rows - r0)) {
+        case 1: run(group_tile<KIND, 1>); break;
+        case 2: run(group_tile<KIND, 2>); break;
+        case 3: run(group_tile<KIND, 3>); break;
+        case 4: run(group_tile<KIND, 4>); break;
+        case 5: run(group_tile<KIND, 5>); break;
+        case 6: run(group_tile<KIND, 6>); break;
+        case 7: run(group_tile<KIND, 7>); break;
+        default: run(group_tile<KIND, 8>); break;
       }
-  });
+    }
 }
 #endif
 
@@ -190,27 +188,47 @@ at::Tensor pack_blocks_vnni(const at::Tensor& qs, const at::Tensor& d, const at:
   return packed;
 }
 
+void packed_groups_vnni(const uint8_t* packed, int64_t kind, int64_t N, int64_t K,
+                        int64_t rows, const int8_t* xq, const uint8_t* xu, const float* xd,
+                        const float* xs, float* out, int64_t g_begin, int64_t g_end) {
+#ifdef KVSERVE_PACKED_VNNI
+  const PackedLayout L(kind);
+  if (kind == 0) packed_kind<0>(packed, L, N, K, rows, xq, xu, xd, xs, out, g_begin, g_end);
+  else if (kind == 1) packed_kind<1>(packed, L, N, K, rows, xq, xu, xd, xs, out, g_begin, g_end);
+  else packed_kind<2>(packed, L, N, K, rows, xq, xu, xd, xs, out, g_begin, g_end);
+#else
+  (void)packed, (void)kind, (void)N, (void)K, (void)rows, (void)xq, (void)xu, (void)xd, (void)xs,
+      (void)out, (void)g_begin, (void)g_end;
+  TORCH_CHECK(false, "packed weights need a build with AVX-512 VNNI");
+#endif
+}
+
+void check_packed_vnni(const at::Tensor& packed, int64_t kind, int64_t N, int64_t K) {
+  TORCH_CHECK(kPackedVnni, "packed weights need a build with AVX-512 VNNI");
+  TORCH_CHECK(packed.numel() == packed_groups(N) * (K / kBlock) * PackedLayout(kind).record,
+              "packed weight does not match a [", N, ", ", K, "] weight of kind ", kind);
+}
+
 bool packed_linear_vnni(const at::Tensor& packed, int64_t kind, int64_t N, int64_t K,
                         int64_t rows, const int8_t* xq, const float* xd, const float* xs,
                         float* out) {
-#ifdef KVSERVE_PACKED_VNNI
-  const PackedLayout L(kind);
-  TORCH_CHECK(packed.numel() == (N + kGroup - 1) / kGroup * (K / kBlock) * L.record,
-              "packed weight does not match a [", N, ", ", K, "] weight of kind ", kind);
+  if (!kPackedVnni) return false;
+  check_packed_vnni(packed, kind, N, K);
   const uint8_t* p = packed.data_ptr<uint8_t>();
   std::vector<uint8_t> xu;
   if (kind == 0) {  // x as unsigned bytes for vpdpbusd: q + 128
     xu.resize(rows * K);
-    for (int64_t i = 0; i < rows * K; ++i) xu[i] = static_cast<uint8_t>(xq[i] + 128);
+    unsigned_activations(xq, xu.data(), rows * K);
   }
-  if (kind == 0) packed_kind<0>(p, L, N, K, rows, xq, xu.data(), xd, xs, out);
-  else if (kind == 1) packed_kind<1>(p, L, N, K, rows, xq, nullptr, xd, xs, out);
-  else packed_kind<2>(p, L, N, K, rows, xq, nullptr, xd, xs, out);
+  // Threads split the weight's groups.
+  at::parallel_for(0, packed_groups(N), 1, [&](int64_t begin, int64_t end) {
+    packed_groups_vnni(p, kind, N, K, rows, xq, xu.data(), xd, xs, out, begin, end);
+  });
   return true;
-#else
-  (void)packed, (void)kind, (void)N, (void)K, (void)rows, (void)xq, (void)xd, (void)xs, (void)out;
-  return false;
-#endif
+}
+
+void unsigned_activations(const int8_t* xq, uint8_t* xu, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) xu[i] = static_cast<uint8_t>(xq[i] + 128);
 }
 
 }  // namespace kvserve_cpu

@@ -63,6 +63,18 @@ inline void check_float(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu(), name, " must be on the CPU");
 }
 
+// Row kernels (cpu_ops.cpp), shared by the registered ops and the fused decode step.
+// rope_token: one token's query and key heads, neox style; cos_sin: the position's row
+// of the cache (cos in the first half, sin in the second).
+void rope_token(float* q, int64_t nq, float* k, int64_t nk, int64_t head_size,
+                const float* cos_sin, int64_t half);
+void rms_norm_row(float* out, const float* x, const float* w, int64_t n, float eps);
+// residual += y; out = w * norm(residual). y may be out.
+void add_rms_norm_row(const float* y, float* residual, const float* w, float* out, int64_t n,
+                      float eps);
+// out = silu(gate) * up.
+void silu_mul_row(float* out, const float* gate, const float* up, int64_t d);
+
 // The kernels registered as torch.ops.kvserve.*, callable directly from other kernels
 // (decode_stack.cpp runs a whole decoder stack through them without the dispatcher).
 void cache_and_decode_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor& key,

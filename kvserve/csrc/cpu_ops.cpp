@@ -28,6 +28,62 @@ inline int64_t grain_for(int64_t work_per_item) {
   return std::max<int64_t>(1, kMinParallelWork / std::max<int64_t>(1, work_per_item));
 }
 
+// ---- one row at a time: the registered ops below and the fused decode step
+// (decode_step.cpp) call these same functions, so both round identically.
+
+void rope_token(float* q, int64_t nq, float* k, int64_t nk, int64_t head_size,
+                const float* cos_sin, int64_t half) {
+  const float* cos = cos_sin;
+  const float* sin = cos_sin + half;
+  auto rotate = [&](float* x) {
+#pragma omp simd
+    for (int64_t i = 0; i < half; ++i) {
+      const float x1 = x[i], x2 = x[i + half];
+      const float c = cos[i], s = sin[i];
+      x[i] = x1 * c - x2 * s;
+      x[i + half] = x2 * c + x1 * s;
+    }
+  };
+  for (int64_t h = 0; h < nq; ++h) rotate(q + h * head_size);
+  for (int64_t h = 0; h < nk; ++h) rotate(k + h * head_size);
+}
+
+static float inv_rms(const float* x, int64_t n, float eps) {
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t i = 0; i < n; ++i) sum += x[i] * x[i];
+  return 1.f / std::sqrt(sum / static_cast<float>(n) + eps);
+}
+
+void rms_norm_row(float* out, const float* x, const float* w, int64_t n, float eps) {
+  const float inv = inv_rms(x, n, eps);
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) out[i] = w[i] * (x[i] * inv);
+}
+
+void add_rms_norm_row(const float* y, float* residual, const float* w, float* out, int64_t n,
+                      float eps) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) residual[i] = y[i] + residual[i];
+  const float inv = inv_rms(residual, n, eps);
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) out[i] = w[i] * (residual[i] * inv);
+}
+
+// silu(g) = g / (1 + exp(-g)), with exp(-g) = 1 / exp(g) for g > 0 so that one
+// vectorizable exp of a non-positive argument covers both signs.
+void silu_mul_row(float* out, const float* gate, const float* up, int64_t d) {
+#pragma omp simd
+  for (int64_t i = 0; i < d; ++i) {
+    const float g = gate[i];
+    const float e = exp_nonpositive(-std::fabs(g));  // exp(-|g|)
+    // Same quotient either way; choosing the numerator first leaves no branch, so the
+    // loop vectorizes.
+    const float sig = (g >= 0.f ? 1.f : e) / (1.f + e);
+    out[i] = g * sig * up[i];
+  }
+}
+
 // Neox-style rotary embedding in place. query/key: [T, heads * head_size] with any row
 // stride (views into the fused qkv output); cos_sin_cache: [max_pos, rot_dim] holding
 // cos in the first half of each row and sin in the second, as vLLM lays it out.
@@ -55,30 +111,11 @@ void rotary_embedding(const at::Tensor& positions, at::Tensor& query, at::Tensor
     TORCH_CHECK(pos_ptr[t] >= 0 && pos_ptr[t] < max_pos, "position ", pos_ptr[t],
                 " outside the rotary cache of ", max_pos);
 
-  auto rotate = [&](float* x, const float* cos, const float* sin) {
-#pragma omp simd
-    for (int64_t i = 0; i < half; ++i) {
-      const float x1 = x[i], x2 = x[i + half];
-      const float c = cos[i], s = sin[i];
-      x[i] = x1 * c - x2 * s;
-      x[i + half] = x2 * c + x1 * s;
-    }
-  };
   at::parallel_for(0, num_tokens, grain_for((nq + nk) * head_size), [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const float* cos = cache + pos_ptr[t] * rot_dim;
-      const float* sin = cos + half;
-      for (int64_t h = 0; h < nq; ++h) rotate(q_base + t * qs + h * head_size, cos, sin);
-      for (int64_t h = 0; h < nk; ++h) rotate(k_base + t * ks + h * head_size, cos, sin);
-    }
+    for (int64_t t = begin; t < end; ++t)
+      rope_token(q_base + t * qs, nq, k_base + t * ks, nk, head_size, cache + pos_ptr[t] * rot_dim,
+                 half);
   });
-}
-
-inline float inv_rms(const float* x, int64_t n, float eps) {
-  float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-  for (int64_t i = 0; i < n; ++i) sum += x[i] * x[i];
-  return 1.f / std::sqrt(sum / static_cast<float>(n) + eps);
 }
 
 // out = weight * (x * rsqrt(mean(x^2) + eps)), row by row. x: [T, H] contiguous.
@@ -93,13 +130,7 @@ void rms_norm(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, do
   float* op = out.data_ptr<float>();
   const float e = static_cast<float>(eps);
   at::parallel_for(0, rows, grain_for(2 * hidden), [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const float* xr = xp + r * hidden;
-      float* orow = op + r * hidden;
-      const float inv = inv_rms(xr, hidden, e);
-#pragma omp simd
-      for (int64_t i = 0; i < hidden; ++i) orow[i] = w[i] * (xr[i] * inv);
-    }
+    for (int64_t r = begin; r < end; ++r) rms_norm_row(op + r * hidden, xp + r * hidden, w, hidden, e);
   });
 }
 
@@ -118,19 +149,12 @@ void fused_add_rms_norm(at::Tensor& x, at::Tensor& residual, const at::Tensor& w
   at::parallel_for(0, rows, grain_for(2 * hidden), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       float* xr = xp + r * hidden;
-      float* rr = rp + r * hidden;
-#pragma omp simd
-      for (int64_t i = 0; i < hidden; ++i) rr[i] = xr[i] + rr[i];
-      const float inv = inv_rms(rr, hidden, e);
-#pragma omp simd
-      for (int64_t i = 0; i < hidden; ++i) xr[i] = w[i] * (rr[i] * inv);
+      add_rms_norm_row(xr, rp + r * hidden, w, xr, hidden, e);
     }
   });
 }
 
 // out[t, i] = silu(x[t, i]) * x[t, d + i] for the fused gate/up projection output [T, 2d].
-// silu(g) = g / (1 + exp(-g)), with exp(-g) = 1 / exp(g) for g > 0 so that one
-// vectorizable exp of a non-positive argument covers both signs.
 void silu_and_mul(at::Tensor& out, const at::Tensor& x) {
   check_float(out, "out");
   check_float(x, "x");
@@ -140,20 +164,8 @@ void silu_and_mul(at::Tensor& out, const at::Tensor& x) {
   const float* xp = x.data_ptr<float>();
   float* op = out.data_ptr<float>();
   at::parallel_for(0, rows, grain_for(8 * d), [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const float* gate = xp + r * 2 * d;
-      const float* up = gate + d;
-      float* o = op + r * d;
-#pragma omp simd
-      for (int64_t i = 0; i < d; ++i) {
-        const float g = gate[i];
-        const float e = exp_nonpositive(-std::fabs(g));  // exp(-|g|)
-        // Same quotient either way; choosing the numerator first leaves no branch, so
-        // the loop vectorizes.
-        const float sig = (g >= 0.f ? 1.f : e) / (1.f + e);
-        o[i] = g * sig * up[i];
-      }
-    }
+    for (int64_t r = begin; r < end; ++r)
+      silu_mul_row(op + r * d, xp + r * 2 * d, xp + r * 2 * d + d, d);
   });
 }
 

@@ -1,8 +1,8 @@
 // Paged decode attention on the CPU: the step's K/V written into the cache and each
 // decode row's attention read straight from it through the block table (torch would
 // gather every request's whole KV history per layer). Registered as
-// torch.ops.kvserve.cache_and_decode_attention; declared in cpu_common.h for the decode
-// stack. The cache may hold float32, float16 or bfloat16 (--kv-cache-dtype): values are
+// torch.ops.kvserve.cache_and_decode_attention; its plans (decode_attention.h) serve the
+// fused decode step too. The cache may hold float32, float16 or bfloat16 (--kv-cache-dtype): values are
 // widened to float32 as they are loaded, so a narrower cache halves the bytes streamed.
 
 // See cpu_ops.cpp: lets the exp-based softmax loops vectorize; changes no value.
@@ -13,8 +13,11 @@
 #include <torch/library.h>
 
 #include <vector>
+#ifdef __SSE__
+#include <xmmintrin.h>  // _mm_prefetch
+#endif
 
-#include "cpu_common.h"
+#include "decode_attention.h"
 
 namespace kvserve_cpu {
 namespace {
@@ -28,6 +31,15 @@ template <typename T>
 inline void axpy_widened(float* y, float a, const T* x, int64_t n) {
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) y[i] += a * static_cast<float>(x[i]);
+}
+
+inline void prefetch_row(const void* p, int64_t bytes) {
+#ifdef __SSE__
+  for (int64_t off = 0; off < bytes; off += 64)
+    _mm_prefetch(static_cast<const char*>(p) + off, _MM_HINT_T0);
+#else
+  (void)p, (void)bytes;
+#endif
 }
 
 // Tokens whose query.key products are reduced together (see score_tile).
@@ -144,17 +156,180 @@ void accumulate_values_avx2(const float* p, const T* const* v, int64_t v_offset,
 }
 #endif
 
-// This step's keys and values into the paged cache: row t goes to slot slot_mapping[t]
-// (block * block_size + offset); negative slots (padding) are skipped.
-//   key, value: [T, Hkv, hd] with hd contiguous (views into the qkv projection's output)
-//   kv_cache: [2, num_blocks, block_size, Hkv, hd], contiguous; slot_mapping: int64 [n <= T]
 template <typename T>
-void write_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor& kv_cache,
-              const at::Tensor& slot_mapping) {
-  check_float(key, "key");
-  check_float(value, "value");
+void write_kv(const KVWritePlan& p) {
+  const int64_t row = p.heads * p.head_size;
+  T* k_cache = static_cast<T*>(p.k_cache);
+  T* v_cache = k_cache + p.num_slots * row;
+  const int64_t* slot_ptr = p.slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < p.slots.numel(); ++t) {
+    const int64_t slot = slot_ptr[t];
+    if (slot < 0) continue;
+    // float16/bfloat16 caches: each value rounded to nearest even, as torch's .to() does.
+    for (int64_t h = 0; h < p.heads; ++h) {
+      std::copy_n(p.k_base + t * p.ks0 + h * p.ks1, p.head_size,
+                  k_cache + slot * row + h * p.head_size);
+      std::copy_n(p.v_base + t * p.vs0 + h * p.vs1, p.head_size,
+                  v_cache + slot * row + h * p.head_size);
+    }
+  }
+}
+
+// Runs `fn(T{})` for the cache's element type.
+template <typename Fn>
+void with_cache_type(at::ScalarType type, Fn&& fn) {
+  switch (type) {
+    case at::kFloat: return fn(float{});
+    case at::kHalf: return fn(at::Half{});
+    case at::kBFloat16: return fn(at::BFloat16{});
+    default: TORCH_CHECK(false, "kv_cache must be float32, float16 or bfloat16, not ", type);
+  }
+}
+
+template <typename T>
+void attention_tasks(const DecodeAttentionPlan& p, int64_t begin, int64_t end) {
+  const int64_t head_size = p.head_size, num_heads = p.num_heads;
+  const int64_t group = num_heads / p.num_kv_heads;
+  const int64_t token_stride = p.num_kv_heads * head_size;
+  const int64_t block_stride = p.block_size * token_stride;
+  const T* k_base = static_cast<const T*>(p.kv_base);
+  const int64_t v_offset = p.num_blocks * block_stride;
+  // FMA kernels for the usual head sizes; the portable loops below cover the rest.
+  [[maybe_unused]] const bool vectorized = head_size % 8 == 0;
+  const int64_t head_bytes = head_size * static_cast<int64_t>(sizeof(T));
+  std::vector<float> scores;
+  std::vector<const T*> rows;  // each context token's key row (all heads)
+  std::vector<float> qs(num_heads * head_size), acc(num_heads * head_size), inv_sum(num_heads);
+  for (int64_t task = begin; task < end; ++task) {
+    const int64_t r = task / (p.kv_tasks * p.q_tasks);
+    const int64_t h0 = (task / p.q_tasks) % p.kv_tasks * p.kv_per_task, h1 = h0 + p.kv_per_task;
+    const int64_t g0 = task % p.q_tasks * p.q_per_task, g1 = g0 + p.q_per_task;
+    const int64_t seq_len = p.len_ptr[r];
+    const int64_t first =
+        p.sliding_window > 0 ? std::max<int64_t>(0, seq_len - p.sliding_window) : 0;
+    const int64_t n = seq_len - first;
+    const int64_t tok = p.tok_ptr[r];
+    const int32_t* table = p.tables + r * p.max_blocks;
+    // Query head qh = h * group + g; its scores at qh * n, its q and acc at qh * head_size.
+    if (n <= 0) {
+      for (int64_t h = h0; h < h1; ++h)
+        for (int64_t g = g0; g < g1; ++g)
+          std::fill_n(p.o_base + tok * p.os0 + (h * group + g) * p.os1, head_size, 0.f);
+      continue;
+    }
+    scores.resize(num_heads * n);
+    rows.resize(n);
+    for (int64_t h = h0; h < h1; ++h)
+      for (int64_t g = g0; g < g1; ++g) {
+        const int64_t qh = h * group + g;
+        std::copy_n(p.q_base + tok * p.qs0 + qh * p.qs1, head_size, qs.data() + qh * head_size);
+      }
+    // Every context position in [first, seq_len), relative to the start of the key cache
+    // (the value cache has the same layout): one table lookup per block, checked by the plan.
+    for (int64_t t0 = first - first % p.block_size; t0 < seq_len; t0 += p.block_size) {
+      const T* base = k_base + table[t0 / p.block_size] * block_stride;
+      const int64_t lo = std::max(t0, first), hi = std::min(t0 + p.block_size, seq_len);
+      for (int64_t t = lo; t < hi; ++t) rows[t - first] = base + (t - t0) * token_stride;
+    }
+
+    // Heads inner: a batch of key rows serves every head of the task while in L1.
+    const T* head_rows[kTile];
+    for (int64_t i0 = 0; i0 < n; i0 += kTile) {
+      const int64_t m = std::min(kTile, n - i0);
+      // The cache is usually out of every CPU cache by the next step (the weights stream
+      // through in between), and its rows are scattered by the block table: ask for the
+      // next tile's keys and this tile's values while the scores are computed.
+      const int64_t m_next = std::min(kTile, n - i0 - kTile);
+      for (int64_t h = h0; h < h1; ++h) {
+        for (int64_t j = 0; j < m_next; ++j) prefetch_row(rows[i0 + kTile + j] + h * head_size, head_bytes);
+        for (int64_t j = 0; j < m; ++j) prefetch_row(rows[i0 + j] + v_offset + h * head_size, head_bytes);
+      }
+      for (int64_t h = h0; h < h1; ++h) {
+        for (int64_t j = 0; j < m; ++j) head_rows[j] = rows[i0 + j] + h * head_size;
+        for (int64_t g = g0; g < g1; ++g) {
+          const int64_t qh = h * group + g;
+          float* out_scores = scores.data() + qh * n + i0;
+#if defined(__AVX2__) && defined(__F16C__)
+          if (vectorized) {
+            score_batch_avx2(qs.data() + qh * head_size, head_rows, m, head_size, p.scale,
+                             out_scores);
+            continue;
+          }
+#endif
+          score_tile(qs.data() + qh * head_size, head_rows, m, head_size, p.scale, out_scores);
+        }
+      }
+    }
+    for (int64_t h = h0; h < h1; ++h)
+      for (int64_t g = g0; g < g1; ++g) {
+        const int64_t qh = h * group + g;
+        float* s = scores.data() + qh * n;
+        float mx = -INFINITY;
+#pragma omp simd reduction(max : mx)
+        for (int64_t i = 0; i < n; ++i) mx = std::max(mx, s[i]);
+        float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t i = 0; i < n; ++i) {
+          s[i] = exp_nonpositive(s[i] - mx);
+          sum += s[i];
+        }
+        inv_sum[qh] = 1.f / sum;
+        std::fill_n(acc.data() + qh * head_size, head_size, 0.f);
+      }
+    // Value rows in runs of kValueRows, each run serving every head of the task.
+    for (int64_t j0 = 0; j0 < n; j0 += kValueRows) {
+      const int64_t j1 = std::min(n, j0 + kValueRows);
+      for (int64_t h = h0; h < h1; ++h)
+        for (int64_t g = g0; g < g1; ++g) {
+          const int64_t qh = h * group + g;
+          const float* prob = scores.data() + qh * n;
+          float* a = acc.data() + qh * head_size;
+          const int64_t offset = v_offset + h * head_size;
+#if defined(__AVX2__) && defined(__F16C__)
+          if (vectorized) {
+            accumulate_values_avx2(prob, rows.data(), offset, j0, j1, head_size, a);
+            continue;
+          }
+#endif
+          for (int64_t j = j0; j < j1; ++j) axpy_widened(a, prob[j], rows[j] + offset, head_size);
+        }
+    }
+    for (int64_t h = h0; h < h1; ++h)
+      for (int64_t g = g0; g < g1; ++g) {
+        const int64_t qh = h * group + g;
+        float* o = p.o_base + tok * p.os0 + qh * p.os1;
+        const float* a = acc.data() + qh * head_size;
+        for (int64_t i = 0; i < head_size; ++i) o[i] = a[i] * inv_sum[qh];
+      }
+  }
+}
+
+// The table entries a plan's tasks will read, so that the tasks have nothing left to check.
+void check_blocks(const DecodeAttentionPlan& p) {
+  for (int64_t r = 0; r < p.num_reqs; ++r) {
+    const int64_t seq_len = p.len_ptr[r];
+    const int64_t first =
+        p.sliding_window > 0 ? std::max<int64_t>(0, seq_len - p.sliding_window) : 0;
+    for (int64_t b = first / p.block_size; b * p.block_size < seq_len; ++b) {
+      const int64_t block = p.tables[r * p.max_blocks + b];
+      TORCH_CHECK(block >= 0 && block < p.num_blocks, "block id ", block, " outside the cache");
+    }
+  }
+}
+
+void check_cache(const at::Tensor& kv_cache) {
+  TORCH_CHECK(kv_cache.device().is_cpu(), "kv_cache must be on the CPU");
   TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous(),
               "kv_cache must be a contiguous [2, num_blocks, block_size, kv_heads, head_size]");
+}
+
+}  // namespace
+
+KVWritePlan plan_kv_write(const at::Tensor& key, const at::Tensor& value, at::Tensor& kv_cache,
+                          const at::Tensor& slot_mapping) {
+  check_float(key, "key");
+  check_float(value, "value");
+  check_cache(kv_cache);
   TORCH_CHECK(key.dim() == 3 && value.dim() == 3 && key.stride(2) == 1 && value.stride(2) == 1,
               "key and value must be [T, kv_heads, head_size], head_size contiguous");
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong, "slot_mapping must be int64");
@@ -164,197 +339,115 @@ void write_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor& kv_cac
               "key/value heads or head size differ from the cache's");
   const int64_t n = slot_mapping.numel();
   TORCH_CHECK(n <= key.size(0) && n <= value.size(0), "more slots than key/value rows");
-  const int64_t num_slots = kv_cache.size(1) * kv_cache.size(2);
-  const int64_t row = heads * head_size;
-  const auto slots = slot_mapping.contiguous();
-  const int64_t* slot_ptr = slots.data_ptr<int64_t>();
-  T* k_cache = kv_cache.data_ptr<T>();
-  T* v_cache = k_cache + num_slots * row;
-  const float* k_base = key.data_ptr<float>();
-  const float* v_base = value.data_ptr<float>();
-  const int64_t ks0 = key.stride(0), ks1 = key.stride(1);
-  const int64_t vs0 = value.stride(0), vs1 = value.stride(1);
-  for (int64_t t = 0; t < n; ++t) {
-    const int64_t slot = slot_ptr[t];
-    if (slot < 0) continue;
-    TORCH_CHECK(slot < num_slots, "slot ", slot, " outside the KV cache of ", num_slots);
-    // float16/bfloat16 caches: each value rounded to nearest even, as torch's .to() does.
-    for (int64_t h = 0; h < heads; ++h) {
-      std::copy_n(k_base + t * ks0 + h * ks1, head_size, k_cache + slot * row + h * head_size);
-      std::copy_n(v_base + t * vs0 + h * vs1, head_size, v_cache + slot * row + h * head_size);
-    }
-  }
+  KVWritePlan p;
+  p.cache_type = kv_cache.scalar_type();
+  with_cache_type(p.cache_type, [](auto) {});  // rejects other types here
+  p.k_base = key.data_ptr<float>();
+  p.v_base = value.data_ptr<float>();
+  p.ks0 = key.stride(0), p.ks1 = key.stride(1), p.vs0 = value.stride(0), p.vs1 = value.stride(1);
+  p.k_cache = kv_cache.data_ptr();
+  p.num_slots = kv_cache.size(1) * kv_cache.size(2);
+  p.heads = heads, p.head_size = head_size;
+  p.slots = slot_mapping.contiguous();
+  const int64_t* slot_ptr = p.slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < n; ++t)
+    TORCH_CHECK(slot_ptr[t] < p.num_slots, "slot ", slot_ptr[t], " outside the KV cache of ",
+                p.num_slots);
+  return p;
 }
 
-// Decode attention straight from the paged cache. A task is one request's heads, one kv
-// head with its GQA group, or one query head, by how many requests share the threads
-// (see the task size below).
-//   out, query: [T, Hq, hd] (rows of the flattened batch; only token_indices are touched)
-//   kv_cache: [2, num_blocks, block_size, Hkv, hd], contiguous
-//   block_table: int32 [D, max_blocks]; seq_lens: int32 [D]; token_indices: int64 [D]
-//   sliding_window <= 0: no window (else keys at positions >= seq_len - window).
-template <typename T>
-void decode_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache,
-                      const at::Tensor& block_table, const at::Tensor& seq_lens,
-                      const at::Tensor& token_indices, double scale, int64_t sliding_window) {
+void KVWritePlan::run() const {
+  with_cache_type(cache_type, [&](auto element) { write_kv<decltype(element)>(*this); });
+}
+
+DecodeAttentionPlan plan_decode_attention(at::Tensor& out, const at::Tensor& query,
+                                          const at::Tensor& kv_cache,
+                                          const at::Tensor& block_table,
+                                          const at::Tensor& seq_lens,
+                                          const at::Tensor& token_indices, double scale,
+                                          int64_t sliding_window, int64_t threads) {
   check_float(out, "out");
   check_float(query, "query");
+  check_cache(kv_cache);
   TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1, "query must be [T, Hq, hd], hd contiguous");
   TORCH_CHECK(out.dim() == 3 && out.stride(2) == 1, "out must be [T, Hq, hd], hd contiguous");
   TORCH_CHECK(block_table.scalar_type() == at::kInt && block_table.is_contiguous(),
               "block_table must be contiguous int32");
   TORCH_CHECK(seq_lens.scalar_type() == at::kInt, "seq_lens must be int32");
   TORCH_CHECK(token_indices.scalar_type() == at::kLong, "token_indices must be int64");
-
-  const int64_t num_reqs = block_table.size(0);
-  if (num_reqs == 0) return;
-  const int64_t max_blocks = block_table.size(1);
-  const int64_t num_heads = query.size(1);
-  const int64_t head_size = query.size(2);
-  const int64_t num_blocks = kv_cache.size(1);
-  const int64_t block_size = kv_cache.size(2);
-  const int64_t num_kv_heads = kv_cache.size(3);
-  TORCH_CHECK(kv_cache.size(4) == head_size, "head size mismatch between query and cache");
-  TORCH_CHECK(num_heads % num_kv_heads == 0, "query heads must be a multiple of kv heads");
-  const int64_t group = num_heads / num_kv_heads;
-  const int64_t token_stride = num_kv_heads * head_size;
-  const int64_t block_stride = block_size * token_stride;
-
-  const float* q_base = query.data_ptr<float>();
-  float* o_base = out.data_ptr<float>();
-  const T* k_base = kv_cache.data_ptr<T>();
-  const T* v_base = k_base + num_blocks * block_stride;
-  const int32_t* tables = block_table.data_ptr<int32_t>();
-  const auto lens = seq_lens.contiguous();
-  const auto toks = token_indices.contiguous();
-  const int32_t* len_ptr = lens.data_ptr<int32_t>();
-  const int64_t* tok_ptr = toks.data_ptr<int64_t>();
-  const int64_t qs0 = query.stride(0), qs1 = query.stride(1);
-  const int64_t os0 = out.stride(0), os1 = out.stride(1);
-  const float fscale = static_cast<float>(scale);
-  // FMA kernels for the usual head sizes; the portable loops below cover the rest.
-  [[maybe_unused]] const bool vectorized = head_size % 8 == 0;
+  DecodeAttentionPlan p;
+  p.cache_type = kv_cache.scalar_type();
+  with_cache_type(p.cache_type, [](auto) {});
+  p.num_reqs = block_table.size(0);
+  p.max_blocks = block_table.size(1);
+  p.num_heads = query.size(1);
+  p.head_size = query.size(2);
+  p.num_blocks = kv_cache.size(1);
+  p.block_size = kv_cache.size(2);
+  p.num_kv_heads = kv_cache.size(3);
+  TORCH_CHECK(kv_cache.size(4) == p.head_size, "head size mismatch between query and cache");
+  TORCH_CHECK(p.num_heads % p.num_kv_heads == 0, "query heads must be a multiple of kv heads");
+  TORCH_CHECK(seq_lens.numel() == p.num_reqs && token_indices.numel() == p.num_reqs,
+              "one seq_len and token index per block table row expected");
+  p.q_base = query.data_ptr<float>();
+  p.o_base = out.data_ptr<float>();
+  p.kv_base = kv_cache.data_ptr();
+  p.tables = block_table.data_ptr<int32_t>();
+  p.lens = seq_lens.contiguous();
+  p.toks = token_indices.contiguous();
+  p.len_ptr = p.lens.data_ptr<int32_t>();
+  p.tok_ptr = p.toks.data_ptr<int64_t>();
+  p.qs0 = query.stride(0), p.qs1 = query.stride(1), p.os0 = out.stride(0), p.os1 = out.stride(1);
+  p.scale = static_cast<float>(scale);
+  p.sliding_window = sliding_window;
 
   int64_t total_len = 0;
-  for (int64_t r = 0; r < num_reqs; ++r) total_len += len_ptr[r];
+  for (int64_t r = 0; r < p.num_reqs; ++r) {
+    const int64_t seq_len = p.len_ptr[r], tok = p.tok_ptr[r];
+    TORCH_CHECK(seq_len >= 0 && seq_len <= p.max_blocks * p.block_size, "seq_len ", seq_len,
+                " does not fit the block table");
+    TORCH_CHECK(tok >= 0 && tok < query.size(0) && tok < out.size(0), "token index ", tok,
+                " outside the query rows");
+    total_len += seq_len;
+  }
+  check_blocks(p);
   // Task size. With many requests a task is one request, all heads: a token's keys for
   // every head are one contiguous row, so the cache streams in order. With fewer, one
   // task per kv head, and with fewer still (single-stream decode) one per query head,
   // which re-reads its group's keys and values from cache but gives every thread work.
   // Each query head's arithmetic is the same whatever the split.
-  const int64_t threads = at::get_num_threads();
-  const int64_t kv_per_task = num_reqs >= 4 * threads ? num_kv_heads : 1;
-  const int64_t q_per_task = num_reqs * num_kv_heads >= 4 * threads ? group : 1;
-  const int64_t kv_tasks = num_kv_heads / kv_per_task, q_tasks = group / q_per_task;
+  const int64_t group = p.num_heads / p.num_kv_heads;
+  p.kv_per_task = p.num_reqs >= 4 * threads ? p.num_kv_heads : 1;
+  p.q_per_task = p.num_reqs * p.num_kv_heads >= 4 * threads ? group : 1;
+  p.kv_tasks = p.num_kv_heads / p.kv_per_task;
+  p.q_tasks = group / p.q_per_task;
+  p.num_tasks = p.num_reqs * p.kv_tasks * p.q_tasks;
   // Keys and values each take head_size multiply-adds per context position and query head.
-  const int64_t work_per_task = 2 * kv_per_task * q_per_task * head_size *
-                                std::max<int64_t>(1, total_len / num_reqs);
-  const int64_t grain = std::max<int64_t>(1, kMinParallelAttention / work_per_task);
-  const int64_t v_offset = v_base - k_base;
+  const int64_t work_per_task = 2 * p.kv_per_task * p.q_per_task * p.head_size *
+                                std::max<int64_t>(1, total_len / std::max<int64_t>(1, p.num_reqs));
+  p.grain = std::max<int64_t>(1, kMinParallelAttention / work_per_task);
+  return p;
+}
 
-  at::parallel_for(0, num_reqs * kv_tasks * q_tasks, grain, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores;
-    std::vector<const T*> rows;  // each context token's key row (all heads)
-    std::vector<float> qs(num_heads * head_size), acc(num_heads * head_size), inv_sum(num_heads);
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t r = task / (kv_tasks * q_tasks);
-      const int64_t h0 = (task / q_tasks) % kv_tasks * kv_per_task, h1 = h0 + kv_per_task;
-      const int64_t g0 = task % q_tasks * q_per_task, g1 = g0 + q_per_task;
-      const int64_t seq_len = len_ptr[r];
-      const int64_t first = sliding_window > 0 ? std::max<int64_t>(0, seq_len - sliding_window) : 0;
-      const int64_t n = seq_len - first;
-      const int64_t tok = tok_ptr[r];
-      const int32_t* table = tables + r * max_blocks;
-      // Query head qh = h * group + g; its scores at qh * n, its q and acc at qh * head_size.
-      if (n <= 0) {
-        for (int64_t h = h0; h < h1; ++h)
-          for (int64_t g = g0; g < g1; ++g)
-            std::fill_n(o_base + tok * os0 + (h * group + g) * os1, head_size, 0.f);
-        continue;
-      }
-      scores.resize(num_heads * n);
-      rows.resize(n);
-      for (int64_t h = h0; h < h1; ++h)
-        for (int64_t g = g0; g < g1; ++g) {
-          const int64_t qh = h * group + g;
-          std::copy_n(q_base + tok * qs0 + qh * qs1, head_size, qs.data() + qh * head_size);
-        }
-      // Every context position in [first, seq_len), relative to the start of the key
-      // cache (the value cache has the same layout): one table lookup per block.
-      for (int64_t t0 = first - first % block_size; t0 < seq_len; t0 += block_size) {
-        const int64_t block = table[t0 / block_size];
-        TORCH_CHECK(block >= 0 && block < num_blocks, "block id ", block, " outside the cache");
-        const T* base = k_base + block * block_stride;
-        const int64_t lo = std::max(t0, first), hi = std::min(t0 + block_size, seq_len);
-        for (int64_t t = lo; t < hi; ++t) rows[t - first] = base + (t - t0) * token_stride;
-      }
-
-      // Heads inner: a batch of key rows serves every head of the task while in L1.
-      const T* head_rows[kTile];
-      for (int64_t i0 = 0; i0 < n; i0 += kTile) {
-        const int64_t m = std::min(kTile, n - i0);
-        for (int64_t h = h0; h < h1; ++h) {
-          for (int64_t j = 0; j < m; ++j) head_rows[j] = rows[i0 + j] + h * head_size;
-          for (int64_t g = g0; g < g1; ++g) {
-            const int64_t qh = h * group + g;
-            float* out_scores = scores.data() + qh * n + i0;
-#if defined(__AVX2__) && defined(__F16C__)
-            if (vectorized) {
-              score_batch_avx2(qs.data() + qh * head_size, head_rows, m, head_size, fscale,
-                               out_scores);
-              continue;
-            }
-#endif
-            score_tile(qs.data() + qh * head_size, head_rows, m, head_size, fscale, out_scores);
-          }
-        }
-      }
-      for (int64_t h = h0; h < h1; ++h)
-        for (int64_t g = g0; g < g1; ++g) {
-          const int64_t qh = h * group + g;
-          float* s = scores.data() + qh * n;
-          float mx = -INFINITY;
-#pragma omp simd reduction(max : mx)
-          for (int64_t i = 0; i < n; ++i) mx = std::max(mx, s[i]);
-          float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-          for (int64_t i = 0; i < n; ++i) {
-            s[i] = exp_nonpositive(s[i] - mx);
-            sum += s[i];
-          }
-          inv_sum[qh] = 1.f / sum;
-          std::fill_n(acc.data() + qh * head_size, head_size, 0.f);
-        }
-      // Value rows in runs of kValueRows, each run serving every head of the task.
-      for (int64_t j0 = 0; j0 < n; j0 += kValueRows) {
-        const int64_t j1 = std::min(n, j0 + kValueRows);
-        for (int64_t h = h0; h < h1; ++h)
-          for (int64_t g = g0; g < g1; ++g) {
-            const int64_t qh = h * group + g;
-            const float* p = scores.data() + qh * n;
-            float* a = acc.data() + qh * head_size;
-            const int64_t offset = v_offset + h * head_size;
-#if defined(__AVX2__) && defined(__F16C__)
-            if (vectorized) {
-              accumulate_values_avx2(p, rows.data(), offset, j0, j1, head_size, a);
-              continue;
-            }
-#endif
-            for (int64_t j = j0; j < j1; ++j) axpy_widened(a, p[j], rows[j] + offset, head_size);
-          }
-      }
-      for (int64_t h = h0; h < h1; ++h)
-        for (int64_t g = g0; g < g1; ++g) {
-          const int64_t qh = h * group + g;
-          float* o = o_base + tok * os0 + qh * os1;
-          const float* a = acc.data() + qh * head_size;
-          for (int64_t i = 0; i < head_size; ++i) o[i] = a[i] * inv_sum[qh];
-        }
-    }
+void DecodeAttentionPlan::run(int64_t begin, int64_t end) const {
+  with_cache_type(cache_type, [&](auto element) {
+    attention_tasks<decltype(element)>(*this, begin, end);
   });
 }
 
-}  // namespace
+DecodeAttentionPlan DecodeAttentionPlan::for_layer(const at::Tensor& kv_cache,
+                                                   int64_t window) const {
+  check_cache(kv_cache);
+  TORCH_CHECK(kv_cache.scalar_type() == cache_type && kv_cache.size(1) == num_blocks &&
+                  kv_cache.size(2) == block_size && kv_cache.size(3) == num_kv_heads &&
+                  kv_cache.size(4) == head_size,
+              "every layer's KV cache must have the first layer's shape and type");
+  DecodeAttentionPlan p = *this;
+  p.kv_base = kv_cache.data_ptr();
+  p.sliding_window = window;
+  if (window != sliding_window) check_blocks(p);  // the window decides which blocks are read
+  return p;
+}
 
 // One call per attention layer and step: write the step's K/V into the paged cache, then
 // attend for the decode rows (prefill rows are left to the caller's SDPA). The cache is
@@ -364,20 +457,13 @@ void cache_and_decode_attention(at::Tensor& out, const at::Tensor& query, const 
                                 const at::Tensor& slot_mapping, const at::Tensor& block_table,
                                 const at::Tensor& seq_lens, const at::Tensor& token_indices,
                                 double scale, int64_t sliding_window) {
-  TORCH_CHECK(kv_cache.device().is_cpu(), "kv_cache must be on the CPU");
-  const auto run = [&](auto element) {
-    using T = decltype(element);
-    write_kv<T>(key, value, kv_cache, slot_mapping);
-    decode_attention<T>(out, query, kv_cache, block_table, seq_lens, token_indices, scale,
-                        sliding_window);
-  };
-  switch (kv_cache.scalar_type()) {
-    case at::kFloat: return run(float{});
-    case at::kHalf: return run(at::Half{});
-    case at::kBFloat16: return run(at::BFloat16{});
-    default: TORCH_CHECK(false, "kv_cache must be float32, float16 or bfloat16, not ",
-                         kv_cache.scalar_type());
-  }
+  plan_kv_write(key, value, kv_cache, slot_mapping).run();
+  if (block_table.size(0) == 0) return;
+  const DecodeAttentionPlan plan =
+      plan_decode_attention(out, query, kv_cache, block_table, seq_lens, token_indices, scale,
+                            sliding_window, at::get_num_threads());
+  at::parallel_for(0, plan.num_tasks, plan.grain,
+                   [&](int64_t begin, int64_t end) { plan.run(begin, end); });
 }
 
 }  // namespace kvserve_cpu

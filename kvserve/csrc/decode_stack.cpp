@@ -24,46 +24,28 @@
 #include <utility>
 #include <vector>
 
-#include "cpu_common.h"
+#include "block_gemm.h"
+#include "decode_stack.h"
 
 namespace kvserve_cpu {
-namespace {
 
-// One linear layer: a float32 weight (kind < 0) or GGUF block planes (kinds as in
-// block_gemm.cpp), with an optional bias added after the product, as the modules do.
-struct Projection {
-  at::Tensor weight;  // float32 [N, K], or the block quants
-  at::Tensor d, m;
-  std::optional<at::Tensor> packed;  // gguf_int8's interleaved copy (block_gemm_vnni.cpp)
-  int64_t kind = -1;
-  bool int8_activations = false;
-  std::optional<at::Tensor> bias;
-
-  at::Tensor operator()(const at::Tensor& x) const {
-    at::Tensor y = kind < 0              ? at::linear(x, weight)
-                   : int8_activations ? block_linear_int8(x, weight, d, m, kind, packed)
-                                         : block_linear(x, weight, d, m, kind);
-    return bias ? at::add(y, *bias) : y;
-  }
-};
-
-struct Layer {
-  at::Tensor input_norm, post_norm;
-  Projection qkv, o, gate_up, down;
-  int64_t sliding_window = 0;  // <= 0: none
-};
-
-}  // namespace
+at::Tensor Projection::operator()(const at::Tensor& x) const {
+  at::Tensor y = kind < 0              ? at::linear(x, weight)
+                 : int8_activations ? block_linear_int8(x, weight, d, m, kind, packed)
+                                       : block_linear(x, weight, d, m, kind);
+  return bias ? at::add(y, *bias) : y;
+}
 
 class DecoderStack : public torch::CustomClassHolder {
  public:
   DecoderStack(int64_t num_heads, int64_t num_kv_heads, int64_t head_size, double eps,
                double scale, at::Tensor cos_sin_cache)
-      : num_heads_(num_heads), num_kv_heads_(num_kv_heads), head_size_(head_size), eps_(eps),
-        scale_(scale), cos_sin_cache_(std::move(cos_sin_cache)) {
+      : shape_{num_heads, num_kv_heads, head_size, eps, scale, std::move(cos_sin_cache)} {
     TORCH_CHECK(num_heads > 0 && num_kv_heads > 0 && num_heads % num_kv_heads == 0,
                 "query heads must be a positive multiple of kv heads");
-    check_float(cos_sin_cache_, "cos_sin_cache");
+    check_float(shape_.cos_sin_cache, "cos_sin_cache");
+    TORCH_CHECK(shape_.cos_sin_cache.dim() == 2 && shape_.cos_sin_cache.is_contiguous(),
+                "cos_sin_cache must be a contiguous [max_pos, rot_dim]");
   }
 
   // planes: (weight, d, m, packed) for qkv, o, gate_up and down in that order, packed
@@ -91,6 +73,10 @@ class DecoderStack : public torch::CustomClassHolder {
       proj.kind = kinds[p];
       proj.int8_activations = int8_activations.get(p);
       if (proj.kind < 0) check_float(proj.weight, "float32 weight");
+      if (proj.packed_int8()) {
+        const int64_t cols = proj.kind == 0 ? proj.weight.size(1) : proj.weight.size(1) * 2;
+        check_packed_vnni(*proj.packed, proj.kind, proj.weight.size(0), cols);
+      }
     }
     layer.qkv.bias = std::move(qkv_bias);
     layer.o.bias = std::move(o_bias);
@@ -115,32 +101,38 @@ class DecoderStack : public torch::CustomClassHolder {
     check_float(hidden, "hidden");
     TORCH_CHECK(hidden.dim() == 2 && hidden.is_contiguous(), "hidden must be contiguous [T, H]");
     const int64_t tokens = hidden.size(0);
-    const int64_t q_size = num_heads_ * head_size_, kv_size = num_kv_heads_ * head_size_;
     const bool padded = num_actual_tokens != tokens;
+    if (!padded && fused_step_supports(layers_, tokens))
+      return fused_decode_step(layers_, shape_, hidden, positions, kv_caches, slot_mapping,
+                               block_table, seq_lens, token_indices);
+    const int64_t num_heads = shape_.num_heads, num_kv_heads = shape_.num_kv_heads;
+    const int64_t head_size = shape_.head_size;
+    const double eps = shape_.eps;
+    const int64_t q_size = num_heads * head_size, kv_size = num_kv_heads * head_size;
 
     at::Tensor residual = hidden;
     at::Tensor x = at::empty_like(hidden);
-    rms_norm(x, hidden, layers_[0].input_norm, eps_);
+    rms_norm(x, hidden, layers_[0].input_norm, eps);
     for (size_t i = 0; i < layers_.size(); ++i) {
       const Layer& layer = layers_[i];
-      if (i > 0) fused_add_rms_norm(x, residual, layer.input_norm, eps_);
+      if (i > 0) fused_add_rms_norm(x, residual, layer.input_norm, eps);
 
       const at::Tensor qkv = layer.qkv(x);
       at::Tensor q = qkv.narrow(1, 0, q_size);
       at::Tensor k = qkv.narrow(1, q_size, kv_size);
       const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size);
-      rotary_embedding(positions, q, k, head_size_, cos_sin_cache_);
+      rotary_embedding(positions, q, k, head_size, shape_.cos_sin_cache);
       at::Tensor attn = padded ? at::zeros({tokens, q_size}, hidden.options())
                                : at::empty({tokens, q_size}, hidden.options());
-      at::Tensor attn_heads = attn.view({tokens, num_heads_, head_size_});
-      cache_and_decode_attention(attn_heads, q.view({tokens, num_heads_, head_size_}),
-                                 k.view({tokens, num_kv_heads_, head_size_}),
-                                 v.view({tokens, num_kv_heads_, head_size_}), kv_caches[i],
-                                 slot_mapping, block_table, seq_lens, token_indices, scale_,
+      at::Tensor attn_heads = attn.view({tokens, num_heads, head_size});
+      cache_and_decode_attention(attn_heads, q.view({tokens, num_heads, head_size}),
+                                 k.view({tokens, num_kv_heads, head_size}),
+                                 v.view({tokens, num_kv_heads, head_size}), kv_caches[i],
+                                 slot_mapping, block_table, seq_lens, token_indices, shape_.scale,
                                  layer.sliding_window);
 
       x = layer.o(attn);
-      fused_add_rms_norm(x, residual, layer.post_norm, eps_);
+      fused_add_rms_norm(x, residual, layer.post_norm, eps);
       const at::Tensor gate_up = layer.gate_up(x);
       at::Tensor act = at::empty({tokens, gate_up.size(1) / 2}, hidden.options());
       silu_and_mul(act, gate_up);
@@ -150,9 +142,7 @@ class DecoderStack : public torch::CustomClassHolder {
   }
 
  private:
-  int64_t num_heads_, num_kv_heads_, head_size_;
-  double eps_, scale_;
-  at::Tensor cos_sin_cache_;
+  StackShape shape_;
   std::vector<Layer> layers_;
 };
 

@@ -1,6 +1,7 @@
-"""The native decode stack (csrc/decode_stack.cpp) against the per-layer module path.
+"""The native decode stack (csrc/decode_stack.cpp, and its fused step in
+csrc/decode_step.cpp) against the per-layer module path.
 
-Both run the same kernels in the same order, so every comparison here is exact: the
+All run the same kernels in the same order, so every comparison here is exact: the
 stack is only a faster way to make the same calls.
 """
 
@@ -37,12 +38,15 @@ def _load(path: Path, quantization: str | None = None, int8: bool = False) -> to
     return model
 
 
-def _decode_run(runner_cls: Callable, model: torch.nn.Module) -> list[torch.Tensor]:
-    """Prefill three prompts of different lengths, then eight batched decode steps (the
+def _decode_run(
+    runner_cls: Callable, model: torch.nn.Module, num_requests: int = 3
+) -> list[torch.Tensor]:
+    """Prefill prompts of different lengths, then eight batched decode steps (the
     requests' lengths cross block boundaries at different steps)."""
     runner = runner_cls(model, block_size=4)
     torch.manual_seed(5)
-    prompts = {r: torch.randint(3, 256, (n,)).tolist() for r, n in (("a", 5), ("b", 11), ("c", 2))}
+    lengths = [5, 11, 2, 7, 3, 9, 4, 6, 1, 8, 10, 5][:num_requests]
+    prompts = {f"r{i}": torch.randint(3, 256, (n,)).tolist() for i, n in enumerate(lengths)}
     logits = runner.step(list(prompts.items()))
     out = [torch.cat(logits)]
     last = {r: int(lg[-1].argmax()) for r, lg in zip(prompts, logits, strict=True)}
@@ -54,18 +58,24 @@ def _decode_run(runner_cls: Callable, model: torch.nn.Module) -> list[torch.Tens
 
 
 @pytest.mark.parametrize(
-    ("which", "quantization", "int8"),
+    ("which", "quantization", "int8", "num_requests"),
     [
-        ("tiny_llama", None, False),
-        ("tiny_qwen2", None, False),  # q/k/v biases
-        ("tiny_llama", "q8_0", False),  # block weights, float activations
-        ("tiny_llama", "q8_0", True),  # block weights, int8 activations
+        ("tiny_llama", None, False, 3),
+        ("tiny_qwen2", None, False, 3),  # q/k/v biases
+        ("tiny_llama", "q8_0", False, 3),  # block weights, float activations
+        # Block weights, int8 activations: with AVX-512 VNNI, steps of up to 8 rows take
+        # the fused step (csrc/decode_step.cpp), larger ones the per-op path.
+        ("tiny_llama", "q8_0", True, 1),
+        ("tiny_llama", "q8_0", True, 3),
+        ("tiny_llama", "q8_0", True, 12),
+        ("tiny_qwen2", "q8_0", True, 2),
     ],
 )
 def test_decode_steps_equal_the_module_path_exactly(
     which: str,
     quantization: str | None,
     int8: bool,
+    num_requests: int,
     request: pytest.FixtureRequest,
     paged_runner: Callable,
 ) -> None:
@@ -74,8 +84,8 @@ def test_decode_steps_equal_the_module_path_exactly(
     modules = _load(path, quantization, int8)
     modules.model.decode_stack = None
 
-    got = _decode_run(paged_runner, native)
-    want = _decode_run(paged_runner, modules)
+    got = _decode_run(paged_runner, native, num_requests)
+    want = _decode_run(paged_runner, modules, num_requests)
     assert native.model.decode_stack._stack is not None  # the decode steps took it
     for step, (g, w) in enumerate(zip(got, want, strict=True)):
         assert torch.equal(g, w), f"step {step} differs"

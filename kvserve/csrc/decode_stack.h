@@ -1,0 +1,59 @@
+// The layers of a Llama-family decoder stack as decode_stack.cpp holds them, shared with
+// the fused decode step (decode_step.cpp).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <optional>
+#include <tuple>
+#include <vector>
+
+#include "cpu_common.h"
+
+namespace kvserve_cpu {
+
+// One linear layer: a float32 weight (kind < 0) or GGUF block planes (kinds as in
+// block_gemm.h), with an optional bias added after the product, as the modules do.
+struct Projection {
+  at::Tensor weight;  // float32 [N, K], or the block quants
+  at::Tensor d, m;
+  std::optional<at::Tensor> packed;  // gguf_int8's interleaved copy (block_gemm_vnni.cpp)
+  int64_t kind = -1;
+  bool int8_activations = false;
+  std::optional<at::Tensor> bias;
+
+  at::Tensor operator()(const at::Tensor& x) const;
+  int64_t out_features() const { return weight.size(0); }
+  // Whether the fused decode step can run it: int8 activations on the packed copy.
+  bool packed_int8() const { return kind >= 0 && int8_activations && packed.has_value(); }
+};
+
+struct Layer {
+  at::Tensor input_norm, post_norm;
+  Projection qkv, o, gate_up, down;
+  int64_t sliding_window = 0;  // <= 0: none
+};
+
+struct StackShape {
+  int64_t num_heads, num_kv_heads, head_size;
+  double eps, scale;
+  at::Tensor cos_sin_cache;
+};
+
+// Decode steps of at most this many rows may take the fused step.
+constexpr int64_t kFusedStepMaxRows = 8;
+
+// Whether fused_decode_step can run these layers for a step of `tokens` rows.
+bool fused_step_supports(const std::vector<Layer>& layers, int64_t tokens);
+
+// The whole stack for a decode step inside one parallel region: every projection split
+// between the threads by output features, attention by heads, the small row operations
+// repeated on each thread instead of waited for. Same kernels, same order of arithmetic
+// as the per-op path, so the same result bit for bit. Returns (last MLP output, residual).
+std::tuple<at::Tensor, at::Tensor> fused_decode_step(
+    const std::vector<Layer>& layers, const StackShape& shape, const at::Tensor& hidden,
+    const at::Tensor& positions, const std::vector<at::Tensor>& kv_caches,
+    const at::Tensor& slot_mapping, const at::Tensor& block_table, const at::Tensor& seq_lens,
+    const at::Tensor& token_indices);
+
+}  // namespace kvserve_cpu

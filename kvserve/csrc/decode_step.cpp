@@ -1,0 +1,201 @@
+// A decode step of gguf_int8 layers inside one OpenMP parallel region.
+//
+// Through the per-op path (decode_stack.cpp) a single-stream step opens five parallel
+// regions per layer, and between them one thread runs the small row operations (norms,
+// rotary embedding, quantizing x) while the other waits: on a 2-core VM about a third of
+// the step was the second core idling. Here the threads stay in one region for the whole
+// stack. Each projection is split between them by groups of output features, attention
+// by heads; the row operations are repeated on every thread (each keeps its own copy of
+// the residual stream and of the quantized input) rather than run once and waited for.
+// Only the rotary embedding and the KV-cache write, which change shared data, run on one
+// thread. Every value is computed by the same functions as the per-op path, in the same
+// order, so the step's output is the same bit for bit.
+
+#include <ATen/ops/empty.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <utility>
+#include <vector>
+
+#include "block_gemm.h"
+#include "decode_attention.h"
+#include "decode_stack.h"
+
+namespace kvserve_cpu {
+namespace {
+
+// This thread's share [begin, end) of n items.
+inline std::pair<int64_t, int64_t> share(int64_t n, int tid, int threads) {
+  return {n * tid / threads, n * (tid + 1) / threads};
+}
+
+int64_t in_features(const Projection& p) {
+  return p.kind == 0 ? p.weight.size(1) : p.weight.size(1) * 2;
+}
+
+struct PackedView {
+  const uint8_t* packed;
+  int64_t kind, N, K;
+  const float* bias;  // nullptr: none
+
+  explicit PackedView(const Projection& p)
+      : packed(p.packed->data_ptr<uint8_t>()), kind(p.kind), N(p.out_features()),
+        K(in_features(p)), bias(p.bias ? p.bias->data_ptr<float>() : nullptr) {}
+};
+
+// A thread's quantized copy of a projection's input.
+struct Int8Input {
+  std::vector<int8_t> q;
+  std::vector<uint8_t> u;  // Q8_0 weights take x as unsigned bytes
+  std::vector<float> d, s;
+  Int8Input(int64_t rows, int64_t max_k)
+      : q(rows * max_k), u(rows * max_k), d(rows * max_k / kBlock), s(rows * max_k / kBlock) {}
+};
+
+// This thread's groups of out = x W^T (+ bias), x: [T, K]. Quantizes all of x (a few
+// hundred values per row: cheaper than a barrier), multiplies its own features.
+void linear_share(const PackedView& w, const float* x, int64_t T, Int8Input& in, float* out,
+                  int tid, int threads) {
+  const int64_t blocks = T * w.K / kBlock;
+  for (int64_t i = 0; i < blocks; ++i)
+    quantize_block_q8(x + i * kBlock, in.q.data() + i * kBlock, in.d[i], in.s[i]);
+  if (w.kind == 0) unsigned_activations(in.q.data(), in.u.data(), T * w.K);
+  const auto [g0, g1] = share(packed_groups(w.N), tid, threads);
+  packed_groups_vnni(w.packed, w.kind, w.N, w.K, T, in.q.data(), in.u.data(), in.d.data(),
+                     in.s.data(), out, g0, g1);
+  if (w.bias == nullptr) return;
+  const int64_t n0 = g0 * kPackedGroup, n1 = std::min(w.N, g1 * kPackedGroup);
+  for (int64_t r = 0; r < T; ++r)
+    for (int64_t n = n0; n < n1; ++n) out[r * w.N + n] = out[r * w.N + n] + w.bias[n];
+}
+
+struct LayerViews {
+  PackedView qkv, o, gate_up, down;
+  const float *input_norm, *post_norm;
+  DecodeAttentionPlan attention;
+  KVWritePlan kv_write;
+};
+
+}  // namespace
+
+bool fused_step_supports(const std::vector<Layer>& layers, int64_t tokens) {
+  if (tokens < 1 || tokens > kFusedStepMaxRows || layers.empty()) return false;
+  return std::all_of(layers.begin(), layers.end(), [](const Layer& l) {
+    return l.qkv.packed_int8() && l.o.packed_int8() && l.gate_up.packed_int8() &&
+           l.down.packed_int8() && !l.gate_up.bias && !l.down.bias;
+  });
+}
+
+std::tuple<at::Tensor, at::Tensor> fused_decode_step(
+    const std::vector<Layer>& layers, const StackShape& shape, const at::Tensor& hidden,
+    const at::Tensor& positions, const std::vector<at::Tensor>& kv_caches,
+    const at::Tensor& slot_mapping, const at::Tensor& block_table, const at::Tensor& seq_lens,
+    const at::Tensor& token_indices) {
+  // Everything that can fail is checked here: nothing may throw inside the region.
+  const int64_t T = hidden.size(0), H = hidden.size(1);
+  const int64_t head_size = shape.head_size;
+  const int64_t q_size = shape.num_heads * head_size, kv_size = shape.num_kv_heads * head_size;
+  const Layer& first = layers.front();
+  const int64_t qkv_n = first.qkv.out_features(), inter = first.gate_up.out_features() / 2;
+  for (const Layer& l : layers) {
+    TORCH_CHECK(l.qkv.out_features() == qkv_n && qkv_n == q_size + 2 * kv_size &&
+                    in_features(l.qkv) == H && l.o.out_features() == H &&
+                    in_features(l.o) == q_size && l.gate_up.out_features() == 2 * inter &&
+                    in_features(l.gate_up) == H && l.down.out_features() == H &&
+                    in_features(l.down) == inter,
+                "a layer's projections do not fit the stack's sizes");
+  }
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.numel() == T,
+              "positions must be int64, one per row");
+  const at::Tensor pos = positions.contiguous();
+  const int64_t* pos_ptr = pos.data_ptr<int64_t>();
+  const at::Tensor& cos_sin = shape.cos_sin_cache;
+  const int64_t rot_dim = cos_sin.size(1), max_pos = cos_sin.size(0);
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK(pos_ptr[t] >= 0 && pos_ptr[t] < max_pos, "position ", pos_ptr[t],
+                " outside the rotary cache of ", max_pos);
+
+  const auto options = hidden.options();
+  at::Tensor qkv = at::empty({T, qkv_n}, options), attn = at::empty({T, q_size}, options);
+  at::Tensor o = at::empty({T, H}, options), gate_up = at::empty({T, 2 * inter}, options);
+  at::Tensor down = at::empty({T, H}, options), residual_out = at::empty({T, H}, options);
+  at::Tensor attn_heads = attn.view({T, shape.num_heads, head_size});
+  const at::Tensor q_heads = qkv.narrow(1, 0, q_size).view({T, shape.num_heads, head_size});
+  const at::Tensor k_heads = qkv.narrow(1, q_size, kv_size).view({T, shape.num_kv_heads, head_size});
+  const at::Tensor v_heads =
+      qkv.narrow(1, q_size + kv_size, kv_size).view({T, shape.num_kv_heads, head_size});
+
+  const int threads_wanted = static_cast<int>(std::max<int64_t>(1, at::get_num_threads()));
+  const DecodeAttentionPlan plan0 =
+      plan_decode_attention(attn_heads, q_heads, kv_caches[0], block_table, seq_lens,
+                            token_indices, shape.scale, first.sliding_window, threads_wanted);
+  at::Tensor cache0 = kv_caches[0];
+  const KVWritePlan write0 = plan_kv_write(k_heads, v_heads, cache0, slot_mapping);
+  std::vector<LayerViews> views;
+  views.reserve(layers.size());
+  for (size_t i = 0; i < layers.size(); ++i) {
+    const Layer& l = layers[i];
+    DecodeAttentionPlan attention = plan0.for_layer(kv_caches[i], l.sliding_window);
+    KVWritePlan kv_write = write0;
+    kv_write.k_cache = kv_caches[i].data_ptr();  // same shape and type: for_layer checked
+    views.push_back({PackedView(l.qkv), PackedView(l.o), PackedView(l.gate_up),
+                     PackedView(l.down), l.input_norm.data_ptr<float>(),
+                     l.post_norm.data_ptr<float>(), std::move(attention), std::move(kv_write)});
+  }
+
+  const float eps = static_cast<float>(shape.eps);
+  const float* hidden_ptr = hidden.data_ptr<float>();
+  const float* cos_sin_ptr = cos_sin.data_ptr<float>();
+  float* qkv_ptr = qkv.data_ptr<float>();
+  float* o_ptr = o.data_ptr<float>();
+  float* gate_up_ptr = gate_up.data_ptr<float>();
+  float* down_ptr = down.data_ptr<float>();
+  const float* attn_ptr = attn.data_ptr<float>();
+  const int64_t max_k = std::max({H, q_size, inter});
+
+#pragma omp parallel num_threads(threads_wanted)
+  {
+    const int tid = omp_get_thread_num(), threads = omp_get_num_threads();
+    std::vector<float> residual(hidden_ptr, hidden_ptr + T * H), x(T * H), act(T * inter);
+    Int8Input in(T, max_k);
+    for (int64_t r = 0; r < T; ++r)
+      rms_norm_row(x.data() + r * H, hidden_ptr + r * H, views[0].input_norm, H, eps);
+    for (size_t i = 0; i < views.size(); ++i) {
+      const LayerViews& l = views[i];
+      if (i > 0)
+        for (int64_t r = 0; r < T; ++r)
+          add_rms_norm_row(down_ptr + r * H, residual.data() + r * H, l.input_norm,
+                           x.data() + r * H, H, eps);
+      linear_share(l.qkv, x.data(), T, in, qkv_ptr, tid, threads);
+#pragma omp barrier
+      if (tid == 0) {
+        for (int64_t t = 0; t < T; ++t)
+          rope_token(qkv_ptr + t * qkv_n, shape.num_heads, qkv_ptr + t * qkv_n + q_size,
+                     shape.num_kv_heads, head_size, cos_sin_ptr + pos_ptr[t] * rot_dim,
+                     rot_dim / 2);
+        l.kv_write.run();
+      }
+#pragma omp barrier
+      const auto [t0, t1] = share(l.attention.num_tasks, tid, threads);
+      l.attention.run(t0, t1);
+#pragma omp barrier
+      linear_share(l.o, attn_ptr, T, in, o_ptr, tid, threads);
+#pragma omp barrier
+      for (int64_t r = 0; r < T; ++r)
+        add_rms_norm_row(o_ptr + r * H, residual.data() + r * H, l.post_norm, x.data() + r * H,
+                         H, eps);
+      linear_share(l.gate_up, x.data(), T, in, gate_up_ptr, tid, threads);
+#pragma omp barrier
+      for (int64_t r = 0; r < T; ++r)
+        silu_mul_row(act.data() + r * inter, gate_up_ptr + r * 2 * inter,
+                     gate_up_ptr + r * 2 * inter + inter, inter);
+      linear_share(l.down, act.data(), T, in, down_ptr, tid, threads);
+#pragma omp barrier
+    }
+    if (tid == 0) std::copy(residual.begin(), residual.end(), residual_out.data_ptr<float>());
+  }
+  return {down, residual_out};
+}
+
+}  // namespace kvserve_cpu
