@@ -17,6 +17,7 @@ import sys
 import time
 from typing import Any
 
+from kvserve.benchmarks.peers_rounds import combine_rounds
 from kvserve.benchmarks.peers_sweep import (
     format_sweep_table,
     new_figure,
@@ -87,6 +88,11 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         "--plot", default=None, metavar="PNG",
         help="with --sweep: draw output tok/s against concurrency here (needs matplotlib)",
     )  # fmt: skip
+    parser.add_argument(
+        "--rounds", type=int, default=1,
+        help="run every engine this many times, round by round; report each engine's median "
+        "round and same-round ratios (for machines whose speed drifts; not with --sweep)",
+    )  # fmt: skip
     parser.add_argument("--output-json", default=None, help="write the results as JSON here")
     parser.add_argument("--disable-tqdm", action="store_true")
 
@@ -152,6 +158,8 @@ def run_peers(args: argparse.Namespace) -> dict[str, Any]:
         raise SystemExit("--plot draws the concurrency sweep: give --sweep too")
     if args.plot:
         new_figure()  # fails now, not after the benchmark, when matplotlib is missing
+    if args.rounds < 1:
+        raise SystemExit("--rounds must be at least 1")
     for e in engines:
         if e not in ENGINES:
             raise SystemExit(f"unknown engine {e!r}; choose from {', '.join(ENGINES)}")
@@ -182,7 +190,13 @@ def run_peers(args: argparse.Namespace) -> dict[str, Any]:
         w = names[0]
         sweep_runs = run_sweep(args, engines, resolved.path, w, workloads[w], notes)
     else:
-        results, tries = _run_table(args, engines, resolved.path, workloads, notes)
+        rounds = []
+        for _ in range(args.rounds):
+            results, round_tries = _run_table(args, engines, resolved.path, workloads, notes)
+            rounds.append(results)
+            tries += round_tries
+        results, round_notes = combine_rounds(rounds)
+        notes += round_notes
     for r in results + tries + sweep_runs:
         r.flops = workload_flops(arch, workloads[r.workload])
     machine["load_avg_after"] = machine_info()["load_avg"]
@@ -196,7 +210,7 @@ def run_peers(args: argparse.Namespace) -> dict[str, Any]:
         "workloads": {w: dataclasses.asdict(s) for w, s in specs.items()},
         "results": [_result_dict(r, results, gemm) for r in results],
         "tries": [_result_dict(r, results, gemm) for r in tries],
-        "notes": notes,
+        "notes": list(dict.fromkeys(notes)),  # rounds repeat the engines' own notes
     }
     if args.sweep:
         w = names[0]

@@ -61,6 +61,11 @@ class SamplingBatch:
             cls(max_num_reqs, device, self.is_pin_memory) for cls in procs
         )
         self._batch_update = BatchUpdateBuilder()
+        # The metadata of the last step where every row sampled, with the batch version it
+        # was made for: decode steps of an unchanged batch reuse it (its tensors only change
+        # when rows do; the output token lists in it are the live ones).
+        self._version = 0
+        self._cached: tuple[int, int, SamplingMetadata] | None = None
 
     # ---- batch changes -------------------------------------------------------------------
 
@@ -80,6 +85,7 @@ class SamplingBatch:
             params = copy.copy(params)
             params._all_stop_token_ids = [*stop_ids, eos_token_id]
         self._flush_if_moved()
+        self._version += 1
         if self.params[row] is None:
             self._num_rows += 1
         self.params[row] = params
@@ -109,6 +115,7 @@ class SamplingBatch:
         if self.params[row] is None:
             return
         self._flush_if_moved()
+        self._version += 1
         self._num_rows -= 1
         self.params[row] = None
         self.output_token_ids[row] = None
@@ -120,6 +127,7 @@ class SamplingBatch:
     def move_request(self, src: int, dst: int) -> None:
         """Condensing: the request in row src moves into the empty row dst."""
         assert self.params[dst] is None, f"row {dst} is not empty"
+        self._version += 1
         for t in self._row_tensors:
             t[dst] = t[src]
         _move_row(self.params, src, dst)
@@ -130,6 +138,7 @@ class SamplingBatch:
         self._batch_update.move(src, dst, MoveDirectionality.UNIDIRECTIONAL)
 
     def swap_requests(self, a: int, b: int) -> None:
+        self._version += 1
         pair = torch.tensor([a, b])
         for t in self._row_tensors:
             t[pair] = t[pair.flip(0)]
@@ -167,6 +176,16 @@ class SamplingBatch:
             rows = rows.to("cpu", torch.int64)
             if rows.numel() == num_reqs and torch.equal(rows, torch.arange(num_reqs)):
                 rows = None
+        if rows is None:
+            cached = self._cached
+            if cached is not None and cached[:2] == (self._version, num_reqs):
+                return cached[2]
+            metadata = self._make_metadata(num_reqs, None)
+            self._cached = (self._version, num_reqs, metadata)
+            return metadata
+        return self._make_metadata(num_reqs, rows)
+
+    def _make_metadata(self, num_reqs: int, rows: torch.Tensor | None) -> SamplingMetadata:
         row_list = list(range(num_reqs)) if rows is None else rows.tolist()
 
         def select(t: torch.Tensor) -> torch.Tensor:
@@ -207,7 +226,7 @@ class SamplingBatch:
                 return t
             return (t.pin_memory() if self.is_pin_memory else t).to(self.device, non_blocking=True)
 
-        output_token_ids: list[list[int]] = [self.output_token_ids[r] or [] for r in row_list]
+        output_token_ids = [_live(self.output_token_ids[r]) for r in row_list]
         return SamplingMetadata(
             temperature=None if all_greedy else dev(temperature),
             all_greedy=all_greedy,
@@ -226,6 +245,12 @@ class SamplingBatch:
             batch_rows=dev(rows),
             num_reqs=num_reqs,
         )
+
+
+def _live(token_ids: list[int] | None) -> list[int]:
+    # The row's own list even when empty (`or []` would not be): reused metadata must see
+    # later appends. An empty row has none.
+    return [] if token_ids is None else token_ids
 
 
 def _move_row(rows: list[T | None], src: int, dst: int) -> None:

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from kvserve.benchmarks import peers, peers_sweep
+from kvserve.benchmarks.peers_rounds import combine_rounds
 from kvserve.benchmarks.peers_workloads import WORKLOADS, EngineResult, make_requests
 
 
@@ -159,3 +160,26 @@ def test_open_llamacpp_runs_with_or_without_extra_buffer_types() -> None:
     assert all("use_extra_bufts off" in n for n in notes)
     assert ("no extra buffer types" in batched.config) == bool(notes)
     assert ("1 token per llama_decode" in single.config) == (peer.single_stream is not None)
+
+
+def test_rounds_report_the_median_round_and_same_round_ratios() -> None:
+    def run(engine: str, elapsed: float) -> EngineResult:
+        return EngineResult(engine, "c", elapsed, prompt_tokens=32, output_tokens=100)
+
+    # Round 2 ran on a slow machine for everyone: same-round ratios stay put.
+    rounds = [
+        [run("kvserve-gguf-int8", 1.0), run("llamacpp", 1.25)],
+        [run("kvserve-gguf-int8", 2.0), run("llamacpp", 2.4)],
+        [run("kvserve-gguf-int8", 0.9), run("llamacpp", 1.17)],
+    ]
+    combined, notes = combine_rounds(rounds)
+    by_engine = {r.engine: r for r in combined}
+    assert by_engine["kvserve-gguf-int8"].output_tok_s == pytest.approx(100.0)
+    assert by_engine["llamacpp"].output_tok_s == pytest.approx(80.0)
+    assert by_engine["llamacpp"].extra["rounds_output_tok_s"] == [80.0, 41.67, 85.47]
+    assert notes == [
+        "workload c: kvserve-gguf-int8 / llamacpp output tok/s, same-round ratio over 3 rounds: "
+        "median 1.25 (min 1.20, max 1.30)"
+    ]
+    single, no_notes = combine_rounds(rounds[:1])
+    assert len(single) == 2 and no_notes == []

@@ -105,3 +105,30 @@ def test_add_after_move_in_one_step_reaches_processors_in_order() -> None:
     batch.add_request(2, SamplingParams(temperature=0.0, logit_bias={9: 50.0}), [0], [], None)
     out = Sampler()(torch.zeros(3, V), batch.make_sampling_metadata(3))
     assert out.sampled_token_ids.tolist() == [7, 5, 9]
+
+
+def test_metadata_is_reused_until_the_rows_change() -> None:
+    batch = SamplingBatch(max_num_reqs=4, vocab_size=V, device=CPU)
+    out0: list[int] = []
+    batch.add_request(0, SamplingParams(temperature=0.0, frequency_penalty=1.0), [1], out0, None)
+    first = batch.make_sampling_metadata(1)
+    out0.append(5)  # the runner appends a sampled token to the live list
+    again = batch.make_sampling_metadata(1)
+    assert again is first and again.output_token_ids == [[5]]
+    # The penalty sees the appended token through the reused metadata.
+    logits = torch.zeros(1, V)
+    logits[0, 5] = 0.5
+    assert int(Sampler()(logits, again).sampled_token_ids[0]) != 5
+
+    batch.add_request(1, SamplingParams(temperature=1.0, seed=3), [2], [], None)
+    changed = batch.make_sampling_metadata(2)
+    assert changed is not first and not changed.all_greedy
+    batch.remove_request(1)
+    after_remove = batch.make_sampling_metadata(1)
+    assert after_remove is not changed and after_remove.all_greedy
+    # A step where only some rows sample neither uses nor replaces the reused metadata.
+    batch.add_request(1, SamplingParams(temperature=0.0), [2], [], None)
+    full = batch.make_sampling_metadata(2)
+    partial = batch.make_sampling_metadata(2, torch.tensor([1]))
+    assert partial is not full and partial.num_reqs == 2 and len(partial.output_token_ids) == 1
+    assert batch.make_sampling_metadata(2) is full

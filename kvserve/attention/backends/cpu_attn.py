@@ -15,6 +15,7 @@ work is gathers, one scatter and SDPA.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -46,11 +47,25 @@ class DecodeBatch:
     """All single-token requests of the step, padded to a common key length."""
 
     token_indices: torch.Tensor  # int64 [D] into the flattened batch
-    block_table: torch.Tensor  # int64 [D, num_blocks]
-    seq_lens: torch.Tensor  # int64 [D]
-    key_mask: torch.Tensor  # bool [D, num_blocks*block_size]
-    block_table_i32: torch.Tensor  # int32 [D, num_blocks], contiguous (the kernel's view)
+    block_table_i32: torch.Tensor  # int32 [D, num_blocks], contiguous, no -1 (the kernel's)
     seq_lens_i32: torch.Tensor  # int32 [D]
+    block_size: int
+
+    # The torch fallback's views, made only when it runs (the kernel path needs neither).
+    @functools.cached_property
+    def block_table(self) -> torch.Tensor:  # int64 [D, num_blocks]
+        return self.block_table_i32.long()
+
+    @functools.cached_property
+    def seq_lens(self) -> torch.Tensor:  # int64 [D]
+        return self.seq_lens_i32.long()
+
+    @functools.cached_property
+    def key_mask(self) -> torch.Tensor:  # bool [D, num_blocks*block_size]
+        key_pos = torch.arange(
+            self.block_table_i32.shape[1] * self.block_size, device=self.seq_lens_i32.device
+        )
+        return key_pos[None, :] < self.seq_lens[:, None]
 
 
 @dataclass
@@ -78,23 +93,27 @@ class CPUAttentionMetadataBuilder(AttentionMetadataBuilder):
         )
 
     def build(self, common: CommonAttentionMetadata) -> CPUAttentionMetadata:
-        bs = self.block_size
-        device = common.block_table_tensor.device
         starts = common.query_start_loc_cpu.tolist()
         seq_lens = common.seq_lens_cpu.tolist()
-        computed = common.num_computed_tokens_cpu.tolist()
-        # Padding entries of the block table may hold -1; they are masked out but
-        # must still be valid gather indices.
-        block_table = common.block_table_tensor.clamp(min=0).long()
-
         decode_reqs: list[int] = []
-        prefills: list[PrefillChunk] = []
+        prefill_reqs: list[int] = []
         for r in range(common.num_reqs):
-            start, end = starts[r], starts[r + 1]
-            if end - start == 1:
+            query_len = starts[r + 1] - starts[r]
+            if query_len == 1:
                 decode_reqs.append(r)
-            elif end > start:
-                prefills.append(self._prefill(block_table[r], start, end, computed[r], seq_lens[r]))
+            elif query_len > 1:
+                prefill_reqs.append(r)
+
+        prefills: list[PrefillChunk] = []
+        if prefill_reqs:
+            # Padding entries of the block table may hold -1; they are masked out but
+            # must still be valid gather indices.
+            block_table = common.block_table_tensor.clamp(min=0).long()
+            computed = common.num_computed_tokens_cpu.tolist()
+            prefills = [
+                self._prefill(block_table[r], starts[r], starts[r + 1], computed[r], seq_lens[r])
+                for r in prefill_reqs
+            ]
 
         all_slots = common.slot_mapping[: common.num_actual_tokens].long()
         slot_mapping, token_indices = all_slots, None
@@ -102,13 +121,13 @@ class CPUAttentionMetadataBuilder(AttentionMetadataBuilder):
             token_indices = torch.nonzero(all_slots >= 0).flatten()
             slot_mapping = all_slots[token_indices]
 
-        decode = self._decode(block_table, decode_reqs, starts, seq_lens, device)
+        decode = self._decode(common, decode_reqs, starts, seq_lens)
         kernel_decode = self._no_decodes
         if decode is not None:
             kernel_decode = (decode.block_table_i32, decode.seq_lens_i32, decode.token_indices)
         return CPUAttentionMetadata(
             num_actual_tokens=common.num_actual_tokens,
-            block_size=bs,
+            block_size=self.block_size,
             slot_mapping=slot_mapping,
             slot_token_indices=token_indices,
             decode=decode,
@@ -135,27 +154,25 @@ class CPUAttentionMetadataBuilder(AttentionMetadataBuilder):
 
     def _decode(
         self,
-        block_table: torch.Tensor,
+        common: CommonAttentionMetadata,
         reqs: list[int],
         starts: list[int],
         seq_lens: list[int],
-        device: torch.device,
     ) -> DecodeBatch | None:
         if not reqs:
             return None
+        device = common.block_table_tensor.device
         lens = [seq_lens[r] for r in reqs]
         num_blocks = -(-max(lens) // self.block_size)
-        req_idx = torch.tensor(reqs, dtype=torch.long, device=device)
-        lens_t = torch.tensor(lens, dtype=torch.long, device=device)
-        key_pos = torch.arange(num_blocks * self.block_size, device=device)
-        table = block_table[req_idx, :num_blocks]
+        table = common.block_table_tensor[: common.num_reqs, :num_blocks]
+        if len(reqs) < common.num_reqs:
+            table = table[torch.tensor(reqs, dtype=torch.long, device=device)]
         return DecodeBatch(
             token_indices=torch.tensor([starts[r] for r in reqs], dtype=torch.long, device=device),
-            block_table=table,
-            seq_lens=lens_t,
-            key_mask=key_pos[None, :] < lens_t[:, None],
-            block_table_i32=table.to(torch.int32).contiguous(),
-            seq_lens_i32=lens_t.to(torch.int32),
+            # clamp copies, so the table comes out contiguous.
+            block_table_i32=table.clamp(min=0).to(torch.int32),
+            seq_lens_i32=torch.tensor(lens, dtype=torch.int32, device=device),
+            block_size=self.block_size,
         )
 
 
