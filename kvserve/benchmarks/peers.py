@@ -160,6 +160,8 @@ def run_peers(args: argparse.Namespace) -> dict[str, Any]:
         new_figure()  # fails now, not after the benchmark, when matplotlib is missing
     if args.rounds < 1:
         raise SystemExit("--rounds must be at least 1")
+    if args.rounds > 1 and args.sweep:
+        raise SystemExit("--rounds repeats the per-workload table; --sweep runs once")
     for e in engines:
         if e not in ENGINES:
             raise SystemExit(f"unknown engine {e!r}; choose from {', '.join(ENGINES)}")

@@ -183,3 +183,14 @@ def test_rounds_report_the_median_round_and_same_round_ratios() -> None:
     ]
     single, no_notes = combine_rounds(rounds[:1])
     assert len(single) == 2 and no_notes == []
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [(["--rounds", "0"], "at least 1"), (["--rounds", "2", "--sweep", "1,2"], "--sweep runs once")],
+)
+def test_rounds_are_checked_before_any_engine_runs(flags: list[str], message: str) -> None:
+    parser = argparse.ArgumentParser()
+    peers.add_cli_args(parser)
+    with pytest.raises(SystemExit, match=message):
+        peers.run_peers(parser.parse_args(flags))
