@@ -61,11 +61,10 @@ class SamplingBatch:
             cls(max_num_reqs, device, self.is_pin_memory) for cls in procs
         )
         self._batch_update = BatchUpdateBuilder()
-        # The metadata of the last step where every row sampled, with the batch version it
-        # was made for: decode steps of an unchanged batch reuse it (its tensors only change
-        # when rows do; the output token lists in it are the live ones).
-        self._version = 0
-        self._cached: tuple[int, int, SamplingMetadata] | None = None
+        # The metadata of the last step where every row sampled: steps of an unchanged batch
+        # reuse it (its tensors only change when rows do; its output token lists are the
+        # live ones). Every row change passes through _batch_update, which drops it.
+        self._cached: SamplingMetadata | None = None
 
     # ---- batch changes -------------------------------------------------------------------
 
@@ -85,7 +84,6 @@ class SamplingBatch:
             params = copy.copy(params)
             params._all_stop_token_ids = [*stop_ids, eos_token_id]
         self._flush_if_moved()
-        self._version += 1
         if self.params[row] is None:
             self._num_rows += 1
         self.params[row] = params
@@ -115,7 +113,6 @@ class SamplingBatch:
         if self.params[row] is None:
             return
         self._flush_if_moved()
-        self._version += 1
         self._num_rows -= 1
         self.params[row] = None
         self.output_token_ids[row] = None
@@ -127,7 +124,6 @@ class SamplingBatch:
     def move_request(self, src: int, dst: int) -> None:
         """Condensing: the request in row src moves into the empty row dst."""
         assert self.params[dst] is None, f"row {dst} is not empty"
-        self._version += 1
         for t in self._row_tensors:
             t[dst] = t[src]
         _move_row(self.params, src, dst)
@@ -138,7 +134,6 @@ class SamplingBatch:
         self._batch_update.move(src, dst, MoveDirectionality.UNIDIRECTIONAL)
 
     def swap_requests(self, a: int, b: int) -> None:
-        self._version += 1
         pair = torch.tensor([a, b])
         for t in self._row_tensors:
             t[pair] = t[pair.flip(0)]
@@ -152,7 +147,15 @@ class SamplingBatch:
         # A BatchUpdate applies adds and removes before moves; an add/remove that comes after a
         # move must therefore reach the processors in a later update.
         if self._batch_update.has_moves():
-            self.logitsprocs.update_state(self._batch_update.get_and_reset(self._num_rows))
+            self._apply_batch_update()
+
+    def _apply_batch_update(self) -> None:
+        """Hand the recorded row changes to the processors; any change retires the metadata
+        kept for reuse."""
+        update = self._batch_update.get_and_reset(self._num_rows)
+        if update is not None:
+            self._cached = None
+        self.logitsprocs.update_state(update)
 
     # ---- per step ------------------------------------------------------------------------
 
@@ -171,19 +174,16 @@ class SamplingBatch:
         """Metadata for the rows of [0, num_reqs) that sample this step (ascending; None = all).
 
         Also brings the logits processors up to date, so call it once per step that samples."""
-        self.logitsprocs.update_state(self._batch_update.get_and_reset(self._num_rows))
+        self._apply_batch_update()
         if rows is not None:
             rows = rows.to("cpu", torch.int64)
             if rows.numel() == num_reqs and torch.equal(rows, torch.arange(num_reqs)):
                 rows = None
-        if rows is None:
-            cached = self._cached
-            if cached is not None and cached[:2] == (self._version, num_reqs):
-                return cached[2]
-            metadata = self._make_metadata(num_reqs, None)
-            self._cached = (self._version, num_reqs, metadata)
-            return metadata
-        return self._make_metadata(num_reqs, rows)
+        if rows is not None:
+            return self._make_metadata(num_reqs, rows)
+        if self._cached is None or self._cached.num_reqs != num_reqs:
+            self._cached = self._make_metadata(num_reqs, None)
+        return self._cached
 
     def _make_metadata(self, num_reqs: int, rows: torch.Tensor | None) -> SamplingMetadata:
         row_list = list(range(num_reqs)) if rows is None else rows.tolist()
