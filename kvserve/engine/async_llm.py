@@ -286,6 +286,9 @@ class AsyncLLM(EngineClient):
         """The core's current stats (a round trip to the engine-core process)."""
         return await self.engine_core.get_stats_async()
 
+    def add_stat_logger(self, stat_logger: StatLoggerBase) -> None:
+        self.stat_loggers.append(stat_logger)
+
     def shutdown(self) -> None:
         if self._closed:
             return

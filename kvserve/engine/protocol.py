@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from kvserve.config import EngineConfig, ModelConfig
     from kvserve.inputs import PromptType
+    from kvserve.metrics.loggers import StatLoggerBase
     from kvserve.outputs import RequestOutput
     from kvserve.protocol.engine_core import SchedulerStats
     from kvserve.sampling_params import SamplingParams
@@ -57,6 +58,11 @@ class EngineClient(ABC):
 
     @abstractmethod
     async def get_scheduler_stats(self) -> SchedulerStats: ...
+
+    @abstractmethod
+    def add_stat_logger(self, stat_logger: StatLoggerBase) -> None:
+        """Feeds ``stat_logger`` every stats record from now on, beside the engine's own
+        loggers (e.g. the web dashboard's history); nothing reaches it if stats are off."""
 
     async def get_tokenizer(self) -> Any:
         return self.tokenizer

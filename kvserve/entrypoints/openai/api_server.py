@@ -34,6 +34,7 @@ from kvserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from kvserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from kvserve.entrypoints.openai.serving_models import OpenAIServingModels
 from kvserve.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
+from kvserve.entrypoints.web import register_web_ui
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -210,6 +211,7 @@ def build_app(engine_client: EngineClient, args: argparse.Namespace) -> FastAPI:
     async def detokenize(request: DetokenizeRequest) -> Response:
         return _respond(await tokenization.create_detokenize(request))
 
+    register_web_ui(app, engine_client, args)
     if getattr(args, "api_key", None):
         app.add_middleware(ApiKeyMiddleware, api_key=args.api_key)
     if getattr(args, "allowed_origins", None):

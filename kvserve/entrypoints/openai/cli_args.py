@@ -38,6 +38,11 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="do not log each request's id and sampling parameters",
     )
     parser.add_argument(
+        "--disable-web-ui",
+        action="store_true",
+        help="do not serve the chat playground (/) and the engine dashboard (/dashboard)",
+    )
+    parser.add_argument(
         "--uvicorn-log-level",
         default="info",
         choices=["critical", "error", "warning", "info", "debug", "trace"],
