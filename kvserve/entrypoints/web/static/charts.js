@@ -26,7 +26,8 @@ function niceCeiling(max) {
 /**
  * Draws into `svg` (replacing what was there).
  * spec: {t0, t1: window in unix seconds; times: [unix seconds];
- *        series: [{label, color, values: [number|null]}]; yMax?: fixed top; unit?: suffix}
+ *        series: [{label, color, values: [number|null]}]; yMax?: fixed top; unit?: suffix;
+ *        digits?: decimals of the legend's latest values (1 unless given)}
  */
 function drawLineChart(svg, spec) {
   const width = svg.clientWidth || 420;
@@ -68,9 +69,10 @@ function drawLineChart(svg, spec) {
     });
     flush();
     const last = series.values.length ? series.values[series.values.length - 1] : null;
-    const legendX = width - pad.right - (spec.series.length - index) * 150;
+    const legendX = width - pad.right - (spec.series.length - index) * 190;
     svg.append(svgEl("rect", { x: legendX, y: 4, width: 9, height: 9, fill: series.color }));
-    const shown = last === null ? "–" : formatNumber(last, top < 10 ? 2 : 1) + unit;
+    const digits = spec.digits === undefined ? 1 : spec.digits;
+    const shown = last === null ? "–" : formatNumber(last, digits) + unit;
     svg.append(svgEl("text", { class: "legend", x: legendX + 13, y: 12 }, `${series.label}: ${shown}`));
   });
 }

@@ -59,7 +59,7 @@ function renderCharts(snap) {
   const times = samples.map((s) => s.t);
   const series = (label, color, pick) => ({ label, color, values: samples.map(pick) });
   drawLineChart($("chart-requests"), {
-    t0, t1, times,
+    t0, t1, times, digits: 0,
     series: [series("running", "#2f6fed", (s) => s.num_running_reqs),
       series("waiting", "#f59e0b", (s) => s.num_waiting_reqs)],
   });
@@ -72,12 +72,19 @@ function renderCharts(snap) {
     series: [series("generation", "#16a34a", (s) => s.generation_tokens / snap.interval_s),
       series("prompt", "#0ea5e9", (s) => s.prompt_tokens / snap.interval_s)],
   });
+  // Lookups happen only when requests are scheduled: the rate over the whole view so far
+  // reads better than one that exists in a few seconds only.
+  let queries = 0;
+  let hits = 0;
+  const hitRates = samples.map((s) => {
+    queries += s.prefix_cache_queries;
+    hits += s.prefix_cache_hits;
+    return queries ? (hits / queries) * 100 : null;
+  });
   drawLineChart($("chart-prefix"), {
     t0, t1, times, yMax: 100, unit: "%",
-    series: [series("prefix hits", "#db2777", (s) => {
-      const r = ratio(s.prefix_cache_hits, s.prefix_cache_queries);
-      return r === null ? null : r * 100;
-    }), series("engine busy", "#64748b", (s) => Math.min(s.engine_busy_s / snap.interval_s, 1) * 100)],
+    series: [{ label: "prefix hits (in view)", color: "#db2777", values: hitRates },
+      series("engine busy", "#64748b", (s) => Math.min(s.engine_busy_s / snap.interval_s, 1) * 100)],
   });
 }
 
