@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from kvserve.metrics.loggers import StatLoggerBase
@@ -22,32 +22,36 @@ from kvserve.protocol.engine_core import SchedulerStats
 _TIER_PREFIX = "tier_"
 
 
-@dataclass
-class Sample:
+@dataclass(kw_only=True)
+class Counts:
+    """What both a second and the whole run count (a sample's increase, or the totals)."""
+
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_preemptions: int = 0
+    requests_finished: int = 0
+
+    def add(self, other: Counts) -> None:
+        for f in fields(Counts):
+            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+
+
+@dataclass(kw_only=True)
+class Sample(Counts):
     """One second: gauges at their peak, counters as their increase within the second."""
 
     t: int
     num_running_reqs: int = 0
     num_waiting_reqs: int = 0
     kv_cache_usage: float = 0.0
-    prompt_tokens: int = 0
-    generation_tokens: int = 0
-    prefix_cache_queries: int = 0
-    prefix_cache_hits: int = 0
-    num_preemptions: int = 0
-    requests_finished: int = 0
     # Engine-core seconds spent stepping: busy / 1 s is how loaded the engine was.
     engine_busy_s: float = 0.0
 
 
-@dataclass
-class Totals:
-    prompt_tokens: int = 0
-    generation_tokens: int = 0
-    prefix_cache_queries: int = 0
-    prefix_cache_hits: int = 0
-    num_preemptions: int = 0
-    requests_finished: int = 0
+@dataclass(kw_only=True)
+class Totals(Counts):
     finished_by_reason: dict[str, int] = field(default_factory=dict)
     time_to_first_token_sum_s: float = 0.0
     time_to_first_token_count: int = 0
@@ -85,7 +89,7 @@ class StatsHistory(StatLoggerBase):
         self, scheduler_stats: SchedulerStats | None, iteration_stats: IterationStats | None
     ) -> None:
         sample = self._sample_at(int(self.clock()))
-        totals = self.totals
+        counts = Counts()
         if scheduler_stats is not None:
             s = scheduler_stats
             self.current = SchedulerStats(
@@ -96,14 +100,10 @@ class StatsHistory(StatLoggerBase):
             sample.num_running_reqs = max(sample.num_running_reqs, s.num_running_reqs)
             sample.num_waiting_reqs = max(sample.num_waiting_reqs, s.num_waiting_reqs)
             sample.kv_cache_usage = max(sample.kv_cache_usage, s.kv_cache_usage)
-            sample.prefix_cache_queries += s.prefix_cache_queries
-            sample.prefix_cache_hits += s.prefix_cache_hits
-            totals.prefix_cache_queries += s.prefix_cache_queries
-            totals.prefix_cache_hits += s.prefix_cache_hits
-            new_preemptions = max(s.num_preemptions - self._last_preemptions, 0)
+            counts.prefix_cache_queries = s.prefix_cache_queries
+            counts.prefix_cache_hits = s.prefix_cache_hits
+            counts.num_preemptions = max(s.num_preemptions - self._last_preemptions, 0)
             self._last_preemptions = s.num_preemptions
-            sample.num_preemptions += new_preemptions
-            totals.num_preemptions += new_preemptions
             if s.step_times is not None:
                 sample.engine_busy_s += max(s.step_times.busy - self._last_busy, 0.0)
                 self._last_busy = s.step_times.busy
@@ -111,18 +111,18 @@ class StatsHistory(StatLoggerBase):
                 self.connector_stats = s.kv_connector_stats
         if iteration_stats is not None:
             it = iteration_stats
-            sample.prompt_tokens += it.num_prompt_tokens
-            sample.generation_tokens += it.num_generation_tokens
-            totals.prompt_tokens += it.num_prompt_tokens
-            totals.generation_tokens += it.num_generation_tokens
+            counts.prompt_tokens = it.num_prompt_tokens
+            counts.generation_tokens = it.num_generation_tokens
+            counts.requests_finished = len(it.finished_requests)
+            totals = self.totals
             totals.time_to_first_token_sum_s += sum(it.time_to_first_tokens_iter)
             totals.time_to_first_token_count += len(it.time_to_first_tokens_iter)
             for finished in it.finished_requests:
-                sample.requests_finished += 1
-                totals.requests_finished += 1
                 reason = finished.finish_reason
                 totals.finished_by_reason[reason] = totals.finished_by_reason.get(reason, 0) + 1
                 totals.e2e_latency_sum_s += finished.e2e_latency
+        sample.add(counts)
+        self.totals.add(counts)
 
     def _sample_at(self, second: int) -> Sample:
         self._close_before(second)

@@ -8,8 +8,8 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from kvserve.metrics.history import StatsHistory
-from kvserve.metrics.loggers import PrometheusStatLogger
-from kvserve.metrics.stats import IterationStats, RequestStatsTracker
+from kvserve.metrics.loggers import PrometheusStatLogger, StatLoggerBase
+from kvserve.metrics.stats import RequestStatsTracker
 from kvserve.protocol.engine_core import EngineCoreOutput, FinishReason, SchedulerStats, StepTimes
 
 
@@ -23,59 +23,63 @@ class Clock:
         return self.now
 
 
-def _feed(loggers: list, stats: SchedulerStats | None, it: IterationStats | None) -> None:
-    for stat_logger in loggers:
-        stat_logger.record(stats, it)
+class Engine:
+    """Feeds one stream of real stats records to every logger, as AsyncLLM does."""
+
+    def __init__(self, clock: Clock, *loggers: StatLoggerBase) -> None:
+        self.clock = clock
+        self.loggers = loggers
+        self.tracker = RequestStatsTracker()
+
+    def step(self, at: float, outputs: list[EngineCoreOutput], stats: SchedulerStats) -> None:
+        self.clock.now = at
+        it = self.tracker.make_iteration_stats(outputs, now=at)
+        for stat_logger in self.loggers:
+            stat_logger.record(stats, it)
 
 
 def test_totals_match_prometheus_and_history_keeps_peaks() -> None:
     clock = Clock(1000.2)
     history = StatsHistory("m", window_s=60, clock=clock)
     registry = CollectorRegistry()
-    loggers = [history, PrometheusStatLogger("m", registry=registry)]
-    tracker = RequestStatsTracker()
-    tracker.add_request("a", arrival_time=1000.0, num_prompt_tokens=5)
-    tracker.add_request("b", arrival_time=1000.1, num_prompt_tokens=3)
+    engine = Engine(clock, history, PrometheusStatLogger("m", registry=registry))
+    engine.tracker.add_request("a", arrival_time=1000.0, num_prompt_tokens=5)
+    engine.tracker.add_request("b", arrival_time=1000.1, num_prompt_tokens=3)
     connector = {"tier_hits": {"cpu": 2.0}, "tier_bytes_stored": {"cpu": 4096.0}}
 
     # Second 1000: both prefill; KV usage peaks at 0.5 then drops to 0.25 in the same second.
-    clock.now = 1000.4
-    it = tracker.make_iteration_stats(
+    engine.step(
+        1000.4,
         [
             EngineCoreOutput(request_id="a", new_token_ids=[7]),
             EngineCoreOutput(request_id="b", new_token_ids=[8]),
         ],
-        now=clock.now,
+        SchedulerStats(
+            num_running_reqs=2,
+            kv_cache_usage=0.5,
+            prefix_cache_queries=8,
+            prefix_cache_hits=4,
+            step_times=StepTimes(busy=0.3, num_steps=1),
+        ),
     )
-    step = SchedulerStats(
-        num_running_reqs=2,
-        kv_cache_usage=0.5,
-        prefix_cache_queries=8,
-        prefix_cache_hits=4,
-        step_times=StepTimes(busy=0.3, num_steps=1),
-    )
-    _feed(loggers, step, it)
-    clock.now = 1000.9
-    it = tracker.make_iteration_stats(
+    engine.step(
+        1000.9,
         [EngineCoreOutput(request_id="b", new_token_ids=[9], finish_reason=FinishReason.STOP)],
-        now=clock.now,
+        SchedulerStats(
+            num_running_reqs=1,
+            num_waiting_reqs=1,
+            kv_cache_usage=0.25,
+            num_preemptions=1,
+            kv_connector_stats=connector,
+            step_times=StepTimes(busy=0.5, num_steps=2),
+        ),
     )
-    step = SchedulerStats(
-        num_running_reqs=1,
-        num_waiting_reqs=1,
-        kv_cache_usage=0.25,
-        num_preemptions=1,
-        kv_connector_stats=connector,
-        step_times=StepTimes(busy=0.5, num_steps=2),
-    )
-    _feed(loggers, step, it)
     # Second 1003 (1001-1002 idle): a finishes; the engine is empty again.
-    clock.now = 1003.5
-    it = tracker.make_iteration_stats(
+    engine.step(
+        1003.5,
         [EngineCoreOutput(request_id="a", new_token_ids=[10], finish_reason=FinishReason.LENGTH)],
-        now=clock.now,
+        SchedulerStats(num_preemptions=1, kv_connector_stats=connector),
     )
-    _feed(loggers, SchedulerStats(num_preemptions=1, kv_connector_stats=connector), it)
     clock.now = 1005.1
 
     snap = history.snapshot()

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 from selenium import webdriver
+from selenium.common.exceptions import TimeoutException
 from selenium.webdriver.chrome.options import Options
 from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.by import By
@@ -65,7 +66,12 @@ def browser() -> Iterator[WebDriver]:
 
 
 def _wait(driver: WebDriver, condition: Callable[[WebDriver], Any], what: str) -> Any:
-    return WebDriverWait(driver, WAIT_S, poll_frequency=0.1).until(condition, f"waiting for {what}")
+    try:
+        return WebDriverWait(driver, WAIT_S, poll_frequency=0.1).until(condition)
+    except TimeoutException:
+        # What the page showed instead, for whoever reads the artifacts.
+        driver.save_screenshot(str(ARTIFACTS / "timeout.png"))
+        raise AssertionError(f"timed out after {WAIT_S} s waiting for {what}") from None
 
 
 def _data(driver: WebDriver, selector: str, name: str = "value") -> str | None:

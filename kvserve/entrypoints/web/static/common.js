@@ -4,6 +4,26 @@
 "use strict";
 
 const KEY_STORAGE = "kvserve-api-key";
+const PAGES = [["playground", "/", "Playground"], ["dashboard", "/dashboard", "Dashboard"]];
+
+// The header both pages share: brand, page links, the model name and the API key form.
+(function renderHeader() {
+  const header = document.querySelector("header");
+  const nav = PAGES.map(([page, href, title]) => {
+    const active = page === header.dataset.page ? ' class="active"' : "";
+    return `<a href="${href}"${active}>${title}</a>`;
+  }).join("");
+  header.innerHTML = `
+    <span class="brand">kvserve</span>
+    <nav>${nav}</nav>
+    <span id="model-name"></span>
+    <form id="key-form" class="key-bar">
+      <label for="key-input">API key</label>
+      <input id="key-input" type="password" autocomplete="off" placeholder="if started with --api-key">
+      <button id="key-save" type="submit" class="secondary">Use key</button>
+      <span id="key-msg"></span>
+    </form>`;
+})();
 
 function apiKey() {
   return localStorage.getItem(KEY_STORAGE) || "";
