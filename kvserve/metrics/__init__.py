@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from kvserve.metrics.history import StatsHistory
 from kvserve.metrics.loggers import LoggingStatLogger, PrometheusStatLogger, StatLoggerBase
 from kvserve.metrics.stats import (
     FinishedRequestStats,
@@ -18,4 +19,5 @@ __all__ = [
     "RequestStateStats",
     "RequestStatsTracker",
     "StatLoggerBase",
+    "StatsHistory",
 ]
