@@ -178,3 +178,7 @@ class KVCacheManager:
 
     def take_events(self) -> list[KVCacheEvent]:
         return self.block_pool.take_events()
+
+    def check_integrity(self) -> None:
+        """Raises AssertionError if the pool or the block tables break an invariant (tests)."""
+        self.coordinator.check_integrity()
