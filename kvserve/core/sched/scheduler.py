@@ -391,6 +391,7 @@ class Scheduler(SchedulerKVConnectorMixin, SchedulerInterface):
             num_running_reqs=len(self.running),
             num_waiting_reqs=len(self.waiting),
             kv_cache_usage=self.kv_cache_manager.usage,
+            kv_cache_blocks_in_use=self.kv_cache_manager.num_blocks_in_use,
             prefix_cache_queries=prefix.queries if prefix else 0,
             prefix_cache_hits=prefix.hits if prefix else 0,
             num_preemptions=self.num_preemptions,
