@@ -32,6 +32,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvserve.benchmarks.soak_clients import ClientPlan, SoakTally, run_client
 from kvserve.benchmarks.soak_monitor import RssSampler
+from kvserve.benchmarks.step_times import scrape_step_times
 
 LOOPBACK_HOSTS = {"127.0.0.1", "localhost", "::1"}
 MAX_DURATION_S = 4 * 3600.0
@@ -113,6 +114,7 @@ async def run_soak(base_url: str, config: SoakConfig, server_pid: int | None = N
         sampler = RssSampler(server_pid) if server_pid is not None else None
         sampling = asyncio.create_task(sampler.run()) if sampler else None
         tally = SoakTally()
+        busy_before = await scrape_step_times(client, base_url)
         start = time.monotonic()
         plan = ClientPlan(
             model=model,
@@ -130,6 +132,7 @@ async def run_soak(base_url: str, config: SoakConfig, server_pid: int | None = N
             )
         )
         elapsed = time.monotonic() - start
+        busy_after = await scrape_step_times(client, base_url)
         checks = await final_checks(client, model, timeout_s=60.0)
         if sampler is not None and sampling is not None:
             sampling.cancel()
@@ -149,6 +152,12 @@ async def run_soak(base_url: str, config: SoakConfig, server_pid: int | None = N
         "latency_p99_s": _pct(tally.latencies_s, 99),
         "ttft_p50_s": _pct(tally.ttfts_s, 50),
         "ttft_p99_s": _pct(tally.ttfts_s, 99),
+        # Near 1: the engine core computed all along (the run was bound by its compute).
+        "engine_busy_fraction": (
+            round((busy_after.busy - busy_before.busy) / elapsed, 3)
+            if busy_before and busy_after
+            else None
+        ),
         "peak_rss_mib": sampler.peak_mib() if sampler else None,
         "end_rss_mib": sampler.last_mib() if sampler else None,
         "lost_processes": sampler.lost if sampler else None,

@@ -108,12 +108,12 @@ class KillWhen(threading.Thread):
             time.sleep(0.002)
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def docs(llm: Any) -> list[list[int]]:
     return [make_document_ids(llm.get_tokenizer(), DOC_TOKENS, seed=s) for s in (41, 42, 43)]
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def want(llm: Any, docs: list[list[int]]) -> list[list[int]]:
     """The tokens of an engine without any tier: what every faulty run must produce."""
     return _generate(llm, docs)[0]

@@ -129,6 +129,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.scheduler.check_integrity()
         pool = self.scheduler.kv_cache_manager.block_pool
         assert pool.get_num_free_blocks() == NUM_BLOCKS - 1, "KV blocks leaked"
+        stats = self.scheduler.make_stats()  # what kvserve:kv_cache_blocks_in_use shows
+        assert stats is not None and stats.kv_cache_blocks_in_use == 0
 
     def _step(self, tokens: dict[str, int]) -> None:
         out, outputs = self.driver.step(tokens)
