@@ -422,9 +422,7 @@ class Scheduler(SchedulerKVConnectorMixin, SchedulerInterface):
                 request.status != RequestStatus.RUNNING and not request.is_finished(),
                 f"{request} in waiting",
             )
-        may_hold = (set(running_ids) | set(self._async_loads) | self._async_load_done) | set(
-            self._delayed_free
-        )
+        may_hold = {*running_ids, *self._async_loads, *self._async_load_done, *self._delayed_free}
         manager = self.kv_cache_manager
         for group_blocks in (m.req_to_blocks for m in manager.coordinator.single_type_managers):
             holders = {rid for rid, blocks in group_blocks.items() if blocks}
