@@ -99,6 +99,11 @@ async def final_checks(client: httpx.AsyncClient, model: str, timeout_s: float) 
     }
 
 
+def _rate(before: dict[str, float], after: dict[str, float], name: str, secs: float) -> float:
+    key = "kvserve:" + name
+    return round((after.get(key, 0.0) - before.get(key, 0.0)) / secs, 1)
+
+
 def _pct(values: list[float], q: float) -> float | None:
     return round(float(np.percentile(values, q)), 4) if values else None
 
@@ -115,6 +120,7 @@ async def run_soak(base_url: str, config: SoakConfig, server_pid: int | None = N
         sampling = asyncio.create_task(sampler.run()) if sampler else None
         tally = SoakTally()
         busy_before = await scrape_step_times(client, base_url)
+        before = await scrape(client)
         start = time.monotonic()
         plan = ClientPlan(
             model=model,
@@ -133,6 +139,7 @@ async def run_soak(base_url: str, config: SoakConfig, server_pid: int | None = N
         )
         elapsed = time.monotonic() - start
         busy_after = await scrape_step_times(client, base_url)
+        after = await scrape(client)
         checks = await final_checks(client, model, timeout_s=60.0)
         if sampler is not None and sampling is not None:
             sampling.cancel()
@@ -152,6 +159,9 @@ async def run_soak(base_url: str, config: SoakConfig, server_pid: int | None = N
         "latency_p99_s": _pct(tally.latencies_s, 99),
         "ttft_p50_s": _pct(tally.ttfts_s, 50),
         "ttft_p99_s": _pct(tally.ttfts_s, 99),
+        # What the engine computed for all requests, dropped ones included.
+        "prompt_tokens_per_s": _rate(before, after, "prompt_tokens_total", elapsed),
+        "generation_tokens_per_s": _rate(before, after, "generation_tokens_total", elapsed),
         # Near 1: the engine core computed all along (the run was bound by its compute).
         "engine_busy_fraction": (
             round((busy_after.busy - busy_before.busy) / elapsed, 3)
