@@ -1,9 +1,10 @@
 """Peak and current RSS of a server process and its children, sampled while a soak runs.
 
-Children are named by role: the server itself is "api_server", a child whose command
-line names multiprocessing's resource tracker is left out (it is not kvserve's), and
-any other child is "engine_core" (numbered if there are several). A process seen once
-and gone later is reported in `lost`: an engine core that died mid-soak shows there.
+The server itself is "api_server"; its direct children started by multiprocessing's
+spawn are "engine_core" (numbered if there are several). Other processes are left out:
+multiprocessing's resource tracker, and short-lived helpers (a compiler check, a fork
+before exec) that would otherwise look like a lost process. A process seen once and
+gone later is reported in `lost`: an engine core that died mid-soak shows there.
 """
 
 from __future__ import annotations
@@ -29,17 +30,17 @@ class RssSampler:
 
     def _processes(self) -> list[Any]:
         try:
-            children = self.root.children(recursive=True)
+            children = self.root.children()
         except self._psutil.Error:
             return []
         kept = []
         for child in children:
             try:
-                if "resource_tracker" in " ".join(child.cmdline()):
-                    continue
+                cmdline = " ".join(child.cmdline())
             except self._psutil.Error:
                 continue
-            kept.append(child)
+            if "spawn_main" in cmdline and "resource_tracker" not in cmdline:
+                kept.append(child)
         return [self.root, *kept]
 
     def _role(self, pid: int) -> str:
