@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from kvserve.benchmarks import kvcache, peers, quant_accuracy, serve, throughput
+from kvserve.benchmarks import kvcache, peers, quant_accuracy, serve, soak, throughput
 
 
 def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -27,4 +27,7 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     quant = sub.add_parser("quantization", help="greedy agreement of --quantization methods")
     quant_accuracy.add_cli_args(quant)
     quant.set_defaults(func=quant_accuracy.main)
+    soak_parser = sub.add_parser("soak", help="misbehaving clients vs one loopback server")
+    soak.add_cli_args(soak_parser)
+    soak_parser.set_defaults(func=soak.main)
     return bench

@@ -30,6 +30,12 @@ if TYPE_CHECKING:
 CachedBlocks = KVCacheBlock | dict[int, KVCacheBlock]
 
 
+def require_integrity(ok: bool, what: str) -> None:
+    """The check_integrity() methods' assertion: survives python -O, names the invariant."""
+    if not ok:
+        raise AssertionError(f"KV cache integrity: {what}")
+
+
 class BlockPool:
     """Owns every KVCacheBlock; freed blocks keep their hash until they are reused (LRU).
 
@@ -222,8 +228,7 @@ class BlockPool:
         """Raises AssertionError if any invariant of the pool is broken (for tests)."""
 
         def require(ok: bool, what: str) -> None:
-            if not ok:
-                raise AssertionError(f"BlockPool integrity: {what}")
+            require_integrity(ok, f"BlockPool: {what}")
 
         free = self.free_block_queue.get_all_free_blocks()
         free_ids = {b.block_id for b in free}

@@ -6,7 +6,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from kvserve.core.block_pool import BlockPool
+from kvserve.core.block_pool import BlockPool, require_integrity
 from kvserve.core.kv_cache_utils import BlockHash, KVCacheBlock
 from kvserve.core.single_type_kv_cache_manager import (
     SingleTypeKVCacheManager,
@@ -83,6 +83,44 @@ class KVCacheCoordinator(ABC):
 
     def get_blocks(self, request_id: str) -> tuple[list[KVCacheBlock], ...]:
         return tuple(list(m.req_to_blocks.get(request_id, ())) for m in self.single_type_managers)
+
+    def check_integrity(self) -> None:
+        """Raises AssertionError if the managers and the pool disagree (for tests, debug).
+
+        Checks the pool's own invariants, then that each block's ref_cnt equals the number
+        of request tables that hold it, that a request holds a block at most once, that the
+        null block is held only as a placeholder, and that cached-prefix counts fit.
+        """
+        self.block_pool.check_integrity()
+        holders: dict[int, int] = {}
+        for manager in self.single_type_managers:
+            require_integrity(
+                set(manager.num_cached_block) <= set(manager.req_to_blocks),
+                "a num_cached_block entry without a block table",
+            )
+            for request_id, blocks in manager.req_to_blocks.items():
+                ids = [b.block_id for b in blocks if not b.is_null]
+                require_integrity(len(ids) == len(set(ids)), f"{request_id} holds a block twice")
+                require_integrity(
+                    manager.num_cached_block.get(request_id, 0) <= len(blocks),
+                    f"{request_id} has more cached blocks than blocks",
+                )
+                for block_id in ids:
+                    holders[block_id] = holders.get(block_id, 0) + 1
+        for block in self.block_pool.blocks:
+            if block.is_null:
+                continue
+            require_integrity(
+                block.ref_cnt == holders.get(block.block_id, 0),
+                f"{block} has ref_cnt {block.ref_cnt} but {holders.get(block.block_id, 0)} "
+                "request tables hold it",
+            )
+        num_used = self.block_pool.num_blocks - 1 - self.block_pool.get_num_free_blocks()
+        require_integrity(num_used == len(holders), "free + used != total blocks")
+        if not self.enable_caching:
+            require_integrity(
+                not self.block_pool.cached_block_hash_to_block, "hashed blocks with caching off"
+            )
 
     @abstractmethod
     def find_longest_cache_hit(

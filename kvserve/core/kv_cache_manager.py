@@ -76,6 +76,10 @@ class KVCacheManager:
     def usage(self) -> float:
         return self.block_pool.get_usage()
 
+    @property
+    def num_blocks_in_use(self) -> int:
+        return self.block_pool.num_blocks - 1 - self.block_pool.get_num_free_blocks()
+
     def make_prefix_cache_stats(self) -> PrefixCacheStats | None:
         """Returns the stats since the last call and starts a new interval."""
         if self.prefix_cache_stats is None:
@@ -178,3 +182,7 @@ class KVCacheManager:
 
     def take_events(self) -> list[KVCacheEvent]:
         return self.block_pool.take_events()
+
+    def check_integrity(self) -> None:
+        """Raises AssertionError if the pool or the block tables break an invariant (tests)."""
+        self.coordinator.check_integrity()

@@ -139,6 +139,9 @@ class PrometheusStatLogger(StatLoggerBase):
         self.num_requests_running = gauge("num_requests_running", "Requests in model execution")
         self.num_requests_waiting = gauge("num_requests_waiting", "Requests waiting to run")
         self.kv_cache_usage_perc = gauge("kv_cache_usage_perc", "KV cache usage, 1 = full")
+        self.kv_cache_blocks_in_use = gauge(
+            "kv_cache_blocks_in_use", "KV cache blocks held by requests (0 when idle)"
+        )
         self.prefix_cache_queries = counter(
             "prefix_cache_queries", "Prompt tokens looked up in the prefix cache"
         )
@@ -183,6 +186,7 @@ class PrometheusStatLogger(StatLoggerBase):
             self.num_requests_running,
             self.num_requests_waiting,
             self.kv_cache_usage_perc,
+            self.kv_cache_blocks_in_use,
             self.prefix_cache_queries,
             self.prefix_cache_hits,
             self.num_preemptions,
@@ -212,6 +216,7 @@ class PrometheusStatLogger(StatLoggerBase):
             self.num_requests_running.labels(name).set(scheduler_stats.num_running_reqs)
             self.num_requests_waiting.labels(name).set(scheduler_stats.num_waiting_reqs)
             self.kv_cache_usage_perc.labels(name).set(scheduler_stats.kv_cache_usage)
+            self.kv_cache_blocks_in_use.labels(name).set(scheduler_stats.kv_cache_blocks_in_use)
             self.prefix_cache_queries.labels(name).inc(scheduler_stats.prefix_cache_queries)
             self.prefix_cache_hits.labels(name).inc(scheduler_stats.prefix_cache_hits)
             new_preemptions = scheduler_stats.num_preemptions - self._last_num_preemptions

@@ -81,6 +81,8 @@ class SchedulerStats(msgspec.Struct, omit_defaults=True, kw_only=True):
     num_running_reqs: int = 0
     num_waiting_reqs: int = 0
     kv_cache_usage: float = 0.0
+    # Blocks held by requests (the null block excluded): 0 once all are done, or a leak.
+    kv_cache_blocks_in_use: int = 0
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     num_preemptions: int = 0

@@ -55,6 +55,7 @@ def test_corrupt_and_truncated_files_are_misses_and_removed(tmp_path: Path) -> N
         assert disk.get(key(i)) is None
     assert _files(tmp_path) == []
     assert disk.used_bytes == 0
+    assert disk.stats.tier("disk").errors == 3  # each is an error as well as a miss
     disk.close()
 
 

@@ -64,6 +64,7 @@ def test_prometheus_logger_exposes_vllm_names_and_values() -> None:
             num_running_reqs=2,
             num_waiting_reqs=1,
             kv_cache_usage=0.25,
+            kv_cache_blocks_in_use=5,
             prefix_cache_queries=16,
             prefix_cache_hits=8,
             num_preemptions=1,
@@ -78,6 +79,7 @@ def test_prometheus_logger_exposes_vllm_names_and_values() -> None:
         "num_requests_running",
         "num_requests_waiting",
         "kv_cache_usage_perc",
+        "kv_cache_blocks_in_use",
         "prefix_cache_queries_total",
         "prefix_cache_hits_total",
         "num_preemptions_total",
@@ -92,6 +94,7 @@ def test_prometheus_logger_exposes_vllm_names_and_values() -> None:
     ):
         assert f"kvserve:{name}" in text, name
     assert _sample(registry, "kvserve:num_requests_running") == 0  # the last record wins
+    assert _sample(registry, "kvserve:kv_cache_blocks_in_use") == 0
     assert _sample(registry, "kvserve:prefix_cache_queries_total") == 16
     assert _sample(registry, "kvserve:prefix_cache_hits_total") == 8
     assert _sample(registry, "kvserve:num_preemptions_total") == 3  # running total -> counter

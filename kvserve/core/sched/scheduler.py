@@ -12,6 +12,7 @@ import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
+from kvserve.core.block_pool import require_integrity
 from kvserve.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
 from kvserve.core.request import Request, RequestStatus
 from kvserve.core.sched.interface import SchedulerInterface
@@ -390,11 +391,49 @@ class Scheduler(SchedulerKVConnectorMixin, SchedulerInterface):
             num_running_reqs=len(self.running),
             num_waiting_reqs=len(self.waiting),
             kv_cache_usage=self.kv_cache_manager.usage,
+            kv_cache_blocks_in_use=self.kv_cache_manager.num_blocks_in_use,
             prefix_cache_queries=prefix.queries if prefix else 0,
             prefix_cache_hits=prefix.hits if prefix else 0,
             num_preemptions=self.num_preemptions,
             kv_connector_stats=self.connector.get_kv_connector_stats() if self.connector else None,
         )
+
+    def check_integrity(self) -> None:
+        """Raises AssertionError if the queues, requests and KV cache disagree (tests, debug).
+
+        Call it between steps (after update_from_output): every live request is in exactly
+        one of running/waiting, only running requests (and those a KV connector still loads
+        into or sends from) hold blocks, and each running request's blocks hold its
+        computed tokens. Then the KV cache manager checks its tables against the pool.
+        """
+        running_ids = [r.request_id for r in self.running]
+        waiting_ids = [r.request_id for r in self.waiting]
+        require_integrity(len(set(running_ids)) == len(running_ids), "a request runs twice")
+        require_integrity(len(set(waiting_ids)) == len(waiting_ids), "a request waits twice")
+        require_integrity(
+            sorted(running_ids + waiting_ids) == sorted(self.requests),
+            "requests != running + waiting",
+        )
+        require_integrity(len(self.running) <= self.max_num_running_reqs, "too many running")
+        for request in self.running:
+            require_integrity(request.status == RequestStatus.RUNNING, f"{request} in running")
+        for request in self.waiting:
+            require_integrity(
+                request.status != RequestStatus.RUNNING and not request.is_finished(),
+                f"{request} in waiting",
+            )
+        may_hold = {*running_ids, *self._async_loads, *self._async_load_done, *self._delayed_free}
+        manager = self.kv_cache_manager
+        for group_blocks in (m.req_to_blocks for m in manager.coordinator.single_type_managers):
+            holders = {rid for rid, blocks in group_blocks.items() if blocks}
+            require_integrity(holders <= may_hold, f"{holders - may_hold} hold blocks idly")
+        for request in self.running:
+            num_slots = len(manager.get_block_ids(request.request_id)[0]) * self.block_size
+            require_integrity(
+                request.num_computed_tokens <= min(num_slots, request.num_tokens),
+                f"{request} computed {request.num_computed_tokens} tokens in {num_slots} slots",
+            )
+        manager.check_integrity()
 
     def shutdown(self) -> None:
         if self.connector is not None:

@@ -71,6 +71,8 @@ class DiskStore:
         self._pins: PinCounts[str] = PinCounts()
         self.used_bytes = 0
         self.evictions = 0
+        self.corrupt_reads = 0  # files that failed their checks on read (then removed)
+        self.write_errors = 0  # writes the OS refused (disk full, RLIMIT_FSIZE, ...)
         self._rescan()
 
     def _rescan(self) -> None:
@@ -129,7 +131,8 @@ class DiskStore:
         return evicted
 
     def write(self, key: str, meta: ChunkMeta, payload: Buffer) -> int:
-        """Writes one chunk file; returns its size, or 0 when it does not fit."""
+        """Writes one chunk file; returns its size, or 0 when it does not fit or the OS
+        refuses the write (counted in write_errors; no partial file is left behind)."""
         header = msgspec.msgpack.encode(
             {
                 **meta.to_dict(),
@@ -160,6 +163,8 @@ class DiskStore:
             logger.warning("KV disk write failed for %s: %s", key, exc)
             tmp.unlink(missing_ok=True)
             self._forget(key)
+            with self._lock:
+                self.write_errors += 1
             return 0
         return size
 
@@ -184,6 +189,8 @@ class DiskStore:
         except (OSError, ValueError, msgspec.DecodeError) as exc:
             logger.warning("KV chunk file %s unreadable (%s); treating as a miss", path, exc)
             self.remove(key)
+            with self._lock:
+                self.corrupt_reads += 1
             return None
         return meta, memoryview(buf)
 

@@ -57,11 +57,14 @@ class LocalDiskBackend(StorageBackend):
             key, kv = cast("tuple[CacheEngineKey, torch.Tensor]", item)
             size = kv.numel() * kv.element_size()
             try:
-                evictions = self.store.evictions
+                evictions, failures = self.store.evictions, self.store.write_errors
                 meta, payload = serde.encode(kv, self.serde)
                 written = self.store.write(key.to_string(), meta, payload)
                 self.stats.add(
-                    self.name, bytes_stored=written, evictions=self.store.evictions - evictions
+                    self.name,
+                    bytes_stored=written,
+                    evictions=self.store.evictions - evictions,
+                    errors=self.store.write_errors - failures,
                 )
             except Exception:  # the writer thread must survive any one bad write
                 logger.exception("KV disk write failed for %s", key)
@@ -98,9 +101,11 @@ class LocalDiskBackend(StorageBackend):
         self.store.unpin(key.to_string())
 
     def get(self, key: CacheEngineKey) -> torch.Tensor | None:
+        corrupt = self.store.corrupt_reads
         found = self.store.read(key.to_string())
         if found is None:
-            self.stats.add(self.name, misses=1)
+            # A file that failed its checksum is an error as well as a miss, as in Redis.
+            self.stats.add(self.name, misses=1, errors=self.store.corrupt_reads - corrupt)
             return None
         meta, payload = found
         try:

@@ -12,95 +12,17 @@ import torch
 from kvserve.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig, SchedulerConfig
 from kvserve.core.request import Request, RequestStatus
 from kvserve.core.sched.scheduler import Scheduler
-from kvserve.protocol.engine_core import EngineCoreOutput, EngineCoreOutputs, FinishReason
+from kvserve.protocol.engine_core import FinishReason
 from kvserve.protocol.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
-from kvserve.protocol.runner_output import LogprobsLists, LogprobsTensors, ModelRunnerOutput
-from kvserve.protocol.scheduler_output import SchedulerOutput
+from kvserve.protocol.runner_output import LogprobsLists, LogprobsTensors
+from tests.core.sched.driver import BS, EOS, TOKEN, Driver
 
 MakeRequest = Callable[..., Request]
-BS = 4
-TOKEN = 7  # what the fake model samples unless told otherwise
-EOS = 2
 
 
 @pytest.fixture(scope="module")
 def model_config() -> ModelConfig:
     return ModelConfig(max_model_len=256)  # resolves the real model once
-
-
-class Driver:
-    """Plays the workers: keeps block tables from the output diffs and samples tokens."""
-
-    def __init__(self, scheduler: Scheduler) -> None:
-        self.scheduler = scheduler
-        self.tables: dict[str, list[int]] = {}
-        self.outputs: dict[str, list[EngineCoreOutput]] = {}
-
-    def add(self, *requests: Request) -> None:
-        for request in requests:
-            self.scheduler.add_request(request)
-
-    def step(
-        self, tokens: dict[str, int] | None = None, **runner: Any
-    ) -> tuple[SchedulerOutput, EngineCoreOutputs]:
-        sched = self.scheduler
-        out = sched.schedule()
-        self._apply_diffs(out)
-        req_ids = list(out.num_scheduled_tokens)
-        sampled = [
-            [(tokens or {}).get(rid, TOKEN)]
-            if sched.requests[rid].num_computed_tokens >= sched.requests[rid].num_tokens
-            else []
-            for rid in req_ids
-        ]
-        runner_output = ModelRunnerOutput(
-            req_ids=req_ids,
-            req_id_to_index={r: i for i, r in enumerate(req_ids)},
-            sampled_token_ids=sampled,
-            **runner,
-        )
-        engine_outputs = sched.update_from_output(out, runner_output)
-        for output in engine_outputs.outputs:
-            self.outputs.setdefault(output.request_id, []).append(output)
-        sched.kv_cache_manager.block_pool.check_integrity()
-        return out, engine_outputs
-
-    def _apply_diffs(self, out: SchedulerOutput) -> None:
-        sched = self.scheduler
-        assert out.total_num_scheduled_tokens == sum(out.num_scheduled_tokens.values())
-        assert out.total_num_scheduled_tokens <= sched.max_num_scheduled_tokens
-        assert len(out.num_scheduled_tokens) <= sched.max_num_running_reqs
-        for rid in out.finished_req_ids:
-            self.tables.pop(rid, None)
-        for new in out.scheduled_new_reqs:
-            assert new.req_id not in self.tables
-            self.tables[new.req_id] = list(new.block_ids[0])
-        cached = out.scheduled_cached_reqs
-        for rid, resumed, new_ids in zip(
-            cached.req_ids, cached.resumed_from_preemption, cached.new_block_ids, strict=True
-        ):
-            if resumed:
-                assert new_ids is not None
-                self.tables[rid] = list(new_ids[0])
-            elif new_ids is not None:
-                self.tables[rid].extend(new_ids[0])
-        for rid in out.num_scheduled_tokens:
-            # The workers' table equals the manager's, and holds every scheduled token.
-            assert self.tables[rid] == sched.kv_cache_manager.get_block_ids(rid)[0]
-            assert len(self.tables[rid]) * BS >= sched.requests[rid].num_computed_tokens
-
-    def run(self, max_steps: int = 200) -> None:
-        for _ in range(max_steps):
-            if not self.scheduler.has_requests():
-                return
-            self.step()
-        raise AssertionError("the scheduler did not finish its requests")
-
-    def tokens(self, rid: str) -> list[int]:
-        return [t for o in self.outputs.get(rid, []) for t in o.new_token_ids]
-
-    def finish_reason(self, rid: str) -> FinishReason | None:
-        return self.outputs[rid][-1].finish_reason
 
 
 @pytest.fixture
@@ -137,8 +59,8 @@ def make_driver(model_config: ModelConfig) -> Iterator[Callable[..., Driver]]:
     for driver in drivers:  # whatever a test left behind must free every block
         sched = driver.scheduler
         sched.finish_requests(list(sched.requests), RequestStatus.FINISHED_ABORTED)
+        sched.check_integrity()
         pool = sched.kv_cache_manager.block_pool
-        pool.check_integrity()
         assert pool.get_num_free_blocks() == pool.num_blocks - 1
         assert not sched.requests and not sched.running and not sched.waiting
 

@@ -87,12 +87,14 @@ def step(scheduler: Scheduler, **runner: Any) -> tuple[SchedulerOutput, EngineCo
     runner_output = ModelRunnerOutput(
         req_ids, {r: i for i, r in enumerate(req_ids)}, sampled, **runner
     )
-    return out, scheduler.update_from_output(out, runner_output)
+    outputs = scheduler.update_from_output(out, runner_output)
+    scheduler.check_integrity()
+    return out, outputs
 
 
 def assert_all_free(scheduler: Scheduler) -> None:
+    scheduler.check_integrity()
     pool = scheduler.kv_cache_manager.block_pool
-    pool.check_integrity()
     assert pool.get_num_free_blocks() == NUM_BLOCKS - 1
 
 
