@@ -73,12 +73,22 @@ class GuardedStreamingResponse(StreamingResponse):
         self.content = content
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        stalled = False
+
         async def bounded_send(message: Message) -> None:
-            await asyncio.wait_for(send(message), self.stall_timeout_s)
+            nonlocal stalled
+            try:
+                await asyncio.wait_for(send(message), self.stall_timeout_s)
+            except TimeoutError:
+                stalled = True
+                raise
 
         try:
             await super().__call__(scope, receive, bounded_send)
-        except TimeoutError:
+        except Exception:
+            # Starlette re-raises a failed send (TimeoutError is an OSError) as a disconnect.
+            if not stalled:
+                raise
             logger.warning(
                 "client stopped reading its stream for %g s; request aborted",
                 self.stall_timeout_s,
