@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from enum import IntEnum
 from typing import Any
 
@@ -20,6 +21,10 @@ class SamplingType(IntEnum):
     GREEDY = 0
     RANDOM = 1
     RANDOM_SEED = 2
+
+
+def _bad(field: str, why: str, value: Any) -> ValueError:
+    return ValueError(f"{field} {why}, got {value!r}")
 
 
 class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
@@ -57,6 +62,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     _all_stop_token_ids: list[int] = msgspec.field(default_factory=list)
 
     def __post_init__(self) -> None:
+        self._verify_numbers()
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         elif self.stop is None:
@@ -80,47 +86,75 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
             dict.fromkeys([*self.stop_token_ids, *self._all_stop_token_ids])
         )
 
-    def _verify(self) -> None:
-        def bad(field: str, why: str, value: Any) -> ValueError:
-            return ValueError(f"{field} {why}, got {value!r}")
+    def _verify_numbers(self) -> None:
+        """Types first: the normalisation in __post_init__ compares these numbers."""
+        # NaN passes every range check below (all comparisons are false) and makes the
+        # sampler draw garbage token ids; infinities are no sampling setting either.
+        for field in (
+            "presence_penalty",
+            "frequency_penalty",
+            "repetition_penalty",
+            "temperature",
+            "top_p",
+            "min_p",
+        ):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise _bad(field, "must be a number", value)
+            if not math.isfinite(value):
+                raise _bad(field, "must be a finite number", value)
+        for field in ("n", "top_k", "min_tokens"):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise _bad(field, "must be an integer", value)
+        for field in ("max_tokens", "logprobs", "prompt_logprobs"):
+            value = getattr(self, field)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+                raise _bad(field, "must be an integer or None", value)
 
+    def _verify(self) -> None:
+        for token_id, bias in (self.logit_bias or {}).items():
+            if not math.isfinite(bias):
+                raise _bad(f"logit_bias[{token_id}]", "must be a finite number", bias)
         if not isinstance(self.n, int) or self.n < 1:
-            raise bad("n", "must be at least 1", self.n)
+            raise _bad("n", "must be at least 1", self.n)
         if not -2.0 <= self.presence_penalty <= 2.0:
-            raise bad("presence_penalty", "must be in [-2, 2]", self.presence_penalty)
+            raise _bad("presence_penalty", "must be in [-2, 2]", self.presence_penalty)
         if not -2.0 <= self.frequency_penalty <= 2.0:
-            raise bad("frequency_penalty", "must be in [-2, 2]", self.frequency_penalty)
+            raise _bad("frequency_penalty", "must be in [-2, 2]", self.frequency_penalty)
         if not self.repetition_penalty > 0.0:
-            raise bad("repetition_penalty", "must be greater than zero", self.repetition_penalty)
+            raise _bad("repetition_penalty", "must be greater than zero", self.repetition_penalty)
         if self.temperature < 0.0:
-            raise bad("temperature", "must be non-negative", self.temperature)
+            raise _bad("temperature", "must be non-negative", self.temperature)
         if not 0.0 < self.top_p <= 1.0:
-            raise bad("top_p", "must be in (0, 1]", self.top_p)
+            raise _bad("top_p", "must be in (0, 1]", self.top_p)
         if self.top_k < 0:
-            raise bad("top_k", "must be 0 or -1 (disabled) or at least 1", self.top_k)
+            raise _bad("top_k", "must be 0 or -1 (disabled) or at least 1", self.top_k)
         if not 0.0 <= self.min_p <= 1.0:
-            raise bad("min_p", "must be in [0, 1]", self.min_p)
+            raise _bad("min_p", "must be in [0, 1]", self.min_p)
         if self.max_tokens is not None and self.max_tokens < 1:
-            raise bad("max_tokens", "must be at least 1", self.max_tokens)
+            raise _bad("max_tokens", "must be at least 1", self.max_tokens)
         if self.min_tokens < 0:
-            raise bad("min_tokens", "must be greater than or equal to 0", self.min_tokens)
+            raise _bad("min_tokens", "must be greater than or equal to 0", self.min_tokens)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise bad(
+            raise _bad(
                 "min_tokens",
                 f"must be less than or equal to max_tokens={self.max_tokens}",
                 self.min_tokens,
             )
         if self.logprobs is not None and self.logprobs < -1:
-            raise bad("logprobs", "must be non-negative or -1 (whole vocabulary)", self.logprobs)
+            raise _bad("logprobs", "must be non-negative or -1 (whole vocabulary)", self.logprobs)
         if self.prompt_logprobs is not None and self.prompt_logprobs < -1:
-            raise bad("prompt_logprobs", "must be non-negative or -1", self.prompt_logprobs)
+            raise _bad("prompt_logprobs", "must be non-negative or -1", self.prompt_logprobs)
         assert isinstance(self.stop, list)
         if any(not s for s in self.stop):
             raise ValueError("stop cannot contain an empty string")
         if self.stop and not self.detokenize:
             raise ValueError("stop strings are only supported when detokenize is True")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise bad("seed", "must be an integer", self.seed)
+        if self.seed is not None and (
+            not isinstance(self.seed, int) or not -(2**63) <= self.seed < 2**63
+        ):
+            raise _bad("seed", "must be a 64-bit integer", self.seed)
         if self.allowed_token_ids is not None and len(self.allowed_token_ids) == 0:
             raise ValueError("allowed_token_ids must not be empty")
         if self.n > 1 and self.temperature == 0.0 and self.seed is None:

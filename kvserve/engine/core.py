@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import logging
 import time
+from collections.abc import Iterable
 from typing import cast
 
 import msgspec
@@ -25,6 +26,9 @@ from kvserve.protocol.engine_core import (
 from kvserve.protocol.kv_cache_interface import KVCacheConfig, build_kv_cache_config
 
 logger = logging.getLogger(__name__)
+
+# Steps in a row that may fail before the failure counts as the engine's, not a request's.
+MAX_CONSECUTIVE_STEP_FAILURES = 3
 
 
 class EngineCore:
@@ -57,6 +61,7 @@ class EngineCore:
         )
         # Running totals per step phase; kept, like the other stats, only when logged.
         self.step_times: StepTimes | None = StepTimes() if log_stats else None
+        self.consecutive_step_failures = 0
         # What is alive now (modules, tokenizer tables, imported libraries) lives as long
         # as the engine. Frozen, it is left out of the collector's full passes, which the
         # objects every step allocates would otherwise trigger over and over (~3% of a
@@ -91,6 +96,19 @@ class EngineCore:
         return kv_cache_config
 
     def add_request(self, request: EngineCoreRequest) -> None:
+        """Raises ValueError for a request the model cannot run (the caller fails it alone).
+
+        The front end validated it already; this guards the core against clients that speak
+        its wire protocol directly, since one out-of-vocabulary id fails the whole batch's
+        forward pass.
+        """
+        vocab_size = self.config.model_config.vocab_size
+        bad = [t for t in request.prompt_token_ids if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(
+                f"prompt_token_ids contains token ids outside the vocabulary "
+                f"[0, {vocab_size}): {bad[:5]}"
+            )
         self.scheduler.add_request(Request.from_engine_core_request(request, self.block_hasher))
 
     def abort_requests(self, request_ids: list[str]) -> None:
@@ -103,10 +121,14 @@ class EngineCore:
         start = time.perf_counter()
         scheduler_output = self.scheduler.schedule()
         scheduled = time.perf_counter()
-        self.model_executor.execute_model(scheduler_output)
-        model_output = self.model_executor.sample_tokens()
-        executed = time.perf_counter()
-        outputs = self.scheduler.update_from_output(scheduler_output, model_output)
+        try:
+            self.model_executor.execute_model(scheduler_output)
+            model_output = self.model_executor.sample_tokens()
+            executed = time.perf_counter()
+            outputs = self.scheduler.update_from_output(scheduler_output, model_output)
+        except Exception as e:
+            return self._fail_step(scheduler_output.num_scheduled_tokens, e), True
+        self.consecutive_step_failures = 0
         updated = time.perf_counter()
         outputs.timestamp = time.monotonic()
         self._publish_kv_events()
@@ -125,6 +147,26 @@ class EngineCore:
             if outputs.scheduler_stats is not None:
                 outputs.scheduler_stats.step_times = msgspec.structs.replace(times)
         return outputs, scheduler_output.total_num_scheduled_tokens > 0
+
+    def _fail_step(self, request_ids: Iterable[str], error: Exception) -> EngineCoreOutputs:
+        """Ends the failed step's requests with finish reason "error"; the others go on.
+
+        The whole step's batch fails, not a culprit found by rerunning its requests one by
+        one: a rerun is not free of side effects (seeded samplers advance, KV connector
+        saves, the KV slots of the failed step), so it could change the output of an
+        innocent request, while failing the batch is exact about what happened and its
+        callers may resubmit. Validation at the front door keeps user input from getting
+        here. Several failures in a row mean the engine itself is broken: then it raises,
+        and the core dies as before (the server reports it and exits).
+        """
+        self.consecutive_step_failures += 1
+        if self.consecutive_step_failures >= MAX_CONSECUTIVE_STEP_FAILURES:
+            raise error
+        logger.exception("a model step failed; its requests end with an error", exc_info=error)
+        outputs = self.scheduler.fail_requests(request_ids, f"{type(error).__name__}: {error}")
+        return EngineCoreOutputs(
+            outputs=outputs, scheduler_stats=self.make_stats(), timestamp=time.monotonic()
+        )
 
     def make_stats(self) -> SchedulerStats | None:
         """The scheduler's stats with the step-time totals (None when stats are off)."""

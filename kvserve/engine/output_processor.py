@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import time
 from dataclasses import dataclass, field
 
@@ -15,6 +16,8 @@ from kvserve.engine.parallel_sampling import ParentRequest
 from kvserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kvserve.protocol.engine_core import EngineCoreOutput, EngineCoreRequest, FinishReason
 from kvserve.sampling_params import RequestOutputKind
+
+logger = logging.getLogger(__name__)
 
 
 class RequestOutputCollector:
@@ -244,27 +247,13 @@ class OutputProcessor:
             state = self.request_states.get(eco.request_id)
             if state is None:
                 continue  # aborted while the core was still working on it
-            self._update_metrics(state, eco, now)
-            finish_reason, stop_reason = eco.finish_reason, eco.stop_reason
-            stop_string = state.detokenizer.update(
-                eco.new_token_ids, finish_reason == FinishReason.STOP
-            )
-            if stop_string is not None:
-                # A stop string ends the request here even if the core already stopped it
-                # for another reason (e.g. length) in the same step.
-                if finish_reason is None:
-                    reqs_to_abort.append(eco.request_id)
-                finish_reason, stop_reason = FinishReason.STOP, stop_string
-            state.logprobs_processor.update_from_output(eco)
-            if eco.num_cached_tokens:
-                state.num_cached_tokens = eco.num_cached_tokens
-            if finish_reason is not None:
-                state.metrics.finished_time = now
-            output = state.make_request_output(
-                eco.new_token_ids, finish_reason, stop_reason, eco.error, eco.kv_transfer_params
-            )
-            if finish_reason is not None:
-                self._forget(state)
+            try:
+                output = self._process_one(state, eco, now, reqs_to_abort)
+            except Exception as e:
+                # This request's own output failed (detokenizing, logprobs...): it alone
+                # ends with an error, the rest of the batch is unaffected.
+                logger.exception("processing the output of request %s failed", eco.request_id)
+                output = self._fail(state, f"{type(e).__name__}: {e}", reqs_to_abort)
             if output is None:
                 continue
             if state.queue is not None:
@@ -272,6 +261,56 @@ class OutputProcessor:
             else:
                 request_outputs.append(output)
         return OutputProcessorOutput(request_outputs=request_outputs, reqs_to_abort=reqs_to_abort)
+
+    def _process_one(
+        self,
+        state: RequestState,
+        eco: EngineCoreOutput,
+        now: float,
+        reqs_to_abort: list[str],
+    ) -> RequestOutput | None:
+        self._update_metrics(state, eco, now)
+        finish_reason, stop_reason = eco.finish_reason, eco.stop_reason
+        stop_string = state.detokenizer.update(
+            eco.new_token_ids, finish_reason == FinishReason.STOP
+        )
+        if stop_string is not None:
+            # A stop string ends the request here even if the core already stopped it
+            # for another reason (e.g. length) in the same step.
+            if finish_reason is None:
+                reqs_to_abort.append(eco.request_id)
+            finish_reason, stop_reason = FinishReason.STOP, stop_string
+        state.logprobs_processor.update_from_output(eco)
+        if eco.num_cached_tokens:
+            state.num_cached_tokens = eco.num_cached_tokens
+        if finish_reason is not None:
+            state.metrics.finished_time = now
+        output = state.make_request_output(
+            eco.new_token_ids, finish_reason, stop_reason, eco.error, eco.kv_transfer_params
+        )
+        if finish_reason is not None:
+            self._forget(state)
+        return output
+
+    def _fail(self, state: RequestState, error: str, reqs_to_abort: list[str]) -> RequestOutput:
+        """Ends the user request of ``state`` (every sample of it) with ``error``."""
+        # The core may still be generating for it (or its sibling samples): stop them all.
+        reqs_to_abort.extend(self.abort_requests([state.external_id]))
+        failed = CompletionOutput(
+            index=state.request_index,
+            text="",
+            token_ids=[],
+            finish_reason=str(FinishReason.ERROR),
+            error=error,
+        )
+        return RequestOutput(
+            request_id=state.external_id,
+            prompt=state.prompt,
+            prompt_token_ids=state.prompt_token_ids,
+            prompt_logprobs=None,
+            outputs=[failed],
+            finished=True,
+        )
 
     def _forget(self, state: RequestState) -> None:
         del self.request_states[state.request_id]

@@ -35,7 +35,9 @@ class ParentRequest:
     def _child_sampling_params(self, index: int) -> SamplingParams:
         seed = self.sampling_params.seed
         if seed is not None:
-            return self.sampling_params.clone(n=1, seed=seed + index)
+            # Wrapped into the signed 64-bit range, which seed must stay in.
+            child_seed = (seed + index + 2**63) % 2**64 - 2**63
+            return self.sampling_params.clone(n=1, seed=child_seed)
         # Without a seed all children have equal params: build them once.
         if self._child_params_no_seed is None:
             self._child_params_no_seed = self.sampling_params.clone(n=1)

@@ -106,6 +106,23 @@ class Scheduler(SchedulerKVConnectorMixin, SchedulerInterface):
         if finished_waiting:
             self.waiting.remove_requests(finished_waiting)
 
+    def fail_requests(self, request_ids: Iterable[str], message: str) -> list[EngineCoreOutput]:
+        """Ends the unfinished ones among ``request_ids`` with finish reason "error" and
+        frees their blocks; returns their final outputs (carrying ``message``)."""
+        failed = [
+            r for rid in request_ids if (r := self.requests.get(rid)) and not r.is_finished()
+        ]
+        running = {r.request_id for r in failed if r.status == RequestStatus.RUNNING}
+        waiting = [r for r in failed if r.request_id not in running]
+        if running:
+            self.running = [r for r in self.running if r.request_id not in running]
+        if waiting:
+            self.waiting.remove_requests(waiting)
+        for request in failed:
+            self._finish_with_error(request, message)
+        outputs, self._pending_outputs = self._pending_outputs, []
+        return outputs
+
     def _free_request(self, request: Request) -> dict[str, Any] | None:
         """Frees its blocks (unless the KV connector still sends); returns kv_transfer_params."""
         delay_free, kv_transfer_params = self._connector_finished(request)

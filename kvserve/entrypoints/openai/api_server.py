@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
@@ -22,6 +22,11 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import kvserve
 from kvserve.engine.protocol import EngineClient
+from kvserve.entrypoints.openai.admission import (
+    AdmissionMiddleware,
+    BodySizeLimitMiddleware,
+    error_response,
+)
 from kvserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -32,9 +37,17 @@ from kvserve.entrypoints.openai.protocol import (
 )
 from kvserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from kvserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from kvserve.entrypoints.openai.serving_engine import INTERNAL_ERROR_MESSAGE
 from kvserve.entrypoints.openai.serving_models import OpenAIServingModels
 from kvserve.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from kvserve.entrypoints.web import register_web_ui
+from kvserve.entrypoints.web.routes import PUBLIC_PATHS as WEB_UI_PAGES
+from kvserve.entrypoints.web.routes import STATIC_PREFIX as WEB_UI_ASSETS
+from kvserve.entrypoints.openai.streaming import (
+    GuardedStreamingResponse,
+    stream_with_deadline,
+    timeout_error,
+)
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -42,13 +55,17 @@ T = TypeVar("T")
 ENGINE_WATCH_INTERVAL_S = 0.5
 
 
-def _error(err: OpenAIServingError) -> JSONResponse:
-    return JSONResponse(err.to_response().model_dump(), status_code=err.status)
+_error = error_response
+# Reachable without the API key: probes, the version and the API's own schema (no data).
+OPEN_PATHS = frozenset({"/health", "/version", "/openapi.json", "/docs", "/redoc"})
 
 
-async def _until_disconnect(raw_request: Request, work: Awaitable[T]) -> T | Response:
-    """Runs ``work`` unless the client hangs up first; then cancels it, which aborts the
-    engine request (generate() aborts on cancellation) and frees its KV blocks."""
+async def _until_disconnect(
+    raw_request: Request, work: Awaitable[T], timeout_s: float | None = None
+) -> T | Response:
+    """Runs ``work`` unless the client hangs up first or ``timeout_s`` passes; then cancels
+    it, which aborts the engine request (generate() aborts on cancellation) and frees its
+    KV blocks. A timeout is a 408; a stream's timeout is kept by the stream itself."""
 
     async def disconnected() -> None:
         while (await raw_request.receive())["type"] != "http.disconnect":
@@ -57,23 +74,33 @@ async def _until_disconnect(raw_request: Request, work: Awaitable[T]) -> T | Res
     task = asyncio.ensure_future(work)
     watcher = asyncio.ensure_future(disconnected())
     try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait(
+            {task, watcher}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED
+        )
     finally:
         watcher.cancel()
         if not task.done():
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
     if task.cancelled():
-        logger.info("client disconnected; request aborted")
-        return Response(status_code=499)
+        if not watcher.cancelled() and watcher.done():
+            logger.info("client disconnected; request aborted")
+            return Response(status_code=499)
+        assert timeout_s is not None
+        logger.info("request aborted by the request timeout (%g s)", timeout_s)
+        return _error(timeout_error(timeout_s))
     return task.result()
 
 
-def _respond(result: Any) -> Response:
+def _respond(result: Any, args: argparse.Namespace | None = None) -> Response:
     if isinstance(result, Response):
         return result
     if isinstance(result, AsyncIterator):
-        return StreamingResponse(result, media_type="text/event-stream")
+        timeout_s = getattr(args, "request_timeout", None)
+        return GuardedStreamingResponse(
+            stream_with_deadline(result, timeout_s),
+            stall_timeout_s=getattr(args, "stream_stall_timeout", None),
+        )
     return JSONResponse(result.model_dump())
 
 
@@ -98,17 +125,24 @@ class RequestIdMiddleware:
 
 
 class ApiKeyMiddleware:
-    """`Authorization: Bearer <key>` on /v1/*; health, metrics and tokenize stay open."""
+    """`Authorization: Bearer <key>` on every route that exposes data or runs the model.
 
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
+    Only OPEN_PATHS, the web UI's pages and assets (they hold no data; the pages ask for
+    the key), /metrics unless ``metrics_auth``, and CORS preflights stay open.
+    The key is compared in constant time (secrets.compare_digest).
+    """
+
+    def __init__(self, app: ASGIApp, api_key: str, metrics_auth: bool = False) -> None:
         self.app = app
         self.expected = f"Bearer {api_key}".encode()
+        self.open_paths = OPEN_PATHS | WEB_UI_PAGES | (set() if metrics_auth else {"/metrics"})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if (
             scope["type"] == "http"
             and scope["method"] != "OPTIONS"
-            and scope["path"].startswith("/v1")
+            and scope["path"] not in self.open_paths
+            and not scope["path"].startswith(WEB_UI_ASSETS + "/")
         ):
             given = dict(scope["headers"]).get(b"authorization", b"")
             if not secrets.compare_digest(given, self.expected):
@@ -140,6 +174,7 @@ def build_app(engine_client: EngineClient, args: argparse.Namespace) -> FastAPI:
     )
     app.state.engine_client = engine_client
     app.state.server = None  # set by run_server, so a dead engine can stop uvicorn
+    request_timeout: float | None = getattr(args, "request_timeout", None)
 
     @app.exception_handler(OpenAIServingError)
     async def serving_error(_: Request, exc: OpenAIServingError) -> JSONResponse:
@@ -166,8 +201,9 @@ def build_app(engine_client: EngineClient, args: argparse.Namespace) -> FastAPI:
 
     @app.exception_handler(Exception)
     async def unexpected_error(_: Request, exc: Exception) -> JSONResponse:
+        # The traceback goes to the log; the client learns only that it was not its fault.
         logger.exception("unhandled error in a request")
-        return _error(OpenAIServingError(f"{type(exc).__name__}: {exc}", status=500))
+        return _error(OpenAIServingError(INTERNAL_ERROR_MESSAGE, status=500))
 
     @app.get("/health")
     async def health() -> Response:
@@ -191,17 +227,15 @@ def build_app(engine_client: EngineClient, args: argparse.Namespace) -> FastAPI:
 
     @app.post("/v1/completions")
     async def create_completion(request: CompletionRequest, raw_request: Request) -> Response:
-        return _respond(
-            await _until_disconnect(raw_request, completion.create_completion(request, raw_request))
-        )
+        work = completion.create_completion(request, raw_request)
+        return _respond(await _until_disconnect(raw_request, work, request_timeout), args)
 
     @app.post("/v1/chat/completions")
     async def create_chat_completion(
         request: ChatCompletionRequest, raw_request: Request
     ) -> Response:
-        return _respond(
-            await _until_disconnect(raw_request, chat.create_chat_completion(request, raw_request))
-        )
+        work = chat.create_chat_completion(request, raw_request)
+        return _respond(await _until_disconnect(raw_request, work, request_timeout), args)
 
     @app.post("/tokenize")
     async def tokenize(request: TokenizeChatRequest | TokenizeCompletionRequest) -> Response:
@@ -212,8 +246,7 @@ def build_app(engine_client: EngineClient, args: argparse.Namespace) -> FastAPI:
         return _respond(await tokenization.create_detokenize(request))
 
     register_web_ui(app, engine_client, args)
-    if getattr(args, "api_key", None):
-        app.add_middleware(ApiKeyMiddleware, api_key=args.api_key)
+    _add_hardening_middleware(app, engine_client, args)
     if getattr(args, "allowed_origins", None):
         app.add_middleware(
             CORSMiddleware,
@@ -224,6 +257,33 @@ def build_app(engine_client: EngineClient, args: argparse.Namespace) -> FastAPI:
         )
     app.add_middleware(RequestIdMiddleware)
     return app
+
+
+def _add_hardening_middleware(
+    app: FastAPI, engine_client: EngineClient, args: argparse.Namespace
+) -> None:
+    """API key, admission control and the body-size bound (outermost last)."""
+    if getattr(args, "api_key", None):
+        app.add_middleware(
+            ApiKeyMiddleware, api_key=args.api_key, metrics_auth=getattr(args, "metrics_auth", False)
+        )
+    max_queued = getattr(args, "max_queued_requests", None)
+    if max_queued is not None:
+
+        def draining() -> bool:
+            server = app.state.server
+            return server is not None and bool(server.should_exit)
+
+        app.add_middleware(
+            AdmissionMiddleware,
+            max_running=engine_client.config.scheduler_config.max_num_seqs,
+            max_queued=max_queued,
+            retry_after_s=getattr(args, "retry_after", 1.0),
+            draining=draining,
+        )
+    max_body = getattr(args, "max_request_body_size", None)
+    if max_body is not None:
+        app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_body)
 
 
 def _chat_template(args: argparse.Namespace) -> str | None:

@@ -19,7 +19,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument(
-        "--api-key", default=None, help="require `Authorization: Bearer <key>` on /v1/* routes"
+        "--api-key",
+        default=None,
+        help="require `Authorization: Bearer <key>` on every route but /health, /version, "
+        "the OpenAPI schema and (unless --metrics-auth) /metrics",
     )
     parser.add_argument(
         "--allowed-origins",
@@ -53,7 +56,59 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         default=30.0,
         help="seconds in-flight requests may run after SIGTERM before they are aborted",
     )
+    add_limit_args(parser)
     return parser
+
+
+def add_limit_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Admission control, timeouts and the metrics guard (README: "Limits")."""
+    group = parser.add_argument_group("limits")
+    group.add_argument(
+        "--max-queued-requests",
+        type=_non_negative_int,
+        default=256,
+        help="generation requests that may wait for a slot beyond --max-num-seqs running "
+        "ones; more get 503 with Retry-After (default: %(default)s)",
+    )
+    group.add_argument(
+        "--retry-after",
+        type=float,
+        default=1.0,
+        help="seconds sent in Retry-After when a request is refused (default: %(default)s)",
+    )
+    group.add_argument(
+        "--max-request-body-size",
+        type=_non_negative_int,
+        default=16 << 20,
+        help="bytes a request body may have; larger ones get 413 (default: %(default)s)",
+    )
+    group.add_argument(
+        "--request-timeout",
+        type=float,
+        default=None,
+        help="seconds a generation request may run before it is aborted (408 or, once "
+        "streaming, an error event); off by default",
+    )
+    group.add_argument(
+        "--stream-stall-timeout",
+        type=float,
+        default=30.0,
+        help="seconds a stream may wait on a client that does not read it before the "
+        "request is aborted and its KV blocks freed (default: %(default)s)",
+    )
+    group.add_argument(
+        "--metrics-auth",
+        action="store_true",
+        help="with --api-key, require the key on /metrics too",
+    )
+    return parser
+
+
+def _non_negative_int(value: str) -> int:
+    number = int(value)
+    if number < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {number}")
+    return number
 
 
 def _origins(value: str) -> list[str]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (
     BaseModel,
@@ -13,11 +13,28 @@ from pydantic import (
     SerializerFunctionWrapHandler,
     model_serializer,
 )
+from pydantic.types import StringConstraints
 
 from kvserve.sampling_params import RequestOutputKind, SamplingParams
 
 # vLLM's default cap on logprobs per position; also OpenAI's top_logprobs limit.
 MAX_LOGPROBS = 20
+# Per-request limits, checked by the schema (so the OpenAPI document states them and a
+# violation is a 400 naming the field). They bound the work and memory one request can ask
+# for: n samples share the batch, stop strings are matched on every token, logit_bias
+# entries are applied on every step. OpenAI's own limits where it has one (300 logit_bias
+# entries, values in [-100, 100]).
+MAX_N = 16
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256
+MAX_STOP_TOKEN_IDS = 64
+MAX_LOGIT_BIAS_ENTRIES = 300
+MAX_ID_CHARS = 256
+# 64-bit: what the wire format (msgpack) and torch's generators accept.
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+StopString = Annotated[str, StringConstraints(max_length=MAX_STOP_STRING_CHARS)]
+ShortString = Annotated[str, StringConstraints(max_length=MAX_ID_CHARS)]
 
 
 def random_uuid() -> str:
@@ -27,6 +44,12 @@ def random_uuid() -> str:
 class OpenAIBaseModel(BaseModel):
     # Clients send fields we do not use (user, store, metadata...): accept and ignore them.
     model_config = ConfigDict(extra="allow")
+
+
+class OpenAIRequestModel(OpenAIBaseModel):
+    """A request body: numbers must be finite ("nan", "inf" and 1e999 are 400s)."""
+
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
 
 class ErrorInfo(OpenAIBaseModel):
@@ -47,17 +70,27 @@ class OpenAIServingError(Exception):
         400: "BadRequestError",
         401: "AuthenticationError",
         404: "NotFoundError",
+        408: "TimeoutError",
+        413: "RequestTooLargeError",
+        429: "RateLimitError",
         500: "InternalServerError",
         503: "ServiceUnavailableError",
     }
 
     def __init__(
-        self, message: str, status: int = 400, param: str | None = None, err_type: str | None = None
+        self,
+        message: str,
+        status: int = 400,
+        param: str | None = None,
+        err_type: str | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.message = message
         self.status = status
         self.param = param
+        # e.g. Retry-After on a 503/429 from admission control.
+        self.headers = headers
         self.err_type = err_type or self._TYPES.get(status, "BadRequestError")
 
     def to_response(self) -> ErrorResponse:
@@ -82,39 +115,49 @@ class UsageInfo(OpenAIBaseModel):
         )
 
 
-class StreamOptions(OpenAIBaseModel):
+class StreamOptions(OpenAIRequestModel):
     include_usage: bool = False
     # vLLM's extra: a usage object on every chunk, not only the last.
     continuous_usage_stats: bool = False
 
 
-class _SamplingRequest(OpenAIBaseModel):
-    """Fields shared by completions and chat: OpenAI's sampling knobs plus vLLM's extras."""
+class _SamplingRequest(OpenAIRequestModel):
+    """Fields shared by completions and chat: OpenAI's sampling knobs plus vLLM's extras.
 
-    model: str | None = None
-    n: int = 1
-    temperature: float | None = None
-    top_p: float | None = None
-    presence_penalty: float | None = 0.0
-    frequency_penalty: float | None = 0.0
-    logit_bias: dict[str, float] | None = None
-    seed: int | None = None
-    stop: str | list[str] | None = None
+    Ranges are the schema's (a 400 naming the field); SamplingParams checks them again for
+    the offline API.
+    """
+
+    model: ShortString | None = None
+    n: int = Field(1, ge=1, le=MAX_N)
+    # vLLM v1 samples n and returns n; best_of is accepted only where it changes nothing.
+    best_of: int | None = Field(None, ge=1, le=MAX_N)
+    temperature: float | None = Field(None, ge=0.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    presence_penalty: float | None = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(0.0, ge=-2.0, le=2.0)
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = Field(
+        None, max_length=MAX_LOGIT_BIAS_ENTRIES
+    )
+    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
+    stop: StopString | list[StopString] | None = Field(None, max_length=MAX_STOP_STRINGS)
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
     # vLLM extras
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    min_tokens: int = 0
+    top_k: int | None = Field(None, ge=-1, le=INT64_MAX)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    repetition_penalty: float | None = Field(None, gt=0.0)
+    min_tokens: int = Field(0, ge=0, le=INT64_MAX)
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[Annotated[int, Field(ge=0, le=INT64_MAX)]] | None = Field(
+        None, max_length=MAX_STOP_TOKEN_IDS
+    )
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    priority: int = 0
-    cache_salt: str | None = None
-    request_id: str | None = None
+    priority: int = Field(0, ge=INT64_MIN, le=INT64_MAX)
+    cache_salt: ShortString | None = None
+    request_id: ShortString | None = None
 
     def _sampling_params(
         self, max_tokens: int, logprobs: int | None, stream: bool
@@ -122,6 +165,8 @@ class _SamplingRequest(OpenAIBaseModel):
         """Raises ValueError (-> 400) for out-of-range values, via SamplingParams."""
         if logprobs is not None and logprobs > MAX_LOGPROBS:
             raise ValueError(f"logprobs must be at most {MAX_LOGPROBS}, got {logprobs}")
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError(f"best_of must equal n ({self.n}) if given, got {self.best_of}")
         if self.logit_bias:
             try:
                 bias = {int(k): float(v) for k, v in self.logit_bias.items()}
@@ -161,8 +206,8 @@ class _SamplingRequest(OpenAIBaseModel):
 
 class CompletionRequest(_SamplingRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
-    logprobs: int | None = None
+    max_tokens: int | None = Field(16, ge=1, le=INT64_MAX)
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     suffix: str | None = None
 
@@ -209,10 +254,10 @@ class CompletionStreamResponse(OpenAIBaseModel):
 class ChatCompletionRequest(_SamplingRequest):
     # Plain dicts: the chat template renders them and names the offending message on error.
     messages: list[dict[str, Any]]
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    max_tokens: int | None = Field(None, ge=1, le=INT64_MAX)
+    max_completion_tokens: int | None = Field(None, ge=1, le=INT64_MAX)
     logprobs: bool = False
-    top_logprobs: int | None = 0
+    top_logprobs: int | None = Field(0, ge=0, le=MAX_LOGPROBS)
     tools: list[dict[str, Any]] | None = None
     # vLLM extras
     add_generation_prompt: bool = True
@@ -313,14 +358,14 @@ class ModelList(OpenAIBaseModel):
     data: list[ModelCard] = Field(default_factory=list)
 
 
-class TokenizeCompletionRequest(OpenAIBaseModel):
+class TokenizeCompletionRequest(OpenAIRequestModel):
     model: str | None = None
     prompt: str
     add_special_tokens: bool = True
     return_token_strs: bool = False
 
 
-class TokenizeChatRequest(OpenAIBaseModel):
+class TokenizeChatRequest(OpenAIRequestModel):
     model: str | None = None
     messages: list[dict[str, Any]]
     add_generation_prompt: bool = True
@@ -336,9 +381,9 @@ class TokenizeResponse(OpenAIBaseModel):
     token_strs: list[str] | None = None
 
 
-class DetokenizeRequest(OpenAIBaseModel):
-    model: str | None = None
-    tokens: list[int]
+class DetokenizeRequest(OpenAIRequestModel):
+    model: ShortString | None = None
+    tokens: list[Annotated[int, Field(ge=0, le=INT64_MAX)]]
 
 
 class DetokenizeResponse(OpenAIBaseModel):

@@ -80,7 +80,7 @@ class OpenAIServingChat(OpenAIServing):
         try:
             params = request.to_sampling_params(max_tokens)
         except ValueError as exc:
-            raise OpenAIServingError(str(exc)) from None
+            raise self.bad_request(exc) from None
         base_id = self.request_id(raw_request, request.request_id, "chatcmpl")
         merged = merge_async_iterators(
             self.generate(

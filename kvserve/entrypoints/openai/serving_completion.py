@@ -53,7 +53,7 @@ class OpenAIServingCompletion(OpenAIServing):
             try:
                 params = request.to_sampling_params(max_tokens)
             except ValueError as exc:
-                raise OpenAIServingError(str(exc)) from None
+                raise self.bad_request(exc) from None
             if request.echo and request.logprobs is not None:
                 params = params.clone(prompt_logprobs=request.logprobs)
             request_id = base_id if len(prompts) == 1 else f"{base_id}-{i}"
@@ -94,6 +94,7 @@ class OpenAIServingCompletion(OpenAIServing):
                     raise OpenAIServingError("prompt must not be empty", param="prompt")
                 out.append(_Prompt(p, await self.tokenize(p, add_special_tokens=True)))
             elif isinstance(p, list) and p and all(isinstance(t, int) for t in p):
+                self.check_token_ids(p, "prompt")
                 out.append(_Prompt(self.tokenizer.decode(p), list(p)))
             else:
                 raise OpenAIServingError(

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from typing import Any, TypeVar
 
@@ -18,7 +19,9 @@ from kvserve.entrypoints.openai.protocol import (
     ChatCompletionLogProb,
     ChatCompletionLogProbs,
     ChatCompletionLogProbsContent,
+    ChatCompletionRequest,
     CompletionLogProbs,
+    CompletionRequest,
     OpenAIServingError,
     random_uuid,
 )
@@ -29,6 +32,15 @@ from kvserve.sampling_params import SamplingParams
 
 T = TypeVar("T")
 logger = logging.getLogger(__name__)
+
+INTERNAL_ERROR_MESSAGE = "The server had an error while processing your request (see its log)."
+# SamplingParams' and the input processor's messages start with the field they reject.
+_LEADING_FIELD = re.compile(r"([a-z_]+)\b")
+_REQUEST_FIELDS = {
+    *SamplingParams.__struct_fields__,
+    *ChatCompletionRequest.model_fields,
+    *CompletionRequest.model_fields,
+}
 
 
 class OpenAIServing:
@@ -55,6 +67,16 @@ class OpenAIServing:
         return await asyncio.to_thread(
             lambda: list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
         )
+
+    def check_token_ids(self, ids: Sequence[int], param: str) -> None:
+        """A 400 naming ``param`` for ids outside the vocabulary (before anything decodes them)."""
+        vocab_size = self.engine_client.model_config.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab_size]
+        if bad:
+            raise OpenAIServingError(
+                f"{param} contains token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}",
+                param=param,
+            )
 
     def check_length(
         self, prompt_len: int, max_tokens: int | None, input_param: str = "prompt"
@@ -110,16 +132,31 @@ class OpenAIServing:
         if isinstance(exc, OpenAIServingError):
             return exc
         if isinstance(exc, ValueError):
-            return OpenAIServingError(str(exc))
+            return OpenAIServing.bad_request(exc)
         if isinstance(exc, EngineDeadError):
             return OpenAIServingError(str(exc), status=503)
-        return OpenAIServingError(f"{type(exc).__name__}: {exc}", status=500)
+        # The server's own failure: logged with its traceback, the client gets no internals.
+        logger.error("request failed inside the server", exc_info=exc)
+        return OpenAIServingError(INTERNAL_ERROR_MESSAGE, status=500)
+
+    @staticmethod
+    def bad_request(exc: ValueError) -> OpenAIServingError:
+        """A 400 for a validation error; ``param`` is the field its message starts with."""
+        message = str(exc)
+        match = _LEADING_FIELD.match(message)
+        param = match.group(1) if match else None
+        if param not in _REQUEST_FIELDS:
+            param = None
+        return OpenAIServingError(message, param=param)
 
     @staticmethod
     def check_output(output: RequestOutput) -> None:
         """A sample the engine failed (finish_reason "error") becomes a 500."""
         if output.error:
-            raise OpenAIServingError(f"generation failed: {output.error}", status=500)
+            # The engine isolated this request's failure (the others go on); the details
+            # are in the server log, not for the client.
+            logger.error("request %s failed in the engine: %s", output.request_id, output.error)
+            raise OpenAIServingError(INTERNAL_ERROR_MESSAGE, status=500)
 
     # ----------------------------------------------------------------- logprob shapes
 

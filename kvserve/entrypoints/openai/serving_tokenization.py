@@ -5,7 +5,6 @@ from __future__ import annotations
 from kvserve.entrypoints.openai.protocol import (
     DetokenizeRequest,
     DetokenizeResponse,
-    OpenAIServingError,
     TokenizeChatRequest,
     TokenizeCompletionRequest,
     TokenizeResponse,
@@ -42,11 +41,5 @@ class OpenAIServingTokenization(OpenAIServing):
 
     async def create_detokenize(self, request: DetokenizeRequest) -> DetokenizeResponse:
         self.models.resolve(request.model)
-        vocab_size = self.engine_client.model_config.vocab_size
-        bad = [t for t in request.tokens if not 0 <= t < vocab_size]
-        if bad:
-            raise OpenAIServingError(
-                f"tokens contains ids outside the vocabulary [0, {vocab_size}): {bad[:5]}",
-                param="tokens",
-            )
+        self.check_token_ids(request.tokens, "tokens")
         return DetokenizeResponse(prompt=self.tokenizer.decode(request.tokens))

@@ -41,8 +41,14 @@ def test_missing_or_wrong_key_is_401_and_right_key_works(keyed_server: RemoteSer
         model=MODEL, prompt="hi", max_tokens=1
     )
     assert out.choices
-    # Only /v1/* is guarded: probes and scrapers need no key.
+    # Every route with data is guarded, the tokenizer's too; probes, the schema and (without
+    # --metrics-auth) the scraper's /metrics need no key.
+    for path, payload in (("/tokenize", {"prompt": "hi"}), ("/detokenize", {"tokens": [1]})):
+        assert httpx.post(keyed_server.url(path), json=payload).status_code == 401
+        headers = {"Authorization": f"Bearer {KEY}"}
+        assert httpx.post(keyed_server.url(path), json=payload, headers=headers).status_code == 200
     assert httpx.get(keyed_server.url("/health")).status_code == 200
+    assert httpx.get(keyed_server.url("/openapi.json")).status_code == 200
     assert httpx.get(keyed_server.url("/metrics")).status_code == 200
 
 

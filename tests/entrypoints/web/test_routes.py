@@ -10,6 +10,7 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
 from kvserve.entrypoints.openai.cli_args import add_serve_args
+from kvserve.entrypoints.openai.api_server import ApiKeyMiddleware
 from kvserve.entrypoints.web import mount_web_ui, register_web_ui
 from kvserve.entrypoints.web.routes import STATIC_DIR
 from kvserve.metrics.history import StatsHistory
@@ -29,7 +30,7 @@ def test_disable_web_ui_removes_the_routes() -> None:
     register_web_ui(app, None, _parse("--disable-web-ui"))  # type: ignore[arg-type]
     client = TestClient(app)
     assert [client.get(path).status_code for path in WEB_UI_PATHS] == [404] * len(WEB_UI_PATHS)
-    mount_web_ui(app, StatsHistory("m"), api_key=None)
+    mount_web_ui(app, StatsHistory("m"))
     assert [client.get(path).status_code for path in WEB_UI_PATHS] == [200] * len(WEB_UI_PATHS)
 
 
@@ -37,7 +38,9 @@ def test_pages_are_public_and_the_stats_need_the_key() -> None:
     history = StatsHistory("m")
     history.record(SchedulerStats(num_running_reqs=3, kv_cache_usage=0.125), None)
     app = FastAPI()
-    mount_web_ui(app, history, api_key="secret")
+    mount_web_ui(app, history)
+    # The server's own middleware, as build_app adds it with --api-key.
+    app.add_middleware(ApiKeyMiddleware, api_key="secret")
     client = TestClient(app)
     for path, marker in (("/", "playground.js"), ("/dashboard", "dashboard.js")):
         page = client.get(path)
