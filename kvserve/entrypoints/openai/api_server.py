@@ -40,14 +40,14 @@ from kvserve.entrypoints.openai.serving_completion import OpenAIServingCompletio
 from kvserve.entrypoints.openai.serving_engine import INTERNAL_ERROR_MESSAGE
 from kvserve.entrypoints.openai.serving_models import OpenAIServingModels
 from kvserve.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
-from kvserve.entrypoints.web import register_web_ui
-from kvserve.entrypoints.web.routes import PUBLIC_PATHS as WEB_UI_PAGES
-from kvserve.entrypoints.web.routes import STATIC_PREFIX as WEB_UI_ASSETS
 from kvserve.entrypoints.openai.streaming import (
     GuardedStreamingResponse,
     stream_with_deadline,
     timeout_error,
 )
+from kvserve.entrypoints.web import register_web_ui
+from kvserve.entrypoints.web.routes import PUBLIC_PATHS as WEB_UI_PAGES
+from kvserve.entrypoints.web.routes import STATIC_PREFIX as WEB_UI_ASSETS
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
