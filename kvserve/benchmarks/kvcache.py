@@ -44,7 +44,8 @@ def make_document_ids(tokenizer: Any, num_tokens: int, seed: int = 0) -> list[in
             return list(ids[:num_tokens])
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1 (the benchmarks start their servers on loopback)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -55,7 +56,7 @@ def start_redis() -> tuple[subprocess.Popen[bytes], str] | None:
     binary = shutil.which("redis-server")
     if binary is None:
         return None
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen(
         [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
         stdout=subprocess.DEVNULL,

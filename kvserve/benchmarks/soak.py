@@ -17,7 +17,6 @@ import json
 import os
 import random
 import shlex
-import socket
 import subprocess
 import sys
 import tempfile
@@ -30,6 +29,7 @@ import httpx
 import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvserve.benchmarks.kvcache import free_port
 from kvserve.benchmarks.soak_clients import ClientPlan, SoakTally, run_client
 from kvserve.benchmarks.soak_monitor import RssSampler
 from kvserve.benchmarks.step_times import scrape_step_times
@@ -176,17 +176,11 @@ async def run_soak(base_url: str, config: SoakConfig, server_pid: int | None = N
     }
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def start_server(
     server_args: list[str], log_path: str, timeout_s: float = 300.0
 ) -> tuple[subprocess.Popen, str]:
     """`kvserve serve` on a free 127.0.0.1 port (output to log_path), once /health is 200."""
-    port = _free_port()
+    port = free_port()
     cmd = [sys.executable, "-m", "kvserve.entrypoints.cli", "serve"]
     cmd += [*server_args, "--host", "127.0.0.1", "--port", str(port)]
     with open(log_path, "w") as log:
