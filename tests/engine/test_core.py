@@ -7,15 +7,16 @@ speaking the core's wire protocol could send them; the model is the real default
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
+import msgspec
 import pytest
 
 from kvserve.core.request import Request
 from kvserve.engine.core import MAX_CONSECUTIVE_STEP_FAILURES, EngineCore
 from kvserve.protocol.engine_core import EngineCoreOutput, EngineCoreRequest, FinishReason
 from kvserve.sampling_params import SamplingParams
+from tests.engine.test_core_proc import make_request
 
 PROMPT = list(range(1000, 1020))
 
@@ -23,13 +24,7 @@ PROMPT = list(range(1000, 1020))
 def _request(
     request_id: str, params: SamplingParams, prompt: list[int] = PROMPT
 ) -> EngineCoreRequest:
-    return EngineCoreRequest(
-        request_id=request_id,
-        prompt_token_ids=prompt,
-        sampling_params=params,
-        eos_token_id=2,
-        arrival_time=time.time(),
-    )
+    return msgspec.structs.replace(make_request(request_id, 1, prompt), sampling_params=params)
 
 
 def _greedy(max_tokens: int) -> SamplingParams:
