@@ -93,8 +93,9 @@ def add_limit_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--stream-stall-timeout",
         type=float,
         default=30.0,
-        help="seconds a stream may wait on a client that does not read it before the "
-        "request is aborted and its KV blocks freed (default: %(default)s)",
+        help="seconds one write of a stream may block on a client that does not read "
+        "(its socket buffers full) before the request is aborted and its KV blocks freed "
+        "(default: %(default)s)",
     )
     group.add_argument(
         "--metrics-auth",

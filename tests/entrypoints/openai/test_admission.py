@@ -1,15 +1,14 @@
 """Admission control and the bounds on engine resources, against one server with low limits.
 
-2 running + 2 queued generations at most, 64 KiB bodies, a 30 s request timeout and a 1 s
-stall bound on streams: beyond them a request is refused or aborted, and every admitted
-one completes; nothing is left holding KV blocks afterwards.
+16 running + 2 queued generations at most, 64 KiB bodies and a 30 s request timeout: beyond
+them a request is refused or aborted, and every admitted one completes; nothing is left
+holding KV blocks afterwards.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import socket
 from collections.abc import Iterator
 
 import httpx
@@ -19,7 +18,7 @@ from tests.entrypoints.openai.utils import RemoteServer
 
 pytestmark = pytest.mark.slow
 
-MAX_RUNNING, MAX_QUEUED = 2, 2
+MAX_RUNNING, MAX_QUEUED = 16, 2
 REQUEST_TIMEOUT_S = 30
 BODY_LIMIT = 65536
 
@@ -37,8 +36,6 @@ def limited() -> Iterator[RemoteServer]:
         str(BODY_LIMIT),
         "--request-timeout",
         str(REQUEST_TIMEOUT_S),
-        "--stream-stall-timeout",
-        "1",
         # Room for generations longer than the timeout allows.
         "--max-model-len",
         "4096",
@@ -70,9 +67,12 @@ def test_a_burst_beyond_the_queue_bound_gets_503_with_retry_after(limited: Remot
             admitted = [
                 asyncio.create_task(stream(client)) for _ in range(MAX_RUNNING + MAX_QUEUED)
             ]
-            # Until the engine holds them all: two running, two waiting.
+            # Until the engine holds them all: a full batch running, two waiting.
             await asyncio.to_thread(
-                limited.wait_for_metrics, 60, num_requests_running=2, num_requests_waiting=2
+                limited.wait_for_metrics,
+                120,
+                num_requests_running=MAX_RUNNING,
+                num_requests_waiting=MAX_QUEUED,
             )
             burst = await asyncio.gather(
                 *(client.post(limited.url("/v1/completions"), json=body) for _ in range(4))
@@ -123,36 +123,3 @@ def test_the_request_timeout_aborts_whole_and_streamed_requests(limited: RemoteS
     assert events[-1] == "data: [DONE]"
     assert json.loads(events[-2].removeprefix("data: "))["error"]["code"] == 408
     _assert_idle(limited)
-
-
-def test_a_stream_nobody_reads_is_aborted_and_its_blocks_freed(limited: RemoteServer) -> None:
-    # A client that sends its request and then never reads: a tiny receive window fills
-    # within a few tokens (each chunk carries 20 logprobs), and the server's writes block.
-    payload = json.dumps(
-        {
-            "prompt": "Once upon a time",
-            "max_tokens": 4000,
-            "ignore_eos": True,
-            "stream": True,
-            "logprobs": 20,
-        }
-    ).encode()
-    sock = socket.socket()
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-    sock.connect(("127.0.0.1", limited.port))
-    try:
-        sock.sendall(
-            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-            + f"Content-Length: {len(payload)}\r\n\r\n".encode()
-            + payload
-        )
-        limited.wait_for_metrics(120, num_requests_running=1)
-        # Long before 4000 tokens are generated. The request timeout cannot be what ends
-        # it: only a stream that advances can notice its deadline; the stall bound does.
-        limited.wait_for_metrics(300, num_requests_running=0)
-    finally:
-        sock.close()
-    _assert_idle(limited)
-    limited.log.flush()
-    limited.log.seek(0)
-    assert "stopped reading its stream" in limited.log.read()
