@@ -1,10 +1,10 @@
-"""`kvserve bench serve|throughput|kvcache|peers|quantization`: wires the benchmarks into the kvserve command."""
+"""`kvserve bench serve|throughput|kvcache|peers|quantization|startup`: wires the benchmarks into the kvserve command."""
 
 from __future__ import annotations
 
 import argparse
 
-from kvserve.benchmarks import kvcache, peers, quant_accuracy, serve, throughput
+from kvserve.benchmarks import kvcache, peers, quant_accuracy, serve, startup, throughput
 
 
 def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -27,4 +27,7 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     quant = sub.add_parser("quantization", help="greedy agreement of --quantization methods")
     quant_accuracy.add_cli_args(quant)
     quant.set_defaults(func=quant_accuracy.main)
+    boot = sub.add_parser("startup", help="cold and warm start-up time, phase by phase")
+    startup.add_cli_args(boot)
+    boot.set_defaults(func=startup.main)
     return bench
