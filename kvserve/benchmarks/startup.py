@@ -1,9 +1,11 @@
 """`kvserve bench startup`: how long kvserve takes to become usable, cold and warm.
 
-Each target runs as a fresh process, as a user would start it, twice: "cold" with an
-empty kvserve cache directory (the tokenizer is converted from the GGUF file), then
-"warm" with the cache the cold run left (the second start on a machine). The operating
-system's file cache is not dropped: cold means kvserve's own caches are empty.
+Each target runs as a fresh process, as a user would start it, twice in a row: "cold"
+with an empty kvserve cache directory of its own (the tokenizer is converted from the
+GGUF file), then "warm" with the cache the cold run left (the second start on a
+machine). The operating system's file cache is not dropped: cold means kvserve's own
+caches are empty. ``--kvserve-path`` runs another checkout's kvserve (e.g. the commit
+before a change) under the same harness.
 
 - ``serve``: ``kvserve serve`` until ``GET /health`` answers 200.
 - ``generate``: ``kvserve generate`` until its first output token is on stdout.
@@ -20,7 +22,6 @@ import json
 import os
 import platform
 import shlex
-import shutil
 import signal
 import subprocess
 import sys
@@ -32,7 +33,7 @@ from typing import Any
 import httpx
 
 from kvserve.utils.startup import parse_phases
-from kvserve.utils.threads import usable_cores
+from kvserve.utils.threads import usable_cores, user_environment
 
 TARGETS = ("serve", "generate", "llm")
 # argv: model, engine flags (one shell-quoted string), as the CLI would parse them.
@@ -71,9 +72,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         help="extra engine flags for every target, e.g. '--kv-cache-memory 128M'",
     )
     parser.add_argument(
-        "--cache-dir",
+        "--kvserve-path",
         default=None,
-        help="kvserve cache directory to use (emptied first); default: a temporary one",
+        help="directory holding the kvserve package to start (default: this one)",
     )
     parser.add_argument("--timeout", type=float, default=300.0, help="per run, seconds")
     parser.add_argument("--output-json", default=None)
@@ -93,6 +94,12 @@ def _cli(*args: str) -> list[str]:
     return [sys.executable, "-m", "kvserve.entrypoints.cli", "--log-level", "INFO", *args]
 
 
+def _cwd(args: argparse.Namespace) -> str | None:
+    # `python -m` / `-c` put the working directory first on sys.path: start the
+    # processes inside the checkout under test, or they import whatever kvserve is here.
+    return str(Path(args.kvserve_path).resolve()) if args.kvserve_path else None
+
+
 def _stop(proc: subprocess.Popen[Any]) -> None:
     if proc.poll() is None:
         proc.send_signal(signal.SIGINT)
@@ -108,7 +115,7 @@ def _run_serve(args: argparse.Namespace, env: dict[str, str], log: Path) -> dict
     url = f"http://127.0.0.1:{args.port}/health"
     with log.open("w") as out:
         start = time.perf_counter()
-        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(cmd, env=env, cwd=_cwd(args), stdout=out, stderr=subprocess.STDOUT)
         try:
             while True:
                 if proc.poll() is not None:
@@ -131,7 +138,7 @@ def _run_generate(args: argparse.Namespace, env: dict[str, str], log: Path) -> d
     cmd += ["--max-tokens", "8", *shlex.split(args.engine_args)]
     with log.open("w") as err:
         start = time.perf_counter()
-        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=err)
+        proc = subprocess.Popen(cmd, env=env, cwd=_cwd(args), stdout=subprocess.PIPE, stderr=err)
         assert proc.stdout is not None
         first: float | None = None
         try:
@@ -154,7 +161,13 @@ def _run_llm(args: argparse.Namespace, env: dict[str, str], log: Path) -> dict[s
     cmd = [sys.executable, "-c", _LLM_SCRIPT, args.model, args.engine_args]
     with log.open("w") as err:
         done = subprocess.run(
-            cmd, env=env, stdout=subprocess.PIPE, stderr=err, text=True, timeout=args.timeout
+            cmd,
+            env=env,
+            cwd=_cwd(args),
+            stdout=subprocess.PIPE,
+            stderr=err,
+            text=True,
+            timeout=args.timeout,
         )
     if done.returncode != 0:
         raise RuntimeError(f"LLM() failed ({done.returncode}); log: {log}")
@@ -170,19 +183,22 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     unknown = sorted(set(targets) - set(TARGETS))
     if unknown or not targets:
         raise ValueError(f"--targets: unknown {unknown} (choose from {', '.join(TARGETS)})")
+    results: dict[str, Any] = {
+        "cpu": _cpu_model(),
+        "usable_cores": usable_cores(),
+        "model": args.model,
+        "engine_args": args.engine_args,
+        "kvserve_path": args.kvserve_path,
+        "runs": [],
+    }
+    # Each started process chooses its own thread settings, as it would for a user.
+    env = user_environment()
+    if args.kvserve_path:
+        env["PYTHONPATH"] = str(Path(args.kvserve_path).resolve())
     with tempfile.TemporaryDirectory(prefix="kvserve-bench-startup-") as scratch:
-        cache = Path(args.cache_dir) if args.cache_dir else Path(scratch) / "cache"
-        shutil.rmtree(cache, ignore_errors=True)
-        env = {**os.environ, "KVSERVE_CACHE_DIR": str(cache)}
-        results: dict[str, Any] = {
-            "cpu": _cpu_model(),
-            "usable_cores": usable_cores(),
-            "model": args.model,
-            "engine_args": args.engine_args,
-            "runs": [],
-        }
-        for temperature in ("cold", "warm"):
-            for target in targets:
+        for target in targets:
+            env["KVSERVE_CACHE_DIR"] = str(Path(scratch) / f"cache-{target}")
+            for temperature in ("cold", "warm"):
                 log = Path(scratch) / f"{target}-{temperature}.log"
                 figures = _RUNNERS[target](args, env, log)
                 figures["phases"] = parse_phases(log.read_text())
@@ -193,6 +209,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def _print(results: dict[str, Any]) -> None:
     print(f"CPU: {results['cpu']} ({results['usable_cores']} usable cores)")
     print(f"model: {results['model']}  engine args: {results['engine_args'] or '(defaults)'}")
+    if results["kvserve_path"]:
+        print(f"kvserve from: {results['kvserve_path']}")
     labels = {"serve": "serve -> healthy", "generate": "generate -> 1st token", "llm": "LLM()"}
     for run in results["runs"]:
         print(f"{labels[run['target']]:>22} {run['start']:>4}: {run['seconds']:7.2f} s")

@@ -25,6 +25,8 @@ logger = logging.getLogger("kvserve.startup")
 
 # Up to this many usable cores, workers sleep when idle (the front end shares the cores).
 PASSIVE_WAIT_MAX_CORES = 4
+# What configure_process_threads found before it set its own values.
+_user_values: dict[str, str | None] = {}
 
 
 def usable_cores() -> int:
@@ -54,8 +56,22 @@ def configure_process_threads() -> dict[str, str] | None:
     if "torch" in sys.modules:
         return None
     settings = thread_settings()
+    for key in settings:
+        _user_values.setdefault(key, os.environ.get(key))
     os.environ.update(settings)
     return settings
+
+
+def user_environment() -> dict[str, str]:
+    """``os.environ`` as the user set it, without what configure_process_threads added:
+    for starting processes that must choose for themselves (benchmarks of them)."""
+    environ = dict(os.environ)
+    for key, value in _user_values.items():
+        if value is None:
+            environ.pop(key, None)
+        else:
+            environ[key] = value
+    return environ
 
 
 @contextmanager
