@@ -28,10 +28,8 @@ def test_second_start_reuses_the_tokenizer_and_logs_every_phase(
     parser = argparse.ArgumentParser()
     add_bench_parser(parser.add_subparsers())
     out = tmp_path / "startup.json"
-    args = parser.parse_args(
-        ["bench", "startup", "--targets", "llm,serve", "--port", str(_free_port())]
-        + ["--engine-args", ENGINE_ARGS, "--output-json", str(out)]
-    )
+    flags = ["--targets", "llm,serve", "--port", str(_free_port()), "--engine-args", ENGINE_ARGS]
+    args = parser.parse_args(["bench", "startup", *flags, "--output-json", str(out)])
     assert args.func(args) == 0
     assert "serve -> healthy" in capsys.readouterr().out
     runs = {(r["target"], r["start"]): r for r in json.loads(out.read_text())["runs"]}
