@@ -1,10 +1,10 @@
-"""`kvserve bench serve|throughput|kvcache|peers|quantization`: wires the benchmarks into the kvserve command."""
+"""`kvserve bench serve|throughput|kvcache|peers|quantization|soak|startup`: wires the benchmarks into the kvserve command."""
 
 from __future__ import annotations
 
 import argparse
 
-from kvserve.benchmarks import kvcache, peers, quant_accuracy, serve, soak, throughput
+from kvserve.benchmarks import kvcache, peers, quant_accuracy, serve, soak, startup, throughput
 
 
 def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -30,4 +30,7 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     soak_parser = sub.add_parser("soak", help="misbehaving clients vs one loopback server")
     soak.add_cli_args(soak_parser)
     soak_parser.set_defaults(func=soak.main)
+    boot = sub.add_parser("startup", help="cold and warm start-up time, phase by phase")
+    startup.add_cli_args(boot)
+    boot.set_defaults(func=startup.main)
     return bench

@@ -24,6 +24,8 @@ from kvserve.protocol.engine_core import (
     StepTimes,
 )
 from kvserve.protocol.kv_cache_interface import KVCacheConfig, build_kv_cache_config
+from kvserve.utils.startup import log_phase, startup_phase
+from kvserve.utils.threads import log_thread_settings
 
 logger = logging.getLogger(__name__)
 
@@ -39,8 +41,10 @@ class EngineCore:
         log_stats: bool = True,
     ) -> None:
         self.config = config
+        log_thread_settings("engine core")
         executor_class = executor_class or Executor.get_class(config)
-        self.model_executor = executor_class(config)
+        with startup_phase("model load", executor=executor_class.__name__):
+            self.model_executor = executor_class(config)
         self.kv_cache_config = self._initialize_kv_caches()
         events_config = config.kv_events_config
         enable_kv_cache_events = bool(events_config and events_config.enable_kv_cache_events)
@@ -86,12 +90,12 @@ class EngineCore:
                 capacity,
                 max_len,
             )
-        logger.info(
-            "KV cache: %d blocks of %d tokens (%d tokens), set up in %.2fs",
-            kv_cache_config.num_blocks,
-            cache.block_size,
-            capacity,
+        log_phase(
+            "KV cache",
             time.perf_counter() - start,
+            blocks=kv_cache_config.num_blocks,
+            block_size=cache.block_size,
+            tokens=capacity,
         )
         return kv_cache_config
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from typing import Any
 
 from kvserve.config import EngineConfig
@@ -18,17 +19,23 @@ class EngineCoreClient(ABC):
         *,
         multiprocess_mode: bool = False,
         asyncio_mode: bool = False,
+        while_starting: Callable[[], object] | None = None,
     ) -> Any:
-        """In-process core, or a core in a background process (sync or asyncio client)."""
+        """In-process core, or a core in a background process (sync or asyncio client).
+
+        ``while_starting`` (front-end setup) runs while a background core loads its model,
+        or, for the in-process core, before it."""
         # Imported here: the multi-process clients import this module.
         if asyncio_mode:
             from kvserve.engine.async_mp_client import AsyncMPClient
 
-            return AsyncMPClient(config, log_stats)
+            return AsyncMPClient(config, log_stats, while_starting=while_starting)
         if multiprocess_mode:
             from kvserve.engine.mp_client import SyncMPClient
 
-            return SyncMPClient(config, log_stats)
+            return SyncMPClient(config, log_stats, while_starting=while_starting)
+        if while_starting is not None:
+            while_starting()
         return InprocClient(config, log_stats)
 
     @abstractmethod

@@ -31,6 +31,7 @@ from kvserve.protocol.engine_core import (
     FinishReason,
     SchedulerStats,
 )
+from kvserve.utils.startup import log_phase
 
 logger = logging.getLogger(__name__)
 
@@ -264,12 +265,16 @@ class EngineCoreProc:
         output_address: str,
         ready_writer: Connection,
         log_level: int = logging.INFO,
+        spawned_at: float | None = None,
     ) -> None:
-        """Target of the spawned process. Exit code 0 on SIGTERM/SIGINT, 1 on failure."""
+        """Target of the spawned process. Exit code 0 on SIGTERM/SIGINT, 1 on failure.
+        ``spawned_at`` (wall clock) is when the parent started it, for the start-up log."""
         if not logging.getLogger().handlers:
             logging.basicConfig(
                 level=log_level, format="%(asctime)s %(levelname)s [EngineCore] %(message)s"
             )
+        if spawned_at is not None:
+            log_phase("engine core interpreter and imports", time.time() - spawned_at)
 
         def _on_signal(signum: int, frame: Any) -> None:
             raise SystemExit(0)

@@ -5,12 +5,16 @@ from __future__ import annotations
 import logging
 from abc import abstractmethod
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
-from transformers import PreTrainedTokenizerBase
 
 from kvserve.protocol.engine_core import EngineCoreRequest
+
+if TYPE_CHECKING:
+    # Annotations only: transformers loads when a tokenizer is built, not on import.
+    from transformers import PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
 

@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jinja2
-from transformers import PreTrainedTokenizerBase
 
 from kvserve.config import ModelConfig, SchedulerConfig
 from kvserve.inputs import PromptType
 from kvserve.protocol.engine_core import EngineCoreRequest
 from kvserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    # Annotations only: transformers loads when a tokenizer is built, not on import.
+    from transformers import PreTrainedTokenizerBase
 
 
 class InputProcessor:

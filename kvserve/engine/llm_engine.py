@@ -23,19 +23,31 @@ logger = logging.getLogger(__name__)
 
 
 class LLMEngine:
+    # Set by _init_front_end (while a background core process loads the model).
+    tokenizer: Any
+    input_processor: InputProcessor
+    output_processor: OutputProcessor
+
     def __init__(
         self, config: EngineConfig, log_stats: bool = False, multiprocess_mode: bool = False
     ) -> None:
         self.config = config
+        self.log_stats = log_stats
+        # The core runs in this thread, or in its own process behind ZMQ.
+        self.engine_core = EngineCoreClient.make_client(
+            config,
+            log_stats=log_stats,
+            multiprocess_mode=multiprocess_mode,
+            while_starting=self._init_front_end,
+        )
+
+    def _init_front_end(self) -> None:
+        config = self.config
         self.tokenizer = get_tokenizer(config.model_config.tokenizer_resolved)
         self.input_processor = InputProcessor(
             config.model_config, self.tokenizer, config.scheduler_config
         )
-        self.output_processor = OutputProcessor(self.tokenizer, log_stats=log_stats)
-        # The core runs in this thread, or in its own process behind ZMQ.
-        self.engine_core = EngineCoreClient.make_client(
-            config, log_stats=log_stats, multiprocess_mode=multiprocess_mode
-        )
+        self.output_processor = OutputProcessor(self.tokenizer, log_stats=self.log_stats)
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs, **kwargs: Any) -> LLMEngine:

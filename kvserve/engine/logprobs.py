@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import itertools
-
-from transformers import PreTrainedTokenizerBase
+from typing import TYPE_CHECKING
 
 from kvserve.outputs import Logprob, PromptLogprobs, SampleLogprobs
 from kvserve.protocol.engine_core import EngineCoreOutput, EngineCoreRequest
+
+if TYPE_CHECKING:
+    # Annotations only: transformers loads when a tokenizer is built, not on import.
+    from transformers import PreTrainedTokenizerBase
 
 
 class LogprobsProcessor:

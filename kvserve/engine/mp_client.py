@@ -47,6 +47,8 @@ from kvserve.engine.core_proc import (
 )
 from kvserve.engine.exceptions import EngineDeadError
 from kvserve.protocol.engine_core import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
+from kvserve.utils.startup import log_phase
+from kvserve.utils.threads import child_thread_environment
 
 logger = logging.getLogger(__name__)
 
@@ -159,12 +161,16 @@ class MPClient(EngineCoreClient):
                 output_address,
                 writer,
                 logging.getLogger("kvserve").getEffectiveLevel(),
+                time.time(),
             ),
             name="EngineCore",
             daemon=True,
         )
         self.resources.proc = proc
-        proc.start()
+        start = time.perf_counter()
+        # The child loads torch itself: OpenMP's settings must be in its environment.
+        with child_thread_environment():
+            proc.start()
         writer.close()
         try:
             if while_starting is not None:
@@ -172,6 +178,7 @@ class MPClient(EngineCoreClient):
             self.ready = _wait_for_handshake(reader, proc, timeout)
         finally:
             reader.close()
+        log_phase("engine core process ready", time.perf_counter() - start, pid=proc.pid)
         logger.info(
             "EngineCore process %d ready: %d KV blocks of %d tokens",
             proc.pid,

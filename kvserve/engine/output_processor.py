@@ -7,8 +7,7 @@ import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
-
-from transformers import PreTrainedTokenizerBase
+from typing import TYPE_CHECKING
 
 from kvserve.engine.detokenizer import IncrementalDetokenizer
 from kvserve.engine.logprobs import LogprobsProcessor
@@ -16,6 +15,10 @@ from kvserve.engine.parallel_sampling import ParentRequest
 from kvserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kvserve.protocol.engine_core import EngineCoreOutput, EngineCoreRequest, FinishReason
 from kvserve.sampling_params import RequestOutputKind
+
+if TYPE_CHECKING:
+    # Annotations only: transformers loads when a tokenizer is built, not on import.
+    from transformers import PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
 

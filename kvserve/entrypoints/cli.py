@@ -7,12 +7,16 @@ import itertools
 import logging
 import sys
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvserve.engine.arg_utils import EngineArgs
-from kvserve.engine.input_processor import apply_chat_template
-from kvserve.engine.llm_engine import LLMEngine
 from kvserve.sampling_params import RequestOutputKind, SamplingParams
+from kvserve.utils.threads import configure_process_threads
+
+if TYPE_CHECKING:
+    # The engine (torch) is imported inside the commands: OpenMP's settings must be in
+    # the environment before torch loads, and `kvserve --help` should not pay for it.
+    from kvserve.engine.llm_engine import LLMEngine
 
 
 def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
@@ -46,12 +50,20 @@ def _stream(engine: LLMEngine, prompt: Any, params: SamplingParams) -> Iterator[
 
 
 def _encode_chat(engine: LLMEngine, messages: list[dict[str, str]]) -> dict[str, list[int]]:
+    from kvserve.engine.input_processor import apply_chat_template
+
     text = apply_chat_template(engine.tokenizer, messages, add_generation_prompt=True)
     return {"prompt_token_ids": engine.tokenizer.encode(text, add_special_tokens=False)}
 
 
+def _make_engine(args: argparse.Namespace) -> LLMEngine:
+    from kvserve.engine.llm_engine import LLMEngine
+
+    return LLMEngine.from_engine_args(EngineArgs.from_cli_args(args))
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
-    engine = LLMEngine.from_engine_args(EngineArgs.from_cli_args(args))
+    engine = _make_engine(args)
     use_template = not args.raw and engine.tokenizer.chat_template is not None
     prompt: Any = (
         _encode_chat(engine, [{"role": "user", "content": args.prompt}])
@@ -67,7 +79,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
-    engine = LLMEngine.from_engine_args(EngineArgs.from_cli_args(args))
+    engine = _make_engine(args)
     messages: list[dict[str, str]] = []
     if args.system:
         messages.append({"role": "system", "content": args.system})
@@ -127,6 +139,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # Before anything imports torch (the parser's sub-commands may).
+    configure_process_threads()
     args = build_parser().parse_args(argv)
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"

@@ -6,16 +6,16 @@ cache sizing and the scheduler never care where a model came from.
 
 from __future__ import annotations
 
-import functools
 import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import gguf
 import numpy as np
 
+from kvserve.transformers_utils.gguf_reader import GGUFFile, GGUFTensor, open_gguf
 from kvserve.transformers_utils.model_resolver import ResolvedModel
+from kvserve.utils.startup import startup_phase
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM")
 _GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
@@ -47,25 +47,21 @@ class ArchConfig:
     sliding_window: int | None = None
 
 
-@functools.lru_cache(maxsize=4)
-def open_gguf(path: str) -> gguf.GGUFReader:
-    """Parse a GGUF header once; the reader memory-maps the file, so caching is cheap
-    and saves ~2 s when both the config and the weights are read."""
-    return gguf.GGUFReader(path, "r")
-
-
 def load_arch_config(resolved: ResolvedModel) -> ArchConfig:
-    if resolved.format == "gguf":
-        return _from_gguf(resolved.path)
-    return _from_hf_dir(Path(resolved.path))
+    with startup_phase("model config", format=resolved.format):
+        if resolved.format == "gguf":
+            return _from_gguf(resolved.path)
+        return _from_hf_dir(Path(resolved.path))
 
 
 # ---------------------------------------------------------------- GGUF
 
 
-def _gguf_value(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
-    field = reader.get_field(key)
-    return default if field is None else field.contents()
+def _gguf_value(reader: GGUFFile, key: str, default: Any = None) -> Any:
+    value = reader.get(key)
+    if value is None:
+        return default
+    return value.tolist() if isinstance(value, np.ndarray) else value
 
 
 def _from_gguf(path: str) -> ArchConfig:
@@ -113,7 +109,7 @@ def _from_gguf(path: str) -> ArchConfig:
 
 
 def _gguf_rope_scaling(
-    reader: gguf.GGUFReader, arch: str, tensors: dict[str, gguf.ReaderTensor]
+    reader: GGUFFile, arch: str, tensors: dict[str, GGUFTensor]
 ) -> dict[str, Any] | None:
     if "rope_freqs.weight" in tensors:
         # llama.cpp bakes llama3 scaling into a tensor of divisors for inv_freq.

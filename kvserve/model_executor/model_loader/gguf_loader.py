@@ -7,10 +7,11 @@ from collections.abc import Iterator
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFReader, ReaderTensor
+from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
-from kvserve.transformers_utils.arch_config import ArchConfig, open_gguf
+from kvserve.transformers_utils.arch_config import ArchConfig
+from kvserve.transformers_utils.gguf_reader import GGUFFile, GGUFTensor, open_gguf
 
 # GGUF per-block tensor stem -> HF module path inside `model.layers.{i}`.
 _BLOCK_NAMES = {
@@ -48,11 +49,11 @@ def gguf_to_hf_name(name: str) -> str:
     raise ValueError(f"unexpected GGUF tensor {name!r}")
 
 
-def dequantize_tensor(tensor: ReaderTensor) -> np.ndarray:
+def dequantize_tensor(tensor: GGUFTensor) -> np.ndarray:
     """float32 array in torch layout: GGUF lists dims fastest-first, so reverse them."""
     shape = tuple(int(d) for d in reversed(tensor.shape))
     if tensor.tensor_type == GGMLQuantizationType.F32:
-        # Copy: the reader's memmap is read-only and torch wants writable memory.
+        # Copy: the reader's memory map is read-only and torch wants writable memory.
         data = np.array(tensor.data, dtype=np.float32)
     else:
         data = dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
@@ -73,11 +74,10 @@ def unpermute_rope_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
 
 
 def _hf_rows(
-    reader: GGUFReader, tensor: ReaderTensor, rows: np.ndarray, arch: ArchConfig
+    reader: GGUFFile, tensor: GGUFTensor, rows: np.ndarray, arch: ArchConfig
 ) -> np.ndarray:
     """``rows`` (one per output feature, dequantized or raw block bytes) in HF's order."""
-    gguf_arch = reader.get_field("general.architecture")
-    if gguf_arch is None or gguf_arch.contents() != "llama":
+    if reader.get("general.architecture") != "llama":
         return rows
     if ".attn_q." in tensor.name:
         return unpermute_rope_rows(rows, arch.num_attention_heads)
@@ -88,7 +88,7 @@ def _hf_rows(
 
 def iterate_gguf_weights(path: str, arch: ArchConfig) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(hf_name, float32 tensor)`` for every weight in the GGUF file."""
-    reader: GGUFReader = open_gguf(path)
+    reader = open_gguf(path)
     for tensor in reader.tensors:
         if tensor.name in _SKIPPED:
             continue
@@ -102,7 +102,7 @@ def iterate_gguf_blocks(
 ) -> Iterator[tuple[str, GGMLQuantizationType, np.ndarray]]:
     """Yield ``(hf_name, type, raw)`` for every block-quantized 2-D tensor, ``raw`` being
     uint8 ``[rows, bytes per row]`` exactly as stored, rows in HF's order."""
-    reader: GGUFReader = open_gguf(path)
+    reader = open_gguf(path)
     for tensor in reader.tensors:
         if tensor.name in _SKIPPED or tensor.tensor_type in _PLAIN_TYPES:
             continue

@@ -1,0 +1,106 @@
+"""Thread and OpenMP wait settings, chosen for the machine when a kvserve process starts.
+
+OpenMP reads ``OMP_NUM_THREADS`` and ``OMP_WAIT_POLICY`` once, when torch loads its
+runtime, so they must be in the environment before ``import torch``: the ``kvserve``
+command sets them first thing, and the engine-core process gets them in the environment
+it is spawned with. A value the user exported is always kept.
+
+Choices: one OpenMP thread per core this process may run on (its CPU affinity, which
+containers and ``taskset`` narrow, not the machine's core count), and the wait policy
+``PASSIVE`` where the process may use only a few cores: idle OpenMP workers then sleep
+instead of spinning, so between model steps they do not take the cores the front end
+(HTTP, tokenizing, detokenizing) needs. On a larger machine ``ACTIVE`` (spinning) costs
+nothing the front end needs and saves the wake-up latency of every parallel region.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+
+logger = logging.getLogger("kvserve.startup")
+
+# Up to this many usable cores, workers sleep when idle (the front end shares the cores).
+PASSIVE_WAIT_MAX_CORES = 4
+# What configure_process_threads found before it set its own values.
+_user_values: dict[str, str | None] = {}
+
+
+def usable_cores() -> int:
+    """Cores this process may run on (its affinity mask), at least 1."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # no affinity API (macOS)
+        return max(1, os.cpu_count() or 1)
+
+
+def thread_settings(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The OpenMP environment a kvserve process should start with: the user's values
+    where set, the machine's choices otherwise."""
+    environ = os.environ if environ is None else environ
+    cores = usable_cores()
+    chosen = {
+        "OMP_NUM_THREADS": str(cores),
+        "OMP_WAIT_POLICY": "PASSIVE" if cores <= PASSIVE_WAIT_MAX_CORES else "ACTIVE",
+    }
+    return {key: environ.get(key) or value for key, value in chosen.items()}
+
+
+def configure_process_threads() -> dict[str, str] | None:
+    """Puts the settings into this process's environment and returns them; does nothing
+    (None) once torch is loaded, as OpenMP would not see them (e.g. ``main()`` called
+    inside a test process)."""
+    if "torch" in sys.modules:
+        return None
+    settings = thread_settings()
+    for key in settings:
+        _user_values.setdefault(key, os.environ.get(key))
+    os.environ.update(settings)
+    return settings
+
+
+def user_environment() -> dict[str, str]:
+    """``os.environ`` as the user set it, without what configure_process_threads added:
+    for starting processes that must choose for themselves (benchmarks of them)."""
+    environ = dict(os.environ)
+    for key, value in _user_values.items():
+        if value is None:
+            environ.pop(key, None)
+        else:
+            environ[key] = value
+    return environ
+
+
+@contextmanager
+def child_thread_environment() -> Iterator[dict[str, str]]:
+    """The settings in ``os.environ`` while a child process is started (spawned
+    children copy the environment when they start), restored afterwards."""
+    settings = thread_settings()
+    saved = {key: os.environ.get(key) for key in settings}
+    os.environ.update(settings)
+    try:
+        yield settings
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def log_thread_settings(role: str) -> None:
+    """Logs what this process runs with (torch's view, so call it after torch loads)."""
+    import torch
+
+    logger.info(
+        "threads (%s): %d usable cores, torch intra-op threads %d, OMP_NUM_THREADS=%s, "
+        "OMP_WAIT_POLICY=%s",
+        role,
+        usable_cores(),
+        torch.get_num_threads(),
+        os.environ.get("OMP_NUM_THREADS", "unset"),
+        os.environ.get("OMP_WAIT_POLICY", "unset"),
+    )
