@@ -37,7 +37,11 @@ _SOURCES = [
         "decode_step.cpp",
     )
 ]
-_CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"]
+# KVSERVE_MARCH: build for another CPU than this one (e.g. "haswell", AVX2 without
+# AVX-512), so the narrower kernels can be tested on a wider machine; each target is its
+# own extension, cached side by side.
+ENV_MARCH = "KVSERVE_MARCH"
+_CFLAGS = ["-O3", "-ffp-contract=off", "-fopenmp"]
 
 _lock = threading.Lock()
 _state: dict[str, bool] = {}
@@ -55,11 +59,13 @@ def _build() -> bool:
     # torch re-builds when the sources or flags change; headers only count through a flag.
     headers = b"".join(path.read_bytes() for path in sorted(_CSRC.glob("*.h")))
     header_hash = hashlib.sha256(headers).hexdigest()[:16]
+    march = os.environ.get(ENV_MARCH, "") or "native"
+    suffix = "" if march == "native" else "_" + "".join(c if c.isalnum() else "_" for c in march)
     cpp_extension.load(
-        name="kvserve_cpu_ops",
+        name="kvserve_cpu_ops" + suffix,
         sources=[str(path) for path in _SOURCES],
         extra_include_paths=[str(_CSRC)],
-        extra_cflags=[*_CFLAGS, f"-DKVSERVE_HEADERS={header_hash}"],
+        extra_cflags=[*_CFLAGS, f"-march={march}", f"-DKVSERVE_HEADERS={header_hash}"],
         extra_ldflags=["-fopenmp"],
         is_python_module=False,
         verbose=False,

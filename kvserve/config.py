@@ -12,11 +12,13 @@ from kvserve.transformers_utils.model_resolver import ResolvedModel, resolve_mod
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 GiB = 1 << 30
-# --quantization: "gguf" keeps the GGUF file's own Q4_1/Q8_0/Q4_0 blocks (lossless);
-# "gguf_int8" multiplies the same blocks with int8-quantized activations, as llama.cpp's
-# CPU backend does (faster, lossy);
+# --quantization: "gguf" keeps the GGUF file's own Q4_1/Q8_0/Q4_0 blocks (lossless; the
+# default for GGUF models); "gguf_int8" multiplies the same blocks with int8-quantized
+# activations, as llama.cpp's CPU backend does (faster, lossy);
 # "q8_0" quantizes any model's float32 linear weights to Q8_0 blocks.
 QUANTIZATION_METHODS = ("gguf", "gguf_int8", "q8_0")
+# --quantization none (or float32): dequantize every weight to float32 at load.
+NO_QUANTIZATION = ("none", "float32")
 KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16")
 
 
@@ -28,7 +30,12 @@ class ModelConfig:
     max_model_len: int | None = None
     seed: int = 0
     served_model_name: str | None = None
+    # None: the model's default ("gguf" for a GGUF file, float32 otherwise); resolved in
+    # __post_init__ to a method of QUANTIZATION_METHODS, or None for float32 weights.
     quantization: str | None = None
+    # Whether `quantization` is that default rather than asked for: a default "gguf" falls
+    # back to float32 where its kernels cannot run (no compiler, a CUDA device).
+    quantization_is_default: bool = field(init=False, default=False)
     resolved: ResolvedModel = field(init=False)
     arch: ArchConfig = field(init=False)
     tokenizer_resolved: ResolvedModel = field(init=False)
@@ -51,10 +58,19 @@ class ModelConfig:
             )
         if self.served_model_name is None:
             self.served_model_name = self.resolved.name
+        self._resolve_quantization()
+
+    def _resolve_quantization(self) -> None:
+        if self.quantization is None:
+            self.quantization_is_default = self.resolved.format == "gguf"
+            self.quantization = "gguf" if self.quantization_is_default else None
+        elif self.quantization in NO_QUANTIZATION:
+            self.quantization = None
         if self.quantization is not None:
             if self.quantization not in QUANTIZATION_METHODS:
                 raise ValueError(
-                    f"quantization must be one of {', '.join(QUANTIZATION_METHODS)} "
+                    f"quantization must be one of "
+                    f"{', '.join(QUANTIZATION_METHODS + NO_QUANTIZATION)} "
                     f"(or unset), got {self.quantization!r}"
                 )
             if self.quantization.startswith("gguf") and self.resolved.format != "gguf":

@@ -104,7 +104,13 @@ def kvserve_engine_kwargs(args: argparse.Namespace, engine: str) -> dict[str, An
 
 
 def kvserve_config(kwargs: dict[str, Any], batching: str) -> str:
-    weights = f", {kwargs['quantization']} blocks" if kwargs.get("quantization") else ", float32"
+    from kvserve.config import NO_QUANTIZATION
+    from kvserve.transformers_utils.model_resolver import resolve_model
+
+    method = kwargs.get("quantization")
+    if method is None:  # the default: a GGUF file's own blocks, else float32 (config.py)
+        method = "gguf" if resolve_model(kwargs.get("model")).format == "gguf" else "none"
+    weights = ", float32" if method in NO_QUANTIZATION else f", {method} blocks"
     cache = kwargs.get("kv_cache_dtype", "auto")
     return batching + weights + ("" if cache == "auto" else f", {cache} KV cache")
 

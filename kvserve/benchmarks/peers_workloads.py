@@ -18,11 +18,14 @@ import numpy as np
 if TYPE_CHECKING:
     from kvserve.transformers_utils.arch_config import ArchConfig
 
-# Engine arguments of each kvserve variant over the command line's:
+# Engine arguments of each kvserve variant over the command line's ("kvserve" alone runs
+# the defaults: a GGUF model's own blocks, lossless):
+# kvserve-float32: --quantization none (every weight dequantized to float32 at load);
 # kvserve-gguf: --quantization gguf (the file's Q4_1 blocks, as llama.cpp runs);
 # kvserve-gguf-int8: --quantization gguf_int8 (also int8 activations, as llama.cpp computes);
 # kvserve-gguf-int8-kv16: and a float16 KV cache, llama.cpp's default.
 KVSERVE_VARIANTS: dict[str, dict[str, str]] = {
+    "kvserve-float32": {"quantization": "none"},
     "kvserve-gguf": {"quantization": "gguf"},
     "kvserve-gguf-int8": {"quantization": "gguf_int8"},
     "kvserve-gguf-int8-kv16": {"quantization": "gguf_int8", "kv_cache_dtype": "float16"},

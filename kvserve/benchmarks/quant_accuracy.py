@@ -129,7 +129,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         raise ValueError(f"--methods: unknown quantization {unknown}; known: {METHODS}")
     if not 1 <= args.num_prompts <= len(PROMPTS):
         raise ValueError(f"--num-prompts must be in [1, {len(PROMPTS)}], got {args.num_prompts}")
-    reference = _continuations(None, args)
+    reference = _continuations("none", args)
     results: dict[str, Any] = {
         "prompts": args.num_prompts,
         "tokens_per_prompt": args.max_tokens,
@@ -137,8 +137,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
     modes = ("single_stream", "batched")
     for method in methods:
-        quantization = None if method == "none" else method
-        got = _continuations(quantization, args, reference["batched"], args.kv_cache_dtype)
+        got = _continuations(method, args, reference["batched"], args.kv_cache_dtype)
         results[method] = {mode: agreement(reference[mode], got[mode]) for mode in modes}
         results[method]["teacher_forced"] = got["teacher_forced"]
     return results

@@ -3,6 +3,7 @@
 // the other torch.ops.kvserve kernels (schemas in cpu_ops.cpp).
 
 #include <ATen/ops/empty.h>
+#include <ATen/ops/linear.h>
 #include <torch/library.h>
 
 #include <memory>
@@ -50,10 +51,11 @@ at::Tensor dequantize_blocks(const at::Tensor& qs, const at::Tensor& d, const at
 
 // y = x @ W^T for x [M, K] float32 and W in blocks [N, K]. Weights cross the memory bus
 // as 4-8 bits per value on every path; decode-sized inputs never materialize them.
-constexpr int64_t kGemvRows = 6;
 constexpr int64_t kTileRows = 64;
 constexpr int64_t kBlasRows = 16;  // from here on: dequantized tiles + BLAS
 constexpr int64_t kBlasTileRows = 128;
+constexpr int64_t kDequantGemmRows = 256;  // from here on: all of W dequantized + torch's GEMM
+constexpr int64_t kDequantGemmMaxWeights = 16 << 20;  // layers, not a 100 MB LM head
 
 // Row-major out[M, ldc] (columns n0.. of it) = x[M, K] @ w[nw, K]^T, via column-major BLAS:
 // C^T[nw, M] = w (a K x nw matrix, transposed) @ x^T (K x M).
@@ -86,11 +88,7 @@ at::Tensor block_linear(const at::Tensor& x_in, const at::Tensor& qs, const at::
     // Tiles of W small enough to stay in cache while every group of x rows passes over
     // them; the quants are converted once per group, not once per row.
     std::vector<float> xsum(rows_x * nb);
-    for (int64_t i = 0; i < rows_x * nb; ++i) {
-      float sum = 0.f;
-      for (int64_t j = 0; j < kBlock; ++j) sum += xp[i * kBlock + j];
-      xsum[i] = sum;
-    }
+    block_sums(xp, rows_x * nb, xsum.data());
     const int64_t num_tiles = (N + kTileRows - 1) / kTileRows;
     at::parallel_for(0, num_tiles, 1, [&](int64_t begin, int64_t end) {
       const int64_t n_begin = begin * kTileRows, n_end = std::min(N, end * kTileRows);
@@ -103,6 +101,23 @@ at::Tensor block_linear(const at::Tensor& x_in, const at::Tensor& qs, const at::
       }
     });
     return out;
+  }
+
+  if (rows_x >= kDequantGemmRows && N * K <= kDequantGemmMaxWeights) {
+    // Long prefill chunks: all of W dequantized into this thread's reused buffer (at most
+    // 64 MB), then the float32 engine's own multi-threaded GEMM on it: the same call as
+    // --quantization none, so the same result bit for bit. Dequantizing is one pass over
+    // W, against hundreds of FLOPs per weight in the GEMM at this many rows, where the
+    // tiles below would re-stream all of x once per tile.
+    thread_local at::Tensor scratch;
+    if (!scratch.defined() || scratch.numel() < N * K)
+      scratch = at::empty({N * K}, x.options());
+    at::Tensor dense = scratch.narrow(0, 0, N * K).view({N, K});
+    float* dp = dense.data_ptr<float>();
+    at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
+      w.dequant_rows(begin, end, dp + begin * K);
+    });
+    return at::linear(x_in, dense);
   }
 
   // Larger inputs (prefill chunks, big batches): each thread dequantizes a tile of W

@@ -31,6 +31,7 @@ namespace kvserve_cpu {
 // In a 4-bit block, byte j holds weight j in its low nibble and weight j + 16 in its high.
 constexpr int64_t kBlock = 32;  // weights per block
 constexpr int64_t kPrefetchRows = 4;
+constexpr int64_t kGemvRows = 6;  // rows of x per float GEMV pass (gemv's largest R)
 
 template <int KIND>
 inline void dequant_block(const uint8_t* __restrict qs, float d, float m, float* __restrict w) {
@@ -87,6 +88,30 @@ inline void load_quants(const uint8_t* qs, __m256 q[4]) {
 
 #endif
 
+#ifdef __AVX512F__
+// The 32 quants of a block as two vectors of 16 floats (weights 0-15, 16-31): the float
+// GEMV's widest form, half the instructions per block of load_quants.
+template <int KIND>
+inline void load_quants16(const uint8_t* qs, __m512 q[2]) {
+  if constexpr (KIND == 0) {
+    for (int i = 0; i < 2; ++i)
+      q[i] = _mm512_cvtepi32_ps(
+          _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + 16 * i))));
+  } else {
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+    const __m128i mask = _mm_set1_epi8(15);
+    __m128i lo = _mm_and_si128(bytes, mask);
+    __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), mask);
+    if constexpr (KIND == 2) {
+      lo = _mm_sub_epi8(lo, _mm_set1_epi8(8));
+      hi = _mm_sub_epi8(hi, _mm_set1_epi8(8));
+    }
+    q[0] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(lo));
+    q[1] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(hi));
+  }
+}
+#endif
+
 inline int64_t block_bytes_of(int64_t kind) { return kind == 0 ? 32 : 16; }
 
 // float16 -> float32, exact (F16C's vcvtph2ps where the CPU has it).
@@ -96,6 +121,16 @@ inline float f16(uint16_t h) {
 #else
   return c10::detail::fp16_ieee_to_fp32_value(h);
 #endif
+}
+
+// sums[i] = x[32 i] + ... + x[32 i + 31] for each of `blocks` blocks, added in order (the
+// float GEMV's Q4_1 minimum term; one order everywhere, so every caller agrees bit for bit).
+inline void block_sums(const float* x, int64_t blocks, float* sums) {
+  for (int64_t i = 0; i < blocks; ++i) {
+    float sum = 0.f;
+    for (int64_t j = 0; j < kBlock; ++j) sum += x[i * kBlock + j];
+    sums[i] = sum;
+  }
 }
 
 struct BlockWeight {
@@ -162,7 +197,25 @@ struct BlockWeight {
       const uint8_t* row = qs + n * row_bytes;
       const uint16_t* dn = d + n * nb;
       prefetch_row(n + kPrefetchRows);
-#ifdef __AVX2__
+#if defined(__AVX512F__)
+      float min_term[R] = {};
+      __m512 acc[R];
+      for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+      for (int64_t b = 0; b < nb; ++b) {
+        __m512 q[2];
+        load_quants16<KIND>(row + b * bb, q);
+        const __m512 scale = _mm512_set1_ps(f16(dn[b]));
+        const float mb = KIND == 1 ? f16(m[n * nb + b]) : 0.f;
+        for (int r = 0; r < R; ++r) {
+          const float* xb = x + r * cols + b * kBlock;
+          __m512 qx = _mm512_mul_ps(q[0], _mm512_loadu_ps(xb));
+          qx = _mm512_fmadd_ps(q[1], _mm512_loadu_ps(xb + 16), qx);
+          acc[r] = _mm512_fmadd_ps(scale, qx, acc[r]);
+          if constexpr (KIND == 1) min_term[r] += mb * xsum[r * nb + b];
+        }
+      }
+      for (int r = 0; r < R; ++r) out[r * ldo + n] = _mm512_reduce_add_ps(acc[r]) + min_term[r];
+#elif defined(__AVX2__)
       float min_term[R] = {};
       __m256 acc[R];
       for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();

@@ -24,8 +24,11 @@ struct Projection {
 
   at::Tensor operator()(const at::Tensor& x) const;
   int64_t out_features() const { return weight.size(0); }
-  // Whether the fused decode step can run it: int8 activations on the packed copy.
+  // int8 activations on gguf_int8's packed copy.
   bool packed_int8() const { return kind >= 0 && int8_activations && packed.has_value(); }
+  // Whether the fused decode step can run it: the packed copy, or float activations on
+  // the blocks (gguf); not a float32 weight, nor int8 activations without the copy.
+  bool fused_step_ready() const { return packed_int8() || (kind >= 0 && !int8_activations); }
 };
 
 struct Layer {

@@ -1,4 +1,5 @@
-// A decode step of gguf_int8 layers inside one OpenMP parallel region.
+// A decode step of GGUF block layers (gguf_int8's int8 activations or gguf's lossless
+// float ones) inside one OpenMP parallel region.
 //
 // Through the per-op path (decode_stack.cpp) a single-stream step opens five parallel
 // regions per layer, and between them one thread runs the small row operations (norms,
@@ -34,44 +35,60 @@ int64_t in_features(const Projection& p) {
   return p.kind == 0 ? p.weight.size(1) : p.weight.size(1) * 2;
 }
 
-struct PackedView {
-  const uint8_t* packed;
+// A projection as the step multiplies it: gguf_int8's interleaved copy (int8 activations)
+// or the lossless gguf blocks (float activations, block_gemm.h's GEMV).
+struct ProjectionView {
+  const uint8_t* packed;  // nullptr: the float block GEMV on `blocks`
+  BlockWeight blocks;
   int64_t kind, N, K;
   const float* bias;  // nullptr: none
 
-  explicit PackedView(const Projection& p)
-      : packed(p.packed->data_ptr<uint8_t>()), kind(p.kind), N(p.out_features()),
+  explicit ProjectionView(const Projection& p)
+      : packed(p.packed_int8() ? p.packed->data_ptr<uint8_t>() : nullptr),
+        blocks(block_weight(p.weight, p.d, p.m, p.kind)), kind(p.kind), N(p.out_features()),
         K(in_features(p)), bias(p.bias ? p.bias->data_ptr<float>() : nullptr) {}
 };
 
-// A thread's quantized copy of a projection's input.
-struct Int8Input {
+// A thread's copy of what a projection needs of its input: x quantized (int8) or x's
+// per-block sums (float blocks).
+struct ThreadInput {
   std::vector<int8_t> q;
   std::vector<uint8_t> u;  // Q8_0 weights take x as unsigned bytes
-  std::vector<float> d, s;
-  Int8Input(int64_t rows, int64_t max_k)
-      : q(rows * max_k), u(rows * max_k), d(rows * max_k / kBlock), s(rows * max_k / kBlock) {}
+  std::vector<float> d, s, xsum;
+  ThreadInput(int64_t rows, int64_t max_k)
+      : q(rows * max_k), u(rows * max_k), d(rows * max_k / kBlock), s(rows * max_k / kBlock),
+        xsum(rows * max_k / kBlock) {}
 };
 
-// This thread's groups of out = x W^T (+ bias), x: [T, K]. Quantizes all of x (a few
-// hundred values per row: cheaper than a barrier), multiplies its own features.
-void linear_share(const PackedView& w, const float* x, int64_t T, Int8Input& in, float* out,
-                  int tid, int threads) {
+// This thread's features of out = x W^T (+ bias), x: [T, K], in groups of 16 (a cache
+// line of each output row). Prepares all of x (a few hundred values per row: cheaper than
+// a barrier), multiplies its own features. The float GEMV takes x 6 rows at a time as
+// block_linear does; a result depends only on its own row of x and of W either way.
+void linear_share(const ProjectionView& w, const float* x, int64_t T, ThreadInput& in,
+                  float* out, int tid, int threads) {
   const int64_t blocks = T * w.K / kBlock;
-  for (int64_t i = 0; i < blocks; ++i)
-    quantize_block_q8(x + i * kBlock, in.q.data() + i * kBlock, in.d[i], in.s[i]);
-  if (w.kind == 0) unsigned_activations(in.q.data(), in.u.data(), T * w.K);
   const auto [g0, g1] = share(packed_groups(w.N), tid, threads);
-  packed_groups_vnni(w.packed, w.kind, w.N, w.K, T, in.q.data(), in.u.data(), in.d.data(),
-                     in.s.data(), out, g0, g1);
-  if (w.bias == nullptr) return;
   const int64_t n0 = g0 * kPackedGroup, n1 = std::min(w.N, g1 * kPackedGroup);
+  if (w.packed != nullptr) {
+    for (int64_t i = 0; i < blocks; ++i)
+      quantize_block_q8(x + i * kBlock, in.q.data() + i * kBlock, in.d[i], in.s[i]);
+    if (w.kind == 0) unsigned_activations(in.q.data(), in.u.data(), T * w.K);
+    packed_groups_vnni(w.packed, w.kind, w.N, w.K, T, in.q.data(), in.u.data(), in.d.data(),
+                       in.s.data(), out, g0, g1);
+  } else if (n0 < n1) {
+    block_sums(x, blocks, in.xsum.data());
+    const int64_t nb = w.K / kBlock;
+    for (int64_t r0 = 0; r0 < T; r0 += kGemvRows)
+      w.blocks.gemv(std::min(kGemvRows, T - r0), x + r0 * w.K, in.xsum.data() + r0 * nb,
+                    out + r0 * w.N, n0, n1);
+  }
+  if (w.bias == nullptr) return;
   for (int64_t r = 0; r < T; ++r)
     for (int64_t n = n0; n < n1; ++n) out[r * w.N + n] = out[r * w.N + n] + w.bias[n];
 }
 
 struct LayerViews {
-  PackedView qkv, o, gate_up, down;
+  ProjectionView qkv, o, gate_up, down;
   const float *input_norm, *post_norm;
   DecodeAttentionPlan attention;
   KVWritePlan kv_write;
@@ -82,8 +99,8 @@ struct LayerViews {
 bool fused_step_supports(const std::vector<Layer>& layers, int64_t tokens) {
   if (tokens < 1 || tokens > kFusedStepMaxRows || layers.empty()) return false;
   return std::all_of(layers.begin(), layers.end(), [](const Layer& l) {
-    return l.qkv.packed_int8() && l.o.packed_int8() && l.gate_up.packed_int8() &&
-           l.down.packed_int8() && !l.gate_up.bias && !l.down.bias;
+    return l.qkv.fused_step_ready() && l.o.fused_step_ready() && l.gate_up.fused_step_ready() &&
+           l.down.fused_step_ready() && !l.gate_up.bias && !l.down.bias;
   });
 }
 
@@ -139,8 +156,8 @@ std::tuple<at::Tensor, at::Tensor> fused_decode_step(
     DecodeAttentionPlan attention = plan0.for_layer(kv_caches[i], l.sliding_window);
     KVWritePlan kv_write = write0;
     kv_write.k_cache = kv_caches[i].data_ptr();  // same shape and type: for_layer checked
-    views.push_back({PackedView(l.qkv), PackedView(l.o), PackedView(l.gate_up),
-                     PackedView(l.down), l.input_norm.data_ptr<float>(),
+    views.push_back({ProjectionView(l.qkv), ProjectionView(l.o), ProjectionView(l.gate_up),
+                     ProjectionView(l.down), l.input_norm.data_ptr<float>(),
                      l.post_norm.data_ptr<float>(), std::move(attention), std::move(kv_write)});
   }
 
@@ -158,7 +175,7 @@ std::tuple<at::Tensor, at::Tensor> fused_decode_step(
   {
     const int tid = omp_get_thread_num(), threads = omp_get_num_threads();
     std::vector<float> residual(hidden_ptr, hidden_ptr + T * H), x(T * H), act(T * inter);
-    Int8Input in(T, max_k);
+    ThreadInput in(T, max_k);
     for (int64_t r = 0; r < T; ++r)
       rms_norm_row(x.data() + r * H, hidden_ptr + r * H, views[0].input_norm, H, eps);
     for (size_t i = 0; i < views.size(); ++i) {

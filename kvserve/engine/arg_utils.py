@@ -10,6 +10,7 @@ from typing import Any, Literal
 from kvserve.config import (
     DEFAULT_MODEL,
     KV_CACHE_DTYPES,
+    NO_QUANTIZATION,
     QUANTIZATION_METHODS,
     CacheConfig,
     DeviceConfig,
@@ -146,9 +147,12 @@ class EngineArgs:
         parser.add_argument("--served-model-name", default=None)
         parser.add_argument("--max-model-len", type=int, default=None)
         parser.add_argument(
-            "--quantization", "-q", default=None, choices=list(QUANTIZATION_METHODS),
-            help="gguf: run the GGUF file's Q4_1/Q8_0/Q4_0 blocks directly (lossless); "
-            "q8_0: quantize float weights to Q8_0 blocks",
+            "--quantization", "-q", default=None,
+            choices=[*QUANTIZATION_METHODS, *NO_QUANTIZATION],
+            help="gguf (default for GGUF models): run the file's Q4_1/Q8_0/Q4_0 blocks "
+            "directly, lossless; gguf_int8: the same blocks with int8 activations, as "
+            "llama.cpp (faster, lossy); q8_0: quantize float weights to Q8_0 blocks; "
+            "none/float32 (default for HF directories): dequantize to float32 at load",
         )  # fmt: skip
         parser.add_argument("--seed", type=int, default=0)
         parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])

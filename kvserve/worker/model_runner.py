@@ -3,6 +3,7 @@ over the paged KV cache and samples (the two-phase execute_model / sample_tokens
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -10,6 +11,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvserve import _custom_ops as ops
 from kvserve.attention.backends.abstract import AttentionMetadataBuilder
 from kvserve.attention.layer import Attention, bind_kv_cache, get_attention_layers
 from kvserve.config import EngineConfig
@@ -32,6 +34,8 @@ from kvserve.worker.input_batch import InputBatch
 from kvserve.worker.input_preparation import InputPreparer, StepInputs
 from kvserve.worker.kv_connector_model_runner_mixin import KVConnectorModelRunnerMixin
 from kvserve.worker.request_state import CachedRequestState
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -84,7 +88,12 @@ class ModelRunner(KVConnectorModelRunnerMixin):
 
     def load_model(self) -> None:
         mc = self.config.model_config
-        self.model = get_model(mc.resolved, mc.arch, self.device, self.dtype, mc.quantization)
+        quantization = mc.quantization
+        if mc.quantization_is_default and (self.device.type != "cpu" or not ops.available()):
+            # The default block path has C++ CPU kernels only; asked for, it would raise.
+            logger.info("GGUF blocks need kvserve's CPU kernels: loading float32 weights")
+            quantization = None
+        self.model = get_model(mc.resolved, mc.arch, self.device, self.dtype, quantization)
 
     def _attention_layers(self) -> dict[str, Attention]:
         if self.model is None:

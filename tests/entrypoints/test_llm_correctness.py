@@ -138,29 +138,39 @@ def test_engine_core_in_background_process_matches_hf(cases: Any) -> None:
         engine.llm_engine.shutdown()
 
 
-def test_greedy_without_cpp_kernels_matches_hf(llm: Any, cases: Any) -> None:
-    """The plain torch fallbacks (no compiler on the machine) give the same tokens."""
+def _model(engine: Any) -> torch.nn.Module:
+    runner = engine.llm_engine.engine_core.engine_core.model_executor.driver_worker.model_runner
+    return runner.model  # type: ignore[no-any-return]
+
+
+def test_default_runs_the_gguf_blocks(llm: Any) -> None:
+    """Every test above ran the default engine: for a GGUF model, the file's own blocks
+    (quantization "gguf", lossless), with no float32 copy of the layers' weights."""
     from kvserve import _custom_ops as ops
-
-    prompts, expected = cases
-    llm.reset_prefix_cache()
-    with ops.disabled():
-        assert run(llm, prompts) == expected
-    assert_no_leak(llm)
-
-
-def test_greedy_gguf_block_weights_match_hf(llm_factory: Any, cases: Any) -> None:
-    """--quantization gguf runs the file's Q4_1/Q8_0 blocks: lossless, so HF's tokens."""
-    from kvserve import _custom_ops as ops
+    from kvserve.model_executor.layers.linear import LinearBase
 
     if not ops.available():
-        pytest.skip("no C++ toolchain for the block kernels")
-    quantized = llm_factory(quantization="gguf")
+        pytest.skip("no C++ toolchain: the default falls back to float32 weights")
+    assert llm.llm_engine.config.model_config.quantization == "gguf"
+    linears = [m for m in _model(llm).modules() if isinstance(m, LinearBase)]
+    assert linears and all(m.quant_weight is not None and m.weight.numel() == 0 for m in linears)
+
+
+def test_quantization_none_runs_float32_and_matches_hf(llm_factory: Any, cases: Any) -> None:
+    """--quantization none dequantizes to float32 at load, as before gguf was the default;
+    its plain torch fallbacks (no compiler on the machine) give the same tokens too."""
+    from kvserve import _custom_ops as ops
+    from kvserve.model_executor.layers.linear import LinearBase
+
+    engine = llm_factory(quantization="none")
+    linears = [m for m in _model(engine).modules() if isinstance(m, LinearBase)]
+    assert linears and all(m.quant_weight is None and m.weight.numel() > 0 for m in linears)
     prompts, expected = cases
-    # One at a time too, so single-row (GEMV) and batched kernel paths are both exercised.
-    assert run(quantized, prompts) == expected
-    assert run(quantized, prompts[:2]) == expected[:2]
-    assert_no_leak(quantized)
+    assert run(engine, prompts) == expected
+    engine.reset_prefix_cache()
+    with ops.disabled():
+        assert run(engine, prompts) == expected
+    assert_no_leak(engine)
 
 
 def assert_near_greedy(

@@ -12,12 +12,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from gguf import GGMLQuantizationType as T
 
 from kvserve import _custom_ops as ops
 from kvserve.attention.backends.registry import get_attn_backend
 from kvserve.attention.backends.utils import make_common_attn_metadata
 from kvserve.forward_context import set_forward_context
-from kvserve.model_executor.layers.quantization import quantize_model
+from kvserve.model_executor.layers.linear import LinearBase
+from kvserve.model_executor.layers.quantization import BlockWeight, quantize_model
 from kvserve.model_executor.model_loader import get_model
 from kvserve.transformers_utils.arch_config import load_arch_config
 from kvserve.transformers_utils.model_resolver import resolve_model
@@ -29,7 +31,11 @@ def _load(path: Path, quantization: str | None = None, int8: bool = False) -> to
     resolved = resolve_model(str(path))
     arch = load_arch_config(resolved)
     model = get_model(resolved, arch)
-    if quantization is not None:
+    if quantization == "q4_1":  # GGUF files' type, as the default gguf method runs it
+        for module in model.modules():
+            if isinstance(module, LinearBase):
+                module.quant_weight = BlockWeight.quantize(module.weight, T.Q4_1)
+    elif quantization is not None:
         quantize_model(model, quantization, None, arch)
         for module in model.modules():
             bw = getattr(module, "quant_weight", None)
@@ -62,7 +68,13 @@ def _decode_run(
     [
         ("tiny_llama", None, False, 3),
         ("tiny_qwen2", None, False, 3),  # q/k/v biases
-        ("tiny_llama", "q8_0", False, 3),  # block weights, float activations
+        # Block weights, float activations (the default gguf method): steps of up to 8
+        # rows take the fused step, larger ones the per-op path.
+        ("tiny_llama", "q8_0", False, 3),
+        ("tiny_llama", "q4_1", False, 1),
+        ("tiny_llama", "q4_1", False, 8),  # two GEMV passes: 6 rows, then 2
+        ("tiny_llama", "q4_1", False, 12),
+        ("tiny_qwen2", "q4_1", False, 2),
         # Block weights, int8 activations: with AVX-512 VNNI, steps of up to 8 rows take
         # the fused step (csrc/decode_step.cpp), larger ones the per-op path.
         ("tiny_llama", "q8_0", True, 1),

@@ -33,13 +33,18 @@ def test_dequantize_is_bit_exact_with_gguf(qtype: T) -> None:
     assert torch.equal(weight.dequantize(), reference)
 
 
-# 1-6 rows: the per-row GEMV; 7..47: cache-sized tiles; 48+: one dequantize + BLAS.
-@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 13, 47, 48, 130])
+# 1-15 rows: the GEMV over cache-sized tiles, 6 rows of x at a time; 16-255: dequantized
+# tiles + BLAS; 256+: all of W dequantized, then torch's own GEMM.
+@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 13, 47, 48, 130, 255, 256, 300])
 @pytest.mark.parametrize("qtype", TYPES)
 def test_block_linear_matches_float32_matmul(qtype: T, rows: int) -> None:
     weight, reference = _block_weight(qtype, 197, 1536, seed=rows)
     x = torch.randn(rows, 1536)
-    torch.testing.assert_close(weight.linear(x), F.linear(x, reference), rtol=1e-4, atol=1e-4)
+    out = weight.linear(x)
+    torch.testing.assert_close(out, F.linear(x, reference), rtol=1e-4, atol=1e-4)
+    if rows >= 256:  # the float32 engine's very call: its result bit for bit
+        assert torch.equal(out, F.linear(x, reference))
+        assert torch.equal(weight.linear(x[:, None]), out[:, None])  # leading dims kept
 
 
 def test_block_linear_keeps_leading_dims_and_rejects_wrong_width() -> None:
@@ -91,6 +96,17 @@ def test_model_uses_the_files_blocks_for_every_linear_layer() -> None:
 def test_quantization_config_is_validated() -> None:
     with pytest.raises(ValueError, match="quantization must be one of"):
         ModelConfig(quantization="int3")
+
+
+def test_gguf_models_default_to_their_blocks_and_none_means_float32(tiny_llama: tuple) -> None:
+    default = ModelConfig()
+    assert (default.quantization, default.quantization_is_default) == ("gguf", True)
+    explicit = ModelConfig(quantization="gguf")
+    assert (explicit.quantization, explicit.quantization_is_default) == ("gguf", False)
+    for spelling in ("none", "float32"):
+        assert ModelConfig(quantization=spelling).quantization is None
+    hf_dir = ModelConfig(model=str(tiny_llama[0]))  # HF checkpoints stay float32
+    assert (hf_dir.quantization, hf_dir.quantization_is_default) == (None, False)
 
 
 def _int8_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
