@@ -17,8 +17,8 @@ def pytest_configure(config: pytest.Config) -> None:
     # kvserve's own cache (converted tokenizers) lives in pytest's cache directory, kept
     # between runs (every later run, and each server process a test starts, skips the
     # conversion) but never in the real home. Tests of the cache use tmp_path instead.
-    if config.cache is not None:
-        os.environ.setdefault("KVSERVE_CACHE_DIR", str(config.cache.mkdir("kvserve")))
+    if getattr(config, "cache", None) is not None:
+        os.environ.setdefault("KVSERVE_HOME", str(config.cache.mkdir("kvserve")))
 
 
 # Small enough that several engines fit in memory side by side during the suite.

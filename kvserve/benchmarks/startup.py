@@ -197,7 +197,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         env["PYTHONPATH"] = str(Path(args.kvserve_path).resolve())
     with tempfile.TemporaryDirectory(prefix="kvserve-bench-startup-") as scratch:
         for target in targets:
-            env["KVSERVE_CACHE_DIR"] = str(Path(scratch) / f"cache-{target}")
+            env["KVSERVE_HOME"] = str(Path(scratch) / f"cache-{target}")
             for temperature in ("cold", "warm"):
                 log = Path(scratch) / f"{target}-{temperature}.log"
                 figures = _RUNNERS[target](args, env, log)

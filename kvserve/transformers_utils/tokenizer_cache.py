@@ -10,7 +10,7 @@ entry, a half-written directory) is removed and rebuilt. Entries are written int
 temporary directory and renamed into place, so a reader never sees a partial one, and
 two processes converting at once both end with a whole entry.
 
-Location: ``$KVSERVE_CACHE_DIR/tokenizers``, else ``$XDG_CACHE_HOME/kvserve/tokenizers``,
+Location: ``$KVSERVE_HOME/tokenizers``, else ``$XDG_CACHE_HOME/kvserve/tokenizers``,
 else ``~/.cache/kvserve/tokenizers``.
 """
 
@@ -37,7 +37,8 @@ _FORMAT = 1
 
 def cache_root() -> Path:
     """The kvserve cache directory (not created here)."""
-    explicit = os.environ.get("KVSERVE_CACHE_DIR")
+    # Not KVSERVE_CACHE_DIR: every KVSERVE_CACHE_* variable is a KV tier setting.
+    explicit = os.environ.get("KVSERVE_HOME")
     if explicit:
         return Path(explicit).expanduser()
     xdg = os.environ.get("XDG_CACHE_HOME")

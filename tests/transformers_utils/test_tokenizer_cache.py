@@ -25,7 +25,7 @@ CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 @pytest.fixture
 def cache_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     """An empty cache, and no tokenizer held in memory, before and after."""
-    monkeypatch.setenv("KVSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("KVSERVE_HOME", str(tmp_path / "cache"))
     forget_loaded_tokenizers()
     yield tmp_path / "cache"
     forget_loaded_tokenizers()
@@ -39,10 +39,10 @@ def _fingerprint(tokenizer: object) -> tuple[object, ...]:
 
 
 def test_root_honours_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    monkeypatch.delenv("KVSERVE_CACHE_DIR", raising=False)
+    monkeypatch.delenv("KVSERVE_HOME", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     assert tokenizer_cache.cache_root() == tmp_path / "xdg" / "kvserve"
-    monkeypatch.setenv("KVSERVE_CACHE_DIR", str(tmp_path / "own"))
+    monkeypatch.setenv("KVSERVE_HOME", str(tmp_path / "own"))
     assert tokenizer_cache.cache_root() == tmp_path / "own"
 
 

@@ -17,11 +17,11 @@ from tests.entrypoints.openai.utils import RemoteServer
 def server() -> Iterator[RemoteServer]:
     remote = RemoteServer()
     yield remote
-    # The shutdown contract, checked on the way out: SIGTERM lets an in-flight request
-    # finish, then the server exits 0.
+    # The shutdown contract, checked on the way out: SIGTERM stops admitting, lets an
+    # in-flight request finish, then the server exits 0.
     body = {
         "prompt": "Once upon a time",
-        "max_tokens": 12,
+        "max_tokens": 32,
         "ignore_eos": True,
         "stream": True,
         "stream_options": {"include_usage": True},
@@ -33,13 +33,25 @@ def server() -> Iterator[RemoteServer]:
         lines = response.iter_lines()
         assert next(lines).startswith("data: {")
         remote.proc.send_signal(signal.SIGTERM)
+        _assert_not_admitted(remote, body)
         rest = list(lines)
     code = remote.stop()
     events = [line for line in rest if line]
     assert events[-1] == "data: [DONE]", events
     usage = json.loads(events[-2].removeprefix("data: "))["usage"]
-    assert usage["completion_tokens"] == 12, "the in-flight request was cut short"
+    assert usage["completion_tokens"] == 32, "the in-flight request was cut short"
     assert code == 0, "the server did not exit cleanly after SIGTERM"
+
+
+def _assert_not_admitted(remote: RemoteServer, body: dict[str, Any]) -> None:
+    """A request sent while the server drains is refused: its listener is closed, or the
+    admission middleware answers 503 with Retry-After."""
+    try:
+        late = httpx.post(remote.url("/v1/completions"), json=body, timeout=30)
+    except httpx.TransportError:
+        return  # the listening socket is closed: nothing new gets in
+    assert late.status_code == 503, late.text
+    assert late.headers["retry-after"]
 
 
 @pytest.fixture(scope="session")
