@@ -139,8 +139,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    # Before anything imports torch (the parser's sub-commands may).
-    configure_process_threads()
+    argv = sys.argv[1:] if argv is None else argv
+    # Before anything imports torch (the parser's sub-commands may). Not for benchmarks:
+    # they run peers (HF, llama.cpp's OpenMP) in this process, and every engine must run
+    # in the environment the user gave, or the comparison measures our settings.
+    if argv[:1] != ["bench"]:
+        configure_process_threads()
     args = build_parser().parse_args(argv)
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
