@@ -203,8 +203,7 @@ class BlockPool:
 
     def reset_prefix_cache(self) -> bool:
         """Forgets every cached hash; refused (False) while any block is in use."""
-        num_used = self.num_blocks - 1 - self.get_num_free_blocks()
-        if num_used:
+        if self.get_num_used_blocks():
             return False
         self.cached_block_hash_to_block.clear()
         for block in self.blocks:
@@ -215,6 +214,10 @@ class BlockPool:
 
     def get_num_free_blocks(self) -> int:
         return self.free_block_queue.num_free_blocks
+
+    def get_num_used_blocks(self) -> int:
+        """Blocks held by requests (the null block is never counted)."""
+        return self.num_blocks - 1 - self.get_num_free_blocks()
 
     def get_usage(self) -> float:
         """Fraction of usable blocks (the null block excluded) held by requests."""

@@ -78,7 +78,7 @@ class KVCacheManager:
 
     @property
     def num_blocks_in_use(self) -> int:
-        return self.block_pool.num_blocks - 1 - self.block_pool.get_num_free_blocks()
+        return self.block_pool.get_num_used_blocks()
 
     def make_prefix_cache_stats(self) -> PrefixCacheStats | None:
         """Returns the stats since the last call and starts a new interval."""
