@@ -33,6 +33,9 @@ class ModelConfig:
     # None: the model's default ("gguf" for a GGUF file, float32 otherwise); resolved in
     # __post_init__ to a method of QUANTIZATION_METHODS, or None for float32 weights.
     quantization: str | None = None
+    # vLLM's flag: decode rows sharing a long prefix attend to it once (cascade attention)
+    # unless this is set; tests and `kvserve bench cascade` compare the two.
+    disable_cascade_attn: bool = False
     # Whether `quantization` is that default rather than asked for: a default "gguf" falls
     # back to float32 where its kernels cannot run (no compiler, a CUDA device).
     quantization_is_default: bool = field(init=False, default=False)

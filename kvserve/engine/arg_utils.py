@@ -68,6 +68,7 @@ class EngineArgs:
     kv_transfer_config: KVTransferConfig | dict[str, Any] | str | None = None
     # YAML file of the tiered KV cache; on its own it turns on TieredCacheConnector.
     kv_cache_config: str | None = None
+    disable_cascade_attn: bool = False
 
     def _transfer_config(self) -> KVTransferConfig | None:
         transfer = (
@@ -91,6 +92,7 @@ class EngineArgs:
             seed=self.seed,
             served_model_name=self.served_model_name,
             quantization=self.quantization,
+            disable_cascade_attn=self.disable_cascade_attn,
         )
         assert model_config.max_model_len is not None
         return EngineConfig(
@@ -178,6 +180,12 @@ class EngineArgs:
             "--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True
         )
         parser.add_argument("--long-prefill-token-threshold", type=int, default=0)
+        parser.add_argument(
+            "--disable-cascade-attn", action="store_true",
+            help="attend to a prefix shared by many running requests once per request, "
+            "not once for all of them (cascade attention is on by default, cost rule "
+            "permitting)",
+        )  # fmt: skip
         parser.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
         parser.add_argument(
             "--kv-events-config",

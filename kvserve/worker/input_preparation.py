@@ -6,6 +6,7 @@ buffers and copied to the device once; Python only iterates over requests.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -59,8 +60,14 @@ class InputPreparer:
         self.logits_indices = torch.zeros(max_num_reqs, dtype=torch.int64, device=device)
 
     def prepare(
-        self, batch: InputBatch, num_scheduled_by_id: dict[str, int], total_tokens: int
+        self,
+        batch: InputBatch,
+        num_scheduled_by_id: dict[str, int],
+        total_tokens: int,
+        num_common_prefix_blocks: Sequence[int] = (),
     ) -> StepInputs:
+        """``num_common_prefix_blocks``: the scheduler's count per KV cache group
+        (SchedulerOutput); a group it leaves out gets 0, i.e. no cascade attention."""
         num_reqs = batch.num_reqs
         assert num_reqs > 0 and total_tokens > 0
         req_ids = batch.req_ids
@@ -104,6 +111,8 @@ class InputPreparer:
 
         max_query_len = int(num_scheduled.max())
         max_seq_len = int(seq_lens.max())
+        prefix_blocks = list(num_common_prefix_blocks)
+        prefix_blocks += [0] * (len(batch.block_table.block_tables) - len(prefix_blocks))
         commons = [
             CommonAttentionMetadata(
                 query_start_loc=qsl,
@@ -117,8 +126,11 @@ class InputPreparer:
                 max_seq_len=max_seq_len,
                 block_table_tensor=table.get_device_tensor(num_reqs),
                 slot_mapping=table.commit_slot_mapping(total_tokens),
+                num_common_prefix_blocks=num_prefix_blocks,
             )
-            for table in batch.block_table.block_tables
+            for table, num_prefix_blocks in zip(
+                batch.block_table.block_tables, prefix_blocks, strict=False
+            )
         ]
         return StepInputs(
             input_ids=input_ids,

@@ -249,6 +249,9 @@ class ModelRunner(KVConnectorModelRunnerMixin):
             self.input_batch,
             scheduler_output.num_scheduled_tokens,
             scheduler_output.total_num_scheduled_tokens,
+            ()
+            if self.config.model_config.disable_cascade_attn
+            else scheduler_output.num_common_prefix_blocks,
         )
         attn_metadata = self._build_attn_metadata(inputs)
         forward_start = time.perf_counter()

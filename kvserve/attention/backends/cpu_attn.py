@@ -27,6 +27,11 @@ from kvserve.attention.backends.abstract import (
     AttentionImpl,
     AttentionMetadataBuilder,
 )
+from kvserve.attention.backends.cascade import (
+    CascadeMetadata,
+    build_cascade_metadata,
+    cascade_decode,
+)
 from kvserve.attention.backends.utils import CommonAttentionMetadata, write_to_kv_cache
 
 
@@ -80,6 +85,8 @@ class CPUAttentionMetadata:
     # decode rows' (block_table_i32, seq_lens_i32, token_indices), empty without decodes.
     all_slots: torch.Tensor | None = None
     kernel_decode: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    # The decode rows' split at a shared prefix (cascade.py); None: attend row by row.
+    cascade: CascadeMetadata | None = None
 
 
 class CPUAttentionMetadataBuilder(AttentionMetadataBuilder):
@@ -122,8 +129,11 @@ class CPUAttentionMetadataBuilder(AttentionMetadataBuilder):
             slot_mapping = all_slots[token_indices]
 
         decode = self._decode(common, decode_reqs, starts, seq_lens)
-        kernel_decode = self._no_decodes
-        if decode is not None:
+        cascade = build_cascade_metadata(common, decode, self.block_size)
+        kernel_decode: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = self._no_decodes
+        if cascade is not None:
+            kernel_decode = None  # cascade runs in torch (and the fused decode stack declines)
+        elif decode is not None:
             kernel_decode = (decode.block_table_i32, decode.seq_lens_i32, decode.token_indices)
         return CPUAttentionMetadata(
             num_actual_tokens=common.num_actual_tokens,
@@ -134,6 +144,7 @@ class CPUAttentionMetadataBuilder(AttentionMetadataBuilder):
             prefills=prefills,
             all_slots=all_slots,
             kernel_decode=kernel_decode,
+            cascade=cascade,
         )
 
     def _prefill(
@@ -205,7 +216,9 @@ class CPUAttentionImpl(AttentionImpl):
         else:
             write_to_kv_cache(key[:n], value[:n], kv_cache, md.slot_mapping, md.slot_token_indices)
             output = torch.zeros_like(query)
-            if md.decode is not None:
+            if md.cascade is not None and md.decode is not None:
+                cascade_decode(self, output, query, key, value, kv_cache, md.decode, md.cascade)
+            elif md.decode is not None:
                 k_cache, v_cache = kv_cache[0], kv_cache[1]
                 output[md.decode.token_indices] = self._decode(query, k_cache, v_cache, md.decode)
         k_cache, v_cache = kv_cache[0], kv_cache[1]

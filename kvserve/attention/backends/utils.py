@@ -27,6 +27,10 @@ class CommonAttentionMetadata:
     max_seq_len: int
     block_table_tensor: torch.Tensor  # int32 [num_reqs, max_num_blocks_per_req], device
     slot_mapping: torch.Tensor  # int64 [num_actual_tokens]: block_id*block_size+offset, -1 = skip
+    # Leading blocks of the table shared by every request (the scheduler's count for this
+    # group; 0 where its manager shares none): cascade attention's common prefix, vLLM's
+    # common_prefix_len in blocks.
+    num_common_prefix_blocks: int = 0
 
     @property
     def query_lens_cpu(self) -> torch.Tensor:
@@ -62,6 +66,7 @@ def make_common_attn_metadata(
     block_tables: list[list[int]],
     block_size: int,
     device: torch.device | str = "cpu",
+    num_common_prefix_blocks: int = 0,
 ) -> CommonAttentionMetadata:
     """Build metadata from plain lists (tests, tools, simple runners).
 
@@ -93,4 +98,5 @@ def make_common_attn_metadata(
         max_seq_len=int(seq_lens_cpu.max()) if num_reqs else 0,
         block_table_tensor=table.to(device),
         slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        num_common_prefix_blocks=num_common_prefix_blocks,
     )

@@ -1,0 +1,209 @@
+"""Cascade attention: decode rows that share a long common prefix (vLLM's cascade).
+
+When every running request starts with the same KV blocks (the scheduler's
+``num_common_prefix_blocks``, carried in ``CommonAttentionMetadata``), the decode rows'
+attention splits at the end of that prefix:
+
+* prefix: the D decode queries against the shared prefix keys in one batched attention,
+  the D*G query heads of each KV head as its rows, so the prefix K/V are read once per
+  step instead of once per request (and as one matrix product instead of D vector ones);
+* suffix: each request's own keys after the prefix (its tail and this step's token), a
+  padded batch with a length mask.
+
+Each part returns its output and the log-sum-exp of its scores; ``merge_attn_states``
+combines the two into what one softmax over the concatenated keys gives.
+
+The fused decode stack (llama_decode_stack) has no cascade: a step that uses it hands
+the stack no ``kernel_decode``, so the stack declines and the layers run one by one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from kvserve import _custom_ops as ops
+
+if TYPE_CHECKING:
+    from kvserve.attention.backends.abstract import AttentionImpl
+    from kvserve.attention.backends.cpu_attn import CPUAttentionImpl, DecodeBatch
+    from kvserve.attention.backends.utils import CommonAttentionMetadata
+
+# The cost rule's thresholds (see use_cascade_attention).
+MIN_COMMON_PREFIX_LEN = 256
+MIN_DECODE_ROWS = 8
+# Prefix keys the per-request kernel would read in all, summed over the decode rows.
+MIN_PREFIX_READS = 16384
+
+# Layer attributes (vLLM's names) of attention variants the cascade split does not
+# reproduce: a chunked-local mask, attention sinks, soft-capped logits.
+_UNSERVED_VARIANTS = ("attention_chunk_size", "sinks", "num_sink_tokens", "logits_soft_cap")
+
+
+def use_cascade_attention(common_prefix_len: int, num_decodes: int) -> bool:
+    """The cost rule: cascade when the shared prefix is long and shared by enough rows.
+
+    Like vLLM's ``use_cascade_attention``: a prefix under 256 tokens or fewer than 8
+    decode rows never pays (the split adds a second pass over the queries, a merge, and
+    on the CPU backend the layers run one by one instead of in the fused C++ decode
+    stack). Beyond that, the saving grows with the prefix reads it removes,
+    ``(num_decodes - 1) * common_prefix_len``, so the product ``num_decodes *
+    common_prefix_len`` must reach 16,384 keys (e.g. 16 rows of 1,024 tokens, 32 of
+    512); measured crossover on SmolLM2-135M, AMD EPYC Zen 5: docs/benchmarks.md.
+    """
+    return (
+        common_prefix_len >= MIN_COMMON_PREFIX_LEN
+        and num_decodes >= MIN_DECODE_ROWS
+        and num_decodes * common_prefix_len >= MIN_PREFIX_READS
+    )
+
+
+@dataclass
+class CascadeMetadata:
+    """One step's split of its decode rows at the shared prefix, built once per step."""
+
+    common_prefix_len: int  # tokens (whole blocks), vLLM's name
+    prefix_block_ids: torch.Tensor  # int64 [P / block_size]
+    suffix_block_table: torch.Tensor  # int64 [D, suffix blocks]
+    suffix_mask: torch.Tensor  # float32 [D, 1, 1, suffix blocks * block_size]: 0 or -inf
+    max_seq_len: int  # longest decode row: a sliding window must cover it
+
+
+def build_cascade_metadata(
+    common: CommonAttentionMetadata, decode: DecodeBatch | None, block_size: int
+) -> CascadeMetadata | None:
+    """The split for this step's decode rows, or None where the cost rule says no."""
+    num_prefix_blocks = common.num_common_prefix_blocks
+    if decode is None or num_prefix_blocks <= 0:
+        return None
+    # Decode rows are the requests with one query token, in request order (as DecodeBatch).
+    is_decode = common.query_lens_cpu[: common.num_reqs] == 1
+    seq_lens = common.seq_lens_cpu[: common.num_reqs][is_decode]
+    # Every row keeps at least its newest key in the suffix (the scheduler counts whole
+    # blocks held by all requests, which may run past a short request's tokens).
+    num_prefix_blocks = min(num_prefix_blocks, (int(seq_lens.min()) - 1) // block_size)
+    prefix_len = num_prefix_blocks * block_size
+    if not use_cascade_attention(prefix_len, len(seq_lens)):
+        return None
+    table = decode.block_table_i32
+    prefix_ids = table[0, :num_prefix_blocks]
+    if not bool((table[:, :num_prefix_blocks] == prefix_ids).all()):
+        return None  # not one physical prefix after all: attend request by request
+    suffix_table = table[:, num_prefix_blocks:].long()
+    key_pos = torch.arange(suffix_table.shape[1] * block_size, device=table.device)
+    visible = key_pos[None, :] < (decode.seq_lens - prefix_len)[:, None]
+    mask = torch.zeros(visible.shape, dtype=torch.float32, device=table.device)
+    mask.masked_fill_(~visible, float("-inf"))
+    return CascadeMetadata(
+        common_prefix_len=prefix_len,
+        prefix_block_ids=prefix_ids.long(),
+        suffix_block_table=suffix_table,
+        suffix_mask=mask[:, None, None, :],
+        max_seq_len=int(seq_lens.max()),
+    )
+
+
+def attention_with_lse(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    mask: torch.Tensor | None = None,
+    fused: bool | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``q [B, H, Lq, hd]``, ``k/v [B, H, Lk, hd]``, additive ``mask`` broadcastable to
+    ``[B, H, Lq, Lk]`` -> (output ``[B, H, Lq, hd]``, log-sum-exp of the scaled, masked
+    scores ``[B, H, Lq]``). ``fused`` (default: on CPU tensors) runs torch's flash
+    attention CPU kernel, which returns the log-sum-exp; otherwise plain matmuls."""
+    if fused is None:
+        fused = q.is_cpu
+    if fused:
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, attn_mask=mask, scale=scale
+        )
+        return out, lse
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    if mask is not None:
+        scores = scores + mask
+    lse = torch.logsumexp(scores, dim=-1)
+    return torch.matmul(torch.exp(scores - lse[..., None]), v), lse
+
+
+def merge_attn_states(
+    out1: torch.Tensor, lse1: torch.Tensor, out2: torch.Tensor, lse2: torch.Tensor
+) -> torch.Tensor:
+    """Two attentions of the same queries over disjoint key sets -> the attention over
+    their union: ``(e^{lse1-m} out1 + e^{lse2-m} out2) / (e^{lse1-m} + e^{lse2-m})``
+    with ``m = max(lse1, lse2)``. ``out [..., hd]``, ``lse [...]``; each key set must be
+    non-empty (a finite lse) for every query."""
+    m = torch.maximum(lse1, lse2)
+    w1 = torch.exp(lse1 - m).unsqueeze(-1)
+    w2 = torch.exp(lse2 - m).unsqueeze(-1)
+    return (out1 * w1 + out2 * w2) / (w1 + w2)
+
+
+def serves_layer(impl: AttentionImpl, cascade: CascadeMetadata) -> bool:
+    """Whether the split reproduces this layer's attention: no window shorter than the
+    decode rows (a window covering every key is plain attention), no variant mask."""
+    window = impl.sliding_window
+    if window is not None and window < cascade.max_seq_len:
+        return False
+    return all(getattr(impl, name, None) is None for name in _UNSERVED_VARIANTS)
+
+
+def cascade_decode(
+    impl: CPUAttentionImpl,
+    output: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    decode: DecodeBatch,
+    cascade: CascadeMetadata,
+) -> None:
+    """Write the decode rows' attention into ``output``; the step's K/V are in the
+    cache already. A layer the split does not serve attends row by row as without
+    cascade (the C++ kernel, writing no slots, or the torch fallback)."""
+    token_indices = decode.token_indices
+    if not serves_layer(impl, cascade):
+        if ops.use_for(query):
+            no_slots = torch.zeros(0, dtype=torch.long, device=query.device)
+            ops.cache_and_decode_attention(
+                output, query, key, value, kv_cache, no_slots, decode.block_table_i32,
+                decode.seq_lens_i32, token_indices, impl.scale, impl.sliding_window,
+            )  # fmt: skip
+        else:
+            output[token_indices] = impl._decode(query, kv_cache[0], kv_cache[1], decode)
+        return
+    num_decodes = token_indices.shape[0]
+    hkv, hd = impl.num_kv_heads, impl.head_size
+    group = impl.num_heads // hkv
+    q = query[token_indices].view(num_decodes, hkv, group, hd)
+    k_cache, v_cache = kv_cache[0], kv_cache[1]
+
+    # Prefix: [1, Hkv, D*G, hd] queries against [1, Hkv, P, hd] keys; a float16/bfloat16
+    # cache is widened to the query's type, as the other paths do.
+    q_prefix = q.permute(1, 0, 2, 3).reshape(1, hkv, num_decodes * group, hd)
+    k_prefix = k_cache[cascade.prefix_block_ids].view(-1, hkv, hd).transpose(0, 1)[None]
+    v_prefix = v_cache[cascade.prefix_block_ids].view(-1, hkv, hd).transpose(0, 1)[None]
+    out1, lse1 = attention_with_lse(
+        q_prefix, k_prefix.to(q.dtype), v_prefix.to(q.dtype), impl.scale
+    )
+    out1 = out1.reshape(hkv, num_decodes, group, hd).transpose(0, 1)
+    lse1 = lse1.reshape(hkv, num_decodes, group).transpose(0, 1)
+
+    # Suffix: [D, Hkv, G, hd] queries against each row's own [D, Hkv, S, hd] keys.
+    table = cascade.suffix_block_table
+    k_suffix = k_cache[table].view(num_decodes, -1, hkv, hd).transpose(1, 2)
+    v_suffix = v_cache[table].view(num_decodes, -1, hkv, hd).transpose(1, 2)
+    out2, lse2 = attention_with_lse(
+        q,
+        k_suffix.to(q.dtype),
+        v_suffix.to(q.dtype),
+        impl.scale,
+        cascade.suffix_mask.to(q.dtype),
+    )
+    merged = merge_attn_states(out1, lse1, out2, lse2)
+    output[token_indices] = merged.reshape(num_decodes, impl.num_heads, hd)
