@@ -1,10 +1,19 @@
-"""`kvserve bench serve|throughput|kvcache|peers|quantization|soak|startup`: wires the benchmarks into the kvserve command."""
+"""`kvserve bench serve|throughput|kvcache|peers|quantization|soak|startup|cascade`: wires the benchmarks into the kvserve command."""
 
 from __future__ import annotations
 
 import argparse
 
-from kvserve.benchmarks import kvcache, peers, quant_accuracy, serve, soak, startup, throughput
+from kvserve.benchmarks import (
+    cascade,
+    kvcache,
+    peers,
+    quant_accuracy,
+    serve,
+    soak,
+    startup,
+    throughput,
+)
 
 
 def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -33,4 +42,7 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     boot = sub.add_parser("startup", help="cold and warm start-up time, phase by phase")
     startup.add_cli_args(boot)
     boot.set_defaults(func=startup.main)
+    shared = sub.add_parser("cascade", help="decode throughput, cascade attention on vs off")
+    cascade.add_cli_args(shared)
+    shared.set_defaults(func=cascade.main)
     return bench

@@ -4,6 +4,7 @@ rule, and the CPU backend's decode rows split at a shared prefix vs row by row."
 from __future__ import annotations
 
 import random
+from typing import Any
 
 import pytest
 import torch
@@ -13,11 +14,15 @@ from kvserve.attention.backends.cascade import (
     MIN_COMMON_PREFIX_LEN,
     MIN_DECODE_ROWS,
     attention_with_lse,
+    forced,
     merge_attn_states,
     use_cascade_attention,
 )
 from kvserve.attention.backends.cpu_attn import CPUAttentionImpl, CPUAttentionMetadataBuilder
 from kvserve.attention.backends.utils import make_common_attn_metadata
+from kvserve.benchmarks.cascade import shared_prefix_prompts
+from kvserve.sampling_params import SamplingParams
+from tests.reference import assert_no_leak, hf_reference
 
 NUM_HEADS, NUM_KV_HEADS, HEAD = 6, 2, 16
 
@@ -49,11 +54,15 @@ def test_merge_of_two_key_sets_equals_one_softmax(fused: bool) -> None:
 
 
 def test_cost_rule() -> None:
-    assert use_cascade_attention(1008, 32)
-    assert use_cascade_attention(2048, MIN_DECODE_ROWS)
-    assert not use_cascade_attention(MIN_COMMON_PREFIX_LEN - 16, 128)  # prefix too short
-    assert not use_cascade_attention(8192, MIN_DECODE_ROWS - 1)  # too few rows
-    assert not use_cascade_attention(512, 16)  # too little prefix work to win it back
+    assert use_cascade_attention(2048, 64)
+    assert use_cascade_attention(16384, MIN_DECODE_ROWS)
+    assert not use_cascade_attention(MIN_COMMON_PREFIX_LEN - 16, 1024)  # prefix too short
+    assert not use_cascade_attention(1 << 16, MIN_DECODE_ROWS - 1)  # too few rows
+    assert not use_cascade_attention(992, 32)  # measured slower than row by row
+    with forced():
+        assert use_cascade_attention(992, 32) and use_cascade_attention(16, 1)
+        assert not use_cascade_attention(0, 32)
+    assert not use_cascade_attention(992, 32)
 
 
 def _setup(
@@ -127,7 +136,9 @@ def test_decode_rows_over_a_shared_prefix(cache_dtype: torch.dtype, window: int 
     common = make_common_attn_metadata(
         query_lens, computed, tables, block_size, num_common_prefix_blocks=nbp
     )
-    md = CPUAttentionMetadataBuilder(block_size, "cpu").build(common)
+    assert CPUAttentionMetadataBuilder(block_size, "cpu").build(common).cascade is None
+    with forced():  # 12 rows: the cost rule alone would attend row by row
+        md = CPUAttentionMetadataBuilder(block_size, "cpu").build(common)
     assert md.cascade is not None and md.kernel_decode is None
     assert md.cascade.common_prefix_len == prefix_len
     plain = CPUAttentionMetadataBuilder(block_size, "cpu").build(
@@ -165,7 +176,7 @@ def test_builder_clamps_and_declines() -> None:
     """The builder trusts the scheduler's count only as far as the tables agree, leaves
     every row at least its newest key, and follows the cost rule."""
     rng = random.Random(1)
-    block_size, prefix_len, rows = 16, 2048, 8
+    block_size, prefix_len, rows = 16, 2048, 64
     query_lens, computed = [1] * rows, [prefix_len + 5 + 3 * r for r in range(rows)]
     tables, _, _, _, nbp = _setup(rng, prefix_len, query_lens, computed, block_size, torch.float32)
     builder = CPUAttentionMetadataBuilder(block_size, "cpu")
@@ -188,5 +199,50 @@ def test_builder_clamps_and_declines() -> None:
     swapped = [list(t) for t in tables]
     swapped[3][:2] = swapped[3][1::-1]
     assert build(swapped, nbp) is None
-    # One row fewer than the rule asks for.
-    assert build(tables, nbp, rows=MIN_DECODE_ROWS - 1) is None
+    # Fewer rows than the rule asks for.
+    assert build(tables, nbp, rows=32) is None
+    with forced():
+        assert build(tables, nbp, rows=MIN_DECODE_ROWS - 1) == prefix_len
+
+
+@pytest.mark.slow
+def test_shared_prefix_batch_same_tokens_with_and_without_cascade(
+    llm: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """32 requests sharing a 1,000-token prefix, each with its own question, greedy, 16
+    tokens: forced into the cascade path, every decode step takes it (recorded from the
+    real builder) and the tokens equal those of the same batch attended row by row (the
+    cost rule's choice for it) and HF's on a sample. The engine option that turns
+    cascade off is compared in tests/benchmarks/test_cascade.py."""
+    prompts = shared_prefix_prompts(llm.get_tokenizer(), 32, 1000)
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    requests: list[Any] = [{"prompt_token_ids": p} for p in prompts]
+
+    runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.model_runner
+    builder = runner.attn_builders[0]
+    build = builder.build
+    prefix_lens: list[int] = []
+
+    def recording_build(common: Any) -> Any:
+        md = build(common)
+        prefix_lens.append(md.cascade.common_prefix_len if md.cascade is not None else 0)
+        return md
+
+    def generate() -> list[list[int]]:
+        outputs = llm.generate(requests, params, use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in outputs]
+
+    monkeypatch.setattr(builder, "build", recording_build)
+    with forced():
+        on = generate()
+    # 15 decode steps for 16 tokens, all of them over the prefix's 62 whole blocks.
+    assert prefix_lens.count(992) >= 15
+    prefix_lens.clear()
+    off = generate()
+    assert not any(prefix_lens)  # the cost rule declines this batch: row by row
+    monkeypatch.undo()
+    assert on == off
+    reference = hf_reference()
+    for i in (0, 31):
+        assert on[i] == reference.greedy(prompts[i], 16), f"request {i}"
+    assert_no_leak(llm)
