@@ -105,6 +105,7 @@ def _run_in_turns(
 
 def run_cascade(args: argparse.Namespace) -> dict[str, Any]:
     # Imported here: `kvserve bench serve` must not pay for torch and the engine.
+    from kvserve import _custom_ops as ops
     from kvserve.attention.backends.cascade import use_cascade_attention
     from kvserve.entrypoints.llm import LLM
 
@@ -136,8 +137,11 @@ def run_cascade(args: argparse.Namespace) -> dict[str, Any]:
         "load_avg": list(os.getloadavg()),
         # What the cost rule alone decides for this batch (whole blocks of the prefix).
         "cost_rule_chooses_cascade": use_cascade_attention(
-            args.prefix_len // args.block_size * args.block_size, args.num_requests
+            args.prefix_len // args.block_size * args.block_size,
+            args.num_requests,
+            vs_decode_kernel=ops.available() and args.device != "cuda",
         ),
+        "decode_kernel": ops.available(),
     }
     for name, seconds in times.items():
         results[name] = {

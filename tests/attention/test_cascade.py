@@ -60,7 +60,9 @@ def test_cost_rule() -> None:
     assert use_cascade_attention(16384, MIN_DECODE_ROWS)
     assert not use_cascade_attention(MIN_COMMON_PREFIX_LEN - 16, 1024)  # prefix too short
     assert not use_cascade_attention(1 << 16, MIN_DECODE_ROWS - 1)  # too few rows
-    assert not use_cascade_attention(992, 32)  # measured slower than row by row
+    assert not use_cascade_attention(992, 32)  # measured slower than the C++ kernel
+    assert use_cascade_attention(256, MIN_DECODE_ROWS, vs_decode_kernel=False)
+    assert not use_cascade_attention(240, 64, vs_decode_kernel=False)
     with forced():
         assert use_cascade_attention(992, 32) and use_cascade_attention(16, 1)
         assert not use_cascade_attention(0, 32)
@@ -138,8 +140,12 @@ def test_decode_rows_over_a_shared_prefix(cache_dtype: torch.dtype, window: int 
     common = make_common_attn_metadata(
         query_lens, computed, tables, block_size, num_common_prefix_blocks=nbp
     )
-    assert CPUAttentionMetadataBuilder(block_size, "cpu").build(common).cascade is None
-    with forced():  # 12 rows: the cost rule alone would attend row by row
+    # 12 rows: the cost rule leaves them to the C++ kernel, but not to the torch path.
+    by_rule = CPUAttentionMetadataBuilder(block_size, "cpu").build(common).cascade
+    assert (by_rule is None) == ops.available()
+    with ops.disabled():
+        assert CPUAttentionMetadataBuilder(block_size, "cpu").build(common).cascade is not None
+    with forced():
         md = CPUAttentionMetadataBuilder(block_size, "cpu").build(common)
     assert md.cascade is not None and md.kernel_decode is None
     assert md.cascade.common_prefix_len == prefix_len
@@ -201,8 +207,12 @@ def test_builder_clamps_and_declines() -> None:
     swapped = [list(t) for t in tables]
     swapped[3][:2] = swapped[3][1::-1]
     assert build(swapped, nbp) is None
-    # Fewer rows than the rule asks for.
-    assert build(tables, nbp, rows=32) is None
+    # Fewer rows than the rule asks for (against the C++ kernel; 8 against torch's).
+    assert build(tables, nbp, rows=MIN_DECODE_ROWS - 1) is None
+    with ops.disabled():
+        assert build(tables, nbp, rows=MIN_DECODE_ROWS) == prefix_len
+    if ops.available():
+        assert build(tables, nbp, rows=32) is None
     with forced():
         assert build(tables, nbp, rows=MIN_DECODE_ROWS - 1) == prefix_len
 
@@ -241,7 +251,8 @@ def test_shared_prefix_batch_same_tokens_with_and_without_cascade(
     assert prefix_lens.count(992) >= 15
     prefix_lens.clear()
     off = generate()
-    assert not any(prefix_lens)  # the cost rule declines this batch: row by row
+    # The cost rule leaves this batch to the C++ kernel, row by row.
+    assert not any(prefix_lens) or not ops.available()
     monkeypatch.undo()
     assert on == off
     assert on[31] == hf_reference().greedy(prompts[31], 16)

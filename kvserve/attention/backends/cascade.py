@@ -37,8 +37,9 @@ if TYPE_CHECKING:
 # The cost rule's thresholds (see use_cascade_attention).
 MIN_COMMON_PREFIX_LEN = 256
 MIN_DECODE_ROWS = 8
-# Prefix keys the decode rows read in all (rows x prefix tokens).
-MIN_PREFIX_READS = 1 << 17
+# Prefix keys the decode rows read in all (rows x prefix tokens), where the C++ decode
+# kernel would serve the rows instead.
+MIN_PREFIX_READS_VS_KERNEL = 1 << 17
 _forced = threading.local()
 
 # Layer attributes (vLLM's names) of attention variants the cascade split does not
@@ -46,26 +47,33 @@ _forced = threading.local()
 _UNSERVED_VARIANTS = ("attention_chunk_size", "sinks", "num_sink_tokens", "logits_soft_cap")
 
 
-def use_cascade_attention(common_prefix_len: int, num_decodes: int) -> bool:
+def use_cascade_attention(
+    common_prefix_len: int, num_decodes: int, vs_decode_kernel: bool = True
+) -> bool:
     """The cost rule: cascade when the shared prefix is long and shared by many rows.
 
     As vLLM's ``use_cascade_attention``, a prefix under 256 tokens or fewer than 8
-    decode rows never pays. On the CPU the bar is higher than on a GPU: the C++ decode
-    kernel already reads a physically shared prefix from the CPU caches for every row
-    after the first, so cascade wins only FLOP efficiency (one matrix product instead of
-    D vector ones) and must pay back a second pass for the suffixes, the merge, and the
-    fused decode stack it turns off (the layers run one by one). The prefix work
-    ``num_decodes * common_prefix_len`` must therefore reach 131,072 keys (64 rows of
-    2,048 tokens: 1.10x decode throughput measured on SmolLM2-135M, AMD EPYC Zen 5,
-    2 vCPU; 32 rows of 1,000 tokens measured 0.88x, so that batch attends row by row;
-    docs/benchmarks.md). Inside ``forced()`` any whole-block prefix qualifies.
+    decode rows never pays; that is the whole rule where the rows would otherwise take
+    the torch decode path (CUDA tensors, no C++ kernels), which gathers every row's
+    whole context per layer: 8 rows of 256 shared tokens already run 1.6x faster split,
+    32 rows of 992 28x (one layer of SmolLM2-135M).
+
+    Against the C++ decode kernel (``vs_decode_kernel``) the bar is far higher: the
+    kernel reads a physically shared prefix from the CPU caches for every row after the
+    first, so cascade wins only FLOP efficiency (one matrix product instead of D vector
+    ones) and must pay back the suffix pass, the merge and the fused decode stack it
+    turns off (the layers run one by one). There ``num_decodes * common_prefix_len``
+    must reach 131,072 keys: 64 rows of 2,048 tokens ran 1.10x with one thread, while
+    32 rows of 1,000 ran 0.88x (AMD EPYC Zen 5, 2 vCPU, loaded; with two threads on the
+    loaded machine both ran ~0.65x: docs/benchmarks.md). Inside ``forced()`` any
+    whole-block prefix qualifies.
     """
     if getattr(_forced, "on", False):
         return common_prefix_len > 0 and num_decodes > 0
     return (
         common_prefix_len >= MIN_COMMON_PREFIX_LEN
         and num_decodes >= MIN_DECODE_ROWS
-        and num_decodes * common_prefix_len >= MIN_PREFIX_READS
+        and (not vs_decode_kernel or num_decodes * common_prefix_len >= MIN_PREFIX_READS_VS_KERNEL)
     )
 
 
@@ -107,9 +115,11 @@ def build_cascade_metadata(
     # blocks held by all requests, which may run past a short request's tokens).
     num_prefix_blocks = min(num_prefix_blocks, (int(seq_lens.min()) - 1) // block_size)
     prefix_len = num_prefix_blocks * block_size
-    if not use_cascade_attention(prefix_len, len(seq_lens)):
-        return None
     table = decode.block_table_i32
+    # The layers compute in float32 (the model runner's dtype), as this probe does.
+    kernel = ops.use_for(torch.empty(0, device=table.device))
+    if not use_cascade_attention(prefix_len, len(seq_lens), kernel):
+        return None
     prefix_ids = table[0, :num_prefix_blocks]
     if not bool((table[:, :num_prefix_blocks] == prefix_ids).all()):
         return None  # not one physical prefix after all: attend request by request
