@@ -68,6 +68,9 @@ class EngineArgs:
     kv_transfer_config: KVTransferConfig | dict[str, Any] | str | None = None
     # YAML file of the tiered KV cache; on its own it turns on TieredCacheConnector.
     kv_cache_config: str | None = None
+    # StreamingLLM sink mode (see CacheConfig): sink tokens kept by full-attention layers.
+    attention_sinks: int = 0
+    sink_max_seq_len: int | None = None
 
     def _transfer_config(self) -> KVTransferConfig | None:
         transfer = (
@@ -102,6 +105,8 @@ class EngineArgs:
                 enable_prefix_caching=self.enable_prefix_caching,
                 prefix_caching_hash_seed=self.prefix_caching_hash_seed,
                 num_blocks_override=self.num_blocks_override,
+                attention_sinks=self.attention_sinks,
+                sink_max_seq_len=self.sink_max_seq_len,
             ),
             scheduler_config=SchedulerConfig(
                 max_num_batched_tokens=self.max_num_batched_tokens,
@@ -198,6 +203,15 @@ class EngineArgs:
             help="YAML file configuring the tiered KV cache (CPU, disk, Redis, cache server); "
             "enables TieredCacheConnector unless --kv-transfer-config names another connector",
         )
+        parser.add_argument(
+            "--attention-sinks", type=int, default=0,
+            help="StreamingLLM: full-attention layers keep this many first tokens plus a "
+            "window of max_model_len minus them, so generation can run past max_model_len",
+        )  # fmt: skip
+        parser.add_argument(
+            "--sink-max-seq-len", type=int, default=None,
+            help="with --attention-sinks: the longest sequence (default 8x max_model_len)",
+        )  # fmt: skip
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:

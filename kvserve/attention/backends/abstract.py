@@ -41,6 +41,8 @@ class AttentionImpl(ABC):
         self.scale = scale
         self.num_kv_heads = num_kv_heads
         self.sliding_window = sliding_window
+        # StreamingLLM sink mode: keys below this position stay visible past the window.
+        self.num_sink_tokens = 0
 
     @abstractmethod
     def forward(
