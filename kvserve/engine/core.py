@@ -23,7 +23,11 @@ from kvserve.protocol.engine_core import (
     SchedulerStats,
     StepTimes,
 )
-from kvserve.protocol.kv_cache_interface import KVCacheConfig, build_kv_cache_config
+from kvserve.protocol.kv_cache_interface import (
+    KVCacheConfig,
+    build_kv_cache_config,
+    max_tokens_per_request,
+)
 from kvserve.utils.startup import log_phase, startup_phase
 from kvserve.utils.threads import log_thread_settings
 
@@ -81,7 +85,8 @@ class EngineCore:
             specs, cache.kv_cache_memory, cache.num_blocks_override
         )
         self.model_executor.initialize_from_config(kv_cache_config)
-        capacity = (kv_cache_config.num_blocks - 1) * cache.block_size
+        max_batched = self.config.scheduler_config.max_num_batched_tokens
+        capacity = max_tokens_per_request(kv_cache_config, max_batched)
         max_len = self.config.model_config.max_model_len or 0
         if capacity < max_len:
             logger.warning(
@@ -90,11 +95,24 @@ class EngineCore:
                 capacity,
                 max_len,
             )
+        for group_id, group in enumerate(kv_cache_config.kv_cache_groups):
+            spec = group.kv_cache_spec
+            logger.info(
+                "KV cache group %d: %s, %d layers, a request holds at most %d blocks of %d tokens",
+                group_id,
+                spec.type_id,
+                len(group.layer_names),
+                spec.max_num_blocks(max(max_len, 1), max_batched),
+                spec.block_size,
+            )
         log_phase(
             "KV cache",
             time.perf_counter() - start,
             blocks=kv_cache_config.num_blocks,
             block_size=cache.block_size,
+            groups=len(kv_cache_config.kv_cache_groups),
+            tensors=len(kv_cache_config.get_kv_cache_tensors()),
+            bytes_per_block=kv_cache_config.bytes_per_block,
             tokens=capacity,
         )
         return kv_cache_config

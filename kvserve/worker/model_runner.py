@@ -18,7 +18,7 @@ from kvserve.config import EngineConfig
 from kvserve.distributed.kv_transfer.kv_connector.base import KVConnectorOutput
 from kvserve.forward_context import set_forward_context
 from kvserve.model_executor.model_loader import get_model
-from kvserve.protocol.kv_cache_interface import FullAttentionSpec, KVCacheConfig
+from kvserve.protocol.kv_cache_interface import KVCacheConfig, KVCacheSpec
 from kvserve.protocol.runner_output import (
     EMPTY_MODEL_RUNNER_OUTPUT,
     LogprobsLists,
@@ -32,6 +32,7 @@ from kvserve.sample.sampling_batch import SamplingBatch
 from kvserve.sampling_params import SamplingType
 from kvserve.worker.input_batch import InputBatch
 from kvserve.worker.input_preparation import InputPreparer, StepInputs
+from kvserve.worker.kv_cache_specs import make_kv_cache_spec
 from kvserve.worker.kv_connector_model_runner_mixin import KVConnectorModelRunnerMixin
 from kvserve.worker.request_state import CachedRequestState
 
@@ -100,34 +101,42 @@ class ModelRunner(KVConnectorModelRunnerMixin):
             raise RuntimeError("load_model() must run first")
         return get_attention_layers(self.model)
 
-    def get_kv_cache_spec(self) -> dict[str, FullAttentionSpec]:
+    def get_kv_cache_spec(self) -> dict[str, KVCacheSpec]:
+        """One spec per attention layer, from the layer's own attention type."""
         block_size = self.config.cache_config.block_size
         dtype_size = torch.empty(0, dtype=self.kv_cache_dtype).element_size()
         return {
-            name: FullAttentionSpec(
-                block_size=block_size,
-                num_kv_heads=layer.num_kv_heads,
-                head_size=layer.head_size,
-                dtype_size=dtype_size,
-                sliding_window=layer.sliding_window,
-            )
+            name: make_kv_cache_spec(layer, block_size, dtype_size)
             for name, layer in self._attention_layers().items()
         }
 
     def initialize_kv_cache(self, kv_cache_config: KVCacheConfig) -> None:
-        """Allocate one zeroed cache tensor per layer, bind it, build the input batch."""
+        """Allocate the zeroed cache tensors (layers of different groups share them, see
+        kv_cache_interface), bind them, build the input batch."""
         layers = self._attention_layers()
         self.kv_caches, self.attn_builders, self.layer_to_group = {}, [], {}
+        for tensor in kv_cache_config.get_kv_cache_tensors():
+            first = layers[tensor.shared_by[0]]
+            shape = first.backend.get_kv_cache_shape(
+                kv_cache_config.num_blocks,
+                kv_cache_config.block_size,
+                first.num_kv_heads,
+                first.head_size,
+            )
+            memory = torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)
+            for name in tensor.shared_by:
+                layer = layers[name]
+                own = layer.backend.get_kv_cache_shape(
+                    kv_cache_config.num_blocks,
+                    kv_cache_config.block_size,
+                    layer.num_kv_heads,
+                    layer.head_size,
+                )
+                # Equal page sizes share; the shapes may still differ (heads x head size).
+                self.kv_caches[name] = memory if tuple(own) == tuple(shape) else memory.view(own)
         for group_id, group in enumerate(kv_cache_config.kv_cache_groups):
             spec = group.kv_cache_spec
             for name in group.layer_names:
-                layer = layers[name]
-                shape = layer.backend.get_kv_cache_shape(
-                    kv_cache_config.num_blocks, spec.block_size, layer.num_kv_heads, layer.head_size
-                )
-                self.kv_caches[name] = torch.zeros(
-                    shape, dtype=self.kv_cache_dtype, device=self.device
-                )
                 self.layer_to_group[name] = group_id
             backend = layers[group.layer_names[0]].backend
             self.attn_builders.append(backend.get_builder_cls()(spec.block_size, self.device))

@@ -57,6 +57,7 @@ class Scheduler(SchedulerKVConnectorMixin, SchedulerInterface):
             enable_caching=self.enable_caching,
             log_stats=log_stats,
             enable_kv_cache_events=enable_kv_cache_events,
+            max_num_batched_tokens=self.max_num_scheduled_tokens,
         )
         # The KV connector's scheduler side (None without kv_transfer_config).
         self._init_kv_connector(config, kv_cache_config)
@@ -109,9 +110,7 @@ class Scheduler(SchedulerKVConnectorMixin, SchedulerInterface):
     def fail_requests(self, request_ids: Iterable[str], message: str) -> list[EngineCoreOutput]:
         """Ends the unfinished ones among ``request_ids`` with finish reason "error" and
         frees their blocks; returns their final outputs (carrying ``message``)."""
-        failed = [
-            r for rid in request_ids if (r := self.requests.get(rid)) and not r.is_finished()
-        ]
+        failed = [r for rid in request_ids if (r := self.requests.get(rid)) and not r.is_finished()]
         running = {r.request_id for r in failed if r.status == RequestStatus.RUNNING}
         waiting = [r for r in failed if r.request_id not in running]
         if running:
