@@ -6,6 +6,7 @@ from torch import nn
 
 from kvserve.model_executor.models.gemma3 import Gemma3ForCausalLM
 from kvserve.model_executor.models.llama import LlamaForCausalLM
+from kvserve.model_executor.models.llama4 import Llama4ForCausalLM
 from kvserve.model_executor.models.mistral import MistralForCausalLM
 from kvserve.model_executor.models.qwen2 import Qwen2ForCausalLM
 
@@ -14,6 +15,7 @@ _MODELS: dict[str, type[nn.Module]] = {
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "Llama4ForCausalLM": Llama4ForCausalLM,
 }
 
 
