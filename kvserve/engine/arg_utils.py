@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -68,6 +69,8 @@ class EngineArgs:
     kv_transfer_config: KVTransferConfig | dict[str, Any] | str | None = None
     # YAML file of the tiered KV cache; on its own it turns on TieredCacheConnector.
     kv_cache_config: str | None = None
+    # Custom logits processors: LogitsProcessor subclasses or "package.module:Class" paths.
+    logits_processors: Sequence[str | type] | None = None
 
     def _transfer_config(self) -> KVTransferConfig | None:
         transfer = (
@@ -82,6 +85,16 @@ class EngineArgs:
         extra = {**transfer.kv_connector_extra_config, "kv_cache_config": self.kv_cache_config}
         return dataclasses.replace(transfer, kv_connector_extra_config=extra)
 
+    def _logits_processors(self) -> tuple[str | type, ...]:
+        specs = tuple(self.logits_processors or ())
+        if specs:
+            # Loaded here once so that a wrong name fails now, naming the field, rather
+            # than in the engine core; imported here since it brings torch along.
+            from kvserve.sample.logits_processor.loader import load_logits_processors
+
+            load_logits_processors(specs)
+        return specs
+
     def create_engine_config(self) -> EngineConfig:
         model_config = ModelConfig(
             model=self.model,
@@ -91,6 +104,7 @@ class EngineArgs:
             seed=self.seed,
             served_model_name=self.served_model_name,
             quantization=self.quantization,
+            logits_processors=self._logits_processors(),
         )
         assert model_config.max_model_len is not None
         return EngineConfig(
@@ -197,6 +211,15 @@ class EngineArgs:
             default=None,
             help="YAML file configuring the tiered KV cache (CPU, disk, Redis, cache server); "
             "enables TieredCacheConnector unless --kv-transfer-config names another connector",
+        )
+
+        parser.add_argument(
+            "--logits-processors",
+            nargs="+",
+            default=None,
+            metavar="MODULE:CLASS",
+            help="custom LogitsProcessor classes to load, run in every batch after the "
+            "built-ins; requests turn them on through SamplingParams.extra_args",
         )
 
     @classmethod

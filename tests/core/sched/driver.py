@@ -33,11 +33,21 @@ class Driver:
             self.scheduler.add_request(request)
 
     def step(
-        self, tokens: dict[str, int] | None = None, **runner: Any
+        self,
+        tokens: dict[str, int] | None = None,
+        fail_if: frozenset[str] | set[str] = frozenset(),
+        **runner: Any,
     ) -> tuple[SchedulerOutput, EngineCoreOutputs]:
+        """One step; it fails (as a model step raising would) if it runs one of fail_if."""
         sched = self.scheduler
         out = sched.schedule()
         self._apply_diffs(out)
+        if fail_if & out.num_scheduled_tokens.keys():
+            failed = sched.isolate_failed_step(out, "RuntimeError: the step failed")
+            engine_outputs = EngineCoreOutputs(outputs=failed)
+            self._record(engine_outputs)
+            sched.check_integrity()
+            return out, engine_outputs
         req_ids = list(out.num_scheduled_tokens)
         sampled = [
             [(tokens or {}).get(rid, TOKEN)]
@@ -52,10 +62,13 @@ class Driver:
             **runner,
         )
         engine_outputs = sched.update_from_output(out, runner_output)
-        for output in engine_outputs.outputs:
-            self.outputs.setdefault(output.request_id, []).append(output)
+        self._record(engine_outputs)
         sched.check_integrity()
         return out, engine_outputs
+
+    def _record(self, engine_outputs: EngineCoreOutputs) -> None:
+        for output in engine_outputs.outputs:
+            self.outputs.setdefault(output.request_id, []).append(output)
 
     def _apply_diffs(self, out: SchedulerOutput) -> None:
         sched = self.scheduler
