@@ -7,6 +7,7 @@ for every request that caught up, as a model runner's output would carry.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from kvserve.core.request import Request
@@ -35,14 +36,16 @@ class Driver:
     def step(
         self,
         tokens: dict[str, int] | None = None,
-        fail_if: frozenset[str] | set[str] = frozenset(),
+        fail_if: Callable[[set[str]], bool] | frozenset[str] | set[str] = frozenset(),
         **runner: Any,
     ) -> tuple[SchedulerOutput, EngineCoreOutputs]:
-        """One step; it fails (as a model step raising would) if it runs one of fail_if."""
+        """One step. It fails, as a model step that raises does, if it runs one of the ids
+        in fail_if, or if fail_if (a predicate on the step's ids) says so."""
         sched = self.scheduler
         out = sched.schedule()
         self._apply_diffs(out)
-        if fail_if & out.num_scheduled_tokens.keys():
+        scheduled = set(out.num_scheduled_tokens)
+        if fail_if(scheduled) if callable(fail_if) else fail_if & scheduled:
             failed = sched.isolate_failed_step(out, "RuntimeError: the step failed")
             engine_outputs = EngineCoreOutputs(outputs=failed)
             self._record(engine_outputs)
