@@ -133,3 +133,31 @@ def test_requests_failing_only_together_count_against_the_engine(
     assert sched.consecutive_unattributed_failures == 0
     driver.run()
     assert driver.finish_reason("r1") == driver.finish_reason("r3") == FinishReason.LENGTH
+
+
+def test_a_culprit_that_fails_only_when_it_samples_is_found_across_chunked_prefills(
+    make_driver: Callable[..., Driver], make_request: MakeRequest
+) -> None:
+    # A token budget of 8 splits each 12-token prompt over two steps; like a logits
+    # processor, the culprit breaks a step only once it samples. A probe member is cleared
+    # only after it sampled, so partial prefills neither clear nor blame anyone.
+    driver = make_driver(max_num_batched_tokens=8)
+    sched = driver.scheduler
+    requests = [
+        make_request(list(range(100 * i, 100 * i + 12)), f"r{i}", max_tokens=3) for i in range(1, 4)
+    ]
+    driver.add(*requests)
+
+    def samples_r2(ids: set[str]) -> bool:
+        r2 = sched.requests.get("r2")
+        return "r2" in ids and r2 is not None and r2.num_computed_tokens >= r2.num_tokens
+
+    for _ in range(60):
+        if not sched.has_requests():
+            break
+        driver.step(fail_if=samples_r2)
+    assert driver.finish_reason("r2") == FinishReason.ERROR
+    for rid in ("r1", "r3"):
+        assert driver.finish_reason(rid) == FinishReason.LENGTH
+        assert driver.tokens(rid) == [TOKEN] * 3
+    assert sched.consecutive_unattributed_failures == 0
