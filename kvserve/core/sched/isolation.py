@@ -32,13 +32,13 @@ from typing import TYPE_CHECKING
 
 from kvserve.core.block_pool import require_integrity
 from kvserve.core.request import Request, RequestStatus
+from kvserve.protocol.engine_core import EngineCoreOutput, FinishReason
 from kvserve.protocol.scheduler_output import CachedRequestData, SchedulerOutput
 
 if TYPE_CHECKING:
     from kvserve.core.kv_cache_manager import KVCacheManager
     from kvserve.core.sched.request_queue import RequestQueue
     from kvserve.distributed.kv_transfer.kv_connector.base import KVConnectorBase_V1
-    from kvserve.protocol.engine_core import EngineCoreOutput
 
 
 class SchedulerIsolationMixin:
@@ -80,6 +80,7 @@ class SchedulerIsolationMixin:
     ) -> list[EngineCoreOutput]:
         """Blames a lone request, or turns the step's requests into suspects; returns the
         outputs of requests this ended (the culprit's, carrying ``message``)."""
+        self._undo_partial_update(scheduler_output, message)
         failed = [
             r
             for rid in scheduler_output.num_scheduled_tokens
@@ -111,6 +112,30 @@ class SchedulerIsolationMixin:
             self._flush_ids |= failed_ids
         outputs, self._pending_outputs = self._pending_outputs, []
         return outputs
+
+    def _undo_partial_update(self, scheduler_output: SchedulerOutput, message: str) -> None:
+        """If update_from_output raised halfway, tokens it appended were never reported:
+        they are dropped (the rerun samples them again). A request it finished and freed
+        has lost its final output: that request ends with the error instead, so that its
+        caller does not wait forever (one aborted meanwhile is ignored by the front end)."""
+        cached = scheduler_output.scheduled_cached_reqs
+        num_output = dict(zip(cached.req_ids, cached.num_output_tokens, strict=True))
+        for new in scheduler_output.scheduled_new_reqs:
+            num_output[new.req_id] = len(new.output_token_ids)
+        for request_id in scheduler_output.num_scheduled_tokens:
+            request = self.requests.get(request_id)
+            if request is None:
+                self._pending_outputs.append(
+                    EngineCoreOutput(
+                        request_id=request_id,
+                        new_token_ids=[],
+                        finish_reason=FinishReason.ERROR,
+                        error=message,
+                    )
+                )
+            elif request_id in num_output:
+                request.truncate_output_token_ids(num_output[request_id], self.block_size)
+        self.running = [r for r in self.running if r.request_id in self.requests]
 
     def _evict_step_blocks(self, scheduler_output: SchedulerOutput, failed: list[Request]) -> None:
         # From the block holding the step's first token on, a block's KV may be half written

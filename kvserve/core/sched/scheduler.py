@@ -370,7 +370,7 @@ class Scheduler(SchedulerIsolationMixin, SchedulerKVConnectorMixin, SchedulerInt
         )
         self._update_from_kv_xfer_finished(model_runner_output)
         self._cache_sync_loaded()
-        outputs, self._pending_outputs = self._pending_outputs, []
+        outputs: list[EngineCoreOutput] = []
         stopped: set[str] = set()
         probe = self._probe if self._suspects else None
         passed: list[str] = []
@@ -406,6 +406,8 @@ class Scheduler(SchedulerIsolationMixin, SchedulerKVConnectorMixin, SchedulerInt
             self._clear_suspects(passed)
         elif scheduler_output.total_num_scheduled_tokens:
             self.consecutive_unattributed_failures = 0
+        # Taken last: should this method raise halfway, isolate_failed_step reports them.
+        outputs[:0], self._pending_outputs = self._pending_outputs, []
         # Hook: KV event publishing goes here.
         return EngineCoreOutputs(
             outputs=outputs, scheduler_stats=self.make_stats(), timestamp=time.monotonic()

@@ -8,8 +8,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import pytest
+
 from kvserve.core.request import Request, RequestStatus
 from kvserve.protocol.engine_core import FinishReason
+from kvserve.protocol.runner_output import ModelRunnerOutput
 from tests.core.sched.driver import TOKEN, Driver
 
 MakeRequest = Callable[..., Request]
@@ -161,3 +164,41 @@ def test_a_culprit_that_fails_only_when_it_samples_is_found_across_chunked_prefi
         assert driver.finish_reason(rid) == FinishReason.LENGTH
         assert driver.tokens(rid) == [TOKEN] * 3
     assert sched.consecutive_unattributed_failures == 0
+
+
+def test_a_step_failing_inside_update_from_output_loses_no_output(
+    make_driver: Callable[..., Driver], make_request: MakeRequest
+) -> None:
+    # The runner output lacks r3's row, so update_from_output raises on r3, after it has
+    # finished r1 (one token) and appended r2's token, and after schedule() ended a prompt
+    # too long for the context. None of that was reported yet.
+    driver = make_driver()
+    sched = driver.scheduler
+    r1 = make_request(list(range(100, 106)), "r1", max_tokens=1)
+    r2 = make_request(list(range(200, 207)), "r2", max_tokens=3)  # its token fills block 2
+    r3 = make_request(list(range(300, 306)), "r3", max_tokens=3)
+    too_long = make_request(list(range(1000, 1300)), "too-long")
+    driver.add(r1, r2, r3, too_long)
+    out = sched.schedule()
+    driver._apply_diffs(out)
+    assert list(out.num_scheduled_tokens) == ["r1", "r2", "r3"]
+    broken = ModelRunnerOutput(
+        req_ids=["r1", "r2", "r3"],
+        req_id_to_index={"r1": 0, "r2": 1, "r3": 2},
+        sampled_token_ids=[[TOKEN], [TOKEN]],
+    )
+    with pytest.raises(IndexError):
+        sched.update_from_output(out, broken)
+    outputs = sched.isolate_failed_step(out, "IndexError: list index out of range")
+    # The lost final outputs come out as errors: r1's (it finished) and too-long's.
+    assert sorted((o.request_id, o.finish_reason) for o in outputs) == [
+        ("r1", FinishReason.ERROR),
+        ("too-long", FinishReason.ERROR),
+    ]
+    # r2's unreported token is dropped; the rerun samples it again.
+    assert r2.output_token_ids == [] and r2.num_tokens == 7
+    assert len(r2.block_hashes) == 1  # the hash of the block it had filled is gone too
+    sched.check_integrity()
+    driver.run()
+    assert driver.tokens("r2") == driver.tokens("r3") == [TOKEN] * 3
+    assert sched.consecutive_unattributed_failures == 0  # a good step came after the round
