@@ -14,9 +14,11 @@ input) does not say which of its requests caused it. The scheduler finds out:
 - From then on each step runs only the *probe*: the first half of the failed set, or once
   that is settled, the first half of the remaining suspects. Everything else waits, a few
   steps (about log2(n) per culprit). A probe member that samples in a step that succeeds
-  is cleared and goes on as if nothing had happened: greedy and unseeded requests produce
-  the tokens they would have; a seeded one too, unless the failed step had drawn from its
+  is cleared and goes on as if nothing had happened: a greedy request produces exactly the
+  tokens it would have; a seeded one too, unless the failed step had drawn from its
   generator before raising. A failing probe is halved again, down to a single request.
+  Should no probe member be able to run (no free blocks, a KV load pending), the round is
+  given up and scheduling goes on as usual.
 
 The engine core dies only on failures no request could be blamed for: a round of
 suspects that ends without a culprit (a transient fault, or requests that fail only
