@@ -33,6 +33,10 @@ class ModelConfig:
     # None: the model's default ("gguf" for a GGUF file, float32 otherwise); resolved in
     # __post_init__ to a method of QUANTIZATION_METHODS, or None for float32 weights.
     quantization: str | None = None
+    # Custom logits processors (vLLM's `logits_processors`): LogitsProcessor subclasses or
+    # "package.module:Class" paths, run after the built-ins in every batch. Loaded by the
+    # worker (this layer cannot import them); EngineArgs checks that they load.
+    logits_processors: tuple[str | type, ...] = ()
     # Whether `quantization` is that default rather than asked for: a default "gguf" falls
     # back to float32 where its kernels cannot run (no compiler, a CUDA device).
     quantization_is_default: bool = field(init=False, default=False)

@@ -168,6 +168,12 @@ class BlockPool:
                 )
             )
 
+    def evict_blocks(self, block_ids: Iterable[int]) -> None:
+        """Drops these blocks' prefix-cache entries (vLLM's name): their KV may be bad, e.g.
+        a failed step was to write it. Ref counts are untouched."""
+        for block_id in block_ids:
+            self._maybe_evict_cached_block(self.blocks[block_id])
+
     # --- allocation -------------------------------------------------------------
 
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:

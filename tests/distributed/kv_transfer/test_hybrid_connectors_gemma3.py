@@ -78,7 +78,9 @@ def test_tiered_cache_across_processes(
     tmp_path: Path,
 ) -> None:
     extra = {"local_disk": str(tmp_path / "disk"), "local_cpu": False}
-    config = json.dumps({"kv_connector": "TieredCacheConnector", "kv_connector_extra_config": extra})
+    config = json.dumps(
+        {"kv_connector": "TieredCacheConnector", "kv_connector_extra_config": extra}
+    )
     expected = gemma3_hf.greedy(document, MAX_TOKENS)
     assert write_in_another_process(config, document) == expected
     reader = gemma3_llm_factory(kv_transfer_config=config)
@@ -102,7 +104,7 @@ def test_layouts_a_connector_cannot_serve_are_refused() -> None:
     window = KVCacheGroupSpec(["b"], SlidingWindowSpec(sliding_window=128, **heads))
     chunked = KVCacheGroupSpec(["c"], ChunkedLocalAttentionSpec(attention_chunk_size=64, **heads))
     assert check_connector_layout(KVCacheConfig(8, [full, window]), "X", 0) == [128]
-    with pytest.raises(ValueError, match="X cannot serve .*sliding_window_128"):
+    with pytest.raises(ValueError, match=r"X cannot serve .*sliding_window_128"):
         check_connector_layout(KVCacheConfig(8, [full, window]), "X", 256)
     with pytest.raises(ValueError, match="chunked_local_attention"):
         check_connector_layout(KVCacheConfig(8, [full, chunked]), "X", 0)
