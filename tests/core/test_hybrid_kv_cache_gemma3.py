@@ -78,7 +78,7 @@ def test_window_groups_stay_bounded_on_a_3000_token_request(
             continue
         live = [m.num_live_blocks("long") for m in windows]
         assert max(live) <= step_bound, live
-        if request.num_computed_tokens >= len(prompt):
+        if request.num_computed_tokens > len(prompt):  # trimmed by a decode step
             peak_decode = max(peak_decode, *live)
             assert max(live) <= decode_bound, (request.num_computed_tokens, live)
     assert 0 < peak_decode <= decode_bound
