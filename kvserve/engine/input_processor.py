@@ -29,7 +29,10 @@ class InputProcessor:
         self.tokenizer = tokenizer
         self.scheduler_policy = scheduler_config.policy if scheduler_config else "fcfs"
         assert model_config.max_model_len is not None
-        self.max_model_len: int = model_config.max_model_len
+        # The scheduler's bound is the whole sequence: past the context in sink mode.
+        self.max_model_len: int = (
+            scheduler_config.max_model_len if scheduler_config else model_config.max_model_len
+        )
         self.vocab_size = model_config.vocab_size
         eos_ids = list(model_config.arch.eos_token_ids)
         if not eos_ids and tokenizer is not None and tokenizer.eos_token_id is not None:

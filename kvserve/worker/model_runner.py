@@ -3,6 +3,7 @@ over the paged KV cache and samples (the two-phase execute_model / sample_tokens
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -60,8 +61,8 @@ class ModelRunner(KVConnectorModelRunnerMixin):
         self.config = config
         self.device = torch.device(device)
         model_config = config.model_config
-        assert model_config.max_model_len is not None
-        self.max_model_len = model_config.max_model_len
+        # The longest sequence (past the context in sink mode): sizes the batch buffers.
+        self.max_model_len = config.max_seq_len
         self.max_num_reqs = config.scheduler_config.max_num_seqs
         self.max_num_tokens = config.scheduler_config.max_num_batched_tokens
         self.vocab_size = model_config.vocab_size
@@ -94,7 +95,26 @@ class ModelRunner(KVConnectorModelRunnerMixin):
             # The default block path has C++ CPU kernels only; asked for, it would raise.
             logger.info("GGUF blocks need kvserve's CPU kernels: loading float32 weights")
             quantization = None
-        self.model = get_model(mc.resolved, mc.arch, self.device, self.dtype, quantization)
+        arch = mc.arch
+        if self.config.cache_config.attention_sinks:
+            # Positions run past the context (see SinkFullAttentionSpec's position rule).
+            arch = dataclasses.replace(
+                arch, max_position_embeddings=max(arch.max_position_embeddings, self.max_model_len)
+            )
+        self.model = get_model(mc.resolved, arch, self.device, self.dtype, quantization)
+        if self.config.cache_config.attention_sinks:
+            self._enable_attention_sinks()
+
+    def _enable_attention_sinks(self) -> None:
+        """StreamingLLM: every full-attention layer sees the sink tokens plus a window."""
+        sinks, window = self.config.cache_config.attention_sinks, self.config.sink_window
+        for layer in self._attention_layers().values():
+            if layer.sliding_window is not None or getattr(layer, "attention_chunk_size", None):
+                continue  # already bounded: a model's own local layers keep their rule
+            layer.sliding_window = window
+            layer.impl.sliding_window = window
+            layer.impl.num_sink_tokens = sinks
+        logger.info("attention sinks: %d sink tokens + a window of %d tokens", sinks, window)
 
     def _attention_layers(self) -> dict[str, Attention]:
         if self.model is None:

@@ -74,9 +74,7 @@ async def _until_disconnect(
     task = asyncio.ensure_future(work)
     watcher = asyncio.ensure_future(disconnected())
     try:
-        await asyncio.wait(
-            {task, watcher}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED
-        )
+        await asyncio.wait({task, watcher}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
     finally:
         watcher.cancel()
         if not task.done():
@@ -265,7 +263,9 @@ def _add_hardening_middleware(
     """API key, admission control and the body-size bound (outermost last)."""
     if getattr(args, "api_key", None):
         app.add_middleware(
-            ApiKeyMiddleware, api_key=args.api_key, metrics_auth=getattr(args, "metrics_auth", False)
+            ApiKeyMiddleware,
+            api_key=args.api_key,
+            metrics_auth=getattr(args, "metrics_auth", False),
         )
     max_queued = getattr(args, "max_queued_requests", None)
     if max_queued is not None:

@@ -19,11 +19,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kvserve import _custom_ops as ops
-from kvserve.attention.backends.cpu_attn import (
-    CPUAttentionBackend,
-    CPUAttentionImpl,
-    CPUAttentionMetadata,
-)
+from kvserve.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionMetadata
 from kvserve.forward_context import get_forward_context, is_forward_context_set
 
 if TYPE_CHECKING:
@@ -75,8 +71,7 @@ class LlamaDecodeStack:
             if (
                 a.rotary_emb is not rope
                 or a.attn.backend is not CPUAttentionBackend
-                or not isinstance(a.attn.impl, CPUAttentionImpl)
-                or not a.attn.impl.kernel_supported  # chunked, sinks, soft-cap
+                or not getattr(a.attn.impl, "kernel_supported", False)  # chunked, sinks, cap
                 or a.attn.scale != attn.scale
                 or (a.attn.num_heads, a.attn.num_kv_heads) != (attn.num_heads, attn.num_kv_heads)
                 or layer.input_layernorm.eps != eps
