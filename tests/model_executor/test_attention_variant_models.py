@@ -13,6 +13,7 @@ while requests run side by side.
 
 from __future__ import annotations
 
+import copy
 import gc
 from collections.abc import Iterator
 from pathlib import Path
@@ -48,6 +49,7 @@ COMMON = {
     "bos_token_id": 1,
     "eos_token_id": 2,
     "pad_token_id": 0,
+    "initializer_range": 0.1,  # large enough that context beyond the window matters
 }
 
 
@@ -101,8 +103,6 @@ def tiny_variant(
 ) -> Iterator[tuple[str, Path, PreTrainedModel]]:
     torch.manual_seed(7)
     model = BUILDERS[request.param]()
-    with torch.no_grad():
-        model.get_input_embeddings().weight.normal_(0.0, 1.0)  # a peaked, decisive argmax
     path = tmp_path_factory.mktemp(f"tiny_{request.param}")
     model.save_pretrained(path)
     yield request.param, path, model.eval()
@@ -122,11 +122,26 @@ def _hf_greedy(model: PreTrainedModel, prompt: list[int], max_tokens: int) -> li
     return out[0, len(prompt) :].tolist()
 
 
+def _without_variant(model: PreTrainedModel) -> PreTrainedModel:
+    """The same weights with plain causal attention everywhere (and no soft-caps)."""
+    config = copy.deepcopy(model.config)
+    config.sliding_window = 10_000  # longer than any prompt (Gemma's mask needs a value)
+    config.attention_chunk_size = None
+    config.attn_logit_softcapping = None
+    config.layer_types = ["full_attention"] * config.num_hidden_layers
+    plain = type(model)(config)
+    plain.load_state_dict(model.state_dict())
+    return plain.eval()
+
+
 def test_tiny_variant_matches_hf(tiny_variant: tuple[str, Path, PreTrainedModel]) -> None:
     name, path, hf = tiny_variant
     torch.manual_seed(11)
     prompts = [torch.randint(3, VOCAB, (n,)).tolist() for n in (40, 27, 33)]
     expected = [_hf_greedy(hf, p, MAX_TOKENS) for p in prompts]
+    # The variant must matter for these prompts, or the comparison would prove nothing.
+    plain = _without_variant(hf)
+    assert expected != [_hf_greedy(plain, p, MAX_TOKENS) for p in prompts], name
     # The tokenizer only detokenizes; SmolLM2's has every id below VOCAB.
     llm: Any = LLM(
         model=str(path),
