@@ -66,7 +66,7 @@ def test_chat_reads_stdin() -> None:
     assert "Paris" in result.stdout
 
 
-# The serve front end up to the engine core's spawn: parser, web stack, engine config.
+# The serve front end (parser, engine config, web stack): all of it but the engine core.
 _FRONT_END = """
 import sys
 from kvserve.entrypoints.cli import _command, build_parser
