@@ -181,15 +181,37 @@ class ParallelConfig:
         return self.tensor_parallel_size * self.pipeline_parallel_size
 
 
+def _cuda_available() -> bool:
+    """torch.cuda.is_available(), without importing torch (seconds) where the installed
+    build has no GPU backend: the front end builds this config before it spawns the
+    engine core, and must not pay for torch there."""
+    import importlib.util
+    import re
+    import sys
+
+    spec = importlib.util.find_spec("torch") if "torch" not in sys.modules else None
+    if spec is not None and spec.submodule_search_locations:
+        try:
+            with open(f"{spec.submodule_search_locations[0]}/version.py", encoding="utf-8") as f:
+                version = f.read()
+        except OSError:
+            version = ""
+        # A CPU-only build writes `cuda: Optional[str] = None` and the same for hip.
+        gpu_free = r"^{}\s*(:[^=]*)?=\s*None\s*$"
+        if all(re.search(gpu_free.format(key), version, re.M) for key in ("cuda", "hip")):
+            return False
+    import torch
+
+    return torch.cuda.is_available()
+
+
 @dataclass
 class DeviceConfig:
     device: str = "auto"
 
     def __post_init__(self) -> None:
         if self.device == "auto":
-            import torch
-
-            self.device = "cuda" if torch.cuda.is_available() else "cpu"
+            self.device = "cuda" if _cuda_available() else "cpu"
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"device must be 'cpu', 'cuda' or 'auto', got {self.device!r}")
 

@@ -306,12 +306,14 @@ async def _watch_engine(app: FastAPI) -> None:
         app.state.server.should_exit = True
 
 
-async def serve_http(args: argparse.Namespace) -> int:
-    """Builds the engine and serves until SIGTERM/SIGINT (or engine death); the exit code."""
-    from kvserve.engine.arg_utils import EngineArgs
-    from kvserve.engine.async_llm import AsyncLLM
+async def serve_http(args: argparse.Namespace, engine: EngineClient | None = None) -> int:
+    """Serves ``engine`` (built from ``args`` if not given) until SIGTERM/SIGINT (or
+    engine death), then shuts it down; the exit code."""
+    if engine is None:
+        from kvserve.engine.arg_utils import EngineArgs
+        from kvserve.engine.async_llm import AsyncLLM
 
-    engine = AsyncLLM.from_engine_args(EngineArgs.from_cli_args(args))
+        engine = AsyncLLM.from_engine_args(EngineArgs.from_cli_args(args))
     try:
         app = build_app(engine, args)
         config = uvicorn.Config(

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 
 import numpy as np
 import torch
@@ -106,12 +106,19 @@ def _hf_values(gguf_arch: str, name: str, weight: np.ndarray) -> np.ndarray:
     return weight
 
 
-def iterate_gguf_weights(path: str, arch: ArchConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(hf_name, float32 tensor)`` for every weight in the GGUF file."""
+def iterate_gguf_weights(
+    path: str, arch: ArchConfig, prepared: Mapping[str, torch.Tensor] | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(hf_name, float32 tensor)`` for every weight in the GGUF file; ``prepared``
+    (HF name -> tensor) replaces gguf's dequantization for the weights the block path
+    already holds (see quantization.attach_gguf_blocks)."""
     reader = open_gguf(path)
     gguf_arch = str(reader.get("general.architecture"))
     for tensor in reader.tensors:
         if tensor.name in _SKIPPED:
+            continue
+        if prepared and (hf_name := gguf_to_hf_name(tensor.name, gguf_arch)) in prepared:
+            yield hf_name, prepared[hf_name]
             continue
         weight = _hf_rows(reader, tensor, dequantize_tensor(tensor), arch)
         weight = _hf_values(gguf_arch, tensor.name, weight)
