@@ -33,7 +33,7 @@ from kvserve.sample.sampling_batch import SamplingBatch
 from kvserve.sampling_params import SamplingType
 from kvserve.worker.input_batch import InputBatch
 from kvserve.worker.input_preparation import InputPreparer, StepInputs
-from kvserve.worker.kv_cache_specs import make_kv_cache_spec
+from kvserve.worker.kv_cache_specs import make_kv_cache_spec, zeroed_tensor
 from kvserve.worker.kv_connector_model_runner_mixin import KVConnectorModelRunnerMixin
 from kvserve.worker.request_state import CachedRequestState
 
@@ -143,7 +143,7 @@ class ModelRunner(KVConnectorModelRunnerMixin):
                 first.num_kv_heads,
                 first.head_size,
             )
-            memory = torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)
+            memory = zeroed_tensor(shape, self.kv_cache_dtype, self.device)
             for name in tensor.shared_by:
                 layer = layers[name]
                 own = layer.backend.get_kv_cache_shape(
