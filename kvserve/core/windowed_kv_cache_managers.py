@@ -38,8 +38,10 @@ def _lookup(
     return block_pool.get_cached_block(block_hashes[index], kv_cache_group_ids, content)
 
 
-class SlidingWindowManager(SingleTypeKVCacheManager):
-    """A query at position q sees keys q-W+1 .. q (W = sliding_window)."""
+class _ForgettingManager(SingleTypeKVCacheManager):
+    """What the windowed managers share: a spec of their own type, no cascade prefix."""
+
+    spec_type: type[KVCacheSpec] = KVCacheSpec
 
     def __init__(
         self,
@@ -48,16 +50,23 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         kv_cache_group_id: int,
         enable_caching: bool,
     ) -> None:
-        assert isinstance(kv_cache_spec, SlidingWindowSpec)
+        if not isinstance(kv_cache_spec, self.spec_type):
+            raise TypeError(f"{type(self).__name__} needs a {self.spec_type.__name__}")
         super().__init__(kv_cache_spec, block_pool, kv_cache_group_id, enable_caching)
-        self.sliding_window = kv_cache_spec.sliding_window
+
+    def get_num_common_prefix_blocks(self, running_request_id: str) -> int:
+        return 0  # the shared prefix leaves the view: cascade attention does not apply
+
+
+class SlidingWindowManager(_ForgettingManager):
+    """A query at position q sees keys q-W+1 .. q (W = sliding_window)."""
+
+    spec_type = SlidingWindowSpec
 
     def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
         # The next query sits at num_computed_tokens and sees back to num_computed - W + 1.
-        return max(num_computed_tokens - self.sliding_window + 1, 0)
-
-    def get_num_common_prefix_blocks(self, running_request_id: str) -> int:
-        return 0  # the shared prefix slides out of view: cascade attention does not apply
+        assert isinstance(self.kv_cache_spec, SlidingWindowSpec)
+        return max(num_computed_tokens - self.kv_cache_spec.sliding_window + 1, 0)
 
     @classmethod
     def find_longest_cache_hit(
@@ -129,25 +138,15 @@ def _window_hit(
     return hits
 
 
-class ChunkedLocalAttentionManager(SingleTypeKVCacheManager):
+class ChunkedLocalAttentionManager(_ForgettingManager):
     """Llama 4 local layers: a query at q sees keys q // C * C .. q."""
 
-    def __init__(
-        self,
-        kv_cache_spec: KVCacheSpec,
-        block_pool: BlockPool,
-        kv_cache_group_id: int,
-        enable_caching: bool,
-    ) -> None:
-        assert isinstance(kv_cache_spec, ChunkedLocalAttentionSpec)
-        super().__init__(kv_cache_spec, block_pool, kv_cache_group_id, enable_caching)
-        self.attention_chunk_size = kv_cache_spec.attention_chunk_size
+    spec_type = ChunkedLocalAttentionSpec
 
     def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
-        return num_computed_tokens // self.attention_chunk_size * self.attention_chunk_size
-
-    def get_num_common_prefix_blocks(self, running_request_id: str) -> int:
-        return 0
+        assert isinstance(self.kv_cache_spec, ChunkedLocalAttentionSpec)
+        size = self.kv_cache_spec.attention_chunk_size
+        return num_computed_tokens // size * size
 
     @classmethod
     def find_longest_cache_hit(
@@ -183,9 +182,11 @@ class ChunkedLocalAttentionManager(SingleTypeKVCacheManager):
         return hits
 
 
-class SinkFullAttentionManager(SingleTypeKVCacheManager):
+class SinkFullAttentionManager(_ForgettingManager):
     """StreamingLLM: the first sink_len tokens stay, the rest is a window of W tokens
     (see SinkFullAttentionSpec for the position rule)."""
+
+    spec_type = SinkFullAttentionSpec
 
     def __init__(
         self,
@@ -194,16 +195,13 @@ class SinkFullAttentionManager(SingleTypeKVCacheManager):
         kv_cache_group_id: int,
         enable_caching: bool,
     ) -> None:
-        assert isinstance(kv_cache_spec, SinkFullAttentionSpec)
         super().__init__(kv_cache_spec, block_pool, kv_cache_group_id, enable_caching)
-        self.sliding_window = kv_cache_spec.sliding_window
+        assert isinstance(kv_cache_spec, SinkFullAttentionSpec)
         self.num_kept_leading_blocks = kv_cache_spec.num_sink_blocks
 
     def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
-        return max(num_computed_tokens - self.sliding_window + 1, 0)
-
-    def get_num_common_prefix_blocks(self, running_request_id: str) -> int:
-        return 0
+        assert isinstance(self.kv_cache_spec, SinkFullAttentionSpec)
+        return max(num_computed_tokens - self.kv_cache_spec.sliding_window + 1, 0)
 
     @classmethod
     def find_longest_cache_hit(
