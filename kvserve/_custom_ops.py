@@ -10,6 +10,7 @@ torch paths, which compute the same thing.
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import sys
@@ -49,6 +50,16 @@ _forced_off = threading.local()
 
 
 def _build() -> bool:
+    # torch re-builds when the sources or flags change; headers only count through a flag.
+    headers = b"".join(path.read_bytes() for path in sorted(_CSRC.glob("*.h")))
+    header_hash = hashlib.sha256(headers).hexdigest()[:16]
+    march = os.environ.get(ENV_MARCH, "") or "native"
+    suffix = "" if march == "native" else "_" + "".join(c if c.isalnum() else "_" for c in march)
+    name = "kvserve_cpu_ops" + suffix
+    cflags = [*_CFLAGS, f"-march={march}", f"-DKVSERVE_HEADERS={header_hash}"]
+    stamp = _build_stamp(name, cflags, headers)
+    if _load_stamped(name, stamp):
+        return True
     from torch.utils import cpp_extension
 
     # The venv's own ninja (a pip dependency) is found even when the venv is not activated.
@@ -56,21 +67,76 @@ def _build() -> bool:
     os.environ["PATH"] = os.pathsep.join([scripts, os.path.dirname(sys.executable)]) + (
         os.pathsep + os.environ.get("PATH", "")
     )
-    # torch re-builds when the sources or flags change; headers only count through a flag.
-    headers = b"".join(path.read_bytes() for path in sorted(_CSRC.glob("*.h")))
-    header_hash = hashlib.sha256(headers).hexdigest()[:16]
-    march = os.environ.get(ENV_MARCH, "") or "native"
-    suffix = "" if march == "native" else "_" + "".join(c if c.isalnum() else "_" for c in march)
-    cpp_extension.load(
-        name="kvserve_cpu_ops" + suffix,
+    library = cpp_extension.load(
+        name=name,
         sources=[str(path) for path in _SOURCES],
         extra_include_paths=[str(_CSRC)],
-        extra_cflags=[*_CFLAGS, f"-march={march}", f"-DKVSERVE_HEADERS={header_hash}"],
+        extra_cflags=cflags,
         extra_ldflags=["-fopenmp"],
         is_python_module=False,
         verbose=False,
     )
+    _write_stamp(Path(str(library)), stamp)
     return True
+
+
+# A library built by the slow path above is loaded straight from its build directory by
+# later processes when a stamp beside it names the same sources, flags, torch and Python,
+# and the library file is the one the stamp saw: importing torch's cpp_extension (it
+# pulls in setuptools) and asking ninja cost every process ~0.3-0.6 s of its start.
+_STAMP_SUFFIX = ".kvserve-build.json"
+
+
+def _build_stamp(name: str, cflags: list[str], headers: bytes) -> str:
+    digest = hashlib.sha256(headers)
+    for path in _SOURCES:
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    context = [name, *cflags, torch.__version__, sys.version, os.environ.get("CXX", "")]
+    digest.update("\0".join(context).encode())
+    return digest.hexdigest()
+
+
+def _library_path(name: str) -> Path:
+    """Where torch's cpp_extension puts ``name``'s library (its _get_build_directory)."""
+    root = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if root is None:
+        import torch._appdirs
+
+        version = torch.version
+        if version.hip is not None:
+            accelerator = "rocm" + version.hip.replace(".", "")
+        elif version.cuda is not None:
+            accelerator = "cu" + version.cuda.replace(".", "")
+        else:
+            accelerator = "cpu"
+        python = f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}"
+        base = os.path.realpath(torch._appdirs.user_cache_dir(appname="torch_extensions"))
+        root = os.path.join(base, f"{python}_{accelerator}")
+    return Path(root) / name / f"{name}.so"
+
+
+def _load_stamped(name: str, stamp: str) -> bool:
+    library = _library_path(name)
+    try:
+        recorded = json.loads(library.with_name(library.name + _STAMP_SUFFIX).read_text())
+        info = library.stat()
+    except (OSError, ValueError):
+        return False
+    if recorded != {"stamp": stamp, "size": info.st_size, "mtime_ns": info.st_mtime_ns}:
+        return False
+    torch.ops.load_library(str(library))
+    return True
+
+
+def _write_stamp(library: Path, stamp: str) -> None:
+    try:
+        info = library.stat()
+        record = {"stamp": stamp, "size": info.st_size, "mtime_ns": info.st_mtime_ns}
+        temporary = library.with_name(f"{library.name}.{os.getpid()}.tmp")
+        temporary.write_text(json.dumps(record))
+        temporary.replace(library.with_name(library.name + _STAMP_SUFFIX))
+    except OSError as exc:  # only the next start's speed depends on it
+        logger.debug("could not stamp %s: %s", library, exc)
 
 
 def available() -> bool:

@@ -36,6 +36,10 @@ class ModelConfig:
     # vLLM's flag: decode rows sharing a long prefix attend to it once (cascade attention)
     # unless this is set; tests and `kvserve bench cascade` compare the two.
     disable_cascade_attn: bool = False
+    # Custom logits processors (vLLM's `logits_processors`): LogitsProcessor subclasses or
+    # "package.module:Class" paths, run after the built-ins in every batch. Loaded by the
+    # worker (this layer cannot import them); EngineArgs checks that they load.
+    logits_processors: tuple[str | type, ...] = ()
     # Whether `quantization` is that default rather than asked for: a default "gguf" falls
     # back to float32 where its kernels cannot run (no compiler, a CUDA device).
     quantization_is_default: bool = field(init=False, default=False)
@@ -101,8 +105,17 @@ class CacheConfig:
     # dtype; float16 / bfloat16 halve the cache's bytes (decode attention at long contexts
     # is bound by reading them) at the cost of rounding the stored keys and values.
     cache_dtype: str = "auto"
+    # StreamingLLM (0 = off): full-attention layers keep the first attention_sinks tokens
+    # and a window of max_model_len - attention_sinks recent ones, so a sequence may grow
+    # past max_model_len, up to sink_max_seq_len (default 8x max_model_len).
+    attention_sinks: int = 0
+    sink_max_seq_len: int | None = None
 
     def __post_init__(self) -> None:
+        if self.attention_sinks < 0:
+            raise ValueError(f"attention_sinks must be >= 0, got {self.attention_sinks}")
+        if self.sink_max_seq_len is not None and not self.attention_sinks:
+            raise ValueError("sink_max_seq_len needs attention_sinks > 0")
         if self.cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(
                 f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.cache_dtype!r}"
@@ -171,15 +184,37 @@ class ParallelConfig:
         return self.tensor_parallel_size * self.pipeline_parallel_size
 
 
+def _cuda_available() -> bool:
+    """torch.cuda.is_available(), without importing torch (seconds) where the installed
+    build has no GPU backend: the front end builds this config before it spawns the
+    engine core, and must not pay for torch there."""
+    import importlib.util
+    import re
+    import sys
+
+    spec = importlib.util.find_spec("torch") if "torch" not in sys.modules else None
+    if spec is not None and spec.submodule_search_locations:
+        try:
+            with open(f"{spec.submodule_search_locations[0]}/version.py", encoding="utf-8") as f:
+                version = f.read()
+        except OSError:
+            version = ""
+        # A CPU-only build writes `cuda: Optional[str] = None` and the same for hip.
+        gpu_free = r"^{}\s*(:[^=]*)?=\s*None\s*$"
+        if all(re.search(gpu_free.format(key), version, re.M) for key in ("cuda", "hip")):
+            return False
+    import torch
+
+    return torch.cuda.is_available()
+
+
 @dataclass
 class DeviceConfig:
     device: str = "auto"
 
     def __post_init__(self) -> None:
         if self.device == "auto":
-            import torch
-
-            self.device = "cuda" if torch.cuda.is_available() else "cpu"
+            self.device = "cuda" if _cuda_available() else "cpu"
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"device must be 'cpu', 'cuda' or 'auto', got {self.device!r}")
 
@@ -311,9 +346,38 @@ class EngineConfig:
     kv_events_config: KVEventsConfig | None = None
 
     def __post_init__(self) -> None:
-        assert self.model_config.max_model_len is not None
-        self.scheduler_config.max_model_len = self.model_config.max_model_len
+        context_len = self.model_config.max_model_len
+        assert context_len is not None
+        self.scheduler_config.max_model_len = context_len
         self.scheduler_config.verify_against_model_len()
+        sinks = self.cache_config.attention_sinks
+        if sinks:
+            if sinks >= context_len:
+                raise ValueError(
+                    f"attention_sinks ({sinks}) must be less than max_model_len ({context_len}): "
+                    "the rest of the context is the sliding window"
+                )
+            max_seq_len = self.cache_config.sink_max_seq_len or 8 * context_len
+            if max_seq_len < context_len:
+                raise ValueError(
+                    f"sink_max_seq_len ({max_seq_len}) must be at least max_model_len "
+                    f"({context_len})"
+                )
+            self.cache_config.sink_max_seq_len = max_seq_len
+            # The scheduler's and the workers' bound is the whole sequence; the KV each
+            # request keeps stays within max_model_len (the sink spec bounds it).
+            self.scheduler_config.max_model_len = max_seq_len
+
+    @property
+    def max_seq_len(self) -> int:
+        """The longest sequence a request may reach (max_model_len unless sinks are on)."""
+        return self.scheduler_config.max_model_len
+
+    @property
+    def sink_window(self) -> int:
+        """The sliding window of full-attention layers in sink mode."""
+        assert self.model_config.max_model_len is not None
+        return self.model_config.max_model_len - self.cache_config.attention_sinks
 
 
 _Config = TypeVar("_Config")

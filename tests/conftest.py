@@ -9,6 +9,9 @@ from typing import Any
 
 import pytest
 
+# Gemma 3 270M's engine and HF reference, shared session-wide by the tests that use them.
+pytest_plugins = ["tests.gemma3_fixtures"]
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 

@@ -27,6 +27,8 @@ class Attention(nn.Module):
         num_kv_heads: int,
         layer_name: str,
         sliding_window: int | None = None,
+        attention_chunk_size: int | None = None,
+        logits_soft_cap: float | None = None,
     ) -> None:
         super().__init__()
         self.num_heads = num_heads
@@ -34,11 +36,15 @@ class Attention(nn.Module):
         self.num_kv_heads = num_kv_heads
         self.scale = scale
         self.layer_name = layer_name
+        # Read by the model runner to choose the layer's KV cache spec.
         self.sliding_window = sliding_window
+        self.attention_chunk_size = attention_chunk_size
+        self.logits_soft_cap = logits_soft_cap
         self.backend: type[AttentionBackend] = get_attn_backend(torch.get_default_device())
         self.impl = self.backend.get_impl_cls()(
-            num_heads, head_size, scale, num_kv_heads, sliding_window
-        )
+            num_heads, head_size, scale, num_kv_heads, sliding_window,
+            attention_chunk_size, logits_soft_cap,
+        )  # fmt: skip
         # A plain attribute, not a buffer: the runner owns the memory, and it must not
         # show up in state_dict() or be copied by .to().
         self.kv_cache: torch.Tensor = torch.empty(0)
@@ -70,6 +76,7 @@ class Attention(nn.Module):
         return out.reshape(num_tokens, self.num_heads * self.head_size)
 
     def _causal_no_cache(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        # Shapes and compute only: window, chunk and soft-cap do not change either.
         out = F.scaled_dot_product_attention(
             q.transpose(0, 1),
             k.transpose(0, 1),
@@ -84,6 +91,9 @@ class Attention(nn.Module):
         return (
             f"{self.layer_name}, heads={self.num_heads}, kv_heads={self.num_kv_heads}, "
             f"head_size={self.head_size}, backend={self.backend.get_name()}"
+            + (f", sliding_window={self.sliding_window}" if self.sliding_window else "")
+            + (f", chunk={self.attention_chunk_size}" if self.attention_chunk_size else "")
+            + (f", soft_cap={self.logits_soft_cap}" if self.logits_soft_cap else "")
         )
 
 

@@ -14,6 +14,7 @@ from kvserve.core.kv_cache_utils import (
     KVCacheBlock,
     get_block_content,
     get_block_hash,
+    get_group_id,
     make_block_hash_with_group_id,
 )
 from kvserve.distributed.kv_events import (
@@ -133,6 +134,7 @@ class BlockPool:
                     token_ids=list(token_ids),
                     block_size=block_size,
                     medium=self.kv_events_medium,
+                    group_id=kv_cache_group_id,
                 )
             )
 
@@ -159,8 +161,18 @@ class BlockPool:
         block.reset_hash()
         if self.enable_kv_cache_events:
             self.kv_event_queue.append(
-                BlockRemoved(block_hashes=[get_block_hash(key)], medium=self.kv_events_medium)
+                BlockRemoved(
+                    block_hashes=[get_block_hash(key)],
+                    medium=self.kv_events_medium,
+                    group_id=get_group_id(key),
+                )
             )
+
+    def evict_blocks(self, block_ids: Iterable[int]) -> None:
+        """Drops these blocks' prefix-cache entries (vLLM's name): their KV may be bad, e.g.
+        a failed step was to write it. Ref counts are untouched."""
+        for block_id in block_ids:
+            self._maybe_evict_cached_block(self.blocks[block_id])
 
     # --- allocation -------------------------------------------------------------
 

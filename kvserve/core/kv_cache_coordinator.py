@@ -8,11 +8,9 @@ from typing import TYPE_CHECKING
 
 from kvserve.core.block_pool import BlockPool, require_integrity
 from kvserve.core.kv_cache_utils import BlockHash, KVCacheBlock
-from kvserve.core.single_type_kv_cache_manager import (
-    SingleTypeKVCacheManager,
-    get_manager_for_kv_cache_spec,
-)
-from kvserve.protocol.kv_cache_interface import KVCacheConfig
+from kvserve.core.single_type_kv_cache_manager import SingleTypeKVCacheManager
+from kvserve.core.windowed_kv_cache_managers import get_manager_for_kv_cache_spec
+from kvserve.protocol.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheSpec
 
 if TYPE_CHECKING:
     from kvserve.core.request import Request
@@ -171,6 +169,63 @@ class UnitaryKVCacheCoordinator(KVCacheCoordinator):
         return hits, len(hits[0]) * self.block_size
 
 
+class HybridKVCacheCoordinator(KVCacheCoordinator):
+    """Several groups of different attention types over one pool (e.g. Gemma 3's sliding
+    window and global layers).
+
+    Groups with equal specs are looked up together (one hash probe per block serves all of
+    them). A prefix hit must be served by every group, so the lengths are reconciled: full
+    attention left to right first, which bounds the rest; every other type then searches
+    within that bound (a window right to left), and the smallest length wins. A shorter
+    length may change another type's answer (a window's run ends elsewhere), so the search
+    repeats until a round shrinks nothing; lengths only shrink, so it ends.
+    """
+
+    def __init__(
+        self,
+        kv_cache_config: KVCacheConfig,
+        max_model_len: int,
+        enable_caching: bool,
+        enable_kv_cache_events: bool = False,
+    ) -> None:
+        super().__init__(kv_cache_config, max_model_len, enable_caching, enable_kv_cache_events)
+        by_spec: dict[KVCacheSpec, list[int]] = {}
+        for group_id, group in enumerate(kv_cache_config.kv_cache_groups):
+            by_spec.setdefault(group.kv_cache_spec, []).append(group_id)
+        # Full attention first: its answer is the upper bound for the others.
+        self.attention_groups: list[tuple[KVCacheSpec, list[int]]] = sorted(
+            by_spec.items(), key=lambda item: type(item[0]) is not FullAttentionSpec
+        )
+        block_sizes = {spec.block_size for spec in by_spec}
+        if len(block_sizes) != 1:
+            raise ValueError(f"KV cache groups with different block sizes {sorted(block_sizes)}")
+        self.block_size = block_sizes.pop()
+
+    def find_longest_cache_hit(
+        self,
+        block_hashes: Sequence[BlockHash],
+        max_cache_hit_length: int,
+        request: Request | None = None,
+    ) -> tuple[tuple[list[KVCacheBlock], ...], int]:
+        hit_length = max_cache_hit_length // self.block_size * self.block_size
+        hits: dict[int, list[KVCacheBlock]] = {}
+        shrunk = True
+        while shrunk:  # a round where every type answers hit_length is consistent
+            shrunk = False
+            for spec, group_ids in self.attention_groups:
+                manager_cls = type(self.single_type_managers[group_ids[0]])
+                found = manager_cls.find_longest_cache_hit(
+                    block_hashes, hit_length, group_ids, self.block_pool, spec, request
+                )
+                for group_id, blocks in zip(group_ids, found, strict=True):
+                    hits[group_id] = blocks
+                length = len(found[0]) * self.block_size
+                if length < hit_length:
+                    hit_length, shrunk = length, True
+        num_blocks = hit_length // self.block_size
+        return tuple(hits[g][:num_blocks] for g in range(self.num_groups)), hit_length
+
+
 def get_kv_cache_coordinator(
     kv_cache_config: KVCacheConfig,
     max_model_len: int,
@@ -185,7 +240,6 @@ def get_kv_cache_coordinator(
         return UnitaryKVCacheCoordinator(
             kv_cache_config, max_model_len, enable_caching, enable_kv_cache_events
         )
-    raise NotImplementedError(
-        f"{len(kv_cache_config.kv_cache_groups)} KV cache groups with prefix caching need a "
-        "HybridKVCacheCoordinator, which is not written yet"
+    return HybridKVCacheCoordinator(
+        kv_cache_config, max_model_len, enable_caching, enable_kv_cache_events
     )

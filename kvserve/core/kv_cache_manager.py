@@ -8,7 +8,6 @@ from typing import TYPE_CHECKING
 
 from kvserve.core.kv_cache_coordinator import get_kv_cache_coordinator
 from kvserve.core.kv_cache_utils import KVCacheBlock
-from kvserve.core.single_type_kv_cache_manager import cdiv
 from kvserve.distributed.kv_events import KVCacheEvent
 from kvserve.protocol.kv_cache_interface import KVCacheConfig
 
@@ -53,9 +52,12 @@ class KVCacheManager:
         hash_block_size: int | None = None,
         log_stats: bool = False,
         enable_kv_cache_events: bool = False,
+        max_num_batched_tokens: int | None = None,
     ) -> None:
         self.kv_cache_config = kv_cache_config
         self.max_model_len = max_model_len
+        # Bounds what a windowed group holds at once (the window plus one step's tokens).
+        self.max_num_batched_tokens = max_num_batched_tokens or max_model_len
         self.enable_caching = enable_caching
         self.num_groups = len(kv_cache_config.kv_cache_groups)
         self.block_size = kv_cache_config.block_size if self.num_groups else 1
@@ -89,7 +91,11 @@ class KVCacheManager:
 
     def fits_in_pool(self, num_tokens: int) -> bool:
         """Whether num_tokens could ever be held, with every other request gone."""
-        needed = self.num_groups * cdiv(min(num_tokens, self.max_model_len), self.block_size)
+        num_tokens = min(num_tokens, self.max_model_len)
+        needed = sum(
+            group.kv_cache_spec.max_num_blocks(num_tokens, self.max_num_batched_tokens)
+            for group in self.kv_cache_config.kv_cache_groups
+        )
         return needed <= self.block_pool.num_blocks - 1
 
     def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int]:

@@ -112,6 +112,16 @@ class Request:
         self._all_token_ids.extend(token_ids)
         self.update_block_hashes()
 
+    def truncate_output_token_ids(self, num_output_tokens: int, block_size: int) -> None:
+        """Forgets the output tokens past the first num_output_tokens (a step that appended
+        them failed before reporting them), and the hashes of blocks no longer full."""
+        dropped = self.num_output_tokens - num_output_tokens
+        if dropped <= 0:
+            return
+        del self._output_token_ids[num_output_tokens:]
+        del self._all_token_ids[len(self._all_token_ids) - dropped :]
+        del self.block_hashes[self.num_tokens // block_size :]
+
     @property
     def output_token_ids(self) -> list[int]:
         return self._output_token_ids

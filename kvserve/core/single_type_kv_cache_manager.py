@@ -8,14 +8,12 @@ from typing import TYPE_CHECKING
 
 from kvserve.core.block_pool import BlockPool
 from kvserve.core.kv_cache_utils import BlockHash, KVCacheBlock, get_block_content
-from kvserve.protocol.kv_cache_interface import FullAttentionSpec, KVCacheSpec
+from kvserve.protocol.kv_cache_interface import KVCacheSpec, cdiv
 
 if TYPE_CHECKING:
     from kvserve.core.request import Request
 
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+__all__ = ["FullAttentionManager", "SingleTypeKVCacheManager", "cdiv"]
 
 
 class SingleTypeKVCacheManager(ABC):
@@ -94,9 +92,34 @@ class SingleTypeKVCacheManager(ABC):
         self.block_pool.free_blocks(reversed(blocks))
         self.num_cached_block.pop(request_id, None)
 
+    # Leading blocks that stay whatever the window (attention sinks).
+    num_kept_leading_blocks = 0
+
+    def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
+        """Leading tokens that no query from position num_computed_tokens on attends to
+        (beyond the kept leading blocks); none for full attention."""
+        return 0
+
     def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
-        """Frees blocks no future token attends to (sliding window); none for full attention."""
-        return None
+        """Frees the blocks no future token attends to, leaving null_block in their place
+        so block indices still match token positions."""
+        num_skipped = self.get_num_skipped_tokens(num_computed_tokens) // self.block_size
+        blocks = self.req_to_blocks.get(request_id)
+        if num_skipped <= self.num_kept_leading_blocks or not blocks:
+            return
+        null_block = self.block_pool.null_block
+        removed: list[KVCacheBlock] = []
+        # Walk back from the newest skipped block; everything before a null is null already.
+        for index in range(min(num_skipped, len(blocks)) - 1, self.num_kept_leading_blocks - 1, -1):
+            if blocks[index].is_null:
+                break
+            removed.append(blocks[index])
+            blocks[index] = null_block
+        self.block_pool.free_blocks(removed)
+
+    def num_live_blocks(self, request_id: str) -> int:
+        """Blocks a request really holds (null placeholders excluded)."""
+        return sum(1 for b in self.req_to_blocks.get(request_id, ()) if not b.is_null)
 
     @abstractmethod
     def get_num_common_prefix_blocks(self, running_request_id: str) -> int:
@@ -151,29 +174,3 @@ class FullAttentionManager(SingleTypeKVCacheManager):
             for group_hits, block in zip(hits, cached, strict=True):
                 group_hits.append(block)
         return hits
-
-
-# Spec kind -> manager class. A SlidingWindowManager registers under "sliding_window".
-spec_manager_map: dict[str, type[SingleTypeKVCacheManager]] = {
-    "full_attention": FullAttentionManager,
-}
-
-
-def get_manager_for_kv_cache_spec(
-    kv_cache_spec: KVCacheSpec, block_pool: BlockPool, kv_cache_group_id: int, enable_caching: bool
-) -> SingleTypeKVCacheManager:
-    return get_manager_class(kv_cache_spec)(
-        kv_cache_spec, block_pool, kv_cache_group_id, enable_caching
-    )
-
-
-def get_manager_class(kv_cache_spec: KVCacheSpec) -> type[SingleTypeKVCacheManager]:
-    if not isinstance(kv_cache_spec, FullAttentionSpec):
-        raise TypeError(f"unknown KV cache spec {kv_cache_spec!r}")
-    kind = "full_attention" if kv_cache_spec.sliding_window is None else "sliding_window"
-    manager_class = spec_manager_map.get(kind)
-    if manager_class is None:
-        raise NotImplementedError(
-            f"no KV cache manager for {kind} layers yet (SlidingWindowManager is not written)"
-        )
-    return manager_class

@@ -24,6 +24,9 @@ class BlockStored(KVCacheEvent):
     block_size: int
     # Which cache holds the blocks, e.g. "GPU" for the engine's paged device cache.
     medium: str | None = None
+    # The KV cache group (hybrid models: e.g. sliding-window vs global layers); the
+    # same tokens are stored once per group, so an index keys on (hash, group).
+    group_id: int | None = None
 
 
 class BlockRemoved(KVCacheEvent):
@@ -31,6 +34,7 @@ class BlockRemoved(KVCacheEvent):
 
     block_hashes: list[bytes]
     medium: str | None = None
+    group_id: int | None = None
 
 
 class AllBlocksCleared(KVCacheEvent):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -69,6 +70,11 @@ class EngineArgs:
     # YAML file of the tiered KV cache; on its own it turns on TieredCacheConnector.
     kv_cache_config: str | None = None
     disable_cascade_attn: bool = False
+    # StreamingLLM sink mode (see CacheConfig): sink tokens kept by full-attention layers.
+    attention_sinks: int = 0
+    sink_max_seq_len: int | None = None
+    # Custom logits processors: LogitsProcessor subclasses or "package.module:Class" paths.
+    logits_processors: Sequence[str | type] | None = None
 
     def _transfer_config(self) -> KVTransferConfig | None:
         transfer = (
@@ -83,6 +89,16 @@ class EngineArgs:
         extra = {**transfer.kv_connector_extra_config, "kv_cache_config": self.kv_cache_config}
         return dataclasses.replace(transfer, kv_connector_extra_config=extra)
 
+    def _logits_processors(self) -> tuple[str | type, ...]:
+        specs = tuple(self.logits_processors or ())
+        if specs:
+            # Loaded here once so that a wrong name fails now, naming the field, rather
+            # than in the engine core; imported here since it brings torch along.
+            from kvserve.sample.logits_processor.loader import load_logits_processors
+
+            load_logits_processors(specs)
+        return specs
+
     def create_engine_config(self) -> EngineConfig:
         model_config = ModelConfig(
             model=self.model,
@@ -93,6 +109,7 @@ class EngineArgs:
             served_model_name=self.served_model_name,
             quantization=self.quantization,
             disable_cascade_attn=self.disable_cascade_attn,
+            logits_processors=self._logits_processors(),
         )
         assert model_config.max_model_len is not None
         return EngineConfig(
@@ -104,6 +121,8 @@ class EngineArgs:
                 enable_prefix_caching=self.enable_prefix_caching,
                 prefix_caching_hash_seed=self.prefix_caching_hash_seed,
                 num_blocks_override=self.num_blocks_override,
+                attention_sinks=self.attention_sinks,
+                sink_max_seq_len=self.sink_max_seq_len,
             ),
             scheduler_config=SchedulerConfig(
                 max_num_batched_tokens=self.max_num_batched_tokens,
@@ -205,6 +224,24 @@ class EngineArgs:
             default=None,
             help="YAML file configuring the tiered KV cache (CPU, disk, Redis, cache server); "
             "enables TieredCacheConnector unless --kv-transfer-config names another connector",
+        )
+        parser.add_argument(
+            "--attention-sinks", type=int, default=0,
+            help="StreamingLLM: full-attention layers keep this many first tokens plus a "
+            "window of max_model_len minus them, so generation can run past max_model_len",
+        )  # fmt: skip
+        parser.add_argument(
+            "--sink-max-seq-len", type=int, default=None,
+            help="with --attention-sinks: the longest sequence (default 8x max_model_len)",
+        )  # fmt: skip
+
+        parser.add_argument(
+            "--logits-processors",
+            nargs="+",
+            default=None,
+            metavar="MODULE:CLASS",
+            help="custom LogitsProcessor classes to load, run in every batch after the "
+            "built-ins; requests turn them on through SamplingParams.extra_args",
         )
 
     @classmethod

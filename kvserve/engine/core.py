@@ -5,7 +5,6 @@ from __future__ import annotations
 import gc
 import logging
 import time
-from collections.abc import Iterable
 from typing import cast
 
 import msgspec
@@ -23,14 +22,20 @@ from kvserve.protocol.engine_core import (
     SchedulerStats,
     StepTimes,
 )
-from kvserve.protocol.kv_cache_interface import KVCacheConfig, build_kv_cache_config
+from kvserve.protocol.kv_cache_interface import (
+    KVCacheConfig,
+    build_kv_cache_config,
+    max_tokens_per_request,
+)
+from kvserve.protocol.scheduler_output import SchedulerOutput
 from kvserve.utils.startup import log_phase, startup_phase
 from kvserve.utils.threads import log_thread_settings
 
 logger = logging.getLogger(__name__)
 
-# Steps in a row that may fail before the failure counts as the engine's, not a request's.
-MAX_CONSECUTIVE_STEP_FAILURES = 3
+# Failed steps in a row that no request could be blamed for (core/sched/isolation.py) after
+# which the failure counts as the engine's: the core raises and dies.
+MAX_UNATTRIBUTED_STEP_FAILURES = 3
 
 
 class EngineCore:
@@ -65,7 +70,6 @@ class EngineCore:
         )
         # Running totals per step phase; kept, like the other stats, only when logged.
         self.step_times: StepTimes | None = StepTimes() if log_stats else None
-        self.consecutive_step_failures = 0
         # What is alive now (modules, tokenizer tables, imported libraries) lives as long
         # as the engine. Frozen, it is left out of the collector's full passes, which the
         # objects every step allocates would otherwise trigger over and over (~3% of a
@@ -81,7 +85,8 @@ class EngineCore:
             specs, cache.kv_cache_memory, cache.num_blocks_override
         )
         self.model_executor.initialize_from_config(kv_cache_config)
-        capacity = (kv_cache_config.num_blocks - 1) * cache.block_size
+        max_batched = self.config.scheduler_config.max_num_batched_tokens
+        capacity = max_tokens_per_request(kv_cache_config, max_batched)
         max_len = self.config.model_config.max_model_len or 0
         if capacity < max_len:
             logger.warning(
@@ -90,11 +95,24 @@ class EngineCore:
                 capacity,
                 max_len,
             )
+        for group_id, group in enumerate(kv_cache_config.kv_cache_groups):
+            spec = group.kv_cache_spec
+            logger.info(
+                "KV cache group %d: %s, %d layers, a request holds at most %d blocks of %d tokens",
+                group_id,
+                spec.type_id,
+                len(group.layer_names),
+                spec.max_num_blocks(max(max_len, 1), max_batched),
+                spec.block_size,
+            )
         log_phase(
             "KV cache",
             time.perf_counter() - start,
             blocks=kv_cache_config.num_blocks,
             block_size=cache.block_size,
+            groups=len(kv_cache_config.kv_cache_groups),
+            tensors=len(kv_cache_config.get_kv_cache_tensors()),
+            bytes_per_block=kv_cache_config.bytes_per_block,
             tokens=capacity,
         )
         return kv_cache_config
@@ -131,8 +149,7 @@ class EngineCore:
             executed = time.perf_counter()
             outputs = self.scheduler.update_from_output(scheduler_output, model_output)
         except Exception as e:
-            return self._fail_step(scheduler_output.num_scheduled_tokens, e), True
-        self.consecutive_step_failures = 0
+            return self._fail_step(scheduler_output, e), True
         updated = time.perf_counter()
         outputs.timestamp = time.monotonic()
         self._publish_kv_events()
@@ -152,22 +169,29 @@ class EngineCore:
                 outputs.scheduler_stats.step_times = msgspec.structs.replace(times)
         return outputs, scheduler_output.total_num_scheduled_tokens > 0
 
-    def _fail_step(self, request_ids: Iterable[str], error: Exception) -> EngineCoreOutputs:
-        """Ends the failed step's requests with finish reason "error"; the others go on.
+    def _fail_step(self, scheduler_output: SchedulerOutput, error: Exception) -> EngineCoreOutputs:
+        """Fails the request the step's failure is due to, alone; the others go on.
 
-        The whole step's batch fails, not a culprit found by rerunning its requests one by
-        one: a rerun is not free of side effects (seeded samplers advance, KV connector
-        saves, the KV slots of the failed step), so it could change the output of an
-        innocent request, while failing the batch is exact about what happened and its
-        callers may resubmit. Validation at the front door keeps user input from getting
-        here. Several failures in a row mean the engine itself is broken: then it raises,
-        and the core dies as before (the server reports it and exits).
+        A step with one request is its fault. A step with several has its requests
+        preempted and rerun, half of them at a time, until one fails alone (the scheduler's
+        bisection, core/sched/isolation.py); the others complete with their own tokens.
+        Failures that no request can be blamed for, several in a row, mean the engine
+        itself is broken: then it raises, and the core dies (the server reports it and
+        exits).
         """
-        self.consecutive_step_failures += 1
-        if self.consecutive_step_failures >= MAX_CONSECUTIVE_STEP_FAILURES:
+        message = f"{type(error).__name__}: {error}"
+        outputs = self.scheduler.isolate_failed_step(scheduler_output, message)
+        self._publish_kv_events()  # the failed step's blocks left the prefix cache
+        if self.scheduler.consecutive_unattributed_failures >= MAX_UNATTRIBUTED_STEP_FAILURES:
             raise error
-        logger.exception("a model step failed; its requests end with an error", exc_info=error)
-        outputs = self.scheduler.fail_requests(request_ids, f"{type(error).__name__}: {error}")
+        logger.exception(
+            "a model step of %d request(s) failed; %s",
+            len(scheduler_output.num_scheduled_tokens),
+            f"request {outputs[-1].request_id} ends with an error"
+            if outputs
+            else "its requests rerun to find the one it is due to",
+            exc_info=error,
+        )
         return EngineCoreOutputs(
             outputs=outputs, scheduler_stats=self.make_stats(), timestamp=time.monotonic()
         )

@@ -4,11 +4,15 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvserve.config import EngineConfig
-from kvserve.engine.core import EngineCore
 from kvserve.protocol.engine_core import EngineCoreOutputs, EngineCoreRequest
+
+if TYPE_CHECKING:
+    # Only the in-process client builds a core: the multi-process clients import this
+    # module in the front end, which must not import torch before it spawns the core.
+    from kvserve.engine.core import EngineCore
 
 
 class EngineCoreClient(ABC):
@@ -58,7 +62,9 @@ class InprocClient(EngineCoreClient):
     """Runs the core in the caller's thread: get_output() performs one step."""
 
     def __init__(self, config: EngineConfig, log_stats: bool = True) -> None:
-        self.engine_core = EngineCore(config, log_stats=log_stats)
+        from kvserve.engine.core import EngineCore
+
+        self.engine_core: EngineCore = EngineCore(config, log_stats=log_stats)
 
     def add_request(self, request: EngineCoreRequest) -> None:
         self.engine_core.add_request(request)

@@ -29,7 +29,10 @@ class InputProcessor:
         self.tokenizer = tokenizer
         self.scheduler_policy = scheduler_config.policy if scheduler_config else "fcfs"
         assert model_config.max_model_len is not None
-        self.max_model_len: int = model_config.max_model_len
+        # The scheduler's bound is the whole sequence: past the context in sink mode.
+        self.max_model_len: int = (
+            scheduler_config.max_model_len if scheduler_config else model_config.max_model_len
+        )
         self.vocab_size = model_config.vocab_size
         eos_ids = list(model_config.arch.eos_token_ids)
         if not eos_ids and tokenizer is not None and tokenizer.eos_token_id is not None:
@@ -176,7 +179,13 @@ def apply_chat_template(
     if add_generation_prompt and continue_final_message:
         raise ValueError("add_generation_prompt and continue_final_message cannot both be True")
     if chat_template is None and not tokenizer.chat_template:
-        raise ValueError("the tokenizer has no chat template; pass chat_template explicitly")
+        # Base models (Gemma 3 270M) ship none: guessing a format would silently
+        # prompt the model in one it was never trained on.
+        raise ValueError(
+            "the model's tokenizer has no chat template (a base model?): pass one "
+            "(LLM.chat(chat_template=...), `kvserve serve --chat-template FILE`, or the "
+            "request's chat_template); kvserve/entrypoints/chat_templates/ holds examples"
+        )
     conversation = _normalize_messages(messages)
     if continue_final_message and conversation[-1]["role"] != "assistant":
         raise ValueError("continue_final_message needs the last message to be the assistant's")

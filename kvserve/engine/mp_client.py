@@ -108,11 +108,13 @@ class MPClient(EngineCoreClient):
         transport: Literal["ipc", "tcp"] = "ipc",
         startup_timeout: float | None = None,
         while_starting: Callable[[], object] | None = None,
+        also_while_starting: Callable[[], object] | None = None,
     ) -> None:
         """Spawns the core and blocks until it is ready (or raises its startup error).
 
         ``while_starting`` runs in this process while the core loads the model, to overlap
-        front-end setup (e.g. loading the tokenizer) with it.
+        front-end setup (e.g. loading the tokenizer) with it; ``also_while_starting``
+        after it, for its caller's own setup (e.g. the server importing its web stack).
         """
         self.config = config
         self.log_stats = log_stats
@@ -137,7 +139,10 @@ class MPClient(EngineCoreClient):
             input_address = _bind(self.input_socket, tmpdir, "input")
             output_address = _bind(self.output_socket, tmpdir, "output")
             self.proc = self._start_proc(
-                input_address, output_address, startup_timeout, while_starting
+                input_address,
+                output_address,
+                startup_timeout,
+                [step for step in (while_starting, also_while_starting) if step is not None],
             )
         except BaseException:
             self._finalizer()
@@ -148,7 +153,7 @@ class MPClient(EngineCoreClient):
         input_address: str,
         output_address: str,
         timeout: float | None,
-        while_starting: Callable[[], object] | None,
+        while_starting: list[Callable[[], object]],
     ) -> BaseProcess:
         mp_ctx = multiprocessing.get_context("spawn")
         reader, writer = mp_ctx.Pipe(duplex=False)
@@ -173,8 +178,8 @@ class MPClient(EngineCoreClient):
             proc.start()
         writer.close()
         try:
-            if while_starting is not None:
-                while_starting()
+            for step in while_starting:
+                step()
             self.ready = _wait_for_handshake(reader, proc, timeout)
         finally:
             reader.close()

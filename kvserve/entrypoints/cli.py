@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import itertools
 import logging
 import sys
@@ -103,7 +104,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The full parser, or with ``command`` one whose other lazy sub-commands are stubs."""
     parser = argparse.ArgumentParser(prog="kvserve", description=__doc__)
     parser.add_argument("--log-level", default="WARNING")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -125,17 +127,53 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_args(chat)
     chat.set_defaults(func=cmd_chat)
 
-    # Imported here so `kvserve generate` does not pay for the web stack's imports.
-    from kvserve.benchmarks.cli import add_bench_parser
-    from kvserve.entrypoints.events_cli import add_events_parser
-    from kvserve.entrypoints.openai.cli_args import add_serve_parser
-    from kvserve.kvcache.server.cli import add_cache_server_parser
-
-    add_serve_parser(sub)
-    add_cache_server_parser(sub)
-    add_bench_parser(sub)
-    add_events_parser(sub)
+    for name, (help_text, module, function) in _LAZY_COMMANDS.items():
+        if command in (None, name):
+            getattr(importlib.import_module(module), function)(sub)
+        else:
+            # Listed in `kvserve --help`, but not imported: the cache server's parser
+            # pulls in torch, the web stack takes a second, and a command needs only its own.
+            sub.add_parser(name, help=help_text)
     return parser
+
+
+# Sub-commands registered only when they run (or for the full parser): name ->
+# (help shown by `kvserve --help`, module, its add_*_parser function).
+_LAZY_COMMANDS = {
+    "serve": (
+        "start the OpenAI-compatible HTTP server",
+        "kvserve.entrypoints.openai.cli_args",
+        "add_serve_parser",
+    ),
+    "cache-server": (
+        "run a KV cache server (remote tier for kvserve://host:port)",
+        "kvserve.kvcache.server.cli",
+        "add_cache_server_parser",
+    ),
+    "bench": (
+        "benchmark a server or offline throughput",
+        "kvserve.benchmarks.cli",
+        "add_bench_parser",
+    ),
+    "events": (
+        "print an engine's KV cache events as JSON lines",
+        "kvserve.entrypoints.events_cli",
+        "add_events_parser",
+    ),
+}
+
+
+def _command(argv: list[str]) -> str | None:
+    """The sub-command named on the command line (None if there is none yet)."""
+    skip_value = False
+    for arg in argv:
+        if skip_value:
+            skip_value = False
+        elif arg == "--log-level":
+            skip_value = True
+        elif not arg.startswith("-"):
+            return arg
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -145,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     # in the environment the user gave, or the comparison measures our settings.
     if argv[:1] != ["bench"]:
         configure_process_threads()
-    args = build_parser().parse_args(argv)
+    args = build_parser(_command(argv)).parse_args(argv)
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )

@@ -1,17 +1,31 @@
-"""How much KV each attention layer needs per block, and how the cache is laid out."""
+"""How much KV each attention layer needs per block, and how the cache is laid out.
+
+One spec per attention layer (vLLM's names). Layers with equal specs form a KV cache
+group with one block table per request. Groups share one block pool and, where their
+pages are the same size, the physical memory too (vLLM's hybrid allocator): the groups
+are cut to the same number of layers, and tensor ``i`` serves layer ``i`` of every group,
+so one block id costs ``group_size`` layer pages whatever the mix of attention types.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 
-@dataclass(frozen=True)
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass(frozen=True, kw_only=True)
 class FullAttentionSpec:
+    """Every token attends to every earlier one: a request holds all its blocks."""
+
+    kind: ClassVar[str] = "full_attention"
     block_size: int
     num_kv_heads: int
     head_size: int
     dtype_size: int = 4  # bytes per element (float32)
-    sliding_window: int | None = None  # None = full attention; set = SlidingWindow manager
 
     @property
     def page_size_bytes(self) -> int:
@@ -20,11 +34,92 @@ class FullAttentionSpec:
 
     @property
     def type_id(self) -> str:
-        kind = "full" if self.sliding_window is None else f"sliding_window_{self.sliding_window}"
-        return f"{kind}_{self.block_size}_{self.page_size_bytes}"
+        return f"{self.kind}_{self.block_size}_{self.page_size_bytes}"
+
+    def max_num_blocks(self, num_tokens: int, max_num_batched_tokens: int) -> int:
+        """Most blocks one request of num_tokens tokens holds at once in this group."""
+        return cdiv(num_tokens, self.block_size)
 
 
-KVCacheSpec = FullAttentionSpec
+@dataclass(frozen=True, kw_only=True)
+class SlidingWindowSpec(FullAttentionSpec):
+    """A query at position q sees keys q-sliding_window+1 .. q; older blocks are freed."""
+
+    kind: ClassVar[str] = "sliding_window"
+    sliding_window: int
+
+    def __post_init__(self) -> None:
+        if self.sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1, got {self.sliding_window}")
+
+    @property
+    def type_id(self) -> str:
+        return f"{self.kind}_{self.sliding_window}_{self.block_size}_{self.page_size_bytes}"
+
+    def max_num_blocks(self, num_tokens: int, max_num_batched_tokens: int) -> int:
+        # The window behind the first query of a step plus the step's own tokens; +1 as the
+        # window need not start on a block boundary.
+        live = min(self.sliding_window - 1 + max_num_batched_tokens, num_tokens)
+        return min(cdiv(live, self.block_size) + 1, cdiv(num_tokens, self.block_size))
+
+
+@dataclass(frozen=True, kw_only=True)
+class ChunkedLocalAttentionSpec(FullAttentionSpec):
+    """Llama 4's local layers: a query sees only keys of its own attention_chunk_size
+    chunk (positions ``q // C * C .. q``); blocks of earlier chunks are freed."""
+
+    kind: ClassVar[str] = "chunked_local_attention"
+    attention_chunk_size: int
+
+    def __post_init__(self) -> None:
+        if self.attention_chunk_size % self.block_size:
+            raise ValueError(
+                f"attention_chunk_size ({self.attention_chunk_size}) must be a multiple of "
+                f"the block size ({self.block_size})"
+            )
+
+    @property
+    def type_id(self) -> str:
+        size = self.attention_chunk_size
+        return f"{self.kind}_{size}_{self.block_size}_{self.page_size_bytes}"
+
+    def max_num_blocks(self, num_tokens: int, max_num_batched_tokens: int) -> int:
+        live = min(self.attention_chunk_size + max_num_batched_tokens, num_tokens)
+        return min(cdiv(live, self.block_size) + 1, cdiv(num_tokens, self.block_size))
+
+
+@dataclass(frozen=True, kw_only=True)
+class SinkFullAttentionSpec(FullAttentionSpec):
+    """StreamingLLM on a full-attention layer: the first sink_len tokens stay visible
+    forever, the rest is a sliding window of sliding_window tokens.
+
+    Position rule: keys keep the absolute positions they were rotated with when written,
+    and a query uses its own absolute position, so positions keep growing past the
+    model's context length (the rotary tables extend on demand). This is the rule a
+    cache of already-rotated keys allows; StreamingLLM's re-indexing inside the cache
+    would need un-rotated keys.
+    """
+
+    kind: ClassVar[str] = "sink_full_attention"
+    sink_len: int
+    sliding_window: int
+
+    @property
+    def num_sink_blocks(self) -> int:
+        return cdiv(self.sink_len, self.block_size)
+
+    @property
+    def type_id(self) -> str:
+        window = f"{self.sink_len}_{self.sliding_window}"
+        return f"{self.kind}_{window}_{self.block_size}_{self.page_size_bytes}"
+
+    def max_num_blocks(self, num_tokens: int, max_num_batched_tokens: int) -> int:
+        live = min(self.sliding_window - 1 + max_num_batched_tokens, num_tokens)
+        window_blocks = cdiv(live, self.block_size) + 1
+        return min(self.num_sink_blocks + window_blocks, cdiv(num_tokens, self.block_size))
+
+
+KVCacheSpec = FullAttentionSpec  # every spec is one; the subclasses say which manager
 
 
 @dataclass
@@ -36,13 +131,63 @@ class KVCacheGroupSpec:
 
 
 @dataclass
+class KVCacheTensor:
+    """One physical KV tensor of num_blocks pages, used by the layers in shared_by (at
+    most one layer of each group: their block ids never collide, the pool hands each
+    block to one group at a time)."""
+
+    shared_by: list[str]
+
+
+@dataclass
 class KVCacheConfig:
     num_blocks: int
     kv_cache_groups: list[KVCacheGroupSpec] = field(default_factory=list)
+    # Empty means one tensor per layer (configs built by hand in tests).
+    kv_cache_tensors: list[KVCacheTensor] = field(default_factory=list)
 
     @property
     def block_size(self) -> int:
         return self.kv_cache_groups[0].kv_cache_spec.block_size
+
+    def get_kv_cache_tensors(self) -> list[KVCacheTensor]:
+        if self.kv_cache_tensors:
+            return self.kv_cache_tensors
+        return [KVCacheTensor([n]) for g in self.kv_cache_groups for n in g.layer_names]
+
+    @property
+    def bytes_per_block(self) -> int:
+        """Memory one block id costs across all tensors."""
+        page = {n: g.kv_cache_spec.page_size_bytes for g in self.kv_cache_groups
+                for n in g.layer_names}  # fmt: skip
+        return sum(max(page[n] for n in t.shared_by) for t in self.get_kv_cache_tensors())
+
+
+def _group_layers(layer_specs: dict[str, KVCacheSpec]) -> list[tuple[KVCacheSpec, list[str]]]:
+    """Layers grouped by spec, groups in the order of their first layer, full attention
+    first (the hybrid coordinator's lookup starts with it)."""
+    groups: dict[KVCacheSpec, list[str]] = {}
+    for name, spec in layer_specs.items():
+        groups.setdefault(spec, []).append(name)
+    return sorted(groups.items(), key=lambda item: type(item[0]) is not FullAttentionSpec)
+
+
+def _split_into_groups(
+    by_spec: list[tuple[KVCacheSpec, list[str]]],
+) -> tuple[list[KVCacheGroupSpec], list[KVCacheTensor]]:
+    """Equal-sized groups sharing tensors: each spec's layers are cut into groups of
+    group_size (the smallest spec's layer count, so no tensor idles in the common case)."""
+    group_size = min(len(names) for _, names in by_spec)
+    groups = [
+        KVCacheGroupSpec(names[start : start + group_size], spec)
+        for spec, names in by_spec
+        for start in range(0, len(names), group_size)
+    ]
+    tensors = [
+        KVCacheTensor([g.layer_names[i] for g in groups if i < len(g.layer_names)])
+        for i in range(group_size)
+    ]
+    return groups, tensors
 
 
 def build_kv_cache_config(
@@ -50,22 +195,56 @@ def build_kv_cache_config(
 ) -> KVCacheConfig:
     """Groups layers by spec and sizes the shared block pool to fit memory_bytes.
 
-    Every layer gets a tensor of num_blocks blocks, so one block id costs the sum of
-    all layers' page sizes.
+    One kind of attention: one group, a tensor per layer. Several kinds with one page
+    size: equal groups over shared tensors (see the module docstring). Several page sizes
+    cannot share a tensor: every layer keeps its own and a block id costs all of them.
     """
     if not layer_specs:
         raise ValueError("the model has no attention layers to allocate a KV cache for")
-    groups: dict[KVCacheSpec, list[str]] = {}
-    for name, spec in layer_specs.items():
-        groups.setdefault(spec, []).append(name)
-    bytes_per_block = sum(spec.page_size_bytes for spec in layer_specs.values())
+    by_spec = _group_layers(layer_specs)
+    page_sizes = {spec.page_size_bytes for spec, _ in by_spec}
+    if len(by_spec) > 1 and len(page_sizes) == 1:
+        groups, tensors = _split_into_groups(by_spec)
+    else:
+        groups = [KVCacheGroupSpec(names, spec) for spec, names in by_spec]
+        tensors = [KVCacheTensor([name]) for name in layer_specs]
+    config = KVCacheConfig(num_blocks=0, kv_cache_groups=groups, kv_cache_tensors=tensors)
+    bytes_per_block = config.bytes_per_block
     num_blocks = num_blocks_override or memory_bytes // bytes_per_block
     if num_blocks < 2:
         raise ValueError(
             f"kv_cache_memory={memory_bytes} bytes holds {num_blocks} KV blocks "
             f"({bytes_per_block} bytes each); at least 2 are needed (one is the null block)"
         )
-    return KVCacheConfig(
-        num_blocks=num_blocks,
-        kv_cache_groups=[KVCacheGroupSpec(names, spec) for spec, names in groups.items()],
+    config.num_blocks = num_blocks
+    return config
+
+
+def max_tokens_per_request(config: KVCacheConfig, max_num_batched_tokens: int) -> int:
+    """The longest single request the pool could hold with every block free (for the
+    start-up log): full attention grows with the request, windows stay bounded."""
+    usable = config.num_blocks - 1
+    per_token = sum(1 for g in config.kv_cache_groups if type(g.kv_cache_spec) is FullAttentionSpec)
+    bounded = sum(
+        g.kv_cache_spec.max_num_blocks(1 << 40, max_num_batched_tokens)
+        for g in config.kv_cache_groups
+        if type(g.kv_cache_spec) is not FullAttentionSpec
     )
+    if per_token == 0:
+        return 1 << 40 if bounded <= usable else 0
+    return max(usable - bounded, 0) // per_token * config.block_size
+
+
+__all__ = [
+    "ChunkedLocalAttentionSpec",
+    "FullAttentionSpec",
+    "KVCacheConfig",
+    "KVCacheGroupSpec",
+    "KVCacheSpec",
+    "KVCacheTensor",
+    "SinkFullAttentionSpec",
+    "SlidingWindowSpec",
+    "build_kv_cache_config",
+    "cdiv",
+    "max_tokens_per_request",
+]

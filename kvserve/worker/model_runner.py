@@ -3,6 +3,7 @@ over the paged KV cache and samples (the two-phase execute_model / sample_tokens
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -18,7 +19,7 @@ from kvserve.config import EngineConfig
 from kvserve.distributed.kv_transfer.kv_connector.base import KVConnectorOutput
 from kvserve.forward_context import set_forward_context
 from kvserve.model_executor.model_loader import get_model
-from kvserve.protocol.kv_cache_interface import FullAttentionSpec, KVCacheConfig
+from kvserve.protocol.kv_cache_interface import KVCacheConfig, KVCacheSpec
 from kvserve.protocol.runner_output import (
     EMPTY_MODEL_RUNNER_OUTPUT,
     LogprobsLists,
@@ -32,6 +33,7 @@ from kvserve.sample.sampling_batch import SamplingBatch
 from kvserve.sampling_params import SamplingType
 from kvserve.worker.input_batch import InputBatch
 from kvserve.worker.input_preparation import InputPreparer, StepInputs
+from kvserve.worker.kv_cache_specs import make_kv_cache_spec, zeroed_tensor
 from kvserve.worker.kv_connector_model_runner_mixin import KVConnectorModelRunnerMixin
 from kvserve.worker.request_state import CachedRequestState
 
@@ -59,8 +61,8 @@ class ModelRunner(KVConnectorModelRunnerMixin):
         self.config = config
         self.device = torch.device(device)
         model_config = config.model_config
-        assert model_config.max_model_len is not None
-        self.max_model_len = model_config.max_model_len
+        # The longest sequence (past the context in sink mode): sizes the batch buffers.
+        self.max_model_len = config.max_seq_len
         self.max_num_reqs = config.scheduler_config.max_num_seqs
         self.max_num_tokens = config.scheduler_config.max_num_batched_tokens
         self.vocab_size = model_config.vocab_size
@@ -93,41 +95,68 @@ class ModelRunner(KVConnectorModelRunnerMixin):
             # The default block path has C++ CPU kernels only; asked for, it would raise.
             logger.info("GGUF blocks need kvserve's CPU kernels: loading float32 weights")
             quantization = None
-        self.model = get_model(mc.resolved, mc.arch, self.device, self.dtype, quantization)
+        arch = mc.arch
+        if self.config.cache_config.attention_sinks:
+            # Positions run past the context (see SinkFullAttentionSpec's position rule).
+            arch = dataclasses.replace(
+                arch, max_position_embeddings=max(arch.max_position_embeddings, self.max_model_len)
+            )
+        self.model = get_model(mc.resolved, arch, self.device, self.dtype, quantization)
+        if self.config.cache_config.attention_sinks:
+            self._enable_attention_sinks()
+
+    def _enable_attention_sinks(self) -> None:
+        """StreamingLLM: every full-attention layer sees the sink tokens plus a window."""
+        sinks, window = self.config.cache_config.attention_sinks, self.config.sink_window
+        for layer in self._attention_layers().values():
+            if layer.sliding_window is not None or getattr(layer, "attention_chunk_size", None):
+                continue  # already bounded: a model's own local layers keep their rule
+            layer.sliding_window = window
+            layer.impl.sliding_window = window
+            layer.impl.num_sink_tokens = sinks
+        logger.info("attention sinks: %d sink tokens + a window of %d tokens", sinks, window)
 
     def _attention_layers(self) -> dict[str, Attention]:
         if self.model is None:
             raise RuntimeError("load_model() must run first")
         return get_attention_layers(self.model)
 
-    def get_kv_cache_spec(self) -> dict[str, FullAttentionSpec]:
+    def get_kv_cache_spec(self) -> dict[str, KVCacheSpec]:
+        """One spec per attention layer, from the layer's own attention type."""
         block_size = self.config.cache_config.block_size
         dtype_size = torch.empty(0, dtype=self.kv_cache_dtype).element_size()
         return {
-            name: FullAttentionSpec(
-                block_size=block_size,
-                num_kv_heads=layer.num_kv_heads,
-                head_size=layer.head_size,
-                dtype_size=dtype_size,
-                sliding_window=layer.sliding_window,
-            )
+            name: make_kv_cache_spec(layer, block_size, dtype_size)
             for name, layer in self._attention_layers().items()
         }
 
     def initialize_kv_cache(self, kv_cache_config: KVCacheConfig) -> None:
-        """Allocate one zeroed cache tensor per layer, bind it, build the input batch."""
+        """Allocate the zeroed cache tensors (layers of different groups share them, see
+        kv_cache_interface), bind them, build the input batch."""
         layers = self._attention_layers()
         self.kv_caches, self.attn_builders, self.layer_to_group = {}, [], {}
+        for tensor in kv_cache_config.get_kv_cache_tensors():
+            first = layers[tensor.shared_by[0]]
+            shape = first.backend.get_kv_cache_shape(
+                kv_cache_config.num_blocks,
+                kv_cache_config.block_size,
+                first.num_kv_heads,
+                first.head_size,
+            )
+            memory = zeroed_tensor(shape, self.kv_cache_dtype, self.device)
+            for name in tensor.shared_by:
+                layer = layers[name]
+                own = layer.backend.get_kv_cache_shape(
+                    kv_cache_config.num_blocks,
+                    kv_cache_config.block_size,
+                    layer.num_kv_heads,
+                    layer.head_size,
+                )
+                # Equal page sizes share; the shapes may still differ (heads x head size).
+                self.kv_caches[name] = memory if tuple(own) == tuple(shape) else memory.view(own)
         for group_id, group in enumerate(kv_cache_config.kv_cache_groups):
             spec = group.kv_cache_spec
             for name in group.layer_names:
-                layer = layers[name]
-                shape = layer.backend.get_kv_cache_shape(
-                    kv_cache_config.num_blocks, spec.block_size, layer.num_kv_heads, layer.head_size
-                )
-                self.kv_caches[name] = torch.zeros(
-                    shape, dtype=self.kv_cache_dtype, device=self.device
-                )
                 self.layer_to_group[name] = group_id
             backend = layers[group.layer_names[0]].backend
             self.attn_builders.append(backend.get_builder_cls()(spec.block_size, self.device))

@@ -10,6 +10,7 @@ from kvserve.config import EngineConfig
 from kvserve.protocol.kv_cache_interface import KVCacheConfig, KVCacheSpec
 from kvserve.protocol.runner_output import ModelRunnerOutput
 from kvserve.protocol.scheduler_output import SchedulerOutput
+from kvserve.sample.logits_processor.loader import load_logits_processors
 from kvserve.worker.model_runner import ModelRunner
 from kvserve.worker.worker_base import WorkerBase
 
@@ -54,6 +55,13 @@ class Worker(WorkerBase):
 
     def initialize_from_config(self, kv_cache_config: KVCacheConfig) -> None:
         self.model_runner.initialize_kv_cache(kv_cache_config)
+        custom = self.config.model_config.logits_processors
+        if custom:
+            # The runner's batch is built with the built-in processors; the user's join it
+            # here, before it holds a request.
+            batch = self.model_runner.input_batch
+            assert batch is not None
+            batch.sampling_batch.add_logits_processors(load_logits_processors(custom))
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> None:
         self.model_runner.execute_model(scheduler_output)

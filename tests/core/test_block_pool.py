@@ -121,21 +121,22 @@ def test_events_report_stores_and_evictions(make_request: MakeRequest) -> None:
     pool.cache_full_blocks(request, blocks, 2, 2, BS, 0)  # nothing new: no event
     stored = pool.take_events()
     assert stored == [
-        BlockStored([request.block_hashes[0]], None, request.all_token_ids[:BS], BS, "GPU"),
+        BlockStored([request.block_hashes[0]], None, request.all_token_ids[:BS], BS, "GPU", 0),
         BlockStored(
             [request.block_hashes[1]],
             request.block_hashes[0],
             request.all_token_ids[BS : 2 * BS],
             BS,
             "GPU",
+            0,
         ),
     ]
     assert pool.take_events() == []
     pool.free_blocks(reversed(blocks))
     pool.get_new_blocks(3)  # order: block 3 (never cached), then 2, then 1
     assert pool.take_events() == [
-        BlockRemoved([request.block_hashes[1]], "GPU"),
-        BlockRemoved([request.block_hashes[0]], "GPU"),
+        BlockRemoved([request.block_hashes[1]], "GPU", 0),
+        BlockRemoved([request.block_hashes[0]], "GPU", 0),
     ]
     pool.check_integrity()
 
@@ -150,7 +151,7 @@ def test_event_batch_round_trips_through_msgpack(make_request: MakeRequest) -> N
     batch = KVEventBatch(
         ts=1.5,
         events=[
-            BlockStored([b"\x01" * 32], None, [1, 2, 3, 4], 4, "GPU"),
+            BlockStored([b"\x01" * 32], None, [1, 2, 3, 4], 4, "GPU", group_id=2),
             BlockRemoved([b"\x02" * 32], "GPU"),
             AllBlocksCleared(),
         ],

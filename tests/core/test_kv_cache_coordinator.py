@@ -4,19 +4,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import pytest
-
 from kvserve.core.block_pool import BlockPool
 from kvserve.core.kv_cache_coordinator import (
+    HybridKVCacheCoordinator,
     KVCacheCoordinatorNoPrefixCache,
     UnitaryKVCacheCoordinator,
     get_kv_cache_coordinator,
 )
 from kvserve.core.request import Request
-from kvserve.core.single_type_kv_cache_manager import (
-    FullAttentionManager,
-    get_manager_for_kv_cache_spec,
-)
+from kvserve.core.single_type_kv_cache_manager import FullAttentionManager
 from kvserve.protocol.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 
 MakeRequest = Callable[..., Request]
@@ -33,14 +29,8 @@ def test_coordinator_choice() -> None:
     no_cache = get_kv_cache_coordinator(config(SPEC), 64, False)
     assert isinstance(no_cache, KVCacheCoordinatorNoPrefixCache)
     other = FullAttentionSpec(block_size=4, num_kv_heads=2, head_size=8)
-    with pytest.raises(NotImplementedError, match="HybridKVCacheCoordinator"):
-        get_kv_cache_coordinator(config(SPEC, other), 64, True)
-
-
-def test_sliding_window_has_no_manager_yet() -> None:
-    window = FullAttentionSpec(block_size=4, num_kv_heads=1, head_size=8, sliding_window=16)
-    with pytest.raises(NotImplementedError, match="sliding_window"):
-        get_manager_for_kv_cache_spec(window, BlockPool(4, True), 0, True)
+    hybrid = get_kv_cache_coordinator(config(SPEC, other), 64, True)
+    assert isinstance(hybrid, HybridKVCacheCoordinator)
 
 
 def test_manager_allocates_caches_and_frees_in_reverse(make_request: MakeRequest) -> None:

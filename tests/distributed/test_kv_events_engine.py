@@ -98,6 +98,7 @@ def test_subscriber_sees_stored_removed_cleared_and_replay_fills_the_gap(
             token_ids=PROMPT_A[: 3 * BLOCK_SIZE],
             block_size=BLOCK_SIZE,
             medium="GPU",
+            group_id=0,
         )
     ]
 
@@ -114,6 +115,7 @@ def test_subscriber_sees_stored_removed_cleared_and_replay_fills_the_gap(
             token_ids=PROMPT_B[: 6 * BLOCK_SIZE],
             block_size=BLOCK_SIZE,
             medium="GPU",
+            group_id=0,
         )
     ]
 
@@ -156,5 +158,6 @@ def test_engine_core_process_publishes_too(llm_factory: Callable[..., Any]) -> N
             token_ids=PROMPT_A[: 3 * BLOCK_SIZE],
             block_size=BLOCK_SIZE,
             medium="GPU",
+            group_id=0,
         )
     ]

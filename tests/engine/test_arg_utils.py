@@ -90,3 +90,23 @@ def test_kv_cache_config_turns_on_the_tiered_connector(tmp_path: Path) -> None:
 def test_unknown_keyword_is_rejected() -> None:
     with pytest.raises(ValueError, match="bogus"):
         EngineArgs.from_kwargs(bogus=1)
+
+
+def test_logits_processors_load_by_name_and_bad_names_fail_naming_the_field() -> None:
+    from tests.engine.faulty_logits_processors import FORCE_TOKEN, ForceTokenLogitsProcessor
+
+    config = parse(["--logits-processors", FORCE_TOKEN]).create_engine_config()
+    assert config.model_config.logits_processors == (FORCE_TOKEN,)
+    # A class works as well as its name (LLM(logits_processors=[cls])).
+    args = EngineArgs(logits_processors=[ForceTokenLogitsProcessor])
+    assert args.create_engine_config().model_config.logits_processors == (
+        ForceTokenLogitsProcessor,
+    )
+    for bad, why in [
+        ("tests.engine.no_such_module:Processor", "cannot load"),
+        ("tests.engine.faulty_logits_processors:NoSuchClass", "cannot load"),
+        ("torch:Tensor", "not a subclass"),
+        ("Processor", "is not 'package.module:Class'"),
+    ]:
+        with pytest.raises(ValueError, match=f"logits_processors: .*{why}"):
+            EngineArgs(logits_processors=[bad]).create_engine_config()

@@ -12,7 +12,12 @@ from gguf.quants import dequantize, quantize
 
 from kvserve import _custom_ops as ops
 from kvserve.config import ModelConfig
-from kvserve.model_executor.layers.quantization import BlockWeight, concat_rows
+from kvserve.model_executor.layers.quantization import (
+    BlockWeight,
+    check_sampled_rows,
+    concat_rows,
+    quantize_model,
+)
 
 pytestmark = pytest.mark.skipif(not ops.available(), reason="no C++ toolchain for the kernels")
 
@@ -167,3 +172,42 @@ def test_gguf_int8_method_marks_every_block_weight() -> None:
     x = torch.randn(1, config.arch.hidden_size)
     head = model.lm_head.quant_weight
     assert not torch.equal(head.linear(x), F.linear(x, head.dequantize()))
+
+
+def test_load_takes_the_files_blocks_without_float32_weights_and_all_are_lossless() -> None:
+    """The default load (blocks attached before load_weights, sampled rows checked)
+    holds the same blocks as quantize_model's whole-file check after a float32 load,
+    which dequantizes every block and compares it with gguf's reference weights."""
+    from kvserve.model_executor.model_loader import get_model
+
+    config = ModelConfig(quantization="gguf")
+    fast = get_model(config.resolved, config.arch, "cpu", torch.float32, "gguf")
+    full = get_model(config.resolved, config.arch, "cpu", torch.float32, None)
+    float_embedding = full.model.embed_tokens.weight.detach().clone()
+    quantize_model(full, "gguf", config.resolved.path, config.arch)  # raises on any block
+    fast_modules = dict(fast.named_modules())
+    checked = 0
+    for name, module in full.named_modules():
+        if getattr(module, "quant_weight", None) is None:
+            continue
+        ours = fast_modules[name].quant_weight
+        assert ours is not None and ours.qtype == module.quant_weight.qtype
+        assert all(
+            torch.equal(a, b) for a, b in zip(ours.planes, module.quant_weight.planes, strict=True)
+        )
+        checked += 1
+    assert checked == 4 * config.arch.num_hidden_layers + 1  # every linear layer, the head
+    # The tied table's lookups stay float32: the kernel's dequantization, gguf's values.
+    assert torch.equal(fast.model.embed_tokens.weight, float_embedding)
+
+
+def test_sampled_check_catches_a_block_the_kernel_would_read_differently() -> None:
+    rng = np.random.default_rng(7)
+    for qtype in TYPES:
+        raw = quantize((rng.standard_normal((40, 96)) * 0.05).astype(np.float32), qtype)
+        good = BlockWeight.from_raw(raw, qtype)
+        check_sampled_rows([("layer.weight", raw, good)])  # as stored: passes
+        bad = BlockWeight.from_raw(raw, qtype)
+        bad.d[-1, 2] = bad.d[-1, 2] * 2  # the last row is always among those checked
+        with pytest.raises(RuntimeError, match=r"tampered\.weight"):
+            check_sampled_rows([("layer.weight", raw, good), ("tampered.weight", raw, bad)])

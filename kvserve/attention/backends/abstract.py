@@ -33,14 +33,30 @@ class AttentionImpl(ABC):
         scale: float,
         num_kv_heads: int,
         sliding_window: int | None = None,
+        attention_chunk_size: int | None = None,
+        logits_soft_cap: float | None = None,
     ) -> None:
         if num_heads % num_kv_heads != 0:
             raise ValueError(f"num_heads={num_heads} not divisible by num_kv_heads={num_kv_heads}")
+        for name, value in (
+            ("sliding_window", sliding_window),
+            ("attention_chunk_size", attention_chunk_size),
+            ("logits_soft_cap", logits_soft_cap),
+        ):
+            if value is not None and value <= 0:
+                raise ValueError(f"{name} must be positive or None, got {value}")
         self.num_heads = num_heads
         self.head_size = head_size
         self.scale = scale
         self.num_kv_heads = num_kv_heads
+        # Which keys a query sees (``attention.backends.utils.visible_keys``).
         self.sliding_window = sliding_window
+        self.attention_chunk_size = attention_chunk_size
+        # StreamingLLM sink mode sets this on layers with a sliding window: the first
+        # num_sink_tokens keys stay visible whatever the window.
+        self.num_sink_tokens = 0
+        # Scores become ``cap * tanh(scores / cap)`` before the mask (Gemma 2 style).
+        self.logits_soft_cap = logits_soft_cap
 
     @abstractmethod
     def forward(

@@ -42,10 +42,6 @@ MIN_DECODE_ROWS = 8
 MIN_PREFIX_READS_VS_KERNEL = 1 << 17
 _forced = threading.local()
 
-# Layer attributes (vLLM's names) of attention variants the cascade split does not
-# reproduce: a chunked-local mask, attention sinks, soft-capped logits.
-_UNSERVED_VARIANTS = ("attention_chunk_size", "sinks", "num_sink_tokens", "logits_soft_cap")
-
 
 def use_cascade_attention(
     common_prefix_len: int, num_decodes: int, vs_decode_kernel: bool = True
@@ -182,7 +178,12 @@ def serves_layer(impl: AttentionImpl, cascade: CascadeMetadata) -> bool:
     window = impl.sliding_window
     if window is not None and window < cascade.max_seq_len:
         return False
-    return all(getattr(impl, name, None) is None for name in _UNSERVED_VARIANTS)
+    # Chunked-local masks, sinks and soft-capped scores: not reproduced by the split.
+    return (
+        impl.attention_chunk_size is None
+        and impl.num_sink_tokens == 0
+        and impl.logits_soft_cap is None
+    )
 
 
 def cascade_decode(
@@ -200,7 +201,7 @@ def cascade_decode(
     cascade (the C++ kernel, writing no slots, or the torch fallback)."""
     token_indices = decode.token_indices
     if not serves_layer(impl, cascade):
-        if ops.use_for(query):
+        if impl.kernel_supported and ops.use_for(query):
             no_slots = torch.zeros(0, dtype=torch.long, device=query.device)
             ops.cache_and_decode_attention(
                 output, query, key, value, kv_cache, no_slots, decode.block_table_i32,

@@ -9,6 +9,11 @@ A step's batch is split into two groups by the builder:
 * prefill chunks (query_len > 1, possibly starting after cached tokens): one SDPA per
   request with a causal mask shifted by ``num_computed_tokens``.
 
+Layers with a sliding window, chunked local attention, sinks or soft-capped scores use
+one visibility rule (``visible_keys``) in both groups. The kernel handles plain and
+sliding-window decodes; the other variants take the torch path, and soft-capped layers
+an explicit matmul/tanh/softmax (SDPA cannot cap scores).
+
 All index and mask tensors are built once per step in the builder; the per-layer
 work is gathers, one scatter and SDPA.
 """
@@ -32,7 +37,14 @@ from kvserve.attention.backends.cascade import (
     build_cascade_metadata,
     cascade_decode,
 )
-from kvserve.attention.backends.utils import CommonAttentionMetadata, write_to_kv_cache
+from kvserve.attention.backends.utils import (
+    CommonAttentionMetadata,
+    visible_keys,
+    write_to_kv_cache,
+)
+
+# (sliding_window, attention_chunk_size, num_sink_tokens): one layer kind's mask key.
+MaskKey = tuple[int | None, int | None, int]
 
 
 @dataclass
@@ -45,6 +57,14 @@ class PrefillChunk:
     block_ids: torch.Tensor  # int64 [ceil(seq_len / block_size)]
     query_positions: torch.Tensor  # int64 [query_len], absolute positions
     causal_mask: torch.Tensor  # bool [query_len, seq_len]: True = may attend
+    # Masks of windowed/chunked layers, made by the first layer of each kind.
+    masks: dict[MaskKey, torch.Tensor] = field(default_factory=dict)
+
+    def mask_for(self, key: MaskKey) -> torch.Tensor:
+        if key not in self.masks:
+            k_pos = torch.arange(self.seq_len, device=self.causal_mask.device)
+            self.masks[key] = visible_keys(self.query_positions[:, None], k_pos[None, :], *key)
+        return self.masks[key]
 
 
 @dataclass
@@ -71,6 +91,19 @@ class DecodeBatch:
             self.block_table_i32.shape[1] * self.block_size, device=self.seq_lens_i32.device
         )
         return key_pos[None, :] < self.seq_lens[:, None]
+
+    @functools.cached_property
+    def masks(self) -> dict[MaskKey, torch.Tensor]:
+        return {}
+
+    def mask_for(self, key: MaskKey) -> torch.Tensor:
+        """``key_mask`` narrowed by one layer kind's visibility (query = the last token)."""
+        if key not in self.masks:
+            key_mask = self.key_mask
+            k_pos = torch.arange(key_mask.shape[1], device=key_mask.device)
+            visible = visible_keys((self.seq_lens - 1)[:, None], k_pos[None, :], *key)
+            self.masks[key] = key_mask & visible
+        return self.masks[key]
 
 
 @dataclass
@@ -188,6 +221,22 @@ class CPUAttentionMetadataBuilder(AttentionMetadataBuilder):
 
 
 class CPUAttentionImpl(AttentionImpl):
+    @property
+    def mask_key(self) -> MaskKey | None:
+        """None for plain causal attention, else what ``visible_keys`` needs."""
+        if self.sliding_window is None and self.attention_chunk_size is None:
+            return None
+        return self.sliding_window, self.attention_chunk_size, self.num_sink_tokens
+
+    @property
+    def kernel_supported(self) -> bool:
+        # The C++ decode kernel knows causal and sliding-window attention only.
+        return (
+            self.attention_chunk_size is None
+            and self.logits_soft_cap is None
+            and self.num_sink_tokens == 0
+        )
+
     def forward(
         self,
         layer: torch.nn.Module,
@@ -199,7 +248,9 @@ class CPUAttentionImpl(AttentionImpl):
     ) -> torch.Tensor:
         md = attn_metadata
         n = md.num_actual_tokens
-        if md.kernel_decode is not None and md.all_slots is not None and ops.use_for(query):
+        use_kernel = md.kernel_decode is not None and md.all_slots is not None
+        if use_kernel and self.kernel_supported and ops.use_for(query):
+            assert md.kernel_decode is not None and md.all_slots is not None
             # Every row below n is a decode (written by the kernel) or a prefill (written
             # below); rows past n are padding and keep zeros.
             if n == query.shape[0] and not md.prefills:
@@ -235,19 +286,10 @@ class CPUAttentionImpl(AttentionImpl):
         k = k_cache[d.block_table].reshape(num_reqs, -1, self.num_kv_heads, self.head_size)
         v = v_cache[d.block_table].reshape(num_reqs, -1, self.num_kv_heads, self.head_size)
         k, v = k.to(query.dtype), v.to(query.dtype)  # a float16/bfloat16 cache, widened
-        mask = d.key_mask
-        if self.sliding_window is not None:
-            key_pos = torch.arange(mask.shape[1], device=mask.device)
-            mask = mask & (key_pos[None, :] >= d.seq_lens[:, None] - self.sliding_window)
+        key = self.mask_key
+        mask = d.key_mask if key is None else d.mask_for(key)
         q = query[d.token_indices].unsqueeze(2)  # [D, Hq, 1, hd]
-        out = F.scaled_dot_product_attention(
-            q,
-            k.transpose(1, 2),
-            v.transpose(1, 2),
-            attn_mask=mask[:, None, None, :],
-            scale=self.scale,
-            enable_gqa=self.num_heads != self.num_kv_heads,
-        )
+        out = self._attend(q, k.transpose(1, 2), v.transpose(1, 2), mask[:, None, None, :])
         return out.squeeze(2)
 
     def _prefill(
@@ -258,26 +300,42 @@ class CPUAttentionImpl(AttentionImpl):
         k = k_cache[c.block_ids].reshape(-1, self.num_kv_heads, self.head_size)[: c.seq_len]
         v = v_cache[c.block_ids].reshape(-1, self.num_kv_heads, self.head_size)[: c.seq_len]
         k, v = k.to(q.dtype), v.to(q.dtype)  # a float16/bfloat16 cache, widened
-        mask: torch.Tensor | None = c.causal_mask
-        if self.sliding_window is not None:
-            key_pos = torch.arange(c.seq_len, device=c.causal_mask.device)
-            mask = c.causal_mask & (
-                key_pos[None, :] > c.query_positions[:, None] - self.sliding_window
-            )
-        elif q.shape[0] == c.seq_len:
+        key = self.mask_key
+        mask: torch.Tensor | None = c.causal_mask if key is None else c.mask_for(key)
+        if key is None and q.shape[0] == c.seq_len and self.logits_soft_cap is None:
             mask = None  # nothing cached before the chunk: plain causal attention
         # 4-D inputs: SDPA's fused CPU (flash) kernel takes those, masks and GQA included;
         # 3-D ones fall back to the math path that materializes the score matrix.
-        out = F.scaled_dot_product_attention(
+        out = self._attend(
             q.transpose(0, 1).unsqueeze(0),  # [1, Hq, Lq, hd]
             k.transpose(0, 1).unsqueeze(0),
             v.transpose(0, 1).unsqueeze(0),
-            attn_mask=mask,
-            is_causal=mask is None,
-            scale=self.scale,
-            enable_gqa=self.num_heads != self.num_kv_heads,
+            mask,
         )
         return out.squeeze(0).transpose(0, 1)
+
+    def _attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
+    ) -> torch.Tensor:
+        """``q [B, Hq, Lq, hd]``, ``k/v [B, Hkv, Lk, hd]``, bool ``mask`` broadcast to
+        ``[B, Hq, Lq, Lk]`` (None: causal)."""
+        if self.logits_soft_cap is None:
+            return F.scaled_dot_product_attention(
+                q, k, v,
+                attn_mask=mask,
+                is_causal=mask is None,
+                scale=self.scale,
+                enable_gqa=self.num_heads != self.num_kv_heads,
+            )  # fmt: skip
+        assert mask is not None
+        group = self.num_heads // self.num_kv_heads
+        if group > 1:
+            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        cap = self.logits_soft_cap
+        scores = torch.tanh(torch.matmul(q, k.transpose(-1, -2)) * self.scale / cap) * cap
+        scores = scores.masked_fill(~mask, float("-inf"))
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        return torch.matmul(probs, v)
 
 
 class CPUAttentionBackend(AttentionBackend):

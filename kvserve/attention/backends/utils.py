@@ -100,3 +100,30 @@ def make_common_attn_metadata(
         slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
         num_common_prefix_blocks=num_common_prefix_blocks,
     )
+
+
+def visible_keys(
+    query_pos: torch.Tensor,
+    key_pos: torch.Tensor,
+    sliding_window: int | None = None,
+    attention_chunk_size: int | None = None,
+    num_sink_tokens: int = 0,
+) -> torch.Tensor:
+    """The one visibility rule of every attention variant, prefill and decode alike:
+    key position ``k`` is visible to query position ``q`` iff ``k <= q``, and ``k`` is
+    in the window (``k > q - sliding_window``) or a sink (``k < num_sink_tokens``),
+    and ``k`` is in ``q``'s chunk (``k // C == q // C``). Positions broadcast; True
+    means "may attend". Keys outside the window may sit in the null block a
+    sliding-window manager substitutes, so the mask is what keeps them out."""
+    mask = key_pos <= query_pos
+    if sliding_window is not None:
+        in_window = key_pos > query_pos - sliding_window
+        if num_sink_tokens:
+            in_window = in_window | (key_pos < num_sink_tokens)
+        mask = mask & in_window
+    if attention_chunk_size is not None:
+        mask = mask & (
+            torch.div(key_pos, attention_chunk_size, rounding_mode="floor")
+            == torch.div(query_pos, attention_chunk_size, rounding_mode="floor")
+        )
+    return mask

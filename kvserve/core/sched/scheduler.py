@@ -16,6 +16,7 @@ from kvserve.core.block_pool import require_integrity
 from kvserve.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
 from kvserve.core.request import Request, RequestStatus
 from kvserve.core.sched.interface import SchedulerInterface
+from kvserve.core.sched.isolation import SchedulerIsolationMixin
 from kvserve.core.sched.kv_connector_mixin import SchedulerKVConnectorMixin
 from kvserve.core.sched.request_queue import SchedulingPolicy, create_request_queue
 from kvserve.core.sched.utils import (
@@ -33,7 +34,7 @@ if TYPE_CHECKING:
     from kvserve.protocol.runner_output import ModelRunnerOutput
 
 
-class Scheduler(SchedulerKVConnectorMixin, SchedulerInterface):
+class Scheduler(SchedulerIsolationMixin, SchedulerKVConnectorMixin, SchedulerInterface):
     def __init__(
         self,
         config: EngineConfig,
@@ -57,6 +58,7 @@ class Scheduler(SchedulerKVConnectorMixin, SchedulerInterface):
             enable_caching=self.enable_caching,
             log_stats=log_stats,
             enable_kv_cache_events=enable_kv_cache_events,
+            max_num_batched_tokens=self.max_num_scheduled_tokens,
         )
         # The KV connector's scheduler side (None without kv_transfer_config).
         self._init_kv_connector(config, kv_cache_config)
@@ -69,6 +71,8 @@ class Scheduler(SchedulerKVConnectorMixin, SchedulerInterface):
         # Requests the scheduler itself ended (cannot fit): reported by the next update.
         self._pending_outputs: list[EngineCoreOutput] = []
         self.num_preemptions = 0
+        # Suspects of a failed step, run a probe at a time (isolation.py).
+        self._init_isolation()
 
     # --- requests in and out ------------------------------------------------------
 
@@ -109,9 +113,7 @@ class Scheduler(SchedulerKVConnectorMixin, SchedulerInterface):
     def fail_requests(self, request_ids: Iterable[str], message: str) -> list[EngineCoreOutput]:
         """Ends the unfinished ones among ``request_ids`` with finish reason "error" and
         frees their blocks; returns their final outputs (carrying ``message``)."""
-        failed = [
-            r for rid in request_ids if (r := self.requests.get(rid)) and not r.is_finished()
-        ]
+        failed = [r for rid in request_ids if (r := self.requests.get(rid)) and not r.is_finished()]
         running = {r.request_id for r in failed if r.status == RequestStatus.RUNNING}
         waiting = [r for r in failed if r.request_id not in running]
         if running:
@@ -130,6 +132,8 @@ class Scheduler(SchedulerKVConnectorMixin, SchedulerInterface):
             self.kv_cache_manager.free(request)
         self.finished_req_ids.add(request.request_id)
         del self.requests[request.request_id]
+        if self._suspects:
+            self._forget_suspect(request.request_id)
         return kv_transfer_params
 
     def _finish_with_error(self, request: Request, message: str) -> None:
@@ -148,6 +152,13 @@ class Scheduler(SchedulerKVConnectorMixin, SchedulerInterface):
     # --- schedule -----------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
+        # While a failed step's suspects remain, only the probe among them runs.
+        probe: set[str] | None = None
+        if self._suspects:
+            flush = self._take_flush()
+            if flush is not None:
+                return flush
+            probe = self._current_probe()
         token_budget = self.max_num_scheduled_tokens
         num_scheduled_tokens: dict[str, int] = {}
         req_to_new_blocks: dict[str, KVCacheBlocks] = {}
@@ -160,6 +171,9 @@ class Scheduler(SchedulerKVConnectorMixin, SchedulerInterface):
         req_index = 0
         while req_index < len(self.running) and token_budget > 0:
             request = self.running[req_index]
+            if probe is not None and request.request_id not in probe:
+                req_index += 1
+                continue
             num_new_tokens = self._cap_new_tokens(
                 request.num_tokens - request.num_computed_tokens, token_budget
             )
@@ -195,6 +209,9 @@ class Scheduler(SchedulerKVConnectorMixin, SchedulerInterface):
             if len(self.running) >= self.max_num_running_reqs:
                 break
             request = self.waiting.peek_request()
+            if probe is not None and request.request_id not in probe:
+                skipped.add_request(self.waiting.pop_request())
+                continue
             if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
                 # Its async KV load is still running (update_from_output releases it).
                 skipped.add_request(self.waiting.pop_request())
@@ -264,6 +281,8 @@ class Scheduler(SchedulerKVConnectorMixin, SchedulerInterface):
             token_budget -= num_new_tokens
         if skipped:
             self.waiting.prepend_requests(skipped)
+        if probe is not None and not num_scheduled_tokens:
+            self._abandon_isolation()
 
         total = sum(num_scheduled_tokens.values())
         assert total <= self.max_num_scheduled_tokens
@@ -352,8 +371,10 @@ class Scheduler(SchedulerKVConnectorMixin, SchedulerInterface):
         )
         self._update_from_kv_xfer_finished(model_runner_output)
         self._cache_sync_loaded()
-        outputs, self._pending_outputs = self._pending_outputs, []
+        outputs: list[EngineCoreOutput] = []
         stopped: set[str] = set()
+        probe = self._probe if self._suspects else None
+        passed: list[str] = []
         for request_id in scheduler_output.num_scheduled_tokens:
             request = self.requests.get(request_id)
             if request is None or request.is_finished() or request_id in dropped:
@@ -363,6 +384,8 @@ class Scheduler(SchedulerKVConnectorMixin, SchedulerInterface):
             # A partial prefill samples nothing useful: only a caught-up request takes tokens.
             if req_index is not None and request.num_computed_tokens >= request.num_tokens:
                 new_token_ids = list(model_runner_output.sampled_token_ids[req_index])
+                if probe is not None and request_id in probe:
+                    passed.append(request_id)
             is_stopped = False
             for i, token_id in enumerate(new_token_ids):
                 request.append_output_token_ids(token_id)
@@ -380,6 +403,12 @@ class Scheduler(SchedulerKVConnectorMixin, SchedulerInterface):
                     output.kv_transfer_params = kv_transfer_params
         if stopped:
             self.running = [r for r in self.running if r.request_id not in stopped]
+        if probe is not None:
+            self._clear_suspects(passed)
+        elif scheduler_output.total_num_scheduled_tokens:
+            self.consecutive_unattributed_failures = 0
+        # Taken last: should this method raise halfway, isolate_failed_step reports them.
+        outputs[:0], self._pending_outputs = self._pending_outputs, []
         # Hook: KV event publishing goes here.
         return EngineCoreOutputs(
             outputs=outputs, scheduler_stats=self.make_stats(), timestamp=time.monotonic()
@@ -450,6 +479,7 @@ class Scheduler(SchedulerKVConnectorMixin, SchedulerInterface):
                 request.num_computed_tokens <= min(num_slots, request.num_tokens),
                 f"{request} computed {request.num_computed_tokens} tokens in {num_slots} slots",
             )
+        self._check_isolation_integrity()
         manager.check_integrity()
 
     def shutdown(self) -> None:

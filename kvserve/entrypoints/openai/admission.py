@@ -22,9 +22,7 @@ GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 
 def error_response(err: OpenAIServingError) -> JSONResponse:
     """OpenAI's error body with the error's status (and headers, e.g. Retry-After)."""
-    return JSONResponse(
-        err.to_response().model_dump(), status_code=err.status, headers=err.headers
-    )
+    return JSONResponse(err.to_response().model_dump(), status_code=err.status, headers=err.headers)
 
 
 class BodySizeLimitMiddleware:

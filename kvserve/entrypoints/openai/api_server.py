@@ -74,9 +74,7 @@ async def _until_disconnect(
     task = asyncio.ensure_future(work)
     watcher = asyncio.ensure_future(disconnected())
     try:
-        await asyncio.wait(
-            {task, watcher}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED
-        )
+        await asyncio.wait({task, watcher}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
     finally:
         watcher.cancel()
         if not task.done():
@@ -265,7 +263,9 @@ def _add_hardening_middleware(
     """API key, admission control and the body-size bound (outermost last)."""
     if getattr(args, "api_key", None):
         app.add_middleware(
-            ApiKeyMiddleware, api_key=args.api_key, metrics_auth=getattr(args, "metrics_auth", False)
+            ApiKeyMiddleware,
+            api_key=args.api_key,
+            metrics_auth=getattr(args, "metrics_auth", False),
         )
     max_queued = getattr(args, "max_queued_requests", None)
     if max_queued is not None:
@@ -306,12 +306,14 @@ async def _watch_engine(app: FastAPI) -> None:
         app.state.server.should_exit = True
 
 
-async def serve_http(args: argparse.Namespace) -> int:
-    """Builds the engine and serves until SIGTERM/SIGINT (or engine death); the exit code."""
-    from kvserve.engine.arg_utils import EngineArgs
-    from kvserve.engine.async_llm import AsyncLLM
+async def serve_http(args: argparse.Namespace, engine: EngineClient | None = None) -> int:
+    """Serves ``engine`` (built from ``args`` if not given) until SIGTERM/SIGINT (or
+    engine death), then shuts it down; the exit code."""
+    if engine is None:
+        from kvserve.engine.arg_utils import EngineArgs
+        from kvserve.engine.async_llm import AsyncLLM
 
-    engine = AsyncLLM.from_engine_args(EngineArgs.from_cli_args(args))
+        engine = AsyncLLM.from_engine_args(EngineArgs.from_cli_args(args))
     try:
         app = build_app(engine, args)
         config = uvicorn.Config(

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
+import importlib
 import json
 import logging
 
@@ -123,8 +125,6 @@ def _origins(value: str) -> list[str]:
 
 
 def serve_main(args: argparse.Namespace) -> int:
-    from kvserve.entrypoints.openai.api_server import run_server
-
     # Request lines and the periodic stats line are INFO: show them unless asked not to.
     names = ["kvserve.metrics"] + (
         [] if args.disable_log_requests else ["kvserve.entrypoints.openai"]
@@ -132,7 +132,25 @@ def serve_main(args: argparse.Namespace) -> int:
     for name in names:
         if logging.getLogger(name).getEffectiveLevel() > logging.INFO:
             logging.getLogger(name).setLevel(logging.INFO)
-    return run_server(args)
+    return asyncio.run(_serve(args))
+
+
+async def _serve(args: argparse.Namespace) -> int:
+    from kvserve.engine.arg_utils import EngineArgs
+    from kvserve.engine.async_llm import AsyncLLM
+
+    # The engine core is spawned first; the web stack (FastAPI and the OpenAI routes,
+    # about a second of imports) is imported here while the core loads the model.
+    engine = AsyncLLM.from_engine_args(
+        EngineArgs.from_cli_args(args),
+        also_while_starting=lambda: importlib.import_module(_API_SERVER),
+    )
+    from kvserve.entrypoints.openai.api_server import serve_http
+
+    return await serve_http(args, engine)
+
+
+_API_SERVER = "kvserve.entrypoints.openai.api_server"
 
 
 def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:

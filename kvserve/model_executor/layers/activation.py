@@ -19,3 +19,16 @@ class SiluAndMul(nn.Module):
             ops.silu_and_mul(out, x)
             return out
         return F.silu(x[..., :d]) * x[..., d:]
+
+
+class GeluAndMul(nn.Module):
+    """``gelu(x[..., :d]) * x[..., d:]``; ``approximate="tanh"`` is Gemma's
+    ``gelu_pytorch_tanh``."""
+
+    def __init__(self, approximate: str = "none") -> None:
+        super().__init__()
+        self.approximate = approximate
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        d = x.shape[-1] // 2
+        return F.gelu(x[..., :d], approximate=self.approximate) * x[..., d:]

@@ -4,9 +4,11 @@ Decode on a CPU is bound by reading weights: float32 SmolLM2 streams 0.54 GB per
 Keeping the GGUF file's own Q4_1 / Q8_0 / Q4_0 blocks cuts that 4-8x, and the C++
 kernel (``block_linear``) multiplies straight from them. Methods:
 
-* ``gguf``: the blocks exactly as stored in the model's GGUF file. Lossless: every block
-  is dequantized once at load and checked equal, bit for bit, to the float32 weight the
-  unquantized engine uses. Tensors stored in other formats stay float32.
+* ``gguf``: the blocks exactly as stored in the model's GGUF file. Lossless: they are
+  taken before any float32 weight is built, and sampled rows of every tensor are checked
+  to dequantize, bit for bit, as gguf's reference does (the float32 engine's weights);
+  quantize_model checks every block of an already loaded model the same way. Tensors
+  stored in other formats stay float32.
 * ``gguf_int8``: the same blocks, but inputs are quantized to int8 per 32 values and
   multiplied in integer SIMD, as llama.cpp's CPU backend does, at an accuracy cost
   measured as greedy agreement with float32 (``kvserve bench quantization``). With
@@ -21,12 +23,15 @@ kernel (``block_linear``) multiplies straight from them. Methods:
 from __future__ import annotations
 
 import logging
+import zlib
+from collections.abc import Container
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType
+from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
 from torch import nn
 
@@ -36,7 +41,13 @@ from kvserve.config import QUANTIZATION_METHODS
 if TYPE_CHECKING:
     from kvserve.transformers_utils.arch_config import ArchConfig
 
-__all__ = ["QUANTIZATION_METHODS", "BlockWeight", "concat_rows", "quantize_model"]
+__all__ = [
+    "QUANTIZATION_METHODS",
+    "BlockWeight",
+    "attach_gguf_blocks",
+    "concat_rows",
+    "quantize_model",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +81,10 @@ class BlockWeight:
     def shape(self) -> tuple[int, int]:
         rows = self.qs.shape[0]
         return rows, self.qs.shape[1] * (1 if self.qtype == GGMLQuantizationType.Q8_0 else 2)
+
+    @property
+    def planes(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.qs, self.d, self.m
 
     @property
     def nbytes(self) -> int:
@@ -159,20 +174,30 @@ def _fused_shards(model: nn.Module) -> dict[str, list[str]]:
     return stacked
 
 
-def _gguf_blocks_for(
-    name: str, blocks: dict[str, BlockWeight], stacked: dict[str, list[str]], tied: bool
-) -> BlockWeight | None:
-    """The file's blocks for one module: its own tensor, its fused shards in order, or the
-    tied embedding for an LM head. None when some part is not block-quantized."""
+def _gguf_block_names(
+    name: str, blocks: Container[str], stacked: dict[str, list[str]], tied: bool
+) -> list[str] | None:
+    """The checkpoint tensors holding one module's blocks: its own, its fused shards in
+    order, or the tied embedding for an LM head. None when some part is not blocks."""
     if f"{name}.weight" in blocks:
-        return blocks[f"{name}.weight"]
+        return [f"{name}.weight"]
     if tied:
-        return blocks.get(name.removesuffix("lm_head") + "model.embed_tokens.weight")
+        embedding = name.removesuffix("lm_head") + "model.embed_tokens.weight"
+        return [embedding] if embedding in blocks else None
     prefix, _, leaf = name.rpartition(".")
     shard_names = [f"{prefix}.{shard}.weight" for shard in stacked.get(leaf, [])]
     if not shard_names or any(n not in blocks for n in shard_names):
         return None
-    return concat_rows([blocks[n] for n in shard_names])
+    return shard_names
+
+
+def _gguf_blocks_for(
+    name: str, blocks: dict[str, BlockWeight], stacked: dict[str, list[str]], tied: bool
+) -> BlockWeight | None:
+    names = _gguf_block_names(name, blocks, stacked, tied)
+    if names is None:
+        return None
+    return blocks[names[0]] if len(names) == 1 else concat_rows([blocks[n] for n in names])
 
 
 def quantize_model(model: nn.Module, method: str, gguf_path: str | None, arch: ArchConfig) -> None:
@@ -218,3 +243,106 @@ def quantize_model(model: nn.Module, method: str, gguf_path: str | None, arch: A
             module.weight = nn.Parameter(torch.empty(0, device=weight.device), requires_grad=False)
     if kept:
         logger.info("quantization %s: %d layers stay float32: %s", method, len(kept), kept[:4])
+
+
+# Rows of every block weight (besides its first and last) whose blocks are checked at
+# load against gguf's own dequantization, chosen by a generator seeded with the name.
+CHECKED_ROWS = 16
+
+
+def check_sampled_rows(weights: list[tuple[str, np.ndarray, BlockWeight]]) -> None:
+    """Raise unless the kernel dequantizes sampled rows of each ``(name, raw, weight)``
+    (``raw`` being ``weight``'s file bytes) exactly as gguf's reference does, i.e. to
+    the float32 engine's weights.
+
+    Dequantization is one formula for every block, so a sample proves the formula and
+    the plane layout; quantize_model checks every block of a loaded model (the tests
+    run it on the packaged one). Rows of one type and width are dequantized together:
+    a kernel call per tensor costs more than the dequantization."""
+    groups: dict[tuple[GGMLQuantizationType, int], list[tuple[str, np.ndarray, BlockWeight]]]
+    groups = {}
+    for name, raw, weight in weights:
+        groups.setdefault((weight.qtype, raw.shape[1]), []).append((name, raw, weight))
+    for (qtype, _), members in groups.items():
+        names: list[str] = []
+        raw_rows: list[np.ndarray] = []
+        planes: list[list[np.ndarray]] = []
+        for name, raw, weight in members:
+            rows = raw.shape[0]
+            rng = np.random.default_rng(zlib.crc32(name.encode()))
+            sampled = rng.choice(rows, size=min(rows, CHECKED_ROWS), replace=False)
+            picks = np.unique(np.concatenate([[0, rows - 1], sampled]))
+            names += [name] * len(picks)
+            raw_rows.append(raw[picks])
+            planes.append([t.numpy()[picks] if t.numel() else t.numpy() for t in weight.planes])
+        reference = gguf_dequantize(np.concatenate(raw_rows), qtype).astype(np.float32)
+        qs, d, m = (torch.from_numpy(np.concatenate(p)) for p in zip(*planes, strict=True))
+        ours = ops.dequantize_blocks(qs, d, m, _KINDS[qtype][0]).numpy()
+        differs = np.flatnonzero((ours != reference).any(axis=1))
+        if differs.size:
+            raise RuntimeError(f"{names[differs[0]]}: the kernel dequantizes it unlike gguf")
+
+
+def _kept_as_blocks(param: nn.Parameter, loaded: torch.Tensor, *shard: object) -> None:
+    """weight_loader of a weight that lives only as blocks: load_weights hands it the
+    empty placeholder attach_gguf_blocks prepared, never float32 values."""
+    if loaded.numel():
+        raise RuntimeError("float32 values loaded into a layer that holds GGUF blocks")
+
+
+def attach_gguf_blocks(
+    model: nn.Module, method: str, gguf_path: str, arch: ArchConfig
+) -> dict[str, torch.Tensor]:
+    """``gguf`` / ``gguf_int8`` from a GGUF file, before load_weights: give each linear
+    layer and the LM head the file's blocks, so their float32 weights are never built.
+
+    Each layer's blocks must have its weight's shape, and pass check_sampled_rows.
+    Returns HF tensor name -> what load_weights gets for it instead of gguf's
+    dequantization: an empty placeholder for a weight that is now only blocks, the
+    kernel's (checked) dequantization for a tied embedding, whose lookups stay float32.
+    """
+    if method not in ("gguf", "gguf_int8"):
+        raise ValueError(f"quantization {method!r} does not take the file's blocks")
+    ops.require()
+    from kvserve.model_executor.model_loader.gguf_loader import iterate_gguf_blocks
+
+    raws = {
+        hf_name: (qtype, raw)
+        for hf_name, qtype, raw in iterate_gguf_blocks(gguf_path, arch)
+        if qtype in SUPPORTED_TYPES
+    }
+    stacked = _fused_shards(model)
+    prepared: dict[str, torch.Tensor] = {}
+    kept: list[str] = []
+    checks: list[tuple[str, np.ndarray, BlockWeight]] = []
+    for name, module in _targets(model).items():
+        weight: torch.Tensor = module.weight
+        tied = name.endswith("lm_head") and arch.tie_word_embeddings
+        names = _gguf_block_names(name, raws, stacked, tied)
+        if names is None:
+            kept.append(name)
+            continue
+        qtypes = {raws[n][0] for n in names}
+        if len(qtypes) != 1:
+            raise ValueError(f"fused shards mix block types {sorted(t.name for t in qtypes)}")
+        # Fused shards are joined as file bytes, with numpy: torch's parallel copies of
+        # small tensors cost more than they move when the cores are busy.
+        raw = raws[names[0]][1] if len(names) == 1 else np.concatenate([raws[n][1] for n in names])
+        bw = BlockWeight.from_raw(raw, qtypes.pop())
+        if bw.shape != tuple(weight.shape):
+            raise RuntimeError(f"{name}: GGUF blocks {bw.shape} for a {tuple(weight.shape)} weight")
+        checks.append((name, raw, bw))
+        if tied:  # the embedding's own parameter, filled by load_weights
+            prepared[names[0]] = bw.dequantize()
+        else:
+            placeholder = nn.Parameter(torch.empty(0, device=weight.device), requires_grad=False)
+            placeholder.weight_loader = _kept_as_blocks  # type: ignore[attr-defined]
+            module.weight = placeholder
+            prepared.update((n, placeholder.data) for n in names)
+        if method == "gguf_int8":
+            bw.use_int8_activations()
+        module.quant_weight = bw
+    check_sampled_rows(checks)
+    if kept:
+        logger.info("quantization %s: %d layers stay float32: %s", method, len(kept), kept[:4])
+    return prepared

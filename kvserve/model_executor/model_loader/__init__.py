@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from kvserve.model_executor.layers.quantization import quantize_model
+from kvserve.model_executor.layers.quantization import attach_gguf_blocks, quantize_model
 from kvserve.model_executor.model_loader.gguf_loader import iterate_gguf_weights
 from kvserve.model_executor.model_loader.hf_loader import iterate_safetensors_weights
 from kvserve.model_executor.models.registry import get_model_cls
@@ -41,14 +41,19 @@ def get_model(
     # for that device.
     with torch.device(device), _default_dtype(dtype):
         model = model_cls(arch)
+    if quantization is not None and torch.device(device).type != "cpu":
+        raise ValueError(f"quantization {quantization!r} has CPU kernels only, not {device}")
+    prepared: dict[str, torch.Tensor] | None = None
     if resolved.format == "gguf":
-        weights = iterate_gguf_weights(resolved.path, arch)
+        # The file's own blocks go in first, so the layers they serve never get (and
+        # dequantize) float32 weights: the largest part of loading a GGUF model.
+        if quantization in ("gguf", "gguf_int8"):
+            prepared = attach_gguf_blocks(model, quantization, resolved.path, arch)
+        weights = iterate_gguf_weights(resolved.path, arch, prepared)
     else:
         weights = iterate_safetensors_weights(resolved.path)
     model.load_weights(weights)  # type: ignore[operator]
-    if quantization is not None:
-        if torch.device(device).type != "cpu":
-            raise ValueError(f"quantization {quantization!r} has CPU kernels only, not {device}")
+    if quantization is not None and prepared is None:
         gguf_path = resolved.path if resolved.format == "gguf" else None
         quantize_model(model, quantization, gguf_path, arch)
     return model.eval()

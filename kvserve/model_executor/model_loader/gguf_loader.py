@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 
 import numpy as np
 import torch
@@ -25,6 +25,16 @@ _BLOCK_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# Gemma 3 names its four per-layer norms differently (ffn_norm is the pre-MLP norm).
+_GEMMA3_BLOCK_NAMES = {
+    **_BLOCK_NAMES,
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+_BLOCK_NAMES_BY_ARCH = {"gemma3": _GEMMA3_BLOCK_NAMES}
 _GLOBAL_NAMES = {
     "token_embd": "model.embed_tokens",
     "output_norm": "model.norm",
@@ -36,12 +46,13 @@ _PLAIN_TYPES = {GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantiza
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 
 
-def gguf_to_hf_name(name: str) -> str:
+def gguf_to_hf_name(name: str, gguf_arch: str = "llama") -> str:
     match = _BLOCK_RE.match(name)
     if match:
         layer, stem, kind = match.groups()
-        if stem in _BLOCK_NAMES:
-            return f"model.layers.{layer}.{_BLOCK_NAMES[stem]}.{kind}"
+        block_names = _BLOCK_NAMES_BY_ARCH.get(gguf_arch, _BLOCK_NAMES)
+        if stem in block_names:
+            return f"model.layers.{layer}.{block_names[stem]}.{kind}"
     else:
         stem, _, kind = name.rpartition(".")
         if stem in _GLOBAL_NAMES:
@@ -86,15 +97,34 @@ def _hf_rows(
     return rows
 
 
-def iterate_gguf_weights(path: str, arch: ArchConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(hf_name, float32 tensor)`` for every weight in the GGUF file."""
+def _hf_values(gguf_arch: str, name: str, weight: np.ndarray) -> np.ndarray:
+    # llama.cpp's Gemma converter stores every RMSNorm weight as HF's value + 1 (its
+    # norm multiplies by the weight, HF's by 1 + weight); subtract it back in float32,
+    # as transformers' own GGUF loader does, so both hold the same parameter.
+    if gguf_arch == "gemma3" and name.endswith("norm.weight"):
+        return weight - np.float32(1.0)
+    return weight
+
+
+def iterate_gguf_weights(
+    path: str, arch: ArchConfig, prepared: Mapping[str, torch.Tensor] | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(hf_name, float32 tensor)`` for every weight in the GGUF file; ``prepared``
+    (HF name -> tensor) replaces gguf's dequantization for the weights the block path
+    already holds (see quantization.attach_gguf_blocks)."""
     reader = open_gguf(path)
+    gguf_arch = str(reader.get("general.architecture"))
     for tensor in reader.tensors:
         if tensor.name in _SKIPPED:
             continue
+        if prepared and (hf_name := gguf_to_hf_name(tensor.name, gguf_arch)) in prepared:
+            yield hf_name, prepared[hf_name]
+            continue
         weight = _hf_rows(reader, tensor, dequantize_tensor(tensor), arch)
+        weight = _hf_values(gguf_arch, tensor.name, weight)
         # from_numpy shares memory; the copy into the parameter happens in load_weights.
-        yield gguf_to_hf_name(tensor.name), torch.from_numpy(np.ascontiguousarray(weight))
+        hf_name = gguf_to_hf_name(tensor.name, gguf_arch)
+        yield hf_name, torch.from_numpy(np.ascontiguousarray(weight))
 
 
 def iterate_gguf_blocks(
@@ -103,10 +133,12 @@ def iterate_gguf_blocks(
     """Yield ``(hf_name, type, raw)`` for every block-quantized 2-D tensor, ``raw`` being
     uint8 ``[rows, bytes per row]`` exactly as stored, rows in HF's order."""
     reader = open_gguf(path)
+    gguf_arch = str(reader.get("general.architecture"))
     for tensor in reader.tensors:
         if tensor.name in _SKIPPED or tensor.tensor_type in _PLAIN_TYPES:
             continue
         raw = np.asarray(tensor.data, dtype=np.uint8)
         if raw.ndim != 2:
             continue
-        yield gguf_to_hf_name(tensor.name), tensor.tensor_type, _hf_rows(reader, tensor, raw, arch)
+        hf_name = gguf_to_hf_name(tensor.name, gguf_arch)
+        yield hf_name, tensor.tensor_type, _hf_rows(reader, tensor, raw, arch)

@@ -32,6 +32,7 @@ from kvserve.model_executor.layers.vocab_parallel_embedding import (
     VocabParallelEmbedding,
 )
 from kvserve.model_executor.models.llama_decode_stack import LlamaDecodeStack
+from kvserve.model_executor.models.weight_utils import load_hf_weights
 from kvserve.transformers_utils.arch_config import ArchConfig
 
 
@@ -51,7 +52,9 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, arch: ArchConfig, qkv_bias: bool, o_bias: bool, prefix: str) -> None:
+    def __init__(
+        self, arch: ArchConfig, qkv_bias: bool, o_bias: bool, prefix: str, layer_idx: int
+    ) -> None:
         super().__init__()
         self.head_dim = arch.head_dim
         self.qkv_proj = QKVParallelLinear(
@@ -79,7 +82,8 @@ class LlamaAttention(nn.Module):
             scale=arch.head_dim**-0.5,
             num_kv_heads=self.qkv_proj.num_kv_heads,
             layer_name=f"{prefix}.attn",
-            sliding_window=arch.sliding_window,
+            sliding_window=arch.layer_sliding_window(layer_idx),
+            attention_chunk_size=arch.layer_chunk_size(layer_idx),
         )
         self.qkv_split = [self.qkv_proj.q_size, self.qkv_proj.kv_size, self.qkv_proj.kv_size]
 
@@ -91,10 +95,14 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, arch: ArchConfig, qkv_bias: bool, o_bias: bool, prefix: str) -> None:
+    def __init__(
+        self, arch: ArchConfig, qkv_bias: bool, o_bias: bool, prefix: str, layer_idx: int
+    ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.self_attn = LlamaAttention(arch, qkv_bias, o_bias, prefix=f"{prefix}.self_attn")
+        self.self_attn = LlamaAttention(
+            arch, qkv_bias, o_bias, prefix=f"{prefix}.self_attn", layer_idx=layer_idx
+        )
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.mlp = LlamaMLP(arch.hidden_size, arch.intermediate_size, prefix=f"{prefix}.mlp")
 
@@ -119,7 +127,7 @@ class LlamaModel(nn.Module):
             arch.vocab_size, arch.hidden_size, prefix=f"{prefix}.embed_tokens"
         )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(arch, qkv_bias, o_bias, prefix=f"{prefix}.layers.{i}")
+            LlamaDecoderLayer(arch, qkv_bias, o_bias, prefix=f"{prefix}.layers.{i}", layer_idx=i)
             for i in range(arch.num_hidden_layers)
         )
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
@@ -182,39 +190,4 @@ class LlamaForCausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load HF-named tensors; returns the parameter names that were filled and
         raises if any parameter was left unset."""
-        params = dict(self.named_parameters())
-        loaded: set[str] = set()
-        for name, tensor in weights:
-            if "rotary_emb.inv_freq" in name:
-                continue
-            if name == "lm_head.weight" and self.arch.tie_word_embeddings:
-                continue  # some checkpoints store the tied copy too
-            for ckpt_part, (param_part, shard_id) in self.stacked_params.items():
-                if ckpt_part in name:
-                    fused = name.replace(ckpt_part, param_part)
-                    param = self._param(params, fused, name)
-                    param.weight_loader(param, tensor, shard_id)  # type: ignore[attr-defined]
-                    loaded.add(fused)
-                    break
-            else:
-                param = self._param(params, name, name)
-                loader = getattr(param, "weight_loader", _default_weight_loader)
-                loader(param, tensor)
-                loaded.add(name)
-        missing = sorted(set(params) - loaded)
-        if missing:
-            raise ValueError(f"checkpoint did not provide parameters: {missing[:8]}")
-        return loaded
-
-    @staticmethod
-    def _param(params: dict[str, nn.Parameter], name: str, ckpt_name: str) -> nn.Parameter:
-        if name not in params:
-            raise ValueError(f"checkpoint tensor {ckpt_name!r} matches no model parameter")
-        return params[name]
-
-
-def _default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
-    if param.shape != loaded.shape:
-        raise ValueError(f"shape mismatch: parameter {tuple(param.shape)} vs {tuple(loaded.shape)}")
-    with torch.no_grad():
-        param.copy_(loaded)
+        return load_hf_weights(self, weights, self.stacked_params, self.arch.tie_word_embeddings)

@@ -71,6 +71,7 @@ class LlamaDecodeStack:
             if (
                 a.rotary_emb is not rope
                 or a.attn.backend is not CPUAttentionBackend
+                or not getattr(a.attn.impl, "kernel_supported", False)  # chunked, sinks, cap
                 or a.attn.scale != attn.scale
                 or (a.attn.num_heads, a.attn.num_kv_heads) != (attn.num_heads, attn.num_kv_heads)
                 or layer.input_layernorm.eps != eps

@@ -4,12 +4,18 @@ from __future__ import annotations
 
 from torch import nn
 
+from kvserve.model_executor.models.gemma3 import Gemma3ForCausalLM
 from kvserve.model_executor.models.llama import LlamaForCausalLM
+from kvserve.model_executor.models.llama4 import Llama4ForCausalLM
+from kvserve.model_executor.models.mistral import MistralForCausalLM
 from kvserve.model_executor.models.qwen2 import Qwen2ForCausalLM
 
 _MODELS: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "MistralForCausalLM": MistralForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "Llama4ForCausalLM": Llama4ForCausalLM,
 }
 
 

@@ -16,6 +16,11 @@ from kvserve.sample.logits_processor.interface import (
     LogitsProcessor,
     MoveDirectionality,
 )
+from kvserve.sample.logits_processor.loader import (
+    LogitsProcessorSpec,
+    load_logits_processor,
+    load_logits_processors,
+)
 from kvserve.sample.logits_processor.state import BatchUpdateBuilder, LogitsProcessors
 
 __all__ = [
@@ -26,9 +31,12 @@ __all__ = [
     "BatchUpdateBuilder",
     "LogitBiasLogitsProcessor",
     "LogitsProcessor",
+    "LogitsProcessorSpec",
     "LogitsProcessors",
     "MinPLogitsProcessor",
     "MinTokensLogitsProcessor",
     "MoveDirectionality",
     "RowStateLogitsProcessor",
+    "load_logits_processor",
+    "load_logits_processors",
 ]

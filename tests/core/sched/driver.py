@@ -7,6 +7,7 @@ for every request that caught up, as a model runner's output would carry.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from kvserve.core.request import Request
@@ -33,11 +34,23 @@ class Driver:
             self.scheduler.add_request(request)
 
     def step(
-        self, tokens: dict[str, int] | None = None, **runner: Any
+        self,
+        tokens: dict[str, int] | None = None,
+        fail_if: Callable[[set[str]], bool] | frozenset[str] | set[str] = frozenset(),
+        **runner: Any,
     ) -> tuple[SchedulerOutput, EngineCoreOutputs]:
+        """One step. It fails, as a model step that raises does, if it runs one of the ids
+        in fail_if, or if fail_if (a predicate on the step's ids) says so."""
         sched = self.scheduler
         out = sched.schedule()
         self._apply_diffs(out)
+        scheduled = set(out.num_scheduled_tokens)
+        if fail_if(scheduled) if callable(fail_if) else fail_if & scheduled:
+            failed = sched.isolate_failed_step(out, "RuntimeError: the step failed")
+            engine_outputs = EngineCoreOutputs(outputs=failed)
+            self._record(engine_outputs)
+            sched.check_integrity()
+            return out, engine_outputs
         req_ids = list(out.num_scheduled_tokens)
         sampled = [
             [(tokens or {}).get(rid, TOKEN)]
@@ -52,10 +65,13 @@ class Driver:
             **runner,
         )
         engine_outputs = sched.update_from_output(out, runner_output)
-        for output in engine_outputs.outputs:
-            self.outputs.setdefault(output.request_id, []).append(output)
+        self._record(engine_outputs)
         sched.check_integrity()
         return out, engine_outputs
+
+    def _record(self, engine_outputs: EngineCoreOutputs) -> None:
+        for output in engine_outputs.outputs:
+            self.outputs.setdefault(output.request_id, []).append(output)
 
     def _apply_diffs(self, out: SchedulerOutput) -> None:
         sched = self.scheduler

@@ -2,7 +2,8 @@
 
 A hypothesis state machine drives a real Scheduler (with its KVCacheManager and
 BlockPool) through a small pool, so prefix hits, chunked prefills, preemption and
-too-long requests all happen. After every rule the scheduler's check_integrity()
+too-long requests all happen. Some requests are culprits: every step that runs one fails,
+and the scheduler must find it by bisection (isolation.py) and fail it alone. After every rule the scheduler's check_integrity()
 runs; at the end every request is driven to completion and every block must be free.
 The driver plays the workers, sampling tokens (sometimes EOS) as a model runner would.
 """
@@ -50,7 +51,14 @@ def engine_config() -> EngineConfig:
 
 class SchedulerMachine(RuleBasedStateMachine):
     # Summed over all runs, so the test can show the interesting paths were taken.
-    totals: ClassVar[dict[str, int]] = {"steps": 0, "preemptions": 0, "prefix_hits": 0, "errors": 0}
+    totals: ClassVar[dict[str, int]] = {
+        "steps": 0,
+        "preemptions": 0,
+        "prefix_hits": 0,
+        "errors": 0,
+        "failed_steps": 0,
+        "culprits_failed": 0,
+    }
 
     def __init__(self) -> None:
         super().__init__()
@@ -61,6 +69,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.ids = itertools.count()
         self.max_tokens: dict[str, int] = {}
         self.live: set[str] = set()  # what the scheduler must still hold
+        self.culprits: set[str] = set()  # every step that runs one of these fails
+        self.too_long: set[str] = set()
 
     @rule(
         prefix=st.integers(0, len(PREFIXES) - 1),
@@ -68,13 +78,19 @@ class SchedulerMachine(RuleBasedStateMachine):
         extra=st.integers(1, 12),
         max_tokens=st.integers(1, 8),
         too_long=st.booleans(),
+        culprit=st.integers(0, 4),
     )
-    def add(self, prefix: int, shared: int, extra: int, max_tokens: int, too_long: bool) -> None:
+    def add(
+        self, prefix: int, shared: int, extra: int, max_tokens: int, too_long: bool, culprit: int
+    ) -> None:
         n = next(self.ids)
+        request_id = f"r{n}"
         if too_long and n % 5 == 0:
             extra = MAX_MODEL_LEN  # the scheduler must end it with an error, not hang
+            self.too_long.add(request_id)
+        elif culprit == 0:
+            self.culprits.add(request_id)
         prompt = PREFIXES[prefix][:shared] + [3000 + 100 * n + i for i in range(extra)]
-        request_id = f"r{n}"
         self.driver.add(
             Request(
                 request_id=request_id,
@@ -126,6 +142,7 @@ class SchedulerMachine(RuleBasedStateMachine):
                 break
             self._step({})
         assert not self.live and not self.scheduler.requests
+        assert not self.scheduler.is_isolating
         self.scheduler.check_integrity()
         pool = self.scheduler.kv_cache_manager.block_pool
         assert pool.get_num_free_blocks() == NUM_BLOCKS - 1, "KV blocks leaked"
@@ -133,13 +150,15 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert stats is not None and stats.kv_cache_blocks_in_use == 0
 
     def _step(self, tokens: dict[str, int]) -> None:
-        out, outputs = self.driver.step(tokens)
+        out, outputs = self.driver.step(tokens, fail_if=self.culprits)
         totals = SchedulerMachine.totals
         totals["steps"] += 1
         stats = outputs.scheduler_stats
-        assert stats is not None
-        totals["prefix_hits"] += stats.prefix_cache_hits
-        totals["preemptions"] += len(out.preempted_req_ids)  # for want of blocks
+        if stats is None:  # a failed step
+            totals["failed_steps"] += 1
+        else:
+            totals["prefix_hits"] += stats.prefix_cache_hits
+            totals["preemptions"] += len(out.preempted_req_ids)  # for want of blocks
         for output in outputs.outputs:
             request_id = output.request_id
             assert request_id in self.live, f"output for {request_id}, which is not live"
@@ -147,7 +166,10 @@ class SchedulerMachine(RuleBasedStateMachine):
             if output.finish_reason is not None:
                 self.live.discard(request_id)
                 if output.finish_reason == FinishReason.ERROR:
+                    # Only a culprit, alone in its step, or a request too long ever fails.
+                    assert request_id in self.culprits | self.too_long, f"{request_id} failed"
                     totals["errors"] += 1
+                    totals["culprits_failed"] += request_id in self.culprits
                 elif self.driver.tokens(request_id)[-1] != EOS:
                     assert len(self.driver.tokens(request_id)) == self.max_tokens[request_id]
 
@@ -168,3 +190,4 @@ def test_scheduler_state_machine_keeps_its_invariants() -> None:
     totals = SchedulerMachine.totals
     assert totals["steps"] >= 300
     assert totals["preemptions"] > 0 and totals["prefix_hits"] > 0 and totals["errors"] > 0
+    assert totals["failed_steps"] > totals["culprits_failed"] > 0

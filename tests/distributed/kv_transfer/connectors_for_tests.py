@@ -116,7 +116,7 @@ class AsyncLoadingConnector(SharedStorageConnector):
             if not self._load_layer(spec, layer_name):
                 break
         if fail_index is not None:
-            bad_block = spec.block_ids[fail_index]
+            bad_block = spec.block_ids[0][fail_index]
             for cache in self._kv_caches.values():
                 cache[:, bad_block] = torch.randn_like(cache[:, bad_block]) * 10
             with self._lock:

@@ -113,7 +113,7 @@ def test_external_hit_then_bad_block_recomputes_from_it(
     assert isinstance(meta, SharedStorageConnectorMetadata)
     [load] = meta.loads
     blocks = scheduler.kv_cache_manager.get_block_ids("r")[0]
-    assert (load.start_block, load.end_block, load.block_ids) == (0, 2, blocks[:2])
+    assert (load.start_block, load.end_block, load.block_ids) == (0, 2, [blocks[:2]])
 
     # The worker reports the second loaded block unreadable: this step's token is void.
     runner_output = ModelRunnerOutput(["r"], {"r": 0}, [[TOKEN]], invalid_block_ids={blocks[1]})

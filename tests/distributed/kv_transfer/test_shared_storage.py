@@ -85,7 +85,7 @@ def plan_save(model_config: ModelConfig, root: Path) -> SharedStorageConnectorMe
     meta = scheduler.build_connector_meta(output)
     assert isinstance(meta, SharedStorageConnectorMetadata)
     [spec] = meta.saves
-    assert spec.block_ids == [3, 5]  # the prompt's full blocks only
+    assert spec.block_ids == [[3, 5]]  # the prompt's full blocks only (one group)
     return meta
 
 

@@ -58,7 +58,9 @@ def test_chat_request_max_tokens_and_logprobs() -> None:
     assert ChatCompletionRequest(messages=HI).to_sampling_params(4).logprobs is None
     with pytest.raises(ValueError, match="top_logprobs needs logprobs"):
         ChatCompletionRequest(messages=HI, top_logprobs=2).to_sampling_params(4)
-    with pytest.raises(ValueError, match="top_logprobs\n  Input should be less than or equal to 20"):
+    with pytest.raises(
+        ValueError, match="top_logprobs\n  Input should be less than or equal to 20"
+    ):
         ChatCompletionRequest(messages=HI, logprobs=True, top_logprobs=21).to_sampling_params(4)
     with pytest.raises(ValueError, match="logit_bias keys"):
         ChatCompletionRequest(messages=HI, logit_bias={"x": 1.0}).to_sampling_params(4)

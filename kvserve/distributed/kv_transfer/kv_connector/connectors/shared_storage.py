@@ -1,7 +1,11 @@
 """SharedStorageConnector: the reference connector, KV as safetensors files in a directory.
 
 Layout: ``<shared_storage_path>/<key>/<layer_name>.safetensors``, one tensor "kv" of shape
-[2, num_blocks, block_size, kv_heads, head_size] per layer holding a prompt's full blocks.
+[2, num_blocks, block_size, kv_heads, head_size] per layer holding a prompt's full blocks,
+read through the block table of the layer's KV cache group. A sliding-window layer's
+entry is valid over the last window of the prefix only (older blocks were freed before
+the save, and a reader never attends to them either); a save is skipped when even that
+part is no longer in place.
 ``key`` is a sha256 chained over the token ids block by block (seeded with the format,
 model, block size and cache salt), so any engine process computes the same key for the
 same prefix, and the key of every block-aligned prefix comes out of one pass.
@@ -32,7 +36,11 @@ from kvserve.distributed.kv_transfer.kv_connector.base import (
     KVConnectorMetadata,
     KVConnectorRole,
 )
-from kvserve.distributed.kv_transfer.kv_connector.utils import follow_scheduled_blocks
+from kvserve.distributed.kv_transfer.kv_connector.utils import (
+    check_connector_layout,
+    follow_scheduled_blocks,
+    layer_to_group,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -60,18 +68,18 @@ def prefix_keys(token_ids: list[int], block_size: int, salt: str) -> Iterator[st
 class LoadSpec:
     req_id: str
     key: str
-    # Blocks [start_block, end_block) of the stored prefix go into block_ids.
+    # Blocks [start_block, end_block) of the stored prefix go into block_ids (per group).
     start_block: int
     end_block: int
-    block_ids: list[int]
+    block_ids: list[list[int]]
 
 
 @dataclass
 class SaveSpec:
     req_id: str
     key: str
-    # The request's blocks holding its prompt's full blocks, in order.
-    block_ids: list[int]
+    # The request's blocks holding its prompt's full blocks, in order, per group.
+    block_ids: list[list[int]]
 
 
 @dataclass
@@ -86,7 +94,7 @@ class _Tracked:
 
     prompt_token_ids: list[int]
     salt: str
-    block_ids: list[int]
+    block_ids: list[list[int]]
 
 
 class SharedStorageConnector(KVConnectorBase_V1):
@@ -102,9 +110,8 @@ class SharedStorageConnector(KVConnectorBase_V1):
             raise ValueError(
                 "SharedStorageConnector needs kv_connector_extra_config['shared_storage_path']"
             )
-        if kv_cache_config is not None and len(kv_cache_config.kv_cache_groups) > 1:
-            # Entries hold one block table's worth of KV; hybrid models have several.
-            raise ValueError("SharedStorageConnector supports models with one KV cache group")
+        self._windows = check_connector_layout(kv_cache_config, "SharedStorageConnector", 0)
+        self._layer_group = layer_to_group(kv_cache_config)
         self.root = os.path.abspath(str(path))
         os.makedirs(self.root, exist_ok=True)
         self.block_size = config.cache_config.block_size
@@ -158,7 +165,7 @@ class SharedStorageConnector(KVConnectorBase_V1):
     def update_state_after_alloc(
         self, request: ConnectorRequest, blocks: ConnectorBlocks, num_external_tokens: int
     ) -> None:
-        block_ids = list(blocks.get_block_ids()[0])
+        block_ids = [list(ids) for ids in blocks.get_block_ids()]
         self._tracked[request.request_id] = _Tracked(
             list(request.prompt_token_ids), self._request_salt(request.cache_salt), block_ids
         )
@@ -170,7 +177,11 @@ class SharedStorageConnector(KVConnectorBase_V1):
         end_block = num_tokens // self.block_size
         self._pending_loads.append(
             LoadSpec(
-                request.request_id, key, start_block, end_block, block_ids[start_block:end_block]
+                request.request_id,
+                key,
+                start_block,
+                end_block,
+                [ids[start_block:end_block] for ids in block_ids],
             )
         )
 
@@ -195,7 +206,7 @@ class SharedStorageConnector(KVConnectorBase_V1):
             if not computed < num_prompt <= computed + num_new.get(req_id, 0):
                 continue
             num_blocks = num_prompt // self.block_size
-            if num_blocks == 0:
+            if num_blocks == 0 or not self._windows_in_place(computed, num_blocks):
                 continue
             *_, key = prefix_keys(
                 tracked.prompt_token_ids[: num_blocks * self.block_size],
@@ -203,8 +214,18 @@ class SharedStorageConnector(KVConnectorBase_V1):
                 tracked.salt,
             )
             if key not in saves and not os.path.isdir(self._entry_dir(key)):
-                saves[key] = SaveSpec(req_id, key, tracked.block_ids[:num_blocks])
+                saves[key] = SaveSpec(req_id, key, [ids[:num_blocks] for ids in tracked.block_ids])
         return list(saves.values())
+
+    def _windows_in_place(self, num_computed: int, num_blocks: int) -> bool:
+        """Whether every sliding window still holds the last window of the prefix: blocks
+        out of view of the step's first query (num_computed) were freed at its start."""
+        end = num_blocks * self.block_size
+        for window in self._windows:
+            freed_upto = max(num_computed - window + 1, 0) // self.block_size * self.block_size
+            if freed_upto > max(end - window + 1, 0):
+                return False
+        return True
 
     def request_finished(
         self, request: ConnectorRequest, block_ids: list[int]
@@ -246,13 +267,15 @@ class SharedStorageConnector(KVConnectorBase_V1):
                 raise ValueError(f"dtype {kv.dtype} != cache dtype {cache.dtype}")
             import torch
 
-            ids = torch.tensor(spec.block_ids, dtype=torch.long, device=cache.device)
+            block_ids = spec.block_ids[self._layer_group.get(layer_name, 0)]
+            ids = torch.tensor(block_ids, dtype=torch.long, device=cache.device)
             cache[:, ids] = kv[:, spec.start_block : spec.end_block].to(cache.device)
             return True
         except Exception as exc:  # any unreadable entry is a load error, not a crash
             logger.warning("KV load of %s for %s failed: %s", path, spec.req_id, exc)
             self._failed_loads.add(spec.req_id)
-            self._load_errors.update(spec.block_ids)
+            for group_ids in spec.block_ids:
+                self._load_errors.update(group_ids)
             return False
 
     def save_kv_layer(
@@ -268,7 +291,8 @@ class SharedStorageConnector(KVConnectorBase_V1):
             import torch
             from safetensors.torch import save_file
 
-            ids = torch.tensor(spec.block_ids, dtype=torch.long, device=kv_layer.device)
+            block_ids = spec.block_ids[self._layer_group.get(layer_name, 0)]
+            ids = torch.tensor(block_ids, dtype=torch.long, device=kv_layer.device)
             blocks = kv_layer[:, ids].to("cpu").contiguous()
             metadata = {"format": FORMAT, "block_size": str(self.block_size)}
             save_file({"kv": blocks}, self._layer_file(temp_dir, layer_name), metadata)

@@ -9,7 +9,11 @@ is planned, and in request_finished (whatever happened before).
 
 Worker side: the tier's KV shape is [num_layers, 2, num_tokens, kv_heads, head_size]; this
 connector gathers it from, and scatters it into, the paged caches ([2, num_blocks,
-block_size, kv_heads, head_size] per layer) through token slots. Loads run in start_load_kv,
+block_size, kv_heads, head_size] per layer) through token slots, each layer through the
+block table of its KV cache group. Sliding-window groups are served when the window is
+wider than a chunk: a chunk is saved in the step that completes it, before any of its
+blocks leaves the window; chunks whose blocks a window already dropped (a local prefix
+hit holds null blocks there) are not saved. Loads run in start_load_kv,
 or in a background thread with enable_async_loading (the request waits in
 WAITING_FOR_REMOTE_KVS until get_finished reports it). Saves run in wait_for_save. Tokens
 a load could not bring back are reported as load errors: the scheduler recomputes them.
@@ -30,7 +34,11 @@ from kvserve.distributed.kv_transfer.kv_connector.base import (
     KVConnectorMetadata,
     KVConnectorRole,
 )
-from kvserve.distributed.kv_transfer.kv_connector.utils import follow_scheduled_blocks
+from kvserve.distributed.kv_transfer.kv_connector.utils import (
+    check_connector_layout,
+    follow_scheduled_blocks,
+    layer_to_group,
+)
 from kvserve.kvcache.builder import CacheEngineBuilder
 from kvserve.kvcache.config import load_cache_engine_config
 from kvserve.kvcache.key import CacheEngineMetadata
@@ -52,7 +60,7 @@ class TransferSpec:
     token_ids: list[int]  # the prefix the chunk keys are computed over
     start: int  # tokens [start, end) move between the tier and the blocks
     end: int
-    block_ids: list[int]  # the request's blocks covering tokens [0, end)
+    block_ids: list[list[int]]  # per group, the request's blocks covering tokens [0, end)
     tags: tuple[tuple[str, str], ...] = ()
 
 
@@ -65,7 +73,7 @@ class TieredCacheConnectorMetadata(KVConnectorMetadata):
 @dataclass
 class _Tracked:
     request: ConnectorRequest
-    block_ids: list[int]
+    block_ids: list[list[int]]
     saved_upto: int  # tokens from 0 the tier holds (or was asked to store) for this request
 
 
@@ -90,8 +98,14 @@ class TieredCacheConnector(KVConnectorBase_V1):
             raise ValueError(
                 f"chunk_size ({self.chunk_size}) must be a multiple of block_size ({self.block_size})"
             )
-        if kv_cache_config is not None and len(kv_cache_config.kv_cache_groups) > 1:
-            raise ValueError("TieredCacheConnector supports one KV cache group (full attention)")
+        windows = check_connector_layout(kv_cache_config, "TieredCacheConnector", self.chunk_size)
+        # Groups whose block tables hold null blocks where a window dropped tokens.
+        self._windowed_groups = [
+            g
+            for g, group in enumerate(kv_cache_config.kv_cache_groups if kv_cache_config else [])
+            if getattr(group.kv_cache_spec, "sliding_window", None) in windows
+        ]
+        self._layer_group = layer_to_group(kv_cache_config)
         metadata = CacheEngineMetadata(
             model_name=config.model_config.resolved.name,
             world_size=config.parallel_config.world_size,
@@ -107,8 +121,8 @@ class TieredCacheConnector(KVConnectorBase_V1):
         self._lookups: dict[str, tuple[int, int]] = {}  # req_id -> (tier hit, usable tokens)
         self._tracked: dict[str, _Tracked] = {}
         self._pending_loads: list[TransferSpec] = []
-        # Worker side.
-        self._kv_caches: list[torch.Tensor] = []
+        # Worker side: (cache, KV cache group) per layer in model order.
+        self._kv_caches: list[tuple[torch.Tensor, int]] = []
         self._loader: ThreadPoolExecutor | None = None
         self._async_loads: dict[str, Future[set[int]]] = {}
         self._load_errors: set[int] = set()
@@ -135,7 +149,7 @@ class TieredCacheConnector(KVConnectorBase_V1):
     def update_state_after_alloc(
         self, request: ConnectorRequest, blocks: ConnectorBlocks, num_external_tokens: int
     ) -> None:
-        block_ids = list(blocks.get_block_ids()[0])
+        block_ids = [list(ids) for ids in blocks.get_block_ids()]
         hit, usable = self._lookups.pop(request.request_id, (0, 0))
         self._tracked[request.request_id] = _Tracked(request, block_ids, hit)
         if num_external_tokens <= 0:
@@ -148,7 +162,7 @@ class TieredCacheConnector(KVConnectorBase_V1):
                 list(request.all_token_ids[:usable]),
                 start,
                 usable,
-                block_ids[: -(-usable // self.block_size)],
+                [ids[: -(-usable // self.block_size)] for ids in block_ids],
                 _tags(request.cache_salt),
             )
         )
@@ -185,8 +199,13 @@ class TieredCacheConnector(KVConnectorBase_V1):
             return None
         start = tracked.saved_upto // self.chunk_size * self.chunk_size
         tracked.saved_upto = end
+        num_blocks = -(-end // self.block_size)
+        blocks = [ids[:num_blocks] for ids in tracked.block_ids]
+        if any(0 in blocks[g][start // self.block_size :] for g in self._windowed_groups):
+            # A window dropped some of these tokens before this request computed them (a
+            # local prefix hit brought null blocks): the tier would store garbage there.
+            return None
         tokens = list(request.all_token_ids[:end])
-        blocks = tracked.block_ids[: -(-end // self.block_size)]
         return TransferSpec(req_id, tokens, start, end, blocks, _tags(request.cache_salt))
 
     def request_finished(
@@ -202,7 +221,9 @@ class TieredCacheConnector(KVConnectorBase_V1):
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         # Layer order is the model's (dict order), the same in every process.
-        self._kv_caches = list(kv_caches.values())
+        self._kv_caches = [
+            (cache, self._layer_group.get(name, 0)) for name, cache in kv_caches.items()
+        ]
 
     def _block_runs(
         self, block_ids: list[int], lo: int, hi: int
@@ -228,10 +249,10 @@ class TieredCacheConnector(KVConnectorBase_V1):
                 if hi <= lo:
                     continue
                 part = kv.narrow(2, lo - chunk_start, hi - lo)
-                runs = list(self._block_runs(spec.block_ids, lo, hi))
-                for layer, cache in enumerate(self._kv_caches):
+                runs = [list(self._block_runs(ids, lo, hi)) for ids in spec.block_ids]
+                for layer, (cache, group) in enumerate(self._kv_caches):
                     src = part[layer]
-                    for block, s0, s1, off in runs:
+                    for block, s0, s1, off in runs[group]:
                         cache[:, block, s0:s1].copy_(src[:, off : off + s1 - s0])
                 loaded = hi
         except Exception:  # a failed load is recomputed, never a crashed step
@@ -243,7 +264,7 @@ class TieredCacheConnector(KVConnectorBase_V1):
             "KV tier load for %s stopped at token %d of %d", spec.req_id, loaded, spec.end
         )
         first_bad = loaded // self.block_size
-        return set(spec.block_ids[first_bad:])
+        return {block for ids in spec.block_ids for block in ids[first_bad:]}
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
@@ -271,14 +292,14 @@ class TieredCacheConnector(KVConnectorBase_V1):
 
         for spec in meta.saves:
             try:
-                first = self._kv_caches[0]
+                first = self._kv_caches[0][0]
                 kv = torch.empty(
                     (len(self._kv_caches), 2, spec.end - spec.start, *first.shape[3:]),
                     dtype=first.dtype,
                 )
-                runs = list(self._block_runs(spec.block_ids, spec.start, spec.end))
-                for layer, cache in enumerate(self._kv_caches):
-                    for block, s0, s1, off in runs:
+                runs = [list(self._block_runs(ids, spec.start, spec.end)) for ids in spec.block_ids]
+                for layer, (cache, group) in enumerate(self._kv_caches):
+                    for block, s0, s1, off in runs[group]:
                         kv[layer, :, off : off + s1 - s0].copy_(cache[:, block, s0:s1])
                 self.engine.store(spec.token_ids, kv, spec.start, spec.tags)
             except Exception:  # a failed save loses a cache entry, never a request

@@ -1,0 +1,53 @@
+"""The KV cache spec of one attention layer, read from the layer's attention type, and
+the zeroed memory the cache lives in."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from kvserve.attention.layer import Attention
+from kvserve.protocol.kv_cache_interface import (
+    ChunkedLocalAttentionSpec,
+    FullAttentionSpec,
+    KVCacheSpec,
+    SinkFullAttentionSpec,
+    SlidingWindowSpec,
+)
+
+
+def make_kv_cache_spec(layer: Attention, block_size: int, dtype_size: int) -> KVCacheSpec:
+    """Sliding window, chunked local, StreamingLLM sinks (a window plus sink tokens on a
+    full-attention layer) or full attention, in that order of precedence."""
+    common = {
+        "block_size": block_size,
+        "num_kv_heads": layer.num_kv_heads,
+        "head_size": layer.head_size,
+        "dtype_size": dtype_size,
+    }
+    chunk = getattr(layer, "attention_chunk_size", None)
+    num_sink_tokens = getattr(layer.impl, "num_sink_tokens", 0)
+    if layer.sliding_window is not None and num_sink_tokens:
+        return SinkFullAttentionSpec(
+            sink_len=num_sink_tokens, sliding_window=layer.sliding_window, **common
+        )
+    if layer.sliding_window is not None:
+        return SlidingWindowSpec(sliding_window=layer.sliding_window, **common)
+    if chunk is not None:
+        return ChunkedLocalAttentionSpec(attention_chunk_size=chunk, **common)
+    return FullAttentionSpec(**common)
+
+
+def zeroed_tensor(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero tensor; on the CPU without writing it: fresh pages from the OS are zero, and
+    np.zeros asks for those (calloc) where torch.zeros would write every byte (a 1 GiB
+    cache cost ~2 s of start-up). Aligned to 64 bytes, as torch's allocator does, for the
+    kernels' vector loads."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+    raw = np.zeros(nbytes + 64, dtype=np.uint8)
+    offset = -raw.ctypes.data % 64
+    return torch.from_numpy(raw[offset : offset + nbytes]).view(dtype).view(shape)

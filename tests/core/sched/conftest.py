@@ -1,0 +1,60 @@
+"""The scheduler tests' Driver factory: a real Scheduler over a small pool of tiny blocks."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+from kvserve.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig, SchedulerConfig
+from kvserve.core.request import RequestStatus
+from kvserve.core.sched.scheduler import Scheduler
+from kvserve.protocol.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from tests.core.sched.driver import BS, Driver
+
+
+@pytest.fixture(scope="module")
+def model_config() -> ModelConfig:
+    return ModelConfig(max_model_len=256)  # resolves the real model once
+
+
+@pytest.fixture
+def make_driver(model_config: ModelConfig) -> Iterator[Callable[..., Driver]]:
+    drivers: list[Driver] = []
+
+    def make(
+        num_blocks: int = 100,
+        max_num_batched_tokens: int = 64,
+        max_num_seqs: int = 16,
+        max_model_len: int = 256,
+        enable_prefix_caching: bool = True,
+        **scheduler_kwargs: Any,
+    ) -> Driver:
+        mc = copy.copy(model_config)
+        mc.max_model_len = max_model_len
+        config = EngineConfig(
+            mc,
+            CacheConfig(block_size=BS, enable_prefix_caching=enable_prefix_caching),
+            SchedulerConfig(
+                max_num_batched_tokens=max_num_batched_tokens,
+                max_num_seqs=max_num_seqs,
+                max_model_len=max_model_len,
+                **scheduler_kwargs,
+            ),
+            device_config=DeviceConfig("cpu"),
+        )
+        spec = FullAttentionSpec(block_size=BS, num_kv_heads=1, head_size=8)
+        kv_config = KVCacheConfig(num_blocks, [KVCacheGroupSpec(["layers.0.attn"], spec)])
+        drivers.append(Driver(Scheduler(config, kv_config, log_stats=True)))
+        return drivers[-1]
+
+    yield make
+    for driver in drivers:  # whatever a test left behind must free every block
+        sched = driver.scheduler
+        sched.finish_requests(list(sched.requests), RequestStatus.FINISHED_ABORTED)
+        sched.check_integrity()
+        pool = sched.kv_cache_manager.block_pool
+        assert pool.get_num_free_blocks() == pool.num_blocks - 1
+        assert not sched.requests and not sched.running and not sched.waiting

@@ -1,0 +1,126 @@
+"""Session fixtures for the packaged Gemma 3 270M (hybrid sliding-window + global layers).
+
+Loaded once per test session and shared by every test that needs it: an engine factory
+(one LLM per distinct configuration), the 8-prompt set (three prompts longer than the
+512-token window, up to ~2,000 tokens) and the HF transformers reference tokens, computed
+once from transformers' own GGUF loader in float32.
+"""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+GEMMA3 = "gemma-3-270m"
+GEMMA3_MAX_TOKENS = 32
+GEMMA3_WINDOW = 512
+GEMMA3_KV_CACHE_MEMORY = 256 << 20
+
+_SHORT_PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n",
+    "Once upon a time, in a small village by the sea, there lived an old fisherman who",
+    "The three primary colors are",
+    "Photosynthesis is the process by which green plants use sunlight to",
+]
+
+
+def _long_text(num_items: int) -> str:
+    # Varied, non-repeating facts, so attention beyond the window actually matters.
+    facts = " ".join(
+        f"Item {i}: the {['red', 'green', 'blue', 'amber', 'violet'][i % 5]} box on shelf "
+        f"{i % 7} holds {i * 3 % 11} apples and {i * 5 % 13} pears; it was checked on day "
+        f"{i * 7 % 31} by {['Ann', 'Bo', 'Cy', 'Di'][i % 4]}."
+        for i in range(1, num_items + 1)
+    )
+    return (
+        f"Inventory log.\n{facts}\nQuestion: which shelf holds item 3? Answer: item 3 is on shelf"
+    )
+
+
+@pytest.fixture(scope="session")
+def gemma3_llm_factory() -> Iterator[Callable[..., Any]]:
+    """Builds LLMs for Gemma 3 270M, one per distinct configuration, kept for the session."""
+    from kvserve.entrypoints.llm import LLM
+
+    cache: dict[tuple[tuple[str, Any], ...], LLM] = {}
+
+    def make(**kwargs: Any) -> LLM:
+        kwargs.setdefault("kv_cache_memory", GEMMA3_KV_CACHE_MEMORY)
+        key = tuple(sorted(kwargs.items()))
+        if key not in cache:
+            cache[key] = LLM(model=GEMMA3, **kwargs)
+        return cache[key]
+
+    yield make
+    for llm in cache.values():
+        llm.llm_engine.shutdown()
+    cache.clear()
+    gc.collect()
+
+
+@pytest.fixture(scope="session")
+def gemma3_llm(gemma3_llm_factory: Callable[..., Any]) -> Any:
+    """Chunked prefill with a 64-token budget, so long prompts cross the window in steps."""
+    return gemma3_llm_factory(max_num_batched_tokens=64, enable_prefix_caching=True)
+
+
+@pytest.fixture(scope="session")
+def gemma3_prompts(gemma3_llm: Any) -> list[list[int]]:
+    """8 prompts as token ids (BOS included): 5 short, 3 of ~700, ~1,200 and ~2,000."""
+    tokenizer = gemma3_llm.get_tokenizer()
+    texts = [*_SHORT_PROMPTS, _long_text(22), _long_text(38), _long_text(64)]
+    prompts = [list(tokenizer.encode(text)) for text in texts]
+    lengths = [len(p) for p in prompts]
+    assert sum(n > GEMMA3_WINDOW for n in lengths) == 3 and max(lengths) <= 2100, lengths
+    return prompts
+
+
+class Gemma3HFReference:
+    """Greedy tokens from transformers' Gemma3ForCausalLM on the same GGUF, float32."""
+
+    def __init__(self) -> None:
+        from transformers import AutoModelForCausalLM
+
+        from kvserve.transformers_utils.model_resolver import resolve_model
+
+        gguf = Path(resolve_model(GEMMA3).path)
+        self.model = AutoModelForCausalLM.from_pretrained(
+            gguf.parent, gguf_file=gguf.name, dtype=torch.float32
+        ).eval()
+        self._cache: dict[tuple[tuple[int, ...], int], list[int]] = {}
+
+    @torch.inference_mode()
+    def greedy(self, prompt_ids: list[int], max_tokens: int) -> list[int]:
+        """Exactly max_tokens argmax tokens (EOS does not stop it, like ignore_eos=True)."""
+        key = (tuple(prompt_ids), max_tokens)
+        if key not in self._cache:
+            out = self.model(torch.tensor([prompt_ids]), use_cache=True)
+            past, tokens = out.past_key_values, [int(out.logits[0, -1].argmax())]
+            while len(tokens) < max_tokens:
+                out = self.model(torch.tensor([tokens[-1:]]), past_key_values=past, use_cache=True)
+                past = out.past_key_values
+                tokens.append(int(out.logits[0, -1].argmax()))
+            self._cache[key] = tokens
+        return self._cache[key]
+
+
+@pytest.fixture(scope="session")
+def gemma3_hf() -> Iterator[Gemma3HFReference]:
+    reference = Gemma3HFReference()
+    yield reference
+    del reference.model
+    gc.collect()
+
+
+@pytest.fixture(scope="session")
+def gemma3_reference(
+    gemma3_hf: Gemma3HFReference, gemma3_prompts: list[list[int]]
+) -> list[list[int]]:
+    """HF's GEMMA3_MAX_TOKENS greedy tokens for each of ``gemma3_prompts``."""
+    return [gemma3_hf.greedy(p, GEMMA3_MAX_TOKENS) for p in gemma3_prompts]

@@ -1,0 +1,59 @@
+"""Gemma 3 270M from its PyPI package through the whole engine, token-exact vs HF."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import kvserve
+from kvserve.sampling_params import SamplingParams
+from kvserve.transformers_utils.arch_config import load_arch_config
+from kvserve.transformers_utils.model_resolver import resolve_model
+from tests.gemma3_fixtures import GEMMA3, GEMMA3_MAX_TOKENS, GEMMA3_WINDOW
+from tests.reference import assert_no_leak
+
+CHAT_TEMPLATES = Path(kvserve.__file__).parent / "entrypoints" / "chat_templates"
+
+
+def test_gemma3_gguf_layer_types_follow_hf_default_pattern() -> None:
+    arch = load_arch_config(resolve_model(GEMMA3))
+    assert arch.architecture == "Gemma3ForCausalLM"
+    assert (arch.num_hidden_layers, arch.hidden_size, arch.vocab_size) == (18, 640, 262144)
+    # HF's Gemma3TextConfig default: layer i is global iff (i + 1) % 6 == 0.
+    full = [i for i, kind in enumerate(arch.layer_types) if kind == "full_attention"]
+    assert full == [5, 11, 17]
+    assert arch.sliding_window == GEMMA3_WINDOW
+    assert [arch.layer_sliding_window(i) for i in (0, 5)] == [GEMMA3_WINDOW, None]
+    assert [arch.layer_rope_theta(i) for i in (0, 5)] == [10000.0, 1_000_000.0]
+    assert arch.query_pre_attn_scalar == 256.0
+    assert arch.attn_logit_softcapping is None and arch.final_logit_softcapping is None
+
+
+def test_gemma3_270m_batched_chunked_prefill_matches_hf(
+    gemma3_llm: Any, gemma3_prompts: list[list[int]], gemma3_reference: list[list[int]]
+) -> None:
+    params = SamplingParams(temperature=0.0, max_tokens=GEMMA3_MAX_TOKENS, ignore_eos=True)
+    outputs = gemma3_llm.generate(
+        [{"prompt_token_ids": p} for p in gemma3_prompts], params, use_tqdm=False
+    )
+    for prompt, output, expected in zip(gemma3_prompts, outputs, gemma3_reference, strict=True):
+        assert list(output.outputs[0].token_ids) == expected, f"prompt of {len(prompt)} tokens"
+    assert_no_leak(gemma3_llm)
+
+
+def test_gemma3_base_model_chat_needs_a_template(gemma3_llm: Any) -> None:
+    conversation = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hi"},
+    ]
+    with pytest.raises(ValueError, match="no chat template"):
+        gemma3_llm.chat(conversation, use_tqdm=False)
+    template = (CHAT_TEMPLATES / "gemma3.jinja").read_text()
+    params = SamplingParams(temperature=0.0, max_tokens=2)
+    (output,) = gemma3_llm.chat(conversation, params, chat_template=template, use_tqdm=False)
+    assert gemma3_llm.get_tokenizer().decode(output.prompt_token_ids) == (
+        "<bos><start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n<start_of_turn>model\n"
+    )
+    assert len(output.outputs[0].token_ids) == 2
