@@ -178,6 +178,13 @@ def test_decode_rows_over_a_shared_prefix(cache_dtype: torch.dtype, window: int 
     # Same for the prefill chunk and the row-by-row decode: cascade changes nothing else.
     torch.testing.assert_close(out, out_plain, atol=2e-5, rtol=1e-5)
     torch.testing.assert_close(out_torch, out_plain, atol=2e-5, rtol=1e-5)
+    # Variants the split does not reproduce fall back to their row-by-row path.
+    for variant in ({"attention_chunk_size": 512}, {"logits_soft_cap": 5.0}):
+        other = CPUAttentionImpl(NUM_HEADS, HEAD, HEAD**-0.5, NUM_KV_HEADS, window, **variant)
+        torch.testing.assert_close(
+            other.forward(torch.nn.Module(), q, k, v, kv.clone(), md),
+            other.forward(torch.nn.Module(), q, k, v, kv.clone(), plain),
+        )
 
 
 def test_builder_clamps_and_declines() -> None:
