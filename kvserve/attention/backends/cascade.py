@@ -37,9 +37,9 @@ if TYPE_CHECKING:
 # The cost rule's thresholds (see use_cascade_attention).
 MIN_COMMON_PREFIX_LEN = 256
 MIN_DECODE_ROWS = 8
-# Prefix keys the decode rows read in all (rows x prefix tokens), where the C++ decode
-# kernel would serve the rows instead.
-MIN_PREFIX_READS_VS_KERNEL = 1 << 17
+# Prefix keys the decode rows read in all (rows x prefix tokens) from which cascade beats
+# the C++ decode kernel; None: it never did at the default thread count, so it stays off.
+MIN_PREFIX_READS_VS_KERNEL: int | None = None
 _forced = threading.local()
 
 
@@ -59,17 +59,24 @@ def use_cascade_attention(
     first, so cascade wins only FLOP efficiency (one matrix product instead of D vector
     ones) and must pay back the suffix pass, the merge and the fused decode stack it
     turns off (the layers run one by one). There ``num_decodes * common_prefix_len``
-    must reach 131,072 keys: 64 rows of 2,048 tokens ran 1.10x with one thread, while
-    32 rows of 1,000 ran 0.88x (AMD EPYC Zen 5, 2 vCPU, loaded; with two threads on the
-    loaded machine both ran ~0.65x: docs/benchmarks.md). Inside ``forced()`` any
-    whole-block prefix qualifies.
+    would have to reach MIN_PREFIX_READS_VS_KERNEL keys. None were found at the default
+    two threads: 64 rows of 2,048 tokens ran 1.10x with one thread but 0.67x with two, 32
+    rows of 1,000 0.88x and 0.63x (AMD EPYC Zen 5, 2 vCPU, loaded: docs/benchmarks.md),
+    so against the kernel cascade is off. Inside ``forced()`` any whole-block prefix
+    qualifies.
     """
     if getattr(_forced, "on", False):
         return common_prefix_len > 0 and num_decodes > 0
     return (
         common_prefix_len >= MIN_COMMON_PREFIX_LEN
         and num_decodes >= MIN_DECODE_ROWS
-        and (not vs_decode_kernel or num_decodes * common_prefix_len >= MIN_PREFIX_READS_VS_KERNEL)
+        and (
+            not vs_decode_kernel
+            or (
+                MIN_PREFIX_READS_VS_KERNEL is not None
+                and num_decodes * common_prefix_len >= MIN_PREFIX_READS_VS_KERNEL
+            )
+        )
     )
 
 
