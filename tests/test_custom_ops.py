@@ -128,3 +128,16 @@ def test_cache_write_skips_negative_slots_and_matches_index_copy() -> None:
     write_to_kv_cache(key, value, expected, slots[valid], valid)
     assert torch.equal(kv_cache, expected)
     assert not out.any()  # no decode rows: the output is untouched
+
+
+def test_block_kernels_check_the_scale_planes_of_each_kind() -> None:
+    # Kind 3 (repacked Q4_K) takes float32 scales and minimums; kinds 0-2 float16.
+    qs = torch.zeros(2, 16, dtype=torch.uint8)
+    f32, f16 = torch.ones(2, 1), torch.ones(2, 1, dtype=torch.float16)
+    assert torch.equal(ops.dequantize_blocks(qs, f32, -f32, 3), torch.zeros(2, 32) - 1)
+    with pytest.raises(RuntimeError, match="float32 for kind 3"):
+        ops.dequantize_blocks(qs, f16, f16, 3)
+    with pytest.raises(RuntimeError, match="float16 for kind 1"):
+        ops.dequantize_blocks(qs, f32, f32, 1)
+    with pytest.raises(RuntimeError, match="unknown block kind"):
+        ops.dequantize_blocks(qs, f32, f32, 4)

@@ -21,9 +21,11 @@ namespace kvserve_cpu {
 
 BlockWeight block_weight(const at::Tensor& qs, const at::Tensor& d, const at::Tensor& m,
                          int64_t kind) {
-  TORCH_CHECK(kind >= 0 && kind <= 2, "unknown block kind ", kind);
+  TORCH_CHECK(kind >= 0 && kind <= 3, "unknown block kind ", kind);
   TORCH_CHECK(qs.is_contiguous() && d.is_contiguous() && qs.dim() == 2, "qs must be contiguous 2-D");
-  TORCH_CHECK(d.scalar_type() == at::kHalf, "block scales d must be float16");
+  const at::ScalarType scale_type = kind == 3 ? at::kFloat : at::kHalf;
+  TORCH_CHECK(d.scalar_type() == scale_type, "block scales d must be ",
+              kind == 3 ? "float32" : "float16", " for kind ", kind);
   const int64_t rows = qs.size(0);
   const int64_t cols = kind == 0 ? qs.size(1) : qs.size(1) * 2;
   TORCH_CHECK(cols % kBlock == 0, "columns must be a multiple of 32");
@@ -33,6 +35,15 @@ BlockWeight block_weight(const at::Tensor& qs, const at::Tensor& d, const at::Te
     TORCH_CHECK(m.scalar_type() == at::kHalf, "block minimums m must be float16");
     TORCH_CHECK(m.is_contiguous() && m.numel() == d.numel(), "one minimum per block expected");
     m_ptr = static_cast<const uint16_t*>(m.data_ptr());
+  }
+  if (kind == 3) {
+    TORCH_CHECK(m.scalar_type() == at::kFloat, "block minimums m must be float32 for kind 3");
+    TORCH_CHECK(m.is_contiguous() && m.numel() == d.numel(), "one minimum per block expected");
+    BlockWeight w{kind, rows, cols, qs.size(1), static_cast<const uint8_t*>(qs.data_ptr()),
+                  nullptr, nullptr};
+    w.d32 = d.data_ptr<float>();
+    w.m32 = m.data_ptr<float>();
+    return w;
   }
   return {kind, rows, cols, qs.size(1), static_cast<const uint8_t*>(qs.data_ptr()),
           static_cast<const uint16_t*>(d.data_ptr()), m_ptr};

@@ -28,10 +28,16 @@ namespace kvserve_cpu {
 //   kind 0, Q8_0: w = d * q, q int8;                 qs: int8  [N, K]
 //   kind 1, Q4_1: w = d * q + m, q in 0..15;         qs: uint8 [N, K/2]
 //   kind 2, Q4_0: w = d * (q - 8), q in 0..15;       qs: uint8 [N, K/2]
+//   kind 3, Q4_1 with float32 d and m (GGUF's Q4_K, repacked at load by
+//           model_executor/layers/gguf_repack.py: a Q4_K sub-block's d * sc and
+//           -dmin * min are exact in float32, not in float16); qs as Q4_1.
 // In a 4-bit block, byte j holds weight j in its low nibble and weight j + 16 in its high.
 constexpr int64_t kBlock = 32;  // weights per block
 constexpr int64_t kPrefetchRows = 4;
 constexpr int64_t kGemvRows = 6;  // rows of x per float GEMV pass (gemv's largest R)
+
+// Kinds whose blocks carry a minimum (w = d * q + m).
+constexpr bool has_min(int kind) { return kind == 1 || kind == 3; }
 
 template <int KIND>
 inline void dequant_block(const uint8_t* __restrict qs, float d, float m, float* __restrict w) {
@@ -46,7 +52,7 @@ inline void dequant_block(const uint8_t* __restrict qs, float d, float m, float*
       lo[j] = qs[j] & 15;
       hi[j] = qs[j] >> 4;
     }
-    if constexpr (KIND == 1) {
+    if constexpr (has_min(KIND)) {
 #pragma omp simd
       for (int j = 0; j < 16; ++j) {
         w[j] = d * static_cast<float>(lo[j]) + m;
@@ -136,8 +142,23 @@ inline void block_sums(const float* x, int64_t blocks, float* sums) {
 struct BlockWeight {
   int64_t kind, rows, cols, row_bytes;
   const uint8_t* qs;
-  const uint16_t* d;  // float16 bits
+  const uint16_t* d;  // float16 bits (kinds 0-2)
   const uint16_t* m;
+  const float* d32 = nullptr;  // kind 3's float32 scales and minimums
+  const float* m32 = nullptr;
+
+  // Block i's scale and minimum as floats, whichever plane holds them.
+  template <int KIND>
+  float scale(int64_t i) const {
+    if constexpr (KIND == 3) return d32[i];
+    else return f16(d[i]);
+  }
+  template <int KIND>
+  float minimum(int64_t i) const {
+    if constexpr (KIND == 3) return m32[i];
+    else if constexpr (KIND == 1) return f16(m[i]);
+    else return 0.f;
+  }
 
   // Decode reads every weight from DRAM once per token, and the hardware prefetcher stops
   // at 4 KiB page boundaries (every ~14 rows of a 576-wide Q4_1 weight), so the GEMVs ask
@@ -149,6 +170,11 @@ struct BlockWeight {
     const int64_t nb = cols / kBlock;
     for (int64_t off = 0; off < row_bytes; off += 64)
       _mm_prefetch(reinterpret_cast<const char*>(qs + n * row_bytes + off), _MM_HINT_T0);
+    if (d32 != nullptr) {
+      _mm_prefetch(reinterpret_cast<const char*>(d32 + n * nb), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(m32 + n * nb), _MM_HINT_T0);
+      return;
+    }
     _mm_prefetch(reinterpret_cast<const char*>(d + n * nb), _MM_HINT_T0);
     if (m != nullptr) _mm_prefetch(reinterpret_cast<const char*>(m + n * nb), _MM_HINT_T0);
 #else
@@ -163,7 +189,7 @@ struct BlockWeight {
       for (int64_t b = 0; b < nb; ++b) {
         const uint8_t* block = qs + n * row_bytes + b * bb;
         float* o = out + (n - begin) * cols + b * kBlock;
-        const float db = f16(d[n * nb + b]), mb = KIND == 1 ? f16(m[n * nb + b]) : 0.f;
+        const float db = scale<KIND>(n * nb + b), mb = minimum<KIND>(n * nb + b);
 #ifdef __AVX2__
         __m256 q[4];
         load_quants<KIND>(block, q);
@@ -171,7 +197,7 @@ struct BlockWeight {
         for (int i = 0; i < 4; ++i) {
           // Multiply, then add: the gguf package's rounding, not a fused multiply-add.
           __m256 v = _mm256_mul_ps(dv, q[i]);
-          if constexpr (KIND == 1) v = _mm256_add_ps(v, mv);
+          if constexpr (has_min(KIND)) v = _mm256_add_ps(v, mv);
           _mm256_storeu_ps(o + 8 * i, v);
         }
 #else
@@ -183,7 +209,8 @@ struct BlockWeight {
   void dequant_rows(int64_t begin, int64_t end, float* out) const {
     if (kind == 0) dequant_rows_t<0>(begin, end, out);
     else if (kind == 1) dequant_rows_t<1>(begin, end, out);
-    else dequant_rows_t<2>(begin, end, out);
+    else if (kind == 2) dequant_rows_t<2>(begin, end, out);
+    else dequant_rows_t<3>(begin, end, out);
   }
 
   // out[r * ldo + n] = sum_k x[r, k] * W[n, k] for n in [begin, end), R rows of x.
@@ -195,7 +222,6 @@ struct BlockWeight {
     const int64_t nb = cols / kBlock, bb = block_bytes_of(KIND);
     for (int64_t n = begin; n < end; ++n) {
       const uint8_t* row = qs + n * row_bytes;
-      const uint16_t* dn = d + n * nb;
       prefetch_row(n + kPrefetchRows);
 #if defined(__AVX512F__)
       float min_term[R] = {};
@@ -204,14 +230,14 @@ struct BlockWeight {
       for (int64_t b = 0; b < nb; ++b) {
         __m512 q[2];
         load_quants16<KIND>(row + b * bb, q);
-        const __m512 scale = _mm512_set1_ps(f16(dn[b]));
-        const float mb = KIND == 1 ? f16(m[n * nb + b]) : 0.f;
+        const __m512 sv = _mm512_set1_ps(scale<KIND>(n * nb + b));
+        const float mb = minimum<KIND>(n * nb + b);
         for (int r = 0; r < R; ++r) {
           const float* xb = x + r * cols + b * kBlock;
           __m512 qx = _mm512_mul_ps(q[0], _mm512_loadu_ps(xb));
           qx = _mm512_fmadd_ps(q[1], _mm512_loadu_ps(xb + 16), qx);
-          acc[r] = _mm512_fmadd_ps(scale, qx, acc[r]);
-          if constexpr (KIND == 1) min_term[r] += mb * xsum[r * nb + b];
+          acc[r] = _mm512_fmadd_ps(sv, qx, acc[r]);
+          if constexpr (has_min(KIND)) min_term[r] += mb * xsum[r * nb + b];
         }
       }
       for (int r = 0; r < R; ++r) out[r * ldo + n] = _mm512_reduce_add_ps(acc[r]) + min_term[r];
@@ -222,16 +248,16 @@ struct BlockWeight {
       for (int64_t b = 0; b < nb; ++b) {
         __m256 q[4];
         load_quants<KIND>(row + b * bb, q);
-        const __m256 scale = _mm256_set1_ps(f16(dn[b]));
-        const float mb = KIND == 1 ? f16(m[n * nb + b]) : 0.f;
+        const __m256 sv = _mm256_set1_ps(scale<KIND>(n * nb + b));
+        const float mb = minimum<KIND>(n * nb + b);
         for (int r = 0; r < R; ++r) {
           const float* xb = x + r * cols + b * kBlock;
           __m256 qx = _mm256_mul_ps(q[0], _mm256_loadu_ps(xb));
           qx = _mm256_fmadd_ps(q[1], _mm256_loadu_ps(xb + 8), qx);
           qx = _mm256_fmadd_ps(q[2], _mm256_loadu_ps(xb + 16), qx);
           qx = _mm256_fmadd_ps(q[3], _mm256_loadu_ps(xb + 24), qx);
-          acc[r] = _mm256_fmadd_ps(scale, qx, acc[r]);
-          if constexpr (KIND == 1) min_term[r] += mb * xsum[r * nb + b];
+          acc[r] = _mm256_fmadd_ps(sv, qx, acc[r]);
+          if constexpr (has_min(KIND)) min_term[r] += mb * xsum[r * nb + b];
         }
       }
       for (int r = 0; r < R; ++r) out[r * ldo + n] = hsum(acc[r]) + min_term[r];
@@ -239,7 +265,7 @@ struct BlockWeight {
       float acc[R] = {};
       alignas(64) float wb[kBlock];
       for (int64_t b = 0; b < nb; ++b) {
-        dequant_block<KIND>(row + b * bb, f16(dn[b]), KIND == 1 ? f16(m[n * nb + b]) : 0.f, wb);
+        dequant_block<KIND>(row + b * bb, scale<KIND>(n * nb + b), minimum<KIND>(n * nb + b), wb);
         for (int r = 0; r < R; ++r) acc[r] += dot(wb, x + r * cols + b * kBlock, kBlock);
       }
       for (int r = 0; r < R; ++r) out[r * ldo + n] = acc[r];
@@ -266,7 +292,8 @@ struct BlockWeight {
             int64_t end) const {
     if (kind == 0) gemv_kind<0>(rows_x, x, xsum, out, begin, end);
     else if (kind == 1) gemv_kind<1>(rows_x, x, xsum, out, begin, end);
-    else gemv_kind<2>(rows_x, x, xsum, out, begin, end);
+    else if (kind == 2) gemv_kind<2>(rows_x, x, xsum, out, begin, end);
+    else gemv_kind<3>(rows_x, x, xsum, out, begin, end);
   }
 };
 

@@ -243,6 +243,8 @@ constexpr int64_t kInt8TileRows = 16;
 at::Tensor block_linear_int8(const at::Tensor& x_in, const at::Tensor& qs, const at::Tensor& d,
                              const at::Tensor& m, int64_t kind,
                              const std::optional<at::Tensor>& packed) {
+  // Kind 3 (repacked Q4_K) has no integer path: gguf_int8 keeps it on block_linear.
+  TORCH_CHECK(kind >= 0 && kind <= 2, "int8 activations take block kinds 0-2, not ", kind);
   const BlockWeight w = block_weight(qs, d, m, kind);
   const auto [x, out] = linear_operands(x_in, w);
   const int64_t rows_x = x.size(0), N = w.rows;

@@ -160,6 +160,7 @@ void packed_kind(const uint8_t* packed, const PackedLayout& L, int64_t N, int64_
 
 at::Tensor pack_blocks_vnni(const at::Tensor& qs, const at::Tensor& d, const at::Tensor& m,
                             int64_t kind) {
+  TORCH_CHECK(kind >= 0 && kind <= 2, "int8 activations take block kinds 0-2, not ", kind);
   const BlockWeight w = block_weight(qs, d, m, kind);
   if (!kPackedVnni) return at::empty({0}, qs.options().dtype(at::kByte));
   const PackedLayout L(kind);

@@ -37,6 +37,7 @@ from torch import nn
 
 from kvserve import _custom_ops as ops
 from kvserve.config import QUANTIZATION_METHODS
+from kvserve.model_executor.layers.gguf_repack import REPACKED_KINDS, REPACKED_TYPES, repack
 
 if TYPE_CHECKING:
     from kvserve.transformers_utils.arch_config import ArchConfig
@@ -57,7 +58,8 @@ _KINDS: dict[GGMLQuantizationType, tuple[int, int, bool]] = {
     GGMLQuantizationType.Q4_1: (1, 20, True),
     GGMLQuantizationType.Q4_0: (2, 18, False),
 }
-SUPPORTED_TYPES = frozenset(_KINDS)
+# Q5_0 and Q4_K are repacked at load into kernel formats (gguf_repack.py).
+SUPPORTED_TYPES = frozenset(_KINDS) | REPACKED_TYPES
 
 
 @dataclass
@@ -66,8 +68,8 @@ class BlockWeight:
 
     qtype: GGMLQuantizationType
     qs: torch.Tensor  # int8 [rows, cols] (Q8_0) or uint8 [rows, cols/2] (4-bit)
-    d: torch.Tensor  # float16 [rows, cols/32], as stored in the file
-    m: torch.Tensor  # float16 [rows, cols/32] for Q4_1, else empty
+    d: torch.Tensor  # float16 [rows, cols/32], as stored (float32 for repacked Q4_K)
+    m: torch.Tensor  # like d for Q4_1 and Q4_K, else empty
     int8_activations: bool = False
     # gguf_int8 on AVX-512 VNNI: the same blocks interleaved 16 rows at a time for its
     # matmuls (csrc/block_gemm_vnni.cpp); None elsewhere.
@@ -75,7 +77,7 @@ class BlockWeight:
 
     @property
     def kind(self) -> int:
-        return _KINDS[self.qtype][0]
+        return _KINDS[self.qtype][0] if self.qtype in _KINDS else REPACKED_KINDS[self.qtype]
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -92,7 +94,10 @@ class BlockWeight:
 
     def use_int8_activations(self) -> None:
         """Switch to gguf_int8's arithmetic, with the interleaved copy where the CPU has
-        AVX-512 VNNI."""
+        AVX-512 VNNI. Repacked Q4_K (float32 scales) has no integer kernel and keeps the
+        exact float path."""
+        if self.qtype in REPACKED_KINDS:
+            return
         self.int8_activations = True
         packed = ops.pack_blocks_vnni(self.qs, self.d, self.m, self.kind)
         self.packed = packed if packed.numel() else None
@@ -100,6 +105,9 @@ class BlockWeight:
     @classmethod
     def from_raw(cls, raw: np.ndarray, qtype: GGMLQuantizationType) -> BlockWeight:
         """``raw``: uint8 ``[rows, row_bytes]`` in GGUF's block layout (f16 d, [f16 m], quants)."""
+        if qtype in REPACKED_TYPES:
+            ops.require()
+            return cls(*repack(raw, qtype))
         if qtype not in _KINDS:
             raise ValueError(f"no kernel for GGUF type {qtype.name}")
         ops.require()
