@@ -206,8 +206,10 @@ def test_sampled_check_catches_a_block_the_kernel_would_read_differently() -> No
     for qtype in TYPES:
         raw = quantize((rng.standard_normal((40, 96)) * 0.05).astype(np.float32), qtype)
         good = BlockWeight.from_raw(raw, qtype)
-        check_sampled_rows([("layer.weight", raw, good)])  # as stored: passes
+        check_sampled_rows([("layer.weight", raw, qtype, good)])  # as stored: passes
         bad = BlockWeight.from_raw(raw, qtype)
         bad.d[-1, 2] = bad.d[-1, 2] * 2  # the last row is always among those checked
         with pytest.raises(RuntimeError, match=r"tampered\.weight"):
-            check_sampled_rows([("layer.weight", raw, good), ("tampered.weight", raw, bad)])
+            check_sampled_rows(
+                [("layer.weight", raw, qtype, good), ("tampered.weight", raw, qtype, bad)]
+            )

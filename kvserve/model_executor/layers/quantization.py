@@ -258,24 +258,29 @@ def quantize_model(model: nn.Module, method: str, gguf_path: str | None, arch: A
 CHECKED_ROWS = 16
 
 
-def check_sampled_rows(weights: list[tuple[str, np.ndarray, BlockWeight]]) -> None:
-    """Raise unless the kernel dequantizes sampled rows of each ``(name, raw, weight)``
-    (``raw`` being ``weight``'s file bytes) exactly as gguf's reference does, i.e. to
-    the float32 engine's weights.
+# (name, the file's bytes, their GGUF type, the block weight made from them): the type
+# differs from the weight's own where load repacked it (Q5_0 -> Q8_0 planes).
+CheckedWeight = tuple[str, np.ndarray, GGMLQuantizationType, "BlockWeight"]
+
+
+def check_sampled_rows(weights: list[CheckedWeight]) -> None:
+    """Raise unless the kernel dequantizes sampled rows of each ``(name, raw, qtype,
+    weight)`` (``raw`` being ``weight``'s file bytes of type ``qtype``) exactly as gguf's
+    reference does, i.e. to the float32 engine's weights.
 
     Dequantization is one formula for every block, so a sample proves the formula and
     the plane layout; quantize_model checks every block of a loaded model (the tests
     run it on the packaged one). Rows of one type and width are dequantized together:
     a kernel call per tensor costs more than the dequantization."""
-    groups: dict[tuple[GGMLQuantizationType, int], list[tuple[str, np.ndarray, BlockWeight]]]
-    groups = {}
-    for name, raw, weight in weights:
-        groups.setdefault((weight.qtype, raw.shape[1]), []).append((name, raw, weight))
-    for (qtype, _), members in groups.items():
+    groups: dict[tuple[GGMLQuantizationType, int, int], list[CheckedWeight]] = {}
+    for name, raw, qtype, weight in weights:
+        key = (qtype, weight.kind, raw.shape[1])
+        groups.setdefault(key, []).append((name, raw, qtype, weight))
+    for (qtype, kind, _), members in groups.items():
         names: list[str] = []
         raw_rows: list[np.ndarray] = []
         planes: list[list[np.ndarray]] = []
-        for name, raw, weight in members:
+        for name, raw, _, weight in members:
             rows = raw.shape[0]
             rng = np.random.default_rng(zlib.crc32(name.encode()))
             sampled = rng.choice(rows, size=min(rows, CHECKED_ROWS), replace=False)
@@ -285,7 +290,7 @@ def check_sampled_rows(weights: list[tuple[str, np.ndarray, BlockWeight]]) -> No
             planes.append([t.numpy()[picks] if t.numel() else t.numpy() for t in weight.planes])
         reference = gguf_dequantize(np.concatenate(raw_rows), qtype).astype(np.float32)
         qs, d, m = (torch.from_numpy(np.concatenate(p)) for p in zip(*planes, strict=True))
-        ours = ops.dequantize_blocks(qs, d, m, _KINDS[qtype][0]).numpy()
+        ours = ops.dequantize_blocks(qs, d, m, kind).numpy()
         differs = np.flatnonzero((ours != reference).any(axis=1))
         if differs.size:
             raise RuntimeError(f"{names[differs[0]]}: the kernel dequantizes it unlike gguf")
@@ -322,7 +327,7 @@ def attach_gguf_blocks(
     stacked = _fused_shards(model)
     prepared: dict[str, torch.Tensor] = {}
     kept: list[str] = []
-    checks: list[tuple[str, np.ndarray, BlockWeight]] = []
+    checks: list[CheckedWeight] = []
     for name, module in _targets(model).items():
         weight: torch.Tensor = module.weight
         tied = name.endswith("lm_head") and arch.tie_word_embeddings
@@ -331,15 +336,22 @@ def attach_gguf_blocks(
             kept.append(name)
             continue
         qtypes = {raws[n][0] for n in names}
-        if len(qtypes) != 1:
-            raise ValueError(f"fused shards mix block types {sorted(t.name for t in qtypes)}")
-        # Fused shards are joined as file bytes, with numpy: torch's parallel copies of
-        # small tensors cost more than they move when the cores are busy.
-        raw = raws[names[0]][1] if len(names) == 1 else np.concatenate([raws[n][1] for n in names])
-        bw = BlockWeight.from_raw(raw, qtypes.pop())
+        if len(qtypes) == 1:
+            # Fused shards are joined as file bytes, with numpy: torch's parallel copies of
+            # small tensors cost more than they move when the cores are busy.
+            raw = (
+                raws[names[0]][1]
+                if len(names) == 1
+                else np.concatenate([raws[n][1] for n in names])
+            )
+            bw = BlockWeight.from_raw(raw, next(iter(qtypes)))
+            checks.append((name, raw, next(iter(qtypes)), bw))
+        else:  # e.g. Gemma's Q5_0 q/k beside a Q8_0 v: one kernel type once repacked
+            shards = [BlockWeight.from_raw(raws[n][1], raws[n][0]) for n in names]
+            checks += [(n, raws[n][1], raws[n][0], w) for n, w in zip(names, shards, strict=True)]
+            bw = concat_rows(shards)
         if bw.shape != tuple(weight.shape):
             raise RuntimeError(f"{name}: GGUF blocks {bw.shape} for a {tuple(weight.shape)} weight")
-        checks.append((name, raw, bw))
         if tied:  # the embedding's own parameter, filled by load_weights
             prepared[names[0]] = bw.dequantize()
         else:
