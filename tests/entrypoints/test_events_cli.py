@@ -79,6 +79,7 @@ def test_prints_replayed_then_live_events_as_json_lines() -> None:
         "type": "BlockRemoved",
         "block_hashes": [(bytes([1]) * 32).hex()],
         "medium": "GPU",
+        "group_id": None,  # the KV cache group; none given for this event
     }
     assert lines[1] == {"seq": 2, "ts": 102.0, "type": "AllBlocksCleared"}
     # Live batches: each line is the event published with that seq, none printed twice.
