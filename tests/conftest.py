@@ -28,15 +28,15 @@ def pytest_configure(config: pytest.Config) -> None:
 TEST_KV_CACHE_MEMORY = 128 << 20
 
 
-@pytest.fixture(scope="session")
-def llm_factory() -> Iterator[Callable[..., Any]]:
-    """Builds LLM instances for the real default model, one per distinct configuration."""
+def engine_cache(**defaults: Any) -> Iterator[Callable[..., Any]]:
+    """A session's LLM builder: one engine per distinct configuration (defaults filled in),
+    all shut down at the end. Session fixtures yield from it."""
     from kvserve.entrypoints.llm import LLM
 
     cache: dict[tuple[tuple[str, Any], ...], LLM] = {}
 
     def make(**kwargs: Any) -> LLM:
-        kwargs.setdefault("kv_cache_memory", TEST_KV_CACHE_MEMORY)
+        kwargs = {**defaults, **kwargs}
         key = tuple(sorted(kwargs.items()))
         if key not in cache:
             cache[key] = LLM(**kwargs)
@@ -47,6 +47,12 @@ def llm_factory() -> Iterator[Callable[..., Any]]:
         llm.llm_engine.shutdown()
     cache.clear()
     gc.collect()
+
+
+@pytest.fixture(scope="session")
+def llm_factory() -> Iterator[Callable[..., Any]]:
+    """Builds LLM instances for the real default model, one per distinct configuration."""
+    yield from engine_cache(kv_cache_memory=TEST_KV_CACHE_MEMORY)
 
 
 @pytest.fixture(scope="session")

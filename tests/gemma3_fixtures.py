@@ -46,22 +46,9 @@ def _long_text(num_items: int) -> str:
 @pytest.fixture(scope="session")
 def gemma3_llm_factory() -> Iterator[Callable[..., Any]]:
     """Builds LLMs for Gemma 3 270M, one per distinct configuration, kept for the session."""
-    from kvserve.entrypoints.llm import LLM
+    from tests.conftest import engine_cache
 
-    cache: dict[tuple[tuple[str, Any], ...], LLM] = {}
-
-    def make(**kwargs: Any) -> LLM:
-        kwargs.setdefault("kv_cache_memory", GEMMA3_KV_CACHE_MEMORY)
-        key = tuple(sorted(kwargs.items()))
-        if key not in cache:
-            cache[key] = LLM(model=GEMMA3, **kwargs)
-        return cache[key]
-
-    yield make
-    for llm in cache.values():
-        llm.llm_engine.shutdown()
-    cache.clear()
-    gc.collect()
+    yield from engine_cache(model=GEMMA3, kv_cache_memory=GEMMA3_KV_CACHE_MEMORY)
 
 
 @pytest.fixture(scope="session")
