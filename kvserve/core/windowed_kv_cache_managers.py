@@ -53,6 +53,9 @@ class _ForgettingManager(SingleTypeKVCacheManager):
         if not isinstance(kv_cache_spec, self.spec_type):
             raise TypeError(f"{type(self).__name__} needs a {self.spec_type.__name__}")
         super().__init__(kv_cache_spec, block_pool, kv_cache_group_id, enable_caching)
+        # What get_num_skipped_tokens reads every step, kept as plain ints.
+        self.window = getattr(kv_cache_spec, "sliding_window", 0)
+        self.chunk = getattr(kv_cache_spec, "attention_chunk_size", 0)
 
     def get_num_common_prefix_blocks(self, running_request_id: str) -> int:
         return 0  # the shared prefix leaves the view: cascade attention does not apply
@@ -65,8 +68,7 @@ class SlidingWindowManager(_ForgettingManager):
 
     def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
         # The next query sits at num_computed_tokens and sees back to num_computed - W + 1.
-        assert isinstance(self.kv_cache_spec, SlidingWindowSpec)
-        return max(num_computed_tokens - self.kv_cache_spec.sliding_window + 1, 0)
+        return max(num_computed_tokens - self.window + 1, 0)
 
     @classmethod
     def find_longest_cache_hit(
@@ -144,9 +146,7 @@ class ChunkedLocalAttentionManager(_ForgettingManager):
     spec_type = ChunkedLocalAttentionSpec
 
     def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
-        assert isinstance(self.kv_cache_spec, ChunkedLocalAttentionSpec)
-        size = self.kv_cache_spec.attention_chunk_size
-        return num_computed_tokens // size * size
+        return num_computed_tokens // self.chunk * self.chunk
 
     @classmethod
     def find_longest_cache_hit(
@@ -200,8 +200,7 @@ class SinkFullAttentionManager(_ForgettingManager):
         self.num_kept_leading_blocks = kv_cache_spec.num_sink_blocks
 
     def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
-        assert isinstance(self.kv_cache_spec, SinkFullAttentionSpec)
-        return max(num_computed_tokens - self.kv_cache_spec.sliding_window + 1, 0)
+        return max(num_computed_tokens - self.window + 1, 0)
 
     @classmethod
     def find_longest_cache_hit(
