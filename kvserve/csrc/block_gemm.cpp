@@ -21,15 +21,16 @@ namespace kvserve_cpu {
 
 BlockWeight block_weight(const at::Tensor& qs, const at::Tensor& d, const at::Tensor& m,
                          int64_t kind) {
-  TORCH_CHECK(kind >= 0 && kind <= 3, "unknown block kind ", kind);
+  TORCH_CHECK(kind >= 0 && kind <= 4, "unknown block kind ", kind);
   TORCH_CHECK(qs.is_contiguous() && d.is_contiguous() && qs.dim() == 2, "qs must be contiguous 2-D");
-  const at::ScalarType scale_type = kind == 3 ? at::kFloat : at::kHalf;
+  const at::ScalarType scale_type = float32_scales(kind) ? at::kFloat : at::kHalf;
   TORCH_CHECK(d.scalar_type() == scale_type, "block scales d must be ",
-              kind == 3 ? "float32" : "float16", " for kind ", kind);
+              float32_scales(kind) ? "float32" : "float16", " for kind ", kind);
   const int64_t rows = qs.size(0);
-  const int64_t cols = kind == 0 ? qs.size(1) : qs.size(1) * 2;
+  const int64_t cols = weight_cols(kind, qs.size(1));
   TORCH_CHECK(cols % kBlock == 0, "columns must be a multiple of 32");
-  TORCH_CHECK(d.numel() == rows * cols / kBlock, "one scale per block expected");
+  TORCH_CHECK(d.numel() == rows * cols / kBlock * scales_per_block(kind),
+              scales_per_block(kind), " scale(s) per block expected");
   const uint16_t* m_ptr = nullptr;
   if (kind == 1) {
     TORCH_CHECK(m.scalar_type() == at::kHalf, "block minimums m must be float16");
@@ -43,6 +44,12 @@ BlockWeight block_weight(const at::Tensor& qs, const at::Tensor& d, const at::Te
                   nullptr, nullptr};
     w.d32 = d.data_ptr<float>();
     w.m32 = m.data_ptr<float>();
+    return w;
+  }
+  if (kind == 4) {
+    BlockWeight w{kind, rows, cols, qs.size(1), static_cast<const uint8_t*>(qs.data_ptr()),
+                  nullptr, nullptr};
+    w.d32 = d.data_ptr<float>();
     return w;
   }
   return {kind, rows, cols, qs.size(1), static_cast<const uint8_t*>(qs.data_ptr()),

@@ -31,20 +31,36 @@ namespace kvserve_cpu {
 //   kind 3, Q4_1 with float32 d and m (GGUF's Q4_K, repacked at load by
 //           model_executor/layers/gguf_repack.py: a Q4_K sub-block's d * sc and
 //           -dmin * min are exact in float32, not in float16); qs as Q4_1.
+//   kind 4, Q8_0's int8 qs with two float32 scales per block, one per 16 weights (GGUF's
+//           Q6_K, repacked at load: q - 32 in -32..31 and a sub-block's d * sc, exact in
+//           float32); d: float32 [N, K/16], no minimum.
 // In a 4-bit block, byte j holds weight j in its low nibble and weight j + 16 in its high.
 constexpr int64_t kBlock = 32;  // weights per block
 constexpr int64_t kPrefetchRows = 4;
 constexpr int64_t kGemvRows = 6;  // rows of x per float GEMV pass (gemv's largest R)
 
 // Kinds whose blocks carry a minimum (w = d * q + m).
-constexpr bool has_min(int kind) { return kind == 1 || kind == 3; }
+constexpr bool has_min(int64_t kind) { return kind == 1 || kind == 3; }
+// Kinds with one int8 quant per byte (the others pack two 4-bit quants).
+constexpr bool byte_quants(int64_t kind) { return kind == 0 || kind == 4; }
+// Kinds whose scales are float32 (repacked k-quants) rather than the file's float16.
+constexpr bool float32_scales(int64_t kind) { return kind == 3 || kind == 4; }
+// Scales per 32-weight block: kind 4 scales each half of a block on its own.
+constexpr int64_t scales_per_block(int64_t kind) { return kind == 4 ? 2 : 1; }
+inline int64_t weight_cols(int64_t kind, int64_t qs_cols) {
+  return byte_quants(kind) ? qs_cols : qs_cols * 2;
+}
 
+// d_hi: the scale of weights 16-31 (kind 4; d itself for the other kinds).
 template <int KIND>
-inline void dequant_block(const uint8_t* __restrict qs, float d, float m, float* __restrict w) {
-  if constexpr (KIND == 0) {
+inline void dequant_block(const uint8_t* __restrict qs, float d, float m, float d_hi,
+                          float* __restrict w) {
+  if constexpr (byte_quants(KIND)) {
     const int8_t* q = reinterpret_cast<const int8_t*>(qs);
 #pragma omp simd
-    for (int i = 0; i < 32; ++i) w[i] = d * static_cast<float>(q[i]);
+    for (int i = 0; i < 16; ++i) w[i] = d * static_cast<float>(q[i]);
+#pragma omp simd
+    for (int i = 16; i < 32; ++i) w[i] = d_hi * static_cast<float>(q[i]);
   } else {
     int32_t lo[16], hi[16];
 #pragma omp simd
@@ -72,7 +88,7 @@ inline void dequant_block(const uint8_t* __restrict qs, float d, float m, float*
 // The 32 quants of a block as four vectors of 8 floats (weights 0-7, 8-15, 16-23, 24-31).
 template <int KIND>
 inline void load_quants(const uint8_t* qs, __m256 q[4]) {
-  if constexpr (KIND == 0) {
+  if constexpr (byte_quants(KIND)) {
     for (int i = 0; i < 4; ++i)
       q[i] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(
           reinterpret_cast<const __m128i*>(qs + 8 * i))));
@@ -99,7 +115,7 @@ inline void load_quants(const uint8_t* qs, __m256 q[4]) {
 // GEMV's widest form, half the instructions per block of load_quants.
 template <int KIND>
 inline void load_quants16(const uint8_t* qs, __m512 q[2]) {
-  if constexpr (KIND == 0) {
+  if constexpr (byte_quants(KIND)) {
     for (int i = 0; i < 2; ++i)
       q[i] = _mm512_cvtepi32_ps(
           _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + 16 * i))));
@@ -118,7 +134,7 @@ inline void load_quants16(const uint8_t* qs, __m512 q[2]) {
 }
 #endif
 
-inline int64_t block_bytes_of(int64_t kind) { return kind == 0 ? 32 : 16; }
+inline int64_t block_bytes_of(int64_t kind) { return byte_quants(kind) ? 32 : 16; }
 
 // float16 -> float32, exact (F16C's vcvtph2ps where the CPU has it).
 inline float f16(uint16_t h) {
@@ -144,14 +160,21 @@ struct BlockWeight {
   const uint8_t* qs;
   const uint16_t* d;  // float16 bits (kinds 0-2)
   const uint16_t* m;
-  const float* d32 = nullptr;  // kind 3's float32 scales and minimums
+  const float* d32 = nullptr;  // kinds 3-4: float32 scales; kind 3: float32 minimums
   const float* m32 = nullptr;
 
-  // Block i's scale and minimum as floats, whichever plane holds them.
+  // Block i's scale and minimum as floats, whichever plane holds them; scale_hi is the
+  // scale of its weights 16-31 (kind 4's second scale, the block's scale otherwise).
   template <int KIND>
   float scale(int64_t i) const {
-    if constexpr (KIND == 3) return d32[i];
+    if constexpr (KIND == 4) return d32[2 * i];
+    else if constexpr (KIND == 3) return d32[i];
     else return f16(d[i]);
+  }
+  template <int KIND>
+  float scale_hi(int64_t i) const {
+    if constexpr (KIND == 4) return d32[2 * i + 1];
+    else return scale<KIND>(i);
   }
   template <int KIND>
   float minimum(int64_t i) const {
@@ -171,8 +194,9 @@ struct BlockWeight {
     for (int64_t off = 0; off < row_bytes; off += 64)
       _mm_prefetch(reinterpret_cast<const char*>(qs + n * row_bytes + off), _MM_HINT_T0);
     if (d32 != nullptr) {
-      _mm_prefetch(reinterpret_cast<const char*>(d32 + n * nb), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(m32 + n * nb), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(d32 + n * nb * scales_per_block(kind)),
+                   _MM_HINT_T0);
+      if (m32 != nullptr) _mm_prefetch(reinterpret_cast<const char*>(m32 + n * nb), _MM_HINT_T0);
       return;
     }
     _mm_prefetch(reinterpret_cast<const char*>(d + n * nb), _MM_HINT_T0);
@@ -190,18 +214,19 @@ struct BlockWeight {
         const uint8_t* block = qs + n * row_bytes + b * bb;
         float* o = out + (n - begin) * cols + b * kBlock;
         const float db = scale<KIND>(n * nb + b), mb = minimum<KIND>(n * nb + b);
+        const float dh = scale_hi<KIND>(n * nb + b);
 #ifdef __AVX2__
         __m256 q[4];
         load_quants<KIND>(block, q);
-        const __m256 dv = _mm256_set1_ps(db), mv = _mm256_set1_ps(mb);
+        const __m256 dv = _mm256_set1_ps(db), hv = _mm256_set1_ps(dh), mv = _mm256_set1_ps(mb);
         for (int i = 0; i < 4; ++i) {
           // Multiply, then add: the gguf package's rounding, not a fused multiply-add.
-          __m256 v = _mm256_mul_ps(dv, q[i]);
+          __m256 v = _mm256_mul_ps(i < 2 ? dv : hv, q[i]);
           if constexpr (has_min(KIND)) v = _mm256_add_ps(v, mv);
           _mm256_storeu_ps(o + 8 * i, v);
         }
 #else
-        dequant_block<KIND>(block, db, mb, o);
+        dequant_block<KIND>(block, db, mb, dh, o);
 #endif
       }
   }
@@ -210,7 +235,8 @@ struct BlockWeight {
     if (kind == 0) dequant_rows_t<0>(begin, end, out);
     else if (kind == 1) dequant_rows_t<1>(begin, end, out);
     else if (kind == 2) dequant_rows_t<2>(begin, end, out);
-    else dequant_rows_t<3>(begin, end, out);
+    else if (kind == 3) dequant_rows_t<3>(begin, end, out);
+    else dequant_rows_t<4>(begin, end, out);
   }
 
   // out[r * ldo + n] = sum_k x[r, k] * W[n, k] for n in [begin, end), R rows of x.
@@ -234,6 +260,12 @@ struct BlockWeight {
         const float mb = minimum<KIND>(n * nb + b);
         for (int r = 0; r < R; ++r) {
           const float* xb = x + r * cols + b * kBlock;
+          if constexpr (KIND == 4) {  // a scale per half block
+            const __m512 hv = _mm512_set1_ps(scale_hi<KIND>(n * nb + b));
+            acc[r] = _mm512_fmadd_ps(sv, _mm512_mul_ps(q[0], _mm512_loadu_ps(xb)), acc[r]);
+            acc[r] = _mm512_fmadd_ps(hv, _mm512_mul_ps(q[1], _mm512_loadu_ps(xb + 16)), acc[r]);
+            continue;
+          }
           __m512 qx = _mm512_mul_ps(q[0], _mm512_loadu_ps(xb));
           qx = _mm512_fmadd_ps(q[1], _mm512_loadu_ps(xb + 16), qx);
           acc[r] = _mm512_fmadd_ps(sv, qx, acc[r]);
@@ -254,6 +286,14 @@ struct BlockWeight {
           const float* xb = x + r * cols + b * kBlock;
           __m256 qx = _mm256_mul_ps(q[0], _mm256_loadu_ps(xb));
           qx = _mm256_fmadd_ps(q[1], _mm256_loadu_ps(xb + 8), qx);
+          if constexpr (KIND == 4) {  // a scale per half block
+            const __m256 hv = _mm256_set1_ps(scale_hi<KIND>(n * nb + b));
+            __m256 hi = _mm256_mul_ps(q[2], _mm256_loadu_ps(xb + 16));
+            hi = _mm256_fmadd_ps(q[3], _mm256_loadu_ps(xb + 24), hi);
+            acc[r] = _mm256_fmadd_ps(sv, qx, acc[r]);
+            acc[r] = _mm256_fmadd_ps(hv, hi, acc[r]);
+            continue;
+          }
           qx = _mm256_fmadd_ps(q[2], _mm256_loadu_ps(xb + 16), qx);
           qx = _mm256_fmadd_ps(q[3], _mm256_loadu_ps(xb + 24), qx);
           acc[r] = _mm256_fmadd_ps(sv, qx, acc[r]);
@@ -265,7 +305,8 @@ struct BlockWeight {
       float acc[R] = {};
       alignas(64) float wb[kBlock];
       for (int64_t b = 0; b < nb; ++b) {
-        dequant_block<KIND>(row + b * bb, scale<KIND>(n * nb + b), minimum<KIND>(n * nb + b), wb);
+        const int64_t i = n * nb + b;
+        dequant_block<KIND>(row + b * bb, scale<KIND>(i), minimum<KIND>(i), scale_hi<KIND>(i), wb);
         for (int r = 0; r < R; ++r) acc[r] += dot(wb, x + r * cols + b * kBlock, kBlock);
       }
       for (int r = 0; r < R; ++r) out[r * ldo + n] = acc[r];
@@ -293,7 +334,8 @@ struct BlockWeight {
     if (kind == 0) gemv_kind<0>(rows_x, x, xsum, out, begin, end);
     else if (kind == 1) gemv_kind<1>(rows_x, x, xsum, out, begin, end);
     else if (kind == 2) gemv_kind<2>(rows_x, x, xsum, out, begin, end);
-    else gemv_kind<3>(rows_x, x, xsum, out, begin, end);
+    else if (kind == 3) gemv_kind<3>(rows_x, x, xsum, out, begin, end);
+    else gemv_kind<4>(rows_x, x, xsum, out, begin, end);
   }
 };
 

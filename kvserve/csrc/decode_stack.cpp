@@ -74,7 +74,7 @@ class DecoderStack : public torch::CustomClassHolder {
       proj.int8_activations = int8_activations.get(p);
       if (proj.kind < 0) check_float(proj.weight, "float32 weight");
       if (proj.packed_int8()) {
-        const int64_t cols = proj.kind == 0 ? proj.weight.size(1) : proj.weight.size(1) * 2;
+        const int64_t cols = weight_cols(proj.kind, proj.weight.size(1));
         check_packed_vnni(*proj.packed, proj.kind, proj.weight.size(0), cols);
       }
     }

@@ -32,7 +32,7 @@ inline std::pair<int64_t, int64_t> share(int64_t n, int tid, int threads) {
 }
 
 int64_t in_features(const Projection& p) {
-  return p.kind == 0 ? p.weight.size(1) : p.weight.size(1) * 2;
+  return weight_cols(p.kind, p.weight.size(1));
 }
 
 // A projection as the step multiplies it: gguf_int8's interleaved copy (int8 activations)

@@ -1,4 +1,4 @@
-"""Q5_0 and Q4_K repacked into kernel formats: bit-exact with gguf's own dequantization
+"""Q5_0, Q4_K and Q6_K repacked into kernel formats: bit-exact with gguf's own dequantization
 (random blocks and the packaged Gemma 3's tensors), the block matmul on them, and Gemma
 loading with every such weight kept as blocks."""
 
@@ -14,15 +14,16 @@ from gguf.quants import dequantize
 
 from kvserve import _custom_ops as ops
 from kvserve.config import ModelConfig
-from kvserve.model_executor.layers.gguf_repack import KIND_Q4_K_F32
+from kvserve.model_executor.layers.gguf_repack import KIND_Q4_K_F32, KIND_Q6_K_F32
 from kvserve.model_executor.layers.quantization import BlockWeight
 
 pytestmark = pytest.mark.skipif(not ops.available(), reason="no C++ toolchain for the kernels")
 
 GEMMA3 = "gemma-3-270m"
-REPACKED = [T.Q5_0, T.Q4_K]
-_BLOCK = {T.Q5_0: (32, 22), T.Q4_K: (256, 144)}  # weights, bytes
-_SCALE_BYTES = {T.Q5_0: [(0, 2)], T.Q4_K: [(0, 2), (2, 4)]}  # float16 fields of a block
+REPACKED = [T.Q5_0, T.Q4_K, T.Q6_K]
+_BLOCK = {T.Q5_0: (32, 22), T.Q4_K: (256, 144), T.Q6_K: (256, 210)}  # weights, bytes
+# float16 fields of a block
+_SCALE_BYTES = {T.Q5_0: [(0, 2)], T.Q4_K: [(0, 2), (2, 4)], T.Q6_K: [(208, 210)]}
 
 
 def _random_raw(qtype: T, rows: int, cols: int, seed: int) -> np.ndarray:
@@ -51,13 +52,17 @@ def test_repacked_random_blocks_dequantize_bit_exact_with_gguf(qtype: T) -> None
     if qtype == T.Q5_0:  # Q8_0's planes, quants -16..15
         assert weight.qtype == T.Q8_0 and weight.kind == 0
         assert int(weight.qs.min()) >= -16 and int(weight.qs.max()) <= 15
-    else:
+    elif qtype == T.Q4_K:
         assert weight.kind == KIND_Q4_K_F32 and weight.d.dtype == torch.float32
+    else:  # int8 quants -32..31, a float32 scale per 16 weights
+        assert weight.kind == KIND_Q6_K_F32 and weight.d.shape == (70, 1024 // 16)
+        assert int(weight.qs.min()) >= -32 and int(weight.qs.max()) <= 31
 
 
 def test_gemma_file_tensors_dequantize_bit_exact_with_gguf() -> None:
     reader = GGUFReader(ModelConfig(model=GEMMA3).resolved.path)
-    layers = ("blk.0.", "blk.2.", "blk.17.")  # Q5_0 everywhere, Q4_K in o and down
+    # Q5_0 everywhere, Q4_K in o and down, Q6_K in down of half the layers
+    layers = ("blk.0.", "blk.2.", "blk.17.")
     tensors = [t for t in reader.tensors if t.tensor_type in REPACKED and t.name.startswith(layers)]
     assert {t.tensor_type for t in tensors} == set(REPACKED)
     for tensor in tensors:
@@ -81,20 +86,21 @@ def test_repacked_block_linear_matches_float32_matmul(qtype: T, rows: int) -> No
         assert torch.equal(out, exact)
 
 
-def test_gguf_int8_keeps_q4_k_on_the_float_path_and_q5_0_on_integers() -> None:
+@pytest.mark.parametrize("k_quant", [T.Q4_K, T.Q6_K])
+def test_gguf_int8_keeps_k_quants_on_the_float_path_and_q5_0_on_integers(k_quant: T) -> None:
     q5 = BlockWeight.from_raw(_random_raw(T.Q5_0, 64, 256, seed=2), T.Q5_0)
-    q4k = BlockWeight.from_raw(_random_raw(T.Q4_K, 64, 256, seed=3), T.Q4_K)
+    kq = BlockWeight.from_raw(_random_raw(k_quant, 64, 256, seed=3), k_quant)
     x = torch.randn(1, 256)
-    float_out = q4k.linear(x)
+    float_out = kq.linear(x)
     q5.use_int8_activations()
-    q4k.use_int8_activations()
-    assert q5.int8_activations and not q4k.int8_activations
-    assert torch.equal(q4k.linear(x), float_out)
+    kq.use_int8_activations()
+    assert q5.int8_activations and not kq.int8_activations
+    assert torch.equal(kq.linear(x), float_out)
     with pytest.raises(RuntimeError, match="kinds 0-2"):
-        ops.block_linear_int8(x, q4k.qs, q4k.d, q4k.m, q4k.kind)
+        ops.block_linear_int8(x, kq.qs, kq.d, kq.m, kq.kind)
 
 
-def test_gemma_keeps_every_q5_0_and_q4_k_weight_as_blocks() -> None:
+def test_gemma_keeps_every_linear_weight_as_blocks() -> None:
     from kvserve.model_executor.layers.linear import LinearBase
     from kvserve.model_executor.model_loader import get_model
 
@@ -102,9 +108,7 @@ def test_gemma_keeps_every_q5_0_and_q4_k_weight_as_blocks() -> None:
     # Loading checks every block weight against the float32 one, bit for bit.
     model = get_model(config.resolved, config.arch, "cpu", torch.float32, "gguf")
     linears = {n: m for n, m in model.named_modules() if isinstance(m, LinearBase)}
-    floats = sorted(n for n, m in linears.items() if m.quant_weight is None)
-    # Only the Q6_K ffn_down tensors (9 of 18 layers) stay float32.
-    assert len(floats) == 9 and all(n.endswith("down_proj") for n in floats)
+    assert all(m.quant_weight is not None for m in linears.values())
     types: dict[str, set[T]] = {n.rpartition(".")[2]: set() for n in linears}
     for name, module in linears.items():
         if module.quant_weight is not None:
@@ -113,5 +117,5 @@ def test_gemma_keeps_every_q5_0_and_q4_k_weight_as_blocks() -> None:
         "qkv_proj": {T.Q8_0},
         "o_proj": {T.Q4_K},
         "gate_up_proj": {T.Q8_0},
-        "down_proj": {T.Q4_K},
+        "down_proj": {T.Q4_K, T.Q6_K},
     }

@@ -12,8 +12,13 @@ repacking them once at load serves them without a kernel per GGUF type:
   ``a + -b``, bit for bit). ``D`` and ``M`` are exact in float32 but not in float16, so
   they become kernel kind 3: Q4_1 with float32 planes.
 
-Q6_K (16-weight sub-blocks, each with its own int8 scale) fits neither 32-weight plane
-layout and stays float32, as do the other k-quants.
+* Q6_K, 256-weight superblocks of 16 sub-blocks of 16 with an int8 scale ``sc`` each and
+  6-bit quants: gguf computes ``(d * sc) * (q - 32)`` in float32. ``q - 32`` is an int8
+  (Q8_0's plane) and ``d * sc`` (11 by 8 significant bits) is exact in float32, but the
+  scale changes every 16 weights: kernel kind 4, Q8_0's quants with two float32 scales
+  per 32-weight block.
+
+The other k-quants (Q2_K, Q3_K, Q5_K) stay float32.
 Every repacked weight still passes quantization's load-time check (dequantized blocks equal
 the loaded float32 weight bit for bit).
 """
@@ -25,11 +30,13 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import Q4_K
 
-__all__ = ["KIND_Q4_K_F32", "REPACKED_KINDS", "REPACKED_TYPES", "repack"]
+__all__ = ["KIND_Q4_K_F32", "KIND_Q6_K_F32", "REPACKED_KINDS", "REPACKED_TYPES", "repack"]
 
 KIND_Q4_K_F32 = 3  # csrc/block_gemm.h: Q4_1 layout, float32 d and m
+KIND_Q6_K_F32 = 4  # csrc/block_gemm.h: Q8_0 layout, a float32 d per 16 weights
 _Q5_0_BYTES = 22  # f16 d, u32 high bits, 16 bytes of low nibbles
 _Q4_K_BYTES = 144  # f16 d, f16 dmin, 12 bytes of 6-bit scales/mins, 128 bytes of nibbles
+_Q6_K_BYTES = 210  # 128 bytes of low nibbles, 64 of high 2-bit pairs, 16 int8 scales, f16 d
 
 Planes = tuple[GGMLQuantizationType, torch.Tensor, torch.Tensor, torch.Tensor]
 
@@ -76,18 +83,42 @@ def _q4_k_as_q4_1_f32(raw: np.ndarray) -> Planes:
     )
 
 
+def _q6_k_as_int8_f32(raw: np.ndarray) -> Planes:
+    rows = raw.shape[0]
+    blocks = np.ascontiguousarray(raw).reshape(-1, _Q6_K_BYTES)
+    ql, qh = blocks[:, :128], blocks[:, 128:192]
+    sc = blocks[:, 192:208].copy().view(np.int8).astype(np.float32)
+    d = blocks[:, 208:210].copy().view(np.float16).astype(np.float32)
+    scale = d * sc  # gguf's own float32 products, [superblocks, 16 sub-blocks]
+    # gguf's unpacking: two halves of 128 weights; in each, 64 low-nibble bytes hold weights
+    # j (low) and j + 64 (high), 32 bytes of 2-bit pairs weights j + 32 i for i in 0..3.
+    low = (ql.reshape(-1, 2, 1, 64) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)) & 15
+    high = (qh.reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)) & 3
+    q = (low.reshape(-1, 256) | (high.reshape(-1, 256) << np.uint8(4))).astype(np.int8) - 32
+    return (
+        GGMLQuantizationType.Q6_K,
+        torch.from_numpy(np.ascontiguousarray(q.reshape(rows, -1))),
+        torch.from_numpy(np.ascontiguousarray(scale.reshape(rows, -1))),
+        torch.zeros(0, dtype=torch.float32),
+    )
+
+
 _REPACKS = {
     GGMLQuantizationType.Q5_0: _q5_0_as_q8_0,
     GGMLQuantizationType.Q4_K: _q4_k_as_q4_1_f32,
+    GGMLQuantizationType.Q6_K: _q6_k_as_int8_f32,
 }
 REPACKED_TYPES = frozenset(_REPACKS)
 # Kinds of the block types repacking produces and quantization's table lacks.
-REPACKED_KINDS = {GGMLQuantizationType.Q4_K: KIND_Q4_K_F32}
+REPACKED_KINDS = {
+    GGMLQuantizationType.Q4_K: KIND_Q4_K_F32,
+    GGMLQuantizationType.Q6_K: KIND_Q6_K_F32,
+}
 
 
 def repack(raw: np.ndarray, qtype: GGMLQuantizationType) -> Planes:
     """``raw``: uint8 ``[rows, row_bytes]`` in GGUF's layout -> the kernel's planes and the
-    type they now have (Q5_0 becomes Q8_0; Q4_K keeps its name, kind 3)."""
+    type they now have (Q5_0 becomes Q8_0; Q4_K and Q6_K keep their names, kinds 3 and 4)."""
     if qtype not in _REPACKS:
         raise ValueError(f"no repacking for GGUF type {qtype.name}")
     return _REPACKS[qtype](raw)

@@ -58,7 +58,7 @@ _KINDS: dict[GGMLQuantizationType, tuple[int, int, bool]] = {
     GGMLQuantizationType.Q4_1: (1, 20, True),
     GGMLQuantizationType.Q4_0: (2, 18, False),
 }
-# Q5_0 and Q4_K are repacked at load into kernel formats (gguf_repack.py).
+# Q5_0, Q4_K and Q6_K are repacked at load into kernel formats (gguf_repack.py).
 SUPPORTED_TYPES = frozenset(_KINDS) | REPACKED_TYPES
 
 
@@ -67,8 +67,9 @@ class BlockWeight:
     """A ``[rows, cols]`` weight as separate planes of its blocks (see csrc/block_gemm.h)."""
 
     qtype: GGMLQuantizationType
-    qs: torch.Tensor  # int8 [rows, cols] (Q8_0) or uint8 [rows, cols/2] (4-bit)
-    d: torch.Tensor  # float16 [rows, cols/32], as stored (float32 for repacked Q4_K)
+    qs: torch.Tensor  # int8 [rows, cols] (Q8_0, Q6_K) or uint8 [rows, cols/2] (4-bit)
+    # float16 [rows, cols/32], as stored; float32 for repacked Q4_K, [rows, cols/16] Q6_K
+    d: torch.Tensor
     m: torch.Tensor  # like d for Q4_1 and Q4_K, else empty
     int8_activations: bool = False
     # gguf_int8 on AVX-512 VNNI: the same blocks interleaved 16 rows at a time for its
@@ -82,7 +83,7 @@ class BlockWeight:
     @property
     def shape(self) -> tuple[int, int]:
         rows = self.qs.shape[0]
-        return rows, self.qs.shape[1] * (1 if self.qtype == GGMLQuantizationType.Q8_0 else 2)
+        return rows, self.qs.shape[1] * (1 if self.qs.dtype == torch.int8 else 2)
 
     @property
     def planes(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -94,8 +95,8 @@ class BlockWeight:
 
     def use_int8_activations(self) -> None:
         """Switch to gguf_int8's arithmetic, with the interleaved copy where the CPU has
-        AVX-512 VNNI. Repacked Q4_K (float32 scales) has no integer kernel and keeps the
-        exact float path."""
+        AVX-512 VNNI. Repacked Q4_K and Q6_K (float32 scales) have no integer kernel and
+        keep the exact float path."""
         if self.qtype in REPACKED_KINDS:
             return
         self.int8_activations = True
