@@ -36,6 +36,7 @@ from kvserve.worker.input_preparation import InputPreparer, StepInputs
 from kvserve.worker.kv_cache_specs import make_kv_cache_spec, zeroed_tensor
 from kvserve.worker.kv_connector_model_runner_mixin import KVConnectorModelRunnerMixin
 from kvserve.worker.request_state import CachedRequestState
+from kvserve.worker.thread_governor import StepThreadGovernor
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +74,8 @@ class ModelRunner(KVConnectorModelRunnerMixin):
         eos_ids = model_config.arch.eos_token_ids
         self.eos_token_id: int | None = eos_ids[0] if eos_ids else None
         self.pin_memory = self.device.type == "cuda" and torch.cuda.is_available()
+        self.thread_governor = StepThreadGovernor.for_process()
+        self.thread_governor.enabled &= self.device.type == "cpu"
 
         self.model: Any = None
         self.requests: dict[str, CachedRequestState] = {}
@@ -284,6 +287,7 @@ class ModelRunner(KVConnectorModelRunnerMixin):
         )
         attn_metadata = self._build_attn_metadata(inputs)
         forward_start = time.perf_counter()
+        self.thread_governor.begin(scheduler_output.total_num_scheduled_tokens)
         with (
             set_forward_context(attn_metadata, kv_connector=self.kv_connector),
             self.kv_connector_step(scheduler_output) as kv_output,
@@ -302,6 +306,7 @@ class ModelRunner(KVConnectorModelRunnerMixin):
             # sampling, whose .cpu() waits for it moments later anyway.
             torch.cuda.synchronize(self.device)
         forward_end = time.perf_counter()
+        self.thread_governor.end()
         keep_hidden = hidden_states if self._wants_prompt_logprobs() else None
         self.execute_model_state = ExecuteModelState(
             scheduler_output,
