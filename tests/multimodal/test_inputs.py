@@ -1,0 +1,33 @@
+"""PlaceholderRange and MultiModalFeatureSpec: validated ranges, embedding counts, chunk
+overlap, and a msgpack round trip (they cross the front end / engine core socket)."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from kvserve.multimodal import MultiModalFeatureSpec, PlaceholderRange
+
+
+def test_placeholder_range() -> None:
+    r = PlaceholderRange(offset=5, length=4, is_embed=(False, True, True, False))
+    assert r.end == 9 and r.num_embeds == 2
+    assert PlaceholderRange(offset=0, length=3).num_embeds == 3
+    # A chunk [start, end) of the prompt touches the range or not.
+    assert r.overlaps(0, 6) and r.overlaps(8, 20) and not r.overlaps(0, 5)
+    assert not r.overlaps(9, 12)
+    with pytest.raises(ValueError, match="length > 0"):
+        PlaceholderRange(offset=0, length=0)
+    with pytest.raises(ValueError, match="is_embed has 1 entries"):
+        PlaceholderRange(offset=0, length=2, is_embed=(True,))
+
+
+def test_feature_spec_round_trips_as_msgpack() -> None:
+    spec = MultiModalFeatureSpec(
+        modality="image",
+        identifier="ab" * 32,
+        mm_position=PlaceholderRange(offset=3, length=2),
+        data={"pixel_values_shape": [1, 3, 8, 8]},
+    )
+    wire = msgspec.msgpack.encode(spec)
+    assert msgspec.msgpack.decode(wire, type=MultiModalFeatureSpec) == spec
