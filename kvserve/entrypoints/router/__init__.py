@@ -1,0 +1,1 @@
+"""Prefix-aware routing over several kvserve instances, learned from their KV events."""
