@@ -1,4 +1,4 @@
-"""The `kvserve` command: generate, chat, serve, bench, events, cache-server."""
+"""The `kvserve` command: generate, chat, serve, bench, events, cache-server, router."""
 
 from __future__ import annotations
 
@@ -159,6 +159,11 @@ _LAZY_COMMANDS = {
         "print an engine's KV cache events as JSON lines",
         "kvserve.entrypoints.events_cli",
         "add_events_parser",
+    ),
+    "router": (
+        "route requests over several instances by their cached prefixes",
+        "kvserve.entrypoints.router.server",
+        "add_router_parser",
     ),
 }
 

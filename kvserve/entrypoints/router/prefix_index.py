@@ -15,7 +15,7 @@ its event loop.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 from kvserve.core.kv_cache_utils import BlockHash, compute_none_hash, hash_block_tokens
 from kvserve.distributed.kv_events import (
@@ -95,11 +95,12 @@ class PrefixIndex:
     def choose(
         self,
         token_ids: Sequence[int],
-        loads: dict[str, int],
+        loads: Mapping[str, tuple[int, ...]],
         cache_salt: str | None = None,
     ) -> str:
-        """The instance of ``loads`` (instance -> requests in flight) holding the longest
-        prefix; among equals the least loaded, then the first by name."""
+        """The instance of ``loads`` holding the longest prefix; among equals the one with
+        the smallest load (e.g. (requests in flight, requests routed so far)), then the
+        first by name."""
         if not loads:
             raise ValueError("no instance to route to")
         matched = self.match(token_ids, cache_salt)

@@ -44,7 +44,7 @@ def test_follows_events_and_matches_the_longest_prefix() -> None:
     index.apply("b", [_stored(_engine_hashes(OTHER), OTHER)])
     # The next turn extends the first: "a" holds its first 3 blocks, "b" nothing of it.
     assert index.match(CONVERSATION) == {"a": 48, "b": 0}
-    assert index.choose(CONVERSATION, {"a": 5, "b": 0}) == "a"  # the prefix beats load
+    assert index.choose(CONVERSATION, {"a": (5,), "b": (0,)}) == "a"  # the prefix beats load
     assert index.match(CONVERSATION, cache_salt="other tenant") == {"a": 0, "b": 0}
     # Evicting block 1 cuts "a"'s prefix at block 1 even though block 2 is still held.
     index.apply("a", [BlockRemoved(block_hashes=[_engine_hashes(turn1)[1]], medium="GPU")])
@@ -55,7 +55,8 @@ def test_follows_events_and_matches_the_longest_prefix() -> None:
 
 def test_ties_go_to_the_least_loaded_then_by_name() -> None:
     index = PrefixIndex(BLOCK)
-    assert index.choose(CONVERSATION, {"b": 1, "a": 2, "c": 1}) == "b"
+    assert index.choose(CONVERSATION, {"b": (1, 3), "a": (2, 0), "c": (1, 3)}) == "b"
+    assert index.choose(CONVERSATION, {"b": (1, 3), "a": (1, 2)}) == "a"
     with pytest.raises(ValueError, match="no instance"):
         index.choose(CONVERSATION, {})
 
