@@ -9,10 +9,13 @@ from typing import Any
 
 from kvserve.protocol.engine_core import EngineCoreRequest, FinishReason
 from kvserve.sampling_params import SamplingParams
+from kvserve.structured_output.request import StructuredOutputRequest
 
 
 class RequestStatus(enum.IntEnum):
     WAITING = enum.auto()
+    # Its grammar compiles (StructuredOutputManager); other requests run meanwhile.
+    WAITING_FOR_FSM = enum.auto()
     WAITING_FOR_REMOTE_KVS = enum.auto()
     RUNNING = enum.auto()
     PREEMPTED = enum.auto()
@@ -67,6 +70,12 @@ class Request:
         self.kv_transfer_params = kv_transfer_params
 
         self.status = RequestStatus.WAITING
+        self.structured_output_request: StructuredOutputRequest | None = None
+        if sampling_params.structured_outputs is not None:
+            self.structured_output_request = StructuredOutputRequest(
+                sampling_params.structured_outputs
+            )
+            self.status = RequestStatus.WAITING_FOR_FSM
         self.stop_reason: int | str | None = None
         self.error: str | None = None
         self.max_tokens = sampling_params.max_tokens
