@@ -94,7 +94,7 @@ class GuidanceBackend(StructuredOutputBackend):
 def serialize_guidance_grammar(params: StructuredOutputsParams) -> str:
     """The spec as llguidance's serialized grammar (JSON text)."""
     kind, spec = params.kind, params.spec
-    defaults: dict[str, Any] = {"whitespace_flexible": not params.disable_any_whitespace}
+    defaults: Any = {"whitespace_flexible": not params.disable_any_whitespace}
     if params.whitespace_pattern is not None:
         defaults = {"whitespace_pattern": params.whitespace_pattern}
     if kind == "json":

@@ -58,9 +58,7 @@ class StructuredOutputManager:
         # Half the cores at most: compiles must not starve the model's forward.
         workers = max(1, min(8, (os.cpu_count() or 2) // 2))
         self._executor = ThreadPoolExecutor(workers, thread_name_prefix="grammar-compile")
-        self._bitmask = torch.full(
-            (max_num_seqs, (vocab_size + 31) // 32), -1, dtype=torch.int32
-        )
+        self._bitmask = torch.full((max_num_seqs, (vocab_size + 31) // 32), -1, dtype=torch.int32)
 
     # --- compile -------------------------------------------------------------------
 
@@ -111,9 +109,7 @@ class StructuredOutputManager:
         """[len(grammars), ceil(V/32)] int32: row i allows the tokens grammars[i] allows next."""
         num = len(grammars)
         if num > self._bitmask.shape[0]:
-            self._bitmask = torch.full(
-                (num, self._bitmask.shape[1]), -1, dtype=torch.int32
-            )
+            self._bitmask = torch.full((num, self._bitmask.shape[1]), -1, dtype=torch.int32)
         bitmask = self._bitmask[:num]
         bitmask.fill_(-1)
         for i, grammar in enumerate(grammars):

@@ -76,7 +76,9 @@ class SchedulerStructuredOutputMixin:
         if not grammar.accept_tokens(request.request_id, [token_id]):
             # Only possible when the token was sampled without the mask (a bug): say so, and
             # let the length cap or EOS end the request.
-            logger.error("request %s: token %d rejected by its grammar", request.request_id, token_id)
+            logger.error(
+                "request %s: token %d rejected by its grammar", request.request_id, token_id
+            )
             return False
         if grammar.is_terminated():
             request.status = RequestStatus.FINISHED_STOPPED
