@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import torch
@@ -122,5 +123,10 @@ def _no_additional_properties(schema: Any) -> Any:
     return schema
 
 
+# xgrammar prefixes its C++ errors with "[hh:mm:ss] /path/file.cc:123: ".
+_LOG_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
+
+
 def _message(params: StructuredOutputsParams, exc: Exception) -> str:
-    return f"structured_outputs.{params.kind} is invalid: {exc}"
+    reason = _LOG_PREFIX.sub("", str(exc).strip())
+    return f"structured_outputs.{params.kind} is invalid: {reason}"

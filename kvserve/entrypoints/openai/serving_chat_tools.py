@@ -73,7 +73,9 @@ class ChatToolHandler:
         """The grammar that enforces the calls (None for none and auto)."""
         if self.mode == "named":
             assert self.named is not None
-            return StructuredOutputsParams(json=self._parameters(self.named))
+            return StructuredOutputsParams(
+                json=self._parameters(self.named), disable_any_whitespace=True
+            )
         if self.mode == "required":
             items = [
                 {
@@ -89,7 +91,8 @@ class ChatToolHandler:
             schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": items}}
             if not self.parallel:
                 schema["maxItems"] = 1
-            return StructuredOutputsParams(json=schema)
+            # Compact JSON: fewer tokens, so max_tokens cuts fewer calls short.
+            return StructuredOutputsParams(json=schema, disable_any_whitespace=True)
         return None
 
     def _parameters(self, name: str) -> dict[str, Any]:
@@ -101,11 +104,10 @@ class ChatToolHandler:
             assert self.named is not None
             return None, [function_call(self.named, text)]
         if self.mode == "required":
-            try:
-                calls = json.loads(text)
-                return None, [function_call(c["name"], c["parameters"]) for c in calls]
-            except (ValueError, KeyError, TypeError):
-                return text, []  # cut short by max_tokens: what there is, as content
+            calls = _complete_array_items(text)
+            if not calls:
+                return text, []  # cut short before one call was complete: as content
+            return None, [function_call(c["name"], c["parameters"]) for c in calls]
         if self.mode == "auto":
             assert self.parser is not None
             info = self.parser.extract_tool_calls(text)
@@ -164,6 +166,24 @@ class ChoiceToolStreamer:
             self.tools_called = bool(parsed)
             return text or "", tool_call_deltas(parsed)
         return delta, []
+
+
+def _complete_array_items(text: str) -> list[dict[str, Any]]:
+    """The complete objects of a JSON array, also of one cut short (max_tokens): the grammar
+    guarantees every complete item is a valid call."""
+    decoder, items = json.JSONDecoder(), []
+    pos = text.find("[") + 1
+    while 0 < pos < len(text):
+        while pos < len(text) and text[pos] in " \t\r\n,":
+            pos += 1
+        try:
+            item, pos = decoder.raw_decode(text, pos)
+        except ValueError:
+            break
+        if not isinstance(item, dict) or "name" not in item or "parameters" not in item:
+            break
+        items.append(item)
+    return items
 
 
 def messages_for_template(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
