@@ -60,7 +60,9 @@ class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, kw_only=True):
         if self.choice is not None and (
             not self.choice or not all(isinstance(c, str) and c for c in self.choice)
         ):
-            raise _bad("structured_outputs.choice", "must be a list of non-empty strings", self.choice)
+            raise _bad(
+                "structured_outputs.choice", "must be a list of non-empty strings", self.choice
+            )
 
     @property
     def kind(self) -> str:

@@ -128,6 +128,10 @@ class Request:
         if dropped <= 0:
             return
         del self._output_token_ids[num_output_tokens:]
+        grammar = self.structured_output_request and self.structured_output_request.grammar
+        if grammar is not None:
+            # The matcher took those tokens too; the rerun feeds it their replacements.
+            grammar.rollback(dropped)
         del self._all_token_ids[len(self._all_token_ids) - dropped :]
         del self.block_hashes[self.num_tokens // block_size :]
 

@@ -375,6 +375,8 @@ class ModelRunner(KVConnectorModelRunnerMixin):
         assert self.input_batch is not None
         logits_row_of = {int(row): i for i, row in enumerate(sample_rows.tolist())}
         index = self.input_batch.req_id_to_index
+        # The scheduler lists exactly the sampling rows; a request missing here is a bug
+        # upstream and fails the step (KeyError) rather than sampling unconstrained.
         rows = [logits_row_of[index[r]] for r in grammar_output.structured_output_request_ids]
         apply_grammar_bitmask(logits, rows, grammar_output.grammar_bitmask)
 

@@ -147,9 +147,7 @@ class OpenAIServingChat(OpenAIServing):
             logprobs = None
             if request.logprobs and c.logprobs is not None:
                 logprobs = self.chat_logprobs(c.token_ids, c.logprobs, request.top_logprobs or 0)
-            content, tool_calls = (
-                tools.parse(c.text) if tools.parses_output else (c.text, [])
-            )
+            content, tool_calls = tools.parse(c.text) if tools.parses_output else (c.text, [])
             choices.append(
                 ChatCompletionResponseChoice(
                     index=c.index,
