@@ -81,7 +81,8 @@ def model(client: openai.OpenAI) -> str:
 
 def chat(client: openai.OpenAI, model: str, **kwargs: Any) -> Any:
     kwargs.setdefault("messages", ASK)
-    return client.chat.completions.create(model=model, temperature=0, max_tokens=120, **kwargs)
+    kwargs.setdefault("max_tokens", 120)
+    return client.chat.completions.create(model=model, temperature=0, **kwargs)
 
 
 def check_call(call: Any) -> None:
@@ -163,7 +164,8 @@ def test_required_tool_choice_always_calls(client: openai.OpenAI, model: str) ->
             tool_choice="required",
         )  # fmt: skip
         choice = response.choices[0]
-        assert choice.message.tool_calls and choice.finish_reason == "tool_calls"
+        # "length": the model went on adding calls; every complete one is returned.
+        assert choice.message.tool_calls and choice.finish_reason in ("tool_calls", "length")
         for call in choice.message.tool_calls:
             check_call(call)
 
