@@ -128,7 +128,8 @@ class Request:
         if dropped <= 0:
             return
         del self._output_token_ids[num_output_tokens:]
-        grammar = self.structured_output_request and self.structured_output_request.grammar
+        so_request = self.structured_output_request
+        grammar = so_request.grammar if so_request is not None else None
         if grammar is not None:
             # The matcher took those tokens too; the rerun feeds it their replacements.
             grammar.rollback(dropped)

@@ -93,16 +93,31 @@ def test_slow_compile_does_not_stall_other_requests(llm: Any) -> None:
     assert_no_leak(llm)
 
 
+# Thirty digits: long enough outputs (~66 tokens) that six requests outgrow a small pool.
+DIGITS = {
+    "type": "object",
+    "properties": {
+        "values": {
+            "type": "array",
+            "items": {"type": "integer", "minimum": 0, "maximum": 9},
+            "minItems": 30,
+            "maxItems": 30,
+        }
+    },
+    "required": ["values"],
+}
+
+
 def test_preemption_keeps_the_grammar_state(llm: Any, llm_factory: Any) -> None:
-    prompts = [f"Describe city number {i} as JSON with its population." for i in range(6)]
-    alone = [llm.generate([p], constrained(), use_tqdm=False)[0] for p in prompts]
+    prompts = [f"List thirty digits for lottery number {i} as JSON." for i in range(6)]
+    alone = [llm.generate([p], constrained(DIGITS), use_tqdm=False)[0] for p in prompts]
     # 14 usable blocks of 16 tokens cannot hold the six requests at full length.
     small = llm_factory(num_blocks_override=15, max_num_batched_tokens=64)
     scheduler = small.llm_engine.engine_core.engine_core.scheduler
     before = scheduler.num_preemptions
-    together = small.generate(prompts, constrained(), use_tqdm=False)
+    together = small.generate(prompts, constrained(DIGITS), use_tqdm=False)
     assert scheduler.num_preemptions > before
     for a, b in zip(alone, together, strict=True):
         assert b.outputs[0].token_ids == a.outputs[0].token_ids
-        jsonschema.validate(json.loads(b.outputs[0].text), SCHEMA)
+        jsonschema.validate(json.loads(b.outputs[0].text), DIGITS)
     assert_no_leak(small)
