@@ -336,6 +336,14 @@ class KVTransferConfig:
 
 
 @dataclass
+class StructuredOutputsConfig:
+    """Grammar-constrained decoding (vLLM's StructuredOutputsConfig)."""
+
+    # xgrammar, guidance (llguidance), or auto: xgrammar unless only llguidance runs a spec.
+    backend: str = "auto"
+
+
+@dataclass
 class EngineConfig:
     model_config: ModelConfig
     cache_config: CacheConfig
@@ -344,6 +352,9 @@ class EngineConfig:
     device_config: DeviceConfig = field(default_factory=DeviceConfig)
     kv_transfer_config: KVTransferConfig | None = None
     kv_events_config: KVEventsConfig | None = None
+    structured_outputs_config: StructuredOutputsConfig = field(
+        default_factory=StructuredOutputsConfig
+    )
 
     def __post_init__(self) -> None:
         context_len = self.model_config.max_model_len

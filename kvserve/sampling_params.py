@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from enum import IntEnum
 from typing import Any
@@ -25,6 +26,60 @@ class SamplingType(IntEnum):
 
 def _bad(field: str, why: str, value: Any) -> ValueError:
     return ValueError(f"{field} {why}, got {value!r}")
+
+
+class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, kw_only=True):
+    """One grammar constraint on a request's output (vLLM's StructuredOutputsParams).
+
+    Exactly one of json, json_object, regex, choice, grammar, structural_tag is set. A JSON
+    schema given as a dict is kept as its JSON text, so the struct crosses processes as
+    typed msgspec data and its cache key is a plain string.
+    """
+
+    json: str | dict[str, Any] | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None  # EBNF (xgrammar's GBNF dialect) or Lark
+    json_object: bool | None = None
+    structural_tag: str | None = None  # JSON text: {"structures": [...], "triggers": [...]}
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+    # The backend that runs it; the input processor fills it in from the engine's setting.
+    _backend: str | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.json, dict):
+            self.json = json.dumps(self.json)
+        kinds = [k for k in _CONSTRAINT_KINDS if getattr(self, k) not in (None, False)]
+        if len(kinds) != 1:
+            raise ValueError(
+                "structured_outputs must set exactly one of "
+                f"{', '.join(_CONSTRAINT_KINDS)}, got {kinds or 'none'}"
+            )
+        if self.choice is not None and (
+            not self.choice or not all(isinstance(c, str) and c for c in self.choice)
+        ):
+            raise _bad(
+                "structured_outputs.choice", "must be a list of non-empty strings", self.choice
+            )
+
+    @property
+    def kind(self) -> str:
+        """The constraint's kind: one of json, json_object, regex, choice, grammar,
+        structural_tag."""
+        return next(k for k in _CONSTRAINT_KINDS if getattr(self, k) not in (None, False))
+
+    @property
+    def spec(self) -> str:
+        """The constraint as text (choices as a JSON list): with kind, the grammar's identity."""
+        value = getattr(self, self.kind)
+        if self.kind == "choice":
+            return json.dumps(value)
+        return "" if value is True else str(value)
+
+
+_CONSTRAINT_KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
 
 
 class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
@@ -54,6 +109,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # A grammar the output must follow (JSON schema, regex, choice, EBNF, structural tag).
+    structured_outputs: StructuredOutputsParams | None = None
     # Free-form extras for plug-ins (vLLM's field); "kv_transfer_params" goes to the KV
     # connector as the request's kv_transfer_params.
     extra_args: dict[str, Any] | None = None

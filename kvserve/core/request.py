@@ -9,10 +9,13 @@ from typing import Any
 
 from kvserve.protocol.engine_core import EngineCoreRequest, FinishReason
 from kvserve.sampling_params import SamplingParams
+from kvserve.structured_output.request import StructuredOutputRequest
 
 
 class RequestStatus(enum.IntEnum):
     WAITING = enum.auto()
+    # Its grammar compiles (StructuredOutputManager); other requests run meanwhile.
+    WAITING_FOR_FSM = enum.auto()
     WAITING_FOR_REMOTE_KVS = enum.auto()
     RUNNING = enum.auto()
     PREEMPTED = enum.auto()
@@ -67,6 +70,12 @@ class Request:
         self.kv_transfer_params = kv_transfer_params
 
         self.status = RequestStatus.WAITING
+        self.structured_output_request: StructuredOutputRequest | None = None
+        if sampling_params.structured_outputs is not None:
+            self.structured_output_request = StructuredOutputRequest(
+                sampling_params.structured_outputs
+            )
+            self.status = RequestStatus.WAITING_FOR_FSM
         self.stop_reason: int | str | None = None
         self.error: str | None = None
         self.max_tokens = sampling_params.max_tokens
@@ -119,6 +128,11 @@ class Request:
         if dropped <= 0:
             return
         del self._output_token_ids[num_output_tokens:]
+        so_request = self.structured_output_request
+        grammar = so_request.grammar if so_request is not None else None
+        if grammar is not None:
+            # The matcher took those tokens too; the rerun feeds it their replacements.
+            grammar.rollback(dropped)
         del self._all_token_ids[len(self._all_token_ids) - dropped :]
         del self.block_hashes[self.num_tokens // block_size :]
 

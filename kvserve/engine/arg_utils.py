@@ -21,6 +21,7 @@ from kvserve.config import (
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
+    StructuredOutputsConfig,
 )
 
 _SIZE_SUFFIXES = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
@@ -75,6 +76,8 @@ class EngineArgs:
     sink_max_seq_len: int | None = None
     # Custom logits processors: LogitsProcessor subclasses or "package.module:Class" paths.
     logits_processors: Sequence[str | type] | None = None
+    # The grammar library of structured outputs: xgrammar, guidance or auto.
+    structured_outputs_backend: str = "auto"
 
     def _transfer_config(self) -> KVTransferConfig | None:
         transfer = (
@@ -144,7 +147,19 @@ class EngineArgs:
                 else KVEventsConfig.from_cli(self.kv_events_config)
             ),
             kv_transfer_config=self._transfer_config(),
+            structured_outputs_config=self._structured_outputs_config(),
         )
+
+    def _structured_outputs_config(self) -> StructuredOutputsConfig:
+        # Imported here: the registry brings the grammar libraries along.
+        from kvserve.structured_output.backend_types import backend_names
+
+        if self.structured_outputs_backend not in backend_names():
+            raise ValueError(
+                f"structured_outputs_backend must be one of {', '.join(backend_names())}, "
+                f"got {self.structured_outputs_backend!r}"
+            )
+        return StructuredOutputsConfig(backend=self.structured_outputs_backend)
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineArgs:
@@ -235,6 +250,12 @@ class EngineArgs:
             help="with --attention-sinks: the longest sequence (default 8x max_model_len)",
         )  # fmt: skip
 
+        parser.add_argument(
+            "--structured-outputs-backend", default="auto",
+            help="grammar library for response_format / structured_outputs / tool calls: "
+            "xgrammar, guidance (llguidance), or auto (xgrammar unless only guidance can "
+            "run the spec)",
+        )  # fmt: skip
         parser.add_argument(
             "--logits-processors",
             nargs="+",

@@ -28,6 +28,8 @@ from kvserve.protocol.kv_cache_interface import (
     max_tokens_per_request,
 )
 from kvserve.protocol.scheduler_output import SchedulerOutput
+from kvserve.structured_output.manager import StructuredOutputManager
+from kvserve.transformers_utils.tokenizer import get_tokenizer
 from kvserve.utils.startup import log_phase, startup_phase
 from kvserve.utils.threads import log_thread_settings
 
@@ -55,11 +57,19 @@ class EngineCore:
         enable_kv_cache_events = bool(events_config and events_config.enable_kv_cache_events)
         if enable_kv_cache_events and not config.cache_config.enable_prefix_caching:
             logger.warning("KV cache events are enabled but prefix caching is off: none will come")
+        # Grammars compile on its threads; the tokenizer loads there on first use.
+        self.structured_output_manager = StructuredOutputManager(
+            config.structured_outputs_config.backend,
+            config.model_config.vocab_size,
+            config.scheduler_config.max_num_seqs,
+            load_tokenizer=lambda: get_tokenizer(config.model_config.tokenizer_resolved),
+        )
         self.scheduler = Scheduler(
             config,
             self.kv_cache_config,
             log_stats=log_stats,
             enable_kv_cache_events=enable_kv_cache_events,
+            structured_output_manager=self.structured_output_manager,
         )
         self.kv_event_publisher = EventPublisherFactory.create(events_config)
         cache = config.cache_config
@@ -131,7 +141,10 @@ class EngineCore:
                 f"prompt_token_ids contains token ids outside the vocabulary "
                 f"[0, {vocab_size}): {bad[:5]}"
             )
-        self.scheduler.add_request(Request.from_engine_core_request(request, self.block_hasher))
+        core_request = Request.from_engine_core_request(request, self.block_hasher)
+        if core_request.structured_output_request is not None:
+            self.structured_output_manager.grammar_init(core_request.structured_output_request)
+        self.scheduler.add_request(core_request)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
@@ -142,10 +155,13 @@ class EngineCore:
             return EngineCoreOutputs(timestamp=time.monotonic()), False
         start = time.perf_counter()
         scheduler_output = self.scheduler.schedule()
+        if not scheduler_output.total_num_scheduled_tokens:
+            self.structured_output_manager.wait_for_compiles(timeout=0.01)
         scheduled = time.perf_counter()
         try:
             self.model_executor.execute_model(scheduler_output)
-            model_output = self.model_executor.sample_tokens()
+            grammar_output = self.scheduler.get_grammar_bitmask(scheduler_output)
+            model_output = self.model_executor.sample_tokens(grammar_output)
             executed = time.perf_counter()
             outputs = self.scheduler.update_from_output(scheduler_output, model_output)
         except Exception as e:
@@ -217,6 +233,7 @@ class EngineCore:
 
     def shutdown(self) -> None:
         self.scheduler.shutdown()
+        self.structured_output_manager.shutdown()
         self.model_executor.shutdown()
         self.kv_event_publisher.shutdown()
         gc.unfreeze()

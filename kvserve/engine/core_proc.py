@@ -102,7 +102,11 @@ class StartupErrorMessage(msgspec.Struct, tag="startup_error", array_like=True):
 
 HandshakeMessage = ReadyMessage | StartupErrorMessage
 
-_WAITING = (RequestStatus.WAITING, RequestStatus.WAITING_FOR_REMOTE_KVS)
+_WAITING = (
+    RequestStatus.WAITING,
+    RequestStatus.WAITING_FOR_FSM,
+    RequestStatus.WAITING_FOR_REMOTE_KVS,
+)
 
 
 class EngineCoreProc:

@@ -7,11 +7,12 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import jinja2
+import msgspec
 
 from kvserve.config import ModelConfig, SchedulerConfig
 from kvserve.inputs import PromptType
 from kvserve.protocol.engine_core import EngineCoreRequest
-from kvserve.sampling_params import SamplingParams
+from kvserve.sampling_params import SamplingParams, StructuredOutputsParams
 
 if TYPE_CHECKING:
     # Annotations only: transformers loads when a tokenizer is built, not on import.
@@ -24,8 +25,10 @@ class InputProcessor:
         model_config: ModelConfig,
         tokenizer: PreTrainedTokenizerBase | None,
         scheduler_config: SchedulerConfig | None = None,
+        structured_outputs_backend: str = "auto",
     ) -> None:
         self.model_config = model_config
+        self.structured_outputs_backend = structured_outputs_backend
         self.tokenizer = tokenizer
         self.scheduler_policy = scheduler_config.policy if scheduler_config else "fcfs"
         assert model_config.max_model_len is not None
@@ -139,6 +142,10 @@ class InputProcessor:
         # request with "length" when it reaches max_model_len.
         if params.bad_words:
             changes["_bad_words_token_ids"] = self._tokenize_bad_words(params.bad_words)
+        if params.structured_outputs is not None:
+            changes["structured_outputs"] = self._resolve_structured_outputs(
+                params.structured_outputs
+            )
         params = params.clone(**changes)
         if self.extra_eos_token_ids and not params.ignore_eos:
             # Set after clone(): __post_init__ rebuilds this list from stop_token_ids.
@@ -146,6 +153,15 @@ class InputProcessor:
                 dict.fromkeys([*params.all_stop_token_ids, *self.extra_eos_token_ids])
             )
         return params
+
+    def _resolve_structured_outputs(self, spec: StructuredOutputsParams) -> StructuredOutputsParams:
+        """Checks the grammar here, so a bad schema or regex is the caller's ValueError and
+        never reaches the engine core, and records the backend that runs it."""
+        # Imported here: the grammar libraries load with the first constrained request.
+        from kvserve.structured_output.backend_types import resolve_backend
+
+        backend = resolve_backend(spec._backend or self.structured_outputs_backend, spec)
+        return msgspec.structs.replace(spec, _backend=backend)
 
     def _tokenize_bad_words(self, bad_words: list[str]) -> list[list[int]]:
         if self.tokenizer is None:

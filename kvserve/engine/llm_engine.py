@@ -45,7 +45,10 @@ class LLMEngine:
         config = self.config
         self.tokenizer = get_tokenizer(config.model_config.tokenizer_resolved)
         self.input_processor = InputProcessor(
-            config.model_config, self.tokenizer, config.scheduler_config
+            config.model_config,
+            self.tokenizer,
+            config.scheduler_config,
+            config.structured_outputs_config.backend,
         )
         self.output_processor = OutputProcessor(self.tokenizer, log_stats=self.log_stats)
 

@@ -9,7 +9,7 @@ from typing import Any
 from kvserve.config import EngineConfig
 from kvserve.protocol.kv_cache_interface import KVCacheConfig, KVCacheSpec
 from kvserve.protocol.runner_output import ModelRunnerOutput
-from kvserve.protocol.scheduler_output import SchedulerOutput
+from kvserve.protocol.scheduler_output import GrammarOutput, SchedulerOutput
 
 
 class Executor(ABC):
@@ -59,8 +59,8 @@ class Executor(ABC):
     def execute_model(self, scheduler_output: SchedulerOutput) -> None:
         self.collective_rpc("execute_model", args=(scheduler_output,))
 
-    def sample_tokens(self) -> ModelRunnerOutput:
-        output = self.collective_rpc("sample_tokens")[0]
+    def sample_tokens(self, grammar_output: GrammarOutput | None = None) -> ModelRunnerOutput:
+        output = self.collective_rpc("sample_tokens", args=(grammar_output,))[0]
         assert isinstance(output, ModelRunnerOutput)
         return output
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from kvserve.sampling_params import SamplingParams
 
 
@@ -56,3 +58,15 @@ class SchedulerOutput:
     @classmethod
     def empty(cls) -> SchedulerOutput:
         return cls([], CachedRequestData(), {}, 0)
+
+
+@dataclass
+class GrammarOutput:
+    """The step's token bitmask for its constrained requests (vLLM's GrammarOutput).
+
+    Row i of ``grammar_bitmask`` (int32, ceil(V/32) words, bit set = allowed) belongs to
+    ``structured_output_request_ids[i]``; only requests that sample this step are listed.
+    """
+
+    structured_output_request_ids: list[str]
+    grammar_bitmask: np.ndarray

@@ -27,10 +27,11 @@ from kvserve.protocol.runner_output import (
     ModelRunnerOutput,
     RunnerStepTimes,
 )
-from kvserve.protocol.scheduler_output import NewRequestData, SchedulerOutput
+from kvserve.protocol.scheduler_output import GrammarOutput, NewRequestData, SchedulerOutput
 from kvserve.sample.sampler import Sampler, compute_prompt_logprobs
 from kvserve.sample.sampling_batch import SamplingBatch
 from kvserve.sampling_params import SamplingType
+from kvserve.structured_output.utils import apply_grammar_bitmask
 from kvserve.worker.input_batch import InputBatch
 from kvserve.worker.input_preparation import InputPreparer, StepInputs
 from kvserve.worker.kv_cache_specs import make_kv_cache_spec, zeroed_tensor
@@ -321,7 +322,7 @@ class ModelRunner(KVConnectorModelRunnerMixin):
     # ---- per step: sampling ---------------------------------------------------------------
 
     @torch.inference_mode()
-    def sample_tokens(self) -> ModelRunnerOutput:
+    def sample_tokens(self, grammar_output: GrammarOutput | None = None) -> ModelRunnerOutput:
         start = time.perf_counter()
         state, self.execute_model_state = self.execute_model_state, None
         if state is None:
@@ -346,6 +347,8 @@ class ModelRunner(KVConnectorModelRunnerMixin):
         if state.logits is not None:
             rows = None if len(sample_rows) == num_reqs else torch.from_numpy(sample_rows)
             metadata = batch.sampling_batch.make_sampling_metadata(num_reqs, rows)
+            if grammar_output is not None:
+                self._apply_grammar_bitmask(state.logits, sample_rows, grammar_output)
             out = self.sampler(state.logits, metadata)
             tokens = out.sampled_token_ids.cpu().numpy()
             batch.append_token_ids(sample_rows, tokens.astype(np.int32))
@@ -368,6 +371,19 @@ class ModelRunner(KVConnectorModelRunnerMixin):
             state.prepare_time, state.forward_time, time.perf_counter() - start
         )
         return self.attach_kv_connector_output(output, state.kv_connector_output)
+
+    def _apply_grammar_bitmask(
+        self, logits: torch.Tensor, sample_rows: np.ndarray, grammar_output: GrammarOutput
+    ) -> None:
+        """Masks the constrained requests' logits rows (row i of logits is the request in
+        batch row sample_rows[i]) to the tokens their grammars allow."""
+        assert self.input_batch is not None
+        logits_row_of = {int(row): i for i, row in enumerate(sample_rows.tolist())}
+        index = self.input_batch.req_id_to_index
+        # The scheduler lists exactly the sampling rows; a request missing here is a bug
+        # upstream and fails the step (KeyError) rather than sampling unconstrained.
+        rows = [logits_row_of[index[r]] for r in grammar_output.structured_output_request_ids]
+        apply_grammar_bitmask(logits, rows, grammar_output.grammar_bitmask)
 
     @staticmethod
     def _logprobs_by_row(

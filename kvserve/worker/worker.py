@@ -9,7 +9,7 @@ import torch
 from kvserve.config import EngineConfig
 from kvserve.protocol.kv_cache_interface import KVCacheConfig, KVCacheSpec
 from kvserve.protocol.runner_output import ModelRunnerOutput
-from kvserve.protocol.scheduler_output import SchedulerOutput
+from kvserve.protocol.scheduler_output import GrammarOutput, SchedulerOutput
 from kvserve.sample.logits_processor.loader import load_logits_processors
 from kvserve.worker.model_runner import ModelRunner
 from kvserve.worker.worker_base import WorkerBase
@@ -66,8 +66,8 @@ class Worker(WorkerBase):
     def execute_model(self, scheduler_output: SchedulerOutput) -> None:
         self.model_runner.execute_model(scheduler_output)
 
-    def sample_tokens(self) -> ModelRunnerOutput:
-        return self.model_runner.sample_tokens()
+    def sample_tokens(self, grammar_output: GrammarOutput | None = None) -> ModelRunnerOutput:
+        return self.model_runner.sample_tokens(grammar_output)
 
     def check_health(self) -> None:
         if self._model_runner is None or self._model_runner.model is None:

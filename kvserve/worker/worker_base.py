@@ -7,7 +7,7 @@ from abc import ABC, abstractmethod
 from kvserve.config import EngineConfig
 from kvserve.protocol.kv_cache_interface import KVCacheConfig, KVCacheSpec
 from kvserve.protocol.runner_output import ModelRunnerOutput
-from kvserve.protocol.scheduler_output import SchedulerOutput
+from kvserve.protocol.scheduler_output import GrammarOutput, SchedulerOutput
 
 
 class WorkerBase(ABC):
@@ -43,7 +43,9 @@ class WorkerBase(ABC):
         """Run the forward pass of one step; sample_tokens() finishes it."""
 
     @abstractmethod
-    def sample_tokens(self) -> ModelRunnerOutput | None: ...
+    def sample_tokens(
+        self, grammar_output: GrammarOutput | None = None
+    ) -> ModelRunnerOutput | None: ...
 
     @abstractmethod
     def check_health(self) -> None:

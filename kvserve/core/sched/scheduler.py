@@ -19,6 +19,7 @@ from kvserve.core.sched.interface import SchedulerInterface
 from kvserve.core.sched.isolation import SchedulerIsolationMixin
 from kvserve.core.sched.kv_connector_mixin import SchedulerKVConnectorMixin
 from kvserve.core.sched.request_queue import SchedulingPolicy, create_request_queue
+from kvserve.core.sched.structured_output_mixin import SchedulerStructuredOutputMixin
 from kvserve.core.sched.utils import (
     check_stop,
     make_cached_request_data,
@@ -32,15 +33,22 @@ if TYPE_CHECKING:
     from kvserve.config import EngineConfig
     from kvserve.protocol.kv_cache_interface import KVCacheConfig
     from kvserve.protocol.runner_output import ModelRunnerOutput
+    from kvserve.structured_output.manager import StructuredOutputManager
 
 
-class Scheduler(SchedulerIsolationMixin, SchedulerKVConnectorMixin, SchedulerInterface):
+class Scheduler(
+    SchedulerIsolationMixin,
+    SchedulerKVConnectorMixin,
+    SchedulerStructuredOutputMixin,
+    SchedulerInterface,
+):
     def __init__(
         self,
         config: EngineConfig,
         kv_cache_config: KVCacheConfig,
         log_stats: bool = True,
         enable_kv_cache_events: bool = False,
+        structured_output_manager: StructuredOutputManager | None = None,
     ) -> None:
         sched = config.scheduler_config
         self.max_num_running_reqs = sched.max_num_seqs
@@ -62,6 +70,7 @@ class Scheduler(SchedulerIsolationMixin, SchedulerKVConnectorMixin, SchedulerInt
         )
         # The KV connector's scheduler side (None without kv_transfer_config).
         self._init_kv_connector(config, kv_cache_config)
+        self._init_structured_outputs(structured_output_manager)
 
         self.requests: dict[str, Request] = {}
         self.waiting = create_request_queue(self.policy)
@@ -215,6 +224,12 @@ class Scheduler(SchedulerIsolationMixin, SchedulerKVConnectorMixin, SchedulerInt
             if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
                 # Its async KV load is still running (update_from_output releases it).
                 skipped.add_request(self.waiting.pop_request())
+                continue
+            if request.status == RequestStatus.WAITING_FOR_FSM and not self._grammar_ready(request):
+                # Its grammar still compiles (or failed: then it is finished already).
+                self.waiting.pop_request()
+                if not request.is_finished():
+                    skipped.add_request(request)
                 continue
             if request.num_prompt_tokens > self.max_model_len or not (
                 self.kv_cache_manager.fits_in_pool(request.num_tokens)
@@ -389,7 +404,9 @@ class Scheduler(SchedulerIsolationMixin, SchedulerKVConnectorMixin, SchedulerInt
             is_stopped = False
             for i, token_id in enumerate(new_token_ids):
                 request.append_output_token_ids(token_id)
-                if check_stop(request, self.max_model_len):
+                if check_stop(request, self.max_model_len) or self._advance_grammar(
+                    request, token_id
+                ):
                     del new_token_ids[i + 1 :]
                     is_stopped = True
                     break

@@ -155,7 +155,13 @@ class ApiKeyMiddleware:
 def build_app(engine_client: EngineClient, args: argparse.Namespace) -> FastAPI:
     """The FastAPI app over ``engine_client`` (an AsyncLLM); ``args`` from add_serve_args."""
     models = OpenAIServingModels(engine_client.model_config)
-    chat = OpenAIServingChat(engine_client, models, chat_template=_chat_template(args))
+    chat = OpenAIServingChat(
+        engine_client,
+        models,
+        chat_template=_chat_template(args),
+        tool_call_parser=getattr(args, "tool_call_parser", None),
+        enable_auto_tool_choice=getattr(args, "enable_auto_tool_choice", False),
+    )
     completion = OpenAIServingCompletion(engine_client, models)
     tokenization = OpenAIServingTokenization(chat)
     for serving in (chat, completion):

@@ -38,6 +38,18 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="a Jinja chat template (file path or the text itself) that replaces the tokenizer's",
     )
     parser.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='let the model decide to call tools (tool_choice "auto", the default when a '
+        "request has tools); needs --tool-call-parser",
+    )
+    parser.add_argument(
+        "--tool-call-parser",
+        default=None,
+        help="how to read tool calls out of the model's text: hermes (<tool_call>{...}"
+        "</tool_call>), llama3_json, or a parser registered with ToolParserManager",
+    )
+    parser.add_argument(
         "--disable-log-requests",
         action="store_true",
         help="do not log each request's id and sampling parameters",
@@ -125,6 +137,15 @@ def _origins(value: str) -> list[str]:
 
 
 def serve_main(args: argparse.Namespace) -> int:
+    if args.enable_auto_tool_choice and not args.tool_call_parser:
+        raise SystemExit("--enable-auto-tool-choice needs --tool-call-parser")
+    if args.tool_call_parser:
+        from kvserve.entrypoints.openai.tool_parsers import ToolParserManager
+
+        try:
+            ToolParserManager.get_tool_parser(args.tool_call_parser)
+        except ValueError as exc:
+            raise SystemExit(f"--tool-call-parser: {exc}") from None
     # Request lines and the periodic stats line are INFO: show them unless asked not to.
     names = ["kvserve.metrics"] + (
         [] if args.disable_log_requests else ["kvserve.entrypoints.openai"]

@@ -15,6 +15,13 @@ from pydantic import (
 )
 from pydantic.types import StringConstraints
 
+from kvserve.entrypoints.openai.protocol_structured import (
+    ChatCompletionToolsParam,
+    DeltaToolCall,
+    StructuredOutputsRequestFields,
+    ToolCall,
+    ToolChoice,
+)
 from kvserve.sampling_params import RequestOutputKind, SamplingParams
 
 # vLLM's default cap on logprobs per position; also OpenAI's top_logprobs limit.
@@ -121,7 +128,7 @@ class StreamOptions(OpenAIRequestModel):
     continuous_usage_stats: bool = False
 
 
-class _SamplingRequest(OpenAIRequestModel):
+class _SamplingRequest(StructuredOutputsRequestFields, OpenAIRequestModel):
     """Fields shared by completions and chat: OpenAI's sampling knobs plus vLLM's extras.
 
     Ranges are the schema's (a 400 naming the field); SamplingParams checks them again for
@@ -194,6 +201,7 @@ class _SamplingRequest(OpenAIRequestModel):
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
             output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY,
+            structured_outputs=self.structured_outputs_params(),
         )
 
     @property
@@ -258,7 +266,9 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: int | None = Field(None, ge=1, le=INT64_MAX)
     logprobs: bool = False
     top_logprobs: int | None = Field(0, ge=0, le=MAX_LOGPROBS)
-    tools: list[dict[str, Any]] | None = None
+    tools: list[ChatCompletionToolsParam] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = True
     # vLLM extras
     add_generation_prompt: bool = True
     continue_final_message: bool = False
@@ -281,6 +291,7 @@ class ChatCompletionRequest(_SamplingRequest):
 class ChatMessage(OpenAIBaseModel):
     role: str
     content: str | None = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatCompletionLogProb(OpenAIBaseModel):
@@ -317,6 +328,7 @@ class ChatCompletionResponse(OpenAIBaseModel):
 class DeltaMessage(OpenAIBaseModel):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
     @model_serializer(mode="wrap")
     def _drop_none(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:

@@ -22,8 +22,14 @@ from kvserve.entrypoints.openai.protocol import (
     OpenAIServingError,
     UsageInfo,
 )
+from kvserve.entrypoints.openai.serving_chat_tools import (
+    ChatToolHandler,
+    ChoiceToolStreamer,
+    messages_for_template,
+)
 from kvserve.entrypoints.openai.serving_engine import OpenAIServing, merge_async_iterators
 from kvserve.entrypoints.openai.serving_models import OpenAIServingModels
+from kvserve.entrypoints.openai.tool_parsers import ToolParser, ToolParserManager
 from kvserve.outputs import RequestOutput
 
 Merged = AsyncGenerator[tuple[int, RequestOutput], None]
@@ -36,10 +42,18 @@ class OpenAIServingChat(OpenAIServing):
         models: OpenAIServingModels,
         chat_template: str | None = None,
         response_role: str = "assistant",
+        tool_call_parser: str | None = None,
+        enable_auto_tool_choice: bool = False,
     ) -> None:
         super().__init__(engine_client, models)
         self.chat_template = chat_template
         self.response_role = response_role
+        self.tool_parser: ToolParser | None = (
+            ToolParserManager.get_tool_parser(tool_call_parser)(self.tokenizer)
+            if tool_call_parser
+            else None
+        )
+        self.enable_auto_tool_choice = enable_auto_tool_choice
 
     async def render_prompt(
         self,
@@ -68,17 +82,26 @@ class OpenAIServingChat(OpenAIServing):
     ) -> ChatCompletionResponse | AsyncIterator[str]:
         """A ChatCompletionResponse, or (stream=True) an iterator of SSE lines."""
         model = self.models.resolve(request.model)
+        tools = ChatToolHandler(request, self.tool_parser, self.enable_auto_tool_choice)
         add_generation_prompt = request.add_generation_prompt and not request.continue_final_message
         text, prompt_ids = await self.render_prompt(
-            request.messages,
+            messages_for_template(request.messages),
             add_generation_prompt,
             request.continue_final_message,
             request.chat_template,
-            request.tools,
+            [t.model_dump(exclude_none=True) for t in request.tools] if request.tools else None,
         )
         max_tokens = self.check_length(len(prompt_ids), request.requested_max_tokens(), "messages")
         try:
             params = request.to_sampling_params(max_tokens)
+            tool_grammar = tools.structured_outputs()
+            if tool_grammar is not None:
+                if params.structured_outputs is not None:
+                    raise ValueError(
+                        "tool_choice required or a named function is enforced by a grammar: "
+                        "it cannot be combined with response_format or structured_outputs"
+                    )
+                params = params.clone(structured_outputs=tool_grammar)
         except ValueError as exc:
             raise self.bad_request(exc) from None
         base_id = self.request_id(raw_request, request.request_id, "chatcmpl")
@@ -93,13 +116,13 @@ class OpenAIServingChat(OpenAIServing):
         )
         response_id = self.response_id(base_id, "chatcmpl")
         if not request.stream:
-            return await self._full(request, merged, len(prompt_ids), model, response_id)
+            return await self._full(request, merged, len(prompt_ids), model, response_id, tools)
         try:
             first = await anext(merged)
         except Exception as exc:
             await merged.aclose()
             raise self.engine_error(exc) from None
-        return self._stream(request, merged, first, len(prompt_ids), model, response_id)
+        return self._stream(request, merged, first, len(prompt_ids), model, response_id, tools)
 
     async def _full(
         self,
@@ -108,6 +131,7 @@ class OpenAIServingChat(OpenAIServing):
         prompt_tokens: int,
         model: str,
         response_id: str,
+        tools: ChatToolHandler,
     ) -> ChatCompletionResponse:
         final: RequestOutput | None = None
         try:
@@ -123,12 +147,15 @@ class OpenAIServingChat(OpenAIServing):
             logprobs = None
             if request.logprobs and c.logprobs is not None:
                 logprobs = self.chat_logprobs(c.token_ids, c.logprobs, request.top_logprobs or 0)
+            content, tool_calls = tools.parse(c.text) if tools.parses_output else (c.text, [])
             choices.append(
                 ChatCompletionResponseChoice(
                     index=c.index,
-                    message=ChatMessage(role=self.response_role, content=c.text),
+                    message=ChatMessage(
+                        role=self.response_role, content=content, tool_calls=tool_calls
+                    ),
                     logprobs=logprobs,
-                    finish_reason=c.finish_reason,
+                    finish_reason=tools.finish_reason(c.finish_reason, bool(tool_calls)),
                     stop_reason=c.stop_reason,
                 )
             )
@@ -148,9 +175,13 @@ class OpenAIServingChat(OpenAIServing):
         prompt_tokens: int,
         model: str,
         response_id: str,
+        tools: ChatToolHandler,
     ) -> AsyncGenerator[str, None]:
         created = int(time.time())
         tokens = [0] * request.n
+        streamers: list[ChoiceToolStreamer | None] = [
+            tools.streamer() if tools.parses_output else None for _ in range(request.n)
+        ]
         stream_usage = (
             request.stream_options is not None and request.stream_options.continuous_usage_stats
         )
@@ -185,16 +216,25 @@ class OpenAIServingChat(OpenAIServing):
                             logprobs = self.chat_logprobs(
                                 c.token_ids, c.logprobs, request.top_logprobs or 0
                             )
-                        if not (c.text or c.finish_reason or logprobs):
+                        delta = DeltaMessage(content=c.text)
+                        finish_reason = c.finish_reason
+                        streamer = streamers[c.index]
+                        if streamer is not None:
+                            content, calls = streamer.feed(c.text, c.finish_reason is not None)
+                            delta = DeltaMessage(content=content or None, tool_calls=calls or None)
+                            finish_reason = tools.finish_reason(
+                                finish_reason, streamer.tools_called
+                            )
+                        if not (delta.content or delta.tool_calls or finish_reason or logprobs):
                             continue
                         usage = UsageInfo.of(prompt_tokens, sum(tokens)) if stream_usage else None
                         yield chunk(
                             [
                                 ChatCompletionResponseStreamChoice(
                                     index=c.index,
-                                    delta=DeltaMessage(content=c.text),
+                                    delta=delta,
                                     logprobs=logprobs,
-                                    finish_reason=c.finish_reason,
+                                    finish_reason=finish_reason,
                                     stop_reason=c.stop_reason,
                                 )
                             ],

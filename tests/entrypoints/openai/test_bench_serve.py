@@ -32,6 +32,12 @@ def _run(argv: list[str]) -> int:
             4,
         ),
         ("multi-turn", ["--num-turns", "2"], 4),
+        # Every request under a grammar (at least 8 items: longer than the 3 tokens asked).
+        (
+            "random",
+            ["--json-schema", '{"type": "array", "items": {"type": "integer"}, "minItems": 8}'],
+            4,
+        ),
     ],
 )
 def test_bench_serve_prints_and_saves_metrics(

@@ -1,0 +1,86 @@
+"""The scheduler's side of structured outputs: holding requests while their grammar
+compiles, the step's bitmask, and advancing matchers with the sampled tokens.
+
+Request life with a grammar:
+  WAITING_FOR_FSM (compiling on the manager's threads; others run past it) -> WAITING once
+  the grammar is ready, or FINISHED_ERROR if it failed to compile -> RUNNING; each token it
+  samples is masked by its matcher, accepted into it, and the grammar's completion ends it.
+Preemption keeps the matcher: the request recomputes its tokens, not its grammar state.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from kvserve.core.request import Request, RequestStatus
+from kvserve.protocol.scheduler_output import GrammarOutput, SchedulerOutput
+
+if TYPE_CHECKING:
+    from kvserve.structured_output.manager import StructuredOutputManager
+
+logger = logging.getLogger(__name__)
+
+
+class SchedulerStructuredOutputMixin:
+    # Provided by the Scheduler.
+    requests: dict[str, Request]
+
+    if TYPE_CHECKING:
+
+        def _finish_with_error(self, request: Request, message: str) -> None: ...
+
+    def _init_structured_outputs(self, manager: StructuredOutputManager | None) -> None:
+        self.structured_output_manager = manager
+
+    def _grammar_ready(self, request: Request) -> bool:
+        """For a WAITING_FOR_FSM request: True (now WAITING) once its grammar compiled.
+        A failed compile finishes it with the error; the caller must drop it then."""
+        so_request = request.structured_output_request
+        if so_request is None or not so_request.is_ready():
+            return False
+        if so_request.error is not None:
+            self._finish_with_error(request, so_request.error)
+            return False
+        request.status = RequestStatus.WAITING
+        return True
+
+    def get_grammar_bitmask(self, scheduler_output: SchedulerOutput) -> GrammarOutput | None:
+        """The bitmask rows of the constrained requests that sample in this step (call it
+        after schedule(), before the step's tokens are sampled); None when there are none."""
+        if self.structured_output_manager is None:
+            return None
+        req_ids: list[str] = []
+        grammars = []
+        for req_id in scheduler_output.num_scheduled_tokens:
+            request = self.requests.get(req_id)
+            if request is None or request.structured_output_request is None:
+                continue
+            grammar = request.structured_output_request.grammar
+            # schedule() counted the step's tokens as computed: caught up means it samples.
+            if grammar is None or request.num_computed_tokens < request.num_tokens:
+                continue
+            req_ids.append(req_id)
+            grammars.append(grammar)
+        if not req_ids:
+            return None
+        return GrammarOutput(req_ids, self.structured_output_manager.grammar_bitmask(grammars))
+
+    def _advance_grammar(self, request: Request, token_id: int) -> bool:
+        """Feeds a sampled token to the request's matcher; True when the grammar completed
+        (the request then stops like on EOS)."""
+        so_request = request.structured_output_request
+        grammar = so_request.grammar if so_request is not None else None
+        if grammar is None:
+            return False
+        if not grammar.accept_tokens(request.request_id, [token_id]):
+            # Only possible when the token was sampled without the mask (a bug): say so, and
+            # let the length cap or EOS end the request.
+            logger.error(
+                "request %s: token %d rejected by its grammar", request.request_id, token_id
+            )
+            return False
+        if grammar.is_terminated():
+            request.status = RequestStatus.FINISHED_STOPPED
+            return True
+        return False

@@ -1,0 +1,128 @@
+"""StructuredOutputManager: compiles grammars off the engine loop, caches them by spec, and
+fills the per-step bitmask of the batch's constrained rows (vLLM v1's design)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvserve.sampling_params import StructuredOutputsParams
+from kvserve.structured_output.backend_types import (
+    StructuredOutputBackend,
+    StructuredOutputGrammar,
+    get_backend_class,
+    resolve_backend,
+)
+from kvserve.structured_output.request import StructuredOutputRequest
+
+logger = logging.getLogger(__name__)
+
+# Compiled grammars kept (least recently used dropped first): an agent's few schemas
+# compile once, a stream of one-off schemas cannot grow the cache without bound.
+GRAMMAR_CACHE_SIZE = 256
+
+
+class StructuredOutputManager:
+    """Lives in the engine core. ``grammar_init`` returns at once; the compile runs on a
+    thread pool and the scheduler keeps the request in WAITING_FOR_FSM until it is done.
+
+    ``load_tokenizer`` is called on a compile thread the first time a backend is needed,
+    so an engine that never sees a grammar never pays for it.
+    """
+
+    def __init__(
+        self,
+        backend: str,
+        vocab_size: int,
+        max_num_seqs: int,
+        load_tokenizer: Callable[[], Any],
+    ) -> None:
+        self.default_backend = backend
+        self.vocab_size = vocab_size
+        self.max_num_seqs = max_num_seqs
+        self._load_tokenizer = load_tokenizer
+        self._tokenizer: Any = None
+        self._backends: dict[str, StructuredOutputBackend] = {}
+        self._lock = threading.Lock()
+        self._cache: OrderedDict[tuple[str, bytes], Any] = OrderedDict()
+        self.num_compiles = 0  # cache misses, for tests and stats
+        self._pending: set[Future[StructuredOutputGrammar]] = set()
+        # Half the cores at most: compiles must not starve the model's forward.
+        workers = max(1, min(8, (os.cpu_count() or 2) // 2))
+        self._executor = ThreadPoolExecutor(workers, thread_name_prefix="grammar-compile")
+        self._bitmask = torch.full((max_num_seqs, (vocab_size + 31) // 32), -1, dtype=torch.int32)
+
+    # --- compile -------------------------------------------------------------------
+
+    def grammar_init(self, request: StructuredOutputRequest) -> None:
+        """Starts compiling ``request``'s grammar; its ``grammar`` property tells when done."""
+        future = self._executor.submit(self._new_grammar, request.params)
+        self._pending.add(future)
+        request.set_future(future)
+
+    def wait_for_compiles(self, timeout: float) -> None:
+        """Blocks until a pending compile finishes or ``timeout`` passes: an engine whose
+        only requests wait for grammars sleeps here instead of spinning empty steps."""
+        self._pending = {f for f in self._pending if not f.done()}
+        if self._pending:
+            wait(self._pending, timeout, return_when=FIRST_COMPLETED)
+
+    def _new_grammar(self, params: StructuredOutputsParams) -> StructuredOutputGrammar:
+        backend = self._backend(params._backend or resolve_backend(self.default_backend, params))
+        # The whole spec, options included, is the key: two requests with the same schema
+        # but different whitespace rules get different grammars.
+        key = (backend.name, _spec_key(params))
+        with self._lock:
+            compiled = self._cache.get(key)
+            if compiled is not None:
+                self._cache.move_to_end(key)
+        if compiled is None:
+            compiled = backend.compile(params)
+            with self._lock:
+                self.num_compiles += 1
+                self._cache[key] = compiled
+                while len(self._cache) > GRAMMAR_CACHE_SIZE:
+                    self._cache.popitem(last=False)
+        return backend.new_grammar(compiled)
+
+    def _backend(self, name: str) -> StructuredOutputBackend:
+        with self._lock:
+            backend = self._backends.get(name)
+            if backend is None:
+                if self._tokenizer is None:
+                    self._tokenizer = self._load_tokenizer()
+                backend = get_backend_class(name)(self._tokenizer, self.vocab_size)
+                self._backends[name] = backend
+            return backend
+
+    # --- per step ------------------------------------------------------------------
+
+    def grammar_bitmask(self, grammars: Sequence[StructuredOutputGrammar]) -> np.ndarray:
+        """[len(grammars), ceil(V/32)] int32: row i allows the tokens grammars[i] allows next."""
+        num = len(grammars)
+        if num > self._bitmask.shape[0]:
+            self._bitmask = torch.full((num, self._bitmask.shape[1]), -1, dtype=torch.int32)
+        bitmask = self._bitmask[:num]
+        bitmask.fill_(-1)
+        for i, grammar in enumerate(grammars):
+            if not grammar.is_terminated():
+                grammar.fill_bitmask(bitmask, i)
+        # A copy: the buffer is refilled next step while the worker may still hold this one.
+        return bitmask.numpy().copy()
+
+    def shutdown(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+def _spec_key(params: StructuredOutputsParams) -> bytes:
+    import msgspec
+
+    return msgspec.msgpack.encode(params)

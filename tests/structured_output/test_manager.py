@@ -1,0 +1,105 @@
+"""StructuredOutputManager on the real tokenizer: asynchronous compiles, the spec cache, the
+bitmask, backend resolution and the registry (no model needed)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import numpy as np
+import pytest
+
+from kvserve.sampling_params import StructuredOutputsParams
+from kvserve.structured_output import (
+    StructuredOutputManager,
+    StructuredOutputRequest,
+    backend_names,
+    get_backend_class,
+    resolve_backend,
+)
+
+VOCAB = 49152
+SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Any:
+    from kvserve.transformers_utils.model_resolver import resolve_model
+    from kvserve.transformers_utils.tokenizer import get_tokenizer
+
+    return get_tokenizer(resolve_model(None))
+
+
+@pytest.fixture
+def manager(tokenizer: Any) -> Any:
+    manager = StructuredOutputManager("auto", VOCAB, 4, load_tokenizer=lambda: tokenizer)
+    yield manager
+    manager.shutdown()
+
+
+def compiled(manager: StructuredOutputManager, spec: StructuredOutputsParams) -> Any:
+    request = StructuredOutputRequest(spec)
+    manager.grammar_init(request)
+    request._future.result(timeout=60)  # type: ignore[union-attr]
+    assert request.is_ready() and request.error is None
+    return request.grammar
+
+
+def allowed(bitmask_row: np.ndarray) -> set[int]:
+    bits = np.unpackbits(bitmask_row.view(np.uint8), bitorder="little")
+    return {int(t) for t in np.flatnonzero(bits[:VOCAB])}
+
+
+@pytest.mark.parametrize("backend", ["xgrammar", "guidance"])
+def test_grammar_walks_to_termination(manager: Any, tokenizer: Any, backend: str) -> None:
+    grammar = compiled(manager, StructuredOutputsParams(json=SCHEMA, _backend=backend))
+    text_ids = tokenizer.encode('{"ok": true}', add_special_tokens=False)
+    for token in text_ids:
+        mask = manager.grammar_bitmask([grammar])
+        assert token in allowed(mask[0])
+        assert grammar.accept_tokens("r", [token])
+    assert allowed(manager.grammar_bitmask([grammar])[0]) == {tokenizer.eos_token_id}
+    assert not grammar.is_terminated()
+    assert grammar.accept_tokens("r", [tokenizer.eos_token_id])
+    assert grammar.is_terminated()
+
+
+def test_same_spec_compiles_once(manager: Any) -> None:
+    spec = StructuredOutputsParams(json=SCHEMA, _backend="xgrammar")
+    first, second = compiled(manager, spec), compiled(manager, spec)
+    assert manager.num_compiles == 1
+    assert first is not second, "each request needs its own matcher"
+    compiled(manager, StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True))
+    assert manager.num_compiles == 2, "options are part of the key"
+
+
+def test_failed_compile_is_reported_on_the_request(manager: Any) -> None:
+    # Skipping the front end's validation (as a raw wire client could) fails in the core.
+    request = StructuredOutputRequest(StructuredOutputsParams(regex="(", _backend="xgrammar"))
+    manager.grammar_init(request)
+    manager.wait_for_compiles(timeout=60)
+    assert request.is_ready() and request.grammar is None
+    assert "failed to compile" in (request.error or "")
+
+
+def test_auto_prefers_xgrammar_and_falls_back_to_guidance() -> None:
+    assert resolve_backend("auto", StructuredOutputsParams(json=SCHEMA)) == "xgrammar"
+    lark = 'start: "a" b\nb: /[0-9]+/'
+    assert resolve_backend("auto", StructuredOutputsParams(grammar=lark)) == "guidance"
+    with pytest.raises(ValueError, match=r"structured_outputs\.regex"):
+        resolve_backend("auto", StructuredOutputsParams(regex="(("))
+
+
+def test_registry_names_and_unknown_backend() -> None:
+    assert {"auto", "xgrammar", "guidance"} <= set(backend_names())
+    with pytest.raises(ValueError, match="unknown"):
+        get_backend_class("outlines")
+
+
+def test_dict_schema_is_carried_as_json_text() -> None:
+    import msgspec
+
+    spec = StructuredOutputsParams(json=SCHEMA)
+    assert spec.json == json.dumps(SCHEMA)
+    decoded = msgspec.msgpack.decode(msgspec.msgpack.encode(spec), type=StructuredOutputsParams)
+    assert decoded == spec and decoded.kind == "json"
