@@ -21,6 +21,7 @@ from kvserve.config import (
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
+    SpeculativeConfig,
 )
 
 _SIZE_SUFFIXES = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
@@ -75,6 +76,8 @@ class EngineArgs:
     sink_max_seq_len: int | None = None
     # Custom logits processors: LogitsProcessor subclasses or "package.module:Class" paths.
     logits_processors: Sequence[str | type] | None = None
+    # A SpeculativeConfig, a dict of its fields, or the JSON text of --speculative-config.
+    speculative_config: SpeculativeConfig | dict[str, Any] | str | None = None
 
     def _transfer_config(self) -> KVTransferConfig | None:
         transfer = (
@@ -144,6 +147,11 @@ class EngineArgs:
                 else KVEventsConfig.from_cli(self.kv_events_config)
             ),
             kv_transfer_config=self._transfer_config(),
+            speculative_config=(
+                None
+                if self.speculative_config is None
+                else SpeculativeConfig.from_cli(self.speculative_config)
+            ),
         )
 
     @classmethod
@@ -234,6 +242,13 @@ class EngineArgs:
             "--sink-max-seq-len", type=int, default=None,
             help="with --attention-sinks: the longest sequence (default 8x max_model_len)",
         )  # fmt: skip
+        parser.add_argument(
+            "--speculative-config",
+            default=None,
+            help='speculative decoding as JSON, e.g. \'{"method": "ngram", '
+            '"num_speculative_tokens": 4, "prompt_lookup_max": 5}\' or \'{"method": '
+            '"draft_model", "num_speculative_tokens": 3, "quantization": "gguf_int8"}\'',
+        )
 
         parser.add_argument(
             "--logits-processors",

@@ -12,6 +12,8 @@ import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
+import msgspec
+
 from kvserve.core.block_pool import require_integrity
 from kvserve.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
 from kvserve.core.request import Request, RequestStatus
@@ -19,6 +21,7 @@ from kvserve.core.sched.interface import SchedulerInterface
 from kvserve.core.sched.isolation import SchedulerIsolationMixin
 from kvserve.core.sched.kv_connector_mixin import SchedulerKVConnectorMixin
 from kvserve.core.sched.request_queue import SchedulingPolicy, create_request_queue
+from kvserve.core.sched.spec_decode_mixin import SchedulerSpecDecodeMixin
 from kvserve.core.sched.utils import (
     check_stop,
     make_cached_request_data,
@@ -34,7 +37,12 @@ if TYPE_CHECKING:
     from kvserve.protocol.runner_output import ModelRunnerOutput
 
 
-class Scheduler(SchedulerIsolationMixin, SchedulerKVConnectorMixin, SchedulerInterface):
+class Scheduler(
+    SchedulerIsolationMixin,
+    SchedulerKVConnectorMixin,
+    SchedulerSpecDecodeMixin,
+    SchedulerInterface,
+):
     def __init__(
         self,
         config: EngineConfig,
@@ -73,6 +81,8 @@ class Scheduler(SchedulerIsolationMixin, SchedulerKVConnectorMixin, SchedulerInt
         self.num_preemptions = 0
         # Suspects of a failed step, run a probe at a time (isolation.py).
         self._init_isolation()
+        # Drafts per request and their acceptance totals (spec_decode_mixin.py).
+        self._init_spec_decode(config)
 
     # --- requests in and out ------------------------------------------------------
 
@@ -166,6 +176,7 @@ class Scheduler(SchedulerIsolationMixin, SchedulerKVConnectorMixin, SchedulerInt
         scheduled_new: list[Request] = []
         scheduled_resumed: list[Request] = []
         preempted: list[Request] = []
+        scheduled_spec_decode_tokens: dict[str, list[int]] = {}
 
         # RUNNING first: a waiting request never takes budget or blocks from a running one.
         req_index = 0
@@ -175,13 +186,15 @@ class Scheduler(SchedulerIsolationMixin, SchedulerKVConnectorMixin, SchedulerInt
                 req_index += 1
                 continue
             num_new_tokens = self._cap_new_tokens(
-                request.num_tokens - request.num_computed_tokens, token_budget
+                request.num_tokens_with_spec - request.num_computed_tokens, token_budget
             )
             if num_new_tokens <= 0:
                 req_index += 1
                 continue
             while True:
-                new_blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens)
+                new_blocks = self.kv_cache_manager.allocate_slots(
+                    request, num_new_tokens, num_lookahead_tokens=self.num_lookahead_tokens
+                )
                 if new_blocks is not None:
                     break
                 victim = self._pick_victim()
@@ -190,6 +203,7 @@ class Scheduler(SchedulerIsolationMixin, SchedulerKVConnectorMixin, SchedulerInt
                     scheduled_running.remove(victim)
                     token_budget += num_scheduled_tokens.pop(victim.request_id)
                     req_to_new_blocks.pop(victim.request_id)
+                    scheduled_spec_decode_tokens.pop(victim.request_id, None)
                     req_index -= 1
                 self._preempt(victim)
                 preempted.append(victim)
@@ -201,6 +215,9 @@ class Scheduler(SchedulerIsolationMixin, SchedulerKVConnectorMixin, SchedulerInt
             req_to_new_blocks[request.request_id] = new_blocks
             num_scheduled_tokens[request.request_id] = num_new_tokens
             token_budget -= num_new_tokens
+            spec_tokens = self._scheduled_spec_tokens(request, num_new_tokens)
+            if spec_tokens:
+                scheduled_spec_decode_tokens[request.request_id] = spec_tokens
             req_index += 1
 
         # WAITING next, unless this step already had to preempt (blocks are short).
@@ -250,6 +267,7 @@ class Scheduler(SchedulerIsolationMixin, SchedulerKVConnectorMixin, SchedulerInt
                 num_new_local,
                 new_computed_blocks,
                 # Loaded blocks are cached once the load is known good (update_from_output).
+                num_lookahead_tokens=self.num_lookahead_tokens,
                 delay_cache_blocks=num_external > 0,
                 num_external_computed_tokens=num_external,
             )
@@ -314,6 +332,7 @@ class Scheduler(SchedulerIsolationMixin, SchedulerKVConnectorMixin, SchedulerInt
             num_common_prefix_blocks=num_common_prefix_blocks,
             finished_req_ids=self.finished_req_ids,
             preempted_req_ids={r.request_id for r in preempted},
+            scheduled_spec_decode_tokens=scheduled_spec_decode_tokens,
         )
         if self.connector is not None:
             # Before num_computed_tokens advances: the connector plans from the step's start.
@@ -344,6 +363,7 @@ class Scheduler(SchedulerIsolationMixin, SchedulerKVConnectorMixin, SchedulerInt
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.spec_token_ids = []
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.prepend_request(request)
@@ -380,6 +400,14 @@ class Scheduler(SchedulerIsolationMixin, SchedulerKVConnectorMixin, SchedulerInt
             if request is None or request.is_finished() or request_id in dropped:
                 continue  # aborted while the step ran, or recomputes after a failed KV load
             req_index = model_runner_output.req_id_to_index.get(request_id)
+            scheduled_spec = scheduler_output.scheduled_spec_decode_tokens.get(request_id)
+            if scheduled_spec is not None:
+                num_generated = (
+                    0
+                    if req_index is None
+                    else len(model_runner_output.sampled_token_ids[req_index])
+                )
+                self._apply_spec_result(request, scheduled_spec, num_generated)
             new_token_ids: list[int] = []
             # A partial prefill samples nothing useful: only a caught-up request takes tokens.
             if req_index is not None and request.num_computed_tokens >= request.num_tokens:
@@ -396,6 +424,9 @@ class Scheduler(SchedulerIsolationMixin, SchedulerKVConnectorMixin, SchedulerInt
             output = make_engine_core_output(request, new_token_ids, model_runner_output, req_index)
             if output is not None:
                 outputs.append(output)
+            spec_token_ids = model_runner_output.spec_token_ids
+            if not is_stopped and spec_token_ids is not None and req_index is not None:
+                self._update_draft_token_ids(request, spec_token_ids[req_index])
             if is_stopped:
                 stopped.add(request_id)
                 kv_transfer_params = self._free_request(request)
@@ -442,6 +473,16 @@ class Scheduler(SchedulerIsolationMixin, SchedulerKVConnectorMixin, SchedulerInt
             prefix_cache_hits=prefix.hits if prefix else 0,
             num_preemptions=self.num_preemptions,
             kv_connector_stats=self.connector.get_kv_connector_stats() if self.connector else None,
+            spec_decoding_stats=(
+                None
+                if self.spec_decoding_stats is None
+                else msgspec.structs.replace(
+                    self.spec_decoding_stats,
+                    num_accepted_tokens_per_pos=list(
+                        self.spec_decoding_stats.num_accepted_tokens_per_pos
+                    ),
+                )
+            ),
         )
 
     def check_integrity(self) -> None:
