@@ -299,8 +299,9 @@ class ModelRunner(KVConnectorModelRunnerMixin, SpecDecodeModelRunnerMixin):
             if self.config.model_config.disable_cascade_attn
             else scheduler_output.num_common_prefix_blocks,
         )
-        attn_metadata = self._build_attn_metadata(inputs)
         spec_metadata = self.spec_decode_metadata(scheduler_output, inputs)
+        self.split_spec_rows(scheduler_output, inputs)
+        attn_metadata = self._build_attn_metadata(inputs)
         forward_start = time.perf_counter()
         with (
             set_forward_context(attn_metadata, kv_connector=self.kv_connector),
