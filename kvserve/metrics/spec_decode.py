@@ -43,7 +43,9 @@ class SpecDecodingProm:
             return Counter(prefix + name, doc, labels + list(extra), registry=registry)
 
         self.model_name = model_name
-        self.num_drafts = counter("spec_decode_num_drafts", "Verified drafts (one per request and step)")
+        self.num_drafts = counter(
+            "spec_decode_num_drafts", "Verified drafts (one per request and step)"
+        )
         self.num_draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens verified")
         self.num_accepted_tokens = counter(
             "spec_decode_num_accepted_tokens", "Draft tokens accepted"

@@ -63,8 +63,10 @@ class RejectionSampler(torch.nn.Module):
         full = make_metadata(sample_rows)
         # Hook for structured outputs: drafts that a request's grammar rejects could be cut
         # here, before verification (a token bitmask per draft position).
-        if full.all_greedy and full.no_penalties and not _active(
-            full.logitsprocs.non_argmax_invariant
+        if (
+            full.all_greedy
+            and full.no_penalties
+            and not _active(full.logitsprocs.non_argmax_invariant)
         ):
             sampled = _verify_plain_greedy(spec, logits)
         else:
@@ -201,8 +203,6 @@ def target_distribution(
     assert metadata.temperature is not None
     temperature = torch.where(metadata.temperature < _SAMPLING_EPS, 1.0, metadata.temperature)
     logits.div_(temperature.unsqueeze(1).to(logits.dtype))
-    logits = _apply_processors(
-        logits, metadata, _active(metadata.logitsprocs.argmax_invariant)
-    )
+    logits = _apply_processors(logits, metadata, _active(metadata.logitsprocs.argmax_invariant))
     logits = apply_top_k_top_p(logits, metadata.top_k, metadata.top_p)
     return greedy, logits.softmax(dim=-1)

@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-
 from kvserve.sample.rejection_sampler import RejectionSampler
 from kvserve.sample.spec_decode_metadata import SpecDecodeMetadata
 from kvserve.spec_decode import Proposer, ProposerInputs, create_proposer
@@ -73,9 +72,7 @@ class SpecDecodeModelRunnerMixin:
         batch = self.input_batch
         assert batch is not None
         num_reqs = batch.num_reqs
-        is_spec = np.fromiter(
-            (r in spec_tokens for r in batch.req_ids), dtype=bool, count=num_reqs
-        )
+        is_spec = np.fromiter((r in spec_tokens for r in batch.req_ids), dtype=bool, count=num_reqs)
         q_lens = inputs.num_scheduled_tokens.astype(np.int64)
         # Pseudo-rows: a spec row's q_len rows of one token, else the row itself.
         counts = np.where(is_spec, q_lens, 1)

@@ -16,7 +16,9 @@ V = 8
 CPU = torch.device("cpu")
 
 
-def make_batch(params: list[SamplingParams], outputs: list[list[int]] | None = None) -> SamplingBatch:
+def make_batch(
+    params: list[SamplingParams], outputs: list[list[int]] | None = None
+) -> SamplingBatch:
     batch = SamplingBatch(max_num_reqs=len(params), vocab_size=V, device=CPU)
     for row, p in enumerate(params):
         out = outputs[row] if outputs else []

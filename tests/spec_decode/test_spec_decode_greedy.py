@@ -52,7 +52,9 @@ def test_greedy_is_lossless(llm_factory: Any, cases: Any, method: str) -> None:
     prompts, expected = cases
     assert len(prompts) >= 8
     # Chunks of 64 tokens: the long prompts prefill over several steps.
-    engine = llm_factory(speculative_config=json.dumps(SPEC_CONFIGS[method]), max_num_batched_tokens=64)
+    engine = llm_factory(
+        speculative_config=json.dumps(SPEC_CONFIGS[method]), max_num_batched_tokens=64
+    )
     assert run(engine, prompts) == expected
     # Again: the prompts now hit the prefix cache; drafts must never have been cached.
     assert run(engine, prompts) == expected
@@ -69,7 +71,9 @@ def test_greedy_is_lossless_under_preemption(llm_factory: Any, cases: Any, metho
     prompts, expected = cases
     short = [i for i, p in enumerate(prompts) if len(p) < 100]
     engine = llm_factory(
-        speculative_config=json.dumps(SPEC_CONFIGS[method]), num_blocks_override=15, max_num_batched_tokens=64
+        speculative_config=json.dumps(SPEC_CONFIGS[method]),
+        num_blocks_override=15,
+        max_num_batched_tokens=64,
     )
     scheduler = engine.llm_engine.engine_core.engine_core.scheduler
     before = scheduler.num_preemptions

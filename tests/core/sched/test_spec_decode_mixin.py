@@ -18,9 +18,7 @@ def ngram(k: int = 3) -> SpeculativeConfig:
     return SpeculativeConfig(method="ngram", num_speculative_tokens=k)
 
 
-def step(
-    d: Driver, sampled: dict[str, list[int]], drafts: dict[str, list[int]]
-) -> SchedulerOutput:
+def step(d: Driver, sampled: dict[str, list[int]], drafts: dict[str, list[int]]) -> SchedulerOutput:
     """One step whose runner emits ``sampled`` and proposes ``drafts`` per request."""
     sched = d.scheduler
     out = sched.schedule()
