@@ -29,7 +29,7 @@ import torch
 from kvserve.protocol.runner_output import LogprobsTensors
 from kvserve.sample.metadata import SamplingMetadata
 from kvserve.sample.ops.logprobs import gather_logprobs
-from kvserve.sample.ops.penalties import apply_all_penalties
+from kvserve.sample.ops.penalties import apply_metadata_penalties
 from kvserve.sample.ops.topk_topp import apply_top_k_top_p, random_sample
 from kvserve.sample.sampler import _active, _apply_processors
 from kvserve.sample.spec_decode_metadata import SpecDecodeMetadata
@@ -184,19 +184,7 @@ def target_distribution(
     logits = _apply_processors(
         logits.clone(), metadata, _active(metadata.logitsprocs.non_argmax_invariant)
     )
-    if not metadata.no_penalties:
-        assert metadata.prompt_token_ids is not None
-        assert metadata.presence_penalties is not None
-        assert metadata.frequency_penalties is not None
-        assert metadata.repetition_penalties is not None
-        logits = apply_all_penalties(
-            logits,
-            metadata.prompt_token_ids,
-            metadata.output_token_ids,
-            metadata.presence_penalties,
-            metadata.frequency_penalties,
-            metadata.repetition_penalties,
-        )
+    logits = apply_metadata_penalties(logits, metadata)
     greedy = logits.argmax(dim=-1)
     if metadata.all_greedy:
         return greedy, None
