@@ -24,9 +24,10 @@ def spec_counters(llm: Any) -> dict[str, Any]:
     }
 
 
-def acceptance(llm: Any, prompt_ids: list[int]) -> tuple[float, dict[str, Any]]:
+def acceptance(
+    llm: Any, prompt_ids: list[int], params: SamplingParams
+) -> tuple[float, dict[str, Any]]:
     before = spec_counters(llm)
-    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     llm.generate({"prompt_token_ids": prompt_ids}, params, use_tqdm=False)
     after = spec_counters(llm)
     drafted = after["spec_decode_num_draft_tokens"] - before.get("spec_decode_num_draft_tokens", 0)
@@ -43,8 +44,13 @@ def test_repeats_are_accepted_and_random_tokens_are_not(llm_factory: Any) -> Non
     rng = random.Random(0)
     noise = [rng.randrange(1000, 40000) for _ in range(200)]
 
-    high, after = acceptance(llm, list(repeating))
-    low, _ = acceptance(llm, noise)
+    greedy = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    high, after = acceptance(llm, list(repeating), greedy)
+    # Random tokens in, random tokens out (greedy would fall into a loop, which n-gram
+    # lookup predicts well): drafts from the prompt are mostly wrong.
+    sampled = SamplingParams(temperature=1.5, max_tokens=40, ignore_eos=True, seed=0)
+    low, after_low = acceptance(llm, noise, sampled)
+    assert after_low["spec_decode_num_draft_tokens"] > after["spec_decode_num_draft_tokens"]
     assert high > 0.7, high
     assert low < 0.4, low
     assert high > 2 * low
