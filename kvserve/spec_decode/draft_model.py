@@ -32,6 +32,8 @@ if TYPE_CHECKING:
     from kvserve.config import EngineConfig
 
 DRAFT_PREFIX = "draft."
+# Catch-ups up to this many tokens per request run as one-token (decode) queries.
+_MAX_SPLIT_QUERY_LEN = 8
 
 
 class DraftModelProposer(Proposer):
@@ -144,6 +146,13 @@ class DraftModelProposer(Proposer):
             token_ids = inputs.token_ids[rows[owner], positions].astype(np.int64)
         else:
             token_ids = fed_tokens.astype(np.int64)
+        # Short catch-ups run as one-token queries (the same causal mask), so the step
+        # stays a decode step for the fused decode kernels; long ones (a prompt) as chunks.
+        if int(lens.max()) <= _MAX_SPLIT_QUERY_LEN:
+            q_rows, q_starts, q_ends = rows[owner], positions, positions + 1
+            q_cu = np.arange(len(positions) + 1, dtype=np.int64)
+        else:
+            q_rows, q_starts, q_ends, q_cu = rows, starts, ends, cu
         metadata: dict[str, Any] | Any = {}
         per_group = []
         for group, builder in enumerate(self.attn_builders):
@@ -151,16 +160,16 @@ class DraftModelProposer(Proposer):
             bs = table.block_size
             blocks = table.block_table_np[rows[owner], positions // bs].astype(np.int64)
             common = CommonAttentionMetadata(
-                query_start_loc=torch.from_numpy(cu.astype(np.int32)).to(self.device),
-                query_start_loc_cpu=torch.from_numpy(cu.astype(np.int32)),
-                seq_lens=torch.from_numpy(ends.astype(np.int32)).to(self.device),
-                seq_lens_cpu=torch.from_numpy(ends.astype(np.int32)),
-                num_computed_tokens_cpu=torch.from_numpy(starts.astype(np.int32)),
-                num_reqs=len(rows),
+                query_start_loc=torch.from_numpy(q_cu.astype(np.int32)).to(self.device),
+                query_start_loc_cpu=torch.from_numpy(q_cu.astype(np.int32)),
+                seq_lens=torch.from_numpy(q_ends.astype(np.int32)).to(self.device),
+                seq_lens_cpu=torch.from_numpy(q_ends.astype(np.int32)),
+                num_computed_tokens_cpu=torch.from_numpy(q_starts.astype(np.int32)),
+                num_reqs=len(q_rows),
                 num_actual_tokens=int(cu[-1]),
-                max_query_len=int(lens.max()),
-                max_seq_len=int(ends.max()),
-                block_table_tensor=table.block_table_cpu[torch.from_numpy(rows)].to(self.device),
+                max_query_len=int((q_ends - q_starts).max()),
+                max_seq_len=int(q_ends.max()),
+                block_table_tensor=table.block_table_cpu[torch.from_numpy(q_rows)].to(self.device),
                 slot_mapping=torch.from_numpy(blocks * bs + positions % bs).to(self.device),
             )
             per_group.append(builder.build(common))
