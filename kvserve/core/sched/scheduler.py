@@ -12,8 +12,6 @@ import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
-import msgspec
-
 from kvserve.core.block_pool import require_integrity
 from kvserve.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
 from kvserve.core.request import Request, RequestStatus
@@ -473,16 +471,7 @@ class Scheduler(
             prefix_cache_hits=prefix.hits if prefix else 0,
             num_preemptions=self.num_preemptions,
             kv_connector_stats=self.connector.get_kv_connector_stats() if self.connector else None,
-            spec_decoding_stats=(
-                None
-                if self.spec_decoding_stats is None
-                else msgspec.structs.replace(
-                    self.spec_decoding_stats,
-                    num_accepted_tokens_per_pos=list(
-                        self.spec_decoding_stats.num_accepted_tokens_per_pos
-                    ),
-                )
-            ),
+            spec_decoding_stats=self._spec_decoding_stats_snapshot(),
         )
 
     def check_integrity(self) -> None:

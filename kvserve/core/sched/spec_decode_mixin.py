@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import msgspec
+
 from kvserve.protocol.engine_core import SpecDecodingStats
 
 if TYPE_CHECKING:
@@ -76,3 +78,12 @@ class SchedulerSpecDecodeMixin:
         if request.num_output_tokens < min_tokens:
             limit = min(limit, min_tokens - request.num_output_tokens - 1)
         request.spec_token_ids = draft_token_ids[: max(limit, 0)]
+
+    def _spec_decoding_stats_snapshot(self) -> SpecDecodingStats | None:
+        """A copy of the totals for SchedulerStats (the live ones keep counting)."""
+        stats = self.spec_decoding_stats
+        if stats is None:
+            return None
+        return msgspec.structs.replace(
+            stats, num_accepted_tokens_per_pos=list(stats.num_accepted_tokens_per_pos)
+        )
