@@ -61,7 +61,7 @@ def parse_scale(text: str) -> dict[str, float]:
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=EngineArgs.model, help="GGUF file or a known name")
     EngineArgs.add_cli_args(parser, with_model=False)
-    parser.add_argument("--workloads", default="a,b,c", help="comma list of a, b, c")
+    parser.add_argument("--workloads", default="a,b,c", help="comma list of a, b, c, e")
     parser.add_argument(
         "--scale", type=parse_scale, default=parse_scale("1"),
         help="shrink request counts and lengths: 0.25, or per workload: 0.5,b=0.25",
@@ -112,7 +112,14 @@ def kvserve_config(kwargs: dict[str, Any], batching: str) -> str:
         method = "gguf" if resolve_model(kwargs.get("model")).format == "gguf" else "none"
     weights = ", float32" if method in NO_QUANTIZATION else f", {method} blocks"
     cache = kwargs.get("kv_cache_dtype", "auto")
-    return batching + weights + ("" if cache == "auto" else f", {cache} KV cache")
+    config = batching + weights + ("" if cache == "auto" else f", {cache} KV cache")
+    if kwargs.get("speculative_config"):
+        from kvserve.config import SpeculativeConfig
+
+        spec = SpeculativeConfig.from_cli(kwargs["speculative_config"])
+        draft = f" {spec.quantization or 'default'} draft" if spec.method == "draft_model" else ""
+        config += f", spec {spec.method}{draft} k={spec.num_speculative_tokens}"
+    return config
 
 
 def run_kvserve(
@@ -135,6 +142,7 @@ def run_kvserve(
                 SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=r.output_len)
                 for r in requests
             ]
+            spec = _spec_decoding_totals(llm)
             start = time.perf_counter()
             outputs = llm.generate(prompts, params, use_tqdm=not args.disable_tqdm)
             elapsed = time.perf_counter() - start
@@ -145,11 +153,31 @@ def run_kvserve(
                 EngineResult(
                     engine, name, elapsed, sum(len(r.prompt_token_ids) for r in requests), produced,
                     config=kvserve_config(kwargs, f"continuous batching, max_num_seqs={args.max_num_seqs}"),
+                    extra=_spec_extra(spec, _spec_decoding_totals(llm)) if spec else {},
                 )
             )  # fmt: skip
     finally:
         llm.llm_engine.shutdown()
     return results
+
+
+def _spec_decoding_totals(llm: Any) -> tuple[int, int, int] | None:
+    """(drafts, draft tokens, accepted tokens) so far of an in-process engine, or None."""
+    core = getattr(llm.llm_engine.engine_core, "engine_core", None)
+    stats = None if core is None else core.scheduler.spec_decoding_stats
+    if stats is None:
+        return None
+    return stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens
+
+
+def _spec_extra(before: tuple[int, int, int], after: tuple[int, int, int] | None) -> dict[str, Any]:
+    assert after is not None
+    drafts, drafted, accepted = (a - b for a, b in zip(after, before, strict=True))
+    return {
+        "spec_decode_num_drafts": drafts,
+        "spec_decode_acceptance_rate": accepted / drafted if drafted else 0.0,
+        "spec_decode_mean_acceptance_length": 1 + accepted / drafts if drafts else 0.0,
+    }
 
 
 def run_peers(args: argparse.Namespace) -> dict[str, Any]:

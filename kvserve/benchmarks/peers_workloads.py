@@ -24,11 +24,20 @@ if TYPE_CHECKING:
 # kvserve-gguf: --quantization gguf (the file's Q4_1 blocks, as llama.cpp runs);
 # kvserve-gguf-int8: --quantization gguf_int8 (also int8 activations, as llama.cpp computes);
 # kvserve-gguf-int8-kv16: and a float16 KV cache, llama.cpp's default.
+# Speculative decoding (lossless: outputs equal the target's greedy tokens):
+# kvserve-spec-ngram: prompt lookup, 4 drafts; kvserve-spec-int8-draft: the default lossless
+# target with its own gguf_int8 copy drafting 3 tokens; kvserve-float32-spec-int8-draft: the
+# same drafts for a float32 target.
+_NGRAM = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2}'
+_INT8_DRAFT = '{"method": "draft_model", "num_speculative_tokens": 3, "quantization": "gguf_int8"}'
 KVSERVE_VARIANTS: dict[str, dict[str, str]] = {
     "kvserve-float32": {"quantization": "none"},
     "kvserve-gguf": {"quantization": "gguf"},
     "kvserve-gguf-int8": {"quantization": "gguf_int8"},
     "kvserve-gguf-int8-kv16": {"quantization": "gguf_int8", "kv_cache_dtype": "float16"},
+    "kvserve-spec-ngram": {"speculative_config": _NGRAM},
+    "kvserve-spec-int8-draft": {"speculative_config": _INT8_DRAFT},
+    "kvserve-float32-spec-int8-draft": {"quantization": "none", "speculative_config": _INT8_DRAFT},
 }
 KVSERVE_ENGINES = ("kvserve", *KVSERVE_VARIANTS)
 
@@ -60,7 +69,12 @@ WORKLOADS: dict[str, WorkloadSpec] = {
     "a": WorkloadSpec("a", 32, (64, 256), (32, 128)),
     "b": WorkloadSpec("b", 64, (128, 1024), (64, 256)),
     "c": WorkloadSpec("c", 1, (32, 32), (256, 256)),
+    # Code-editing-like (see make_requests): single stream, the output copies the prompt.
+    "e": WorkloadSpec("e", 1, (256, 256), (128, 128)),
 }
+# Workloads whose prompt is a random passage followed by the start of its repetition, so
+# that continuing it means copying from the prompt (as an edit copies most of the code).
+COPY_WORKLOADS = ("e",)
 
 
 @dataclass
@@ -101,10 +115,22 @@ def make_requests(
     pool = np.array([t for t in range(vocab_size) if t not in special_ids], dtype=np.int64)
     in_lens = rng.integers(spec.prompt_len[0], spec.prompt_len[1] + 1, size=spec.num_requests)
     out_lens = rng.integers(spec.output_len[0], spec.output_len[1] + 1, size=spec.num_requests)
+    if spec.name in COPY_WORKLOADS:
+        return [
+            PeerRequest(_copy_prompt(rng.choice(pool, size=int(p)).tolist(), int(o)), int(o))
+            for p, o in zip(in_lens, out_lens, strict=True)
+        ]
     return [
         PeerRequest(rng.choice(pool, size=int(p)).tolist(), int(o))
         for p, o in zip(in_lens, out_lens, strict=True)
     ]
+
+
+def _copy_prompt(tokens: list[int], output_len: int) -> list[int]:
+    """A passage, then its first tokens again: the passage is len - output_len tokens long
+    (at least half), so a model continuing the repetition copies its next output_len."""
+    passage = tokens[: max(len(tokens) - output_len, (len(tokens) + 1) // 2)]
+    return passage + passage[: len(tokens) - len(passage)]
 
 
 def matmul_params(arch: ArchConfig) -> tuple[int, int]:

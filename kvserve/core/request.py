@@ -89,6 +89,9 @@ class Request:
         # Tokens computed by an external KV store (connectors), set at scheduling.
         self.num_external_computed_tokens = 0
         self.first_scheduled_time: float | None = None
+        # Draft tokens proposed for the next step (speculative decoding): computed along
+        # with the request's tokens, never part of them until the rejection sampler keeps them.
+        self.spec_token_ids: list[int] = []
 
         self.block_hashes: list[Any] = []
         self._block_hasher = block_hasher
@@ -147,6 +150,10 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self._all_token_ids)
+
+    @property
+    def num_tokens_with_spec(self) -> int:
+        return len(self._all_token_ids) + len(self.spec_token_ids)
 
     @property
     def num_output_tokens(self) -> int:

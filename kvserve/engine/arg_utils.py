@@ -22,6 +22,7 @@ from kvserve.config import (
     ParallelConfig,
     SchedulerConfig,
     StructuredOutputsConfig,
+    SpeculativeConfig,
 )
 
 _SIZE_SUFFIXES = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
@@ -78,6 +79,8 @@ class EngineArgs:
     logits_processors: Sequence[str | type] | None = None
     # The grammar library of structured outputs: xgrammar, guidance or auto.
     structured_outputs_backend: str = "auto"
+    # A SpeculativeConfig, a dict of its fields, or the JSON text of --speculative-config.
+    speculative_config: SpeculativeConfig | dict[str, Any] | str | None = None
 
     def _transfer_config(self) -> KVTransferConfig | None:
         transfer = (
@@ -148,6 +151,11 @@ class EngineArgs:
             ),
             kv_transfer_config=self._transfer_config(),
             structured_outputs_config=self._structured_outputs_config(),
+            speculative_config=(
+                None
+                if self.speculative_config is None
+                else SpeculativeConfig.from_cli(self.speculative_config)
+            ),
         )
 
     def _structured_outputs_config(self) -> StructuredOutputsConfig:
@@ -249,6 +257,13 @@ class EngineArgs:
             "--sink-max-seq-len", type=int, default=None,
             help="with --attention-sinks: the longest sequence (default 8x max_model_len)",
         )  # fmt: skip
+        parser.add_argument(
+            "--speculative-config",
+            default=None,
+            help='speculative decoding as JSON, e.g. \'{"method": "ngram", '
+            '"num_speculative_tokens": 4, "prompt_lookup_max": 5}\' or \'{"method": '
+            '"draft_model", "num_speculative_tokens": 3, "quantization": "gguf_int8"}\'',
+        )
 
         parser.add_argument(
             "--structured-outputs-backend", default="auto",

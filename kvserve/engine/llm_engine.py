@@ -7,6 +7,7 @@ import time
 from typing import Any
 
 import msgspec
+from prometheus_client import CollectorRegistry
 
 from kvserve.config import EngineConfig
 from kvserve.engine.arg_utils import EngineArgs
@@ -15,6 +16,9 @@ from kvserve.engine.input_processor import InputProcessor
 from kvserve.engine.output_processor import OutputProcessor
 from kvserve.engine.parallel_sampling import ParentRequest
 from kvserve.inputs import PromptType
+from kvserve.metrics.loggers import PrometheusStatLogger
+from kvserve.metrics.reader import Metric, get_metrics_snapshot
+from kvserve.metrics.stats import RequestStatsTracker
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
 from kvserve.transformers_utils.tokenizer import get_tokenizer
@@ -33,6 +37,13 @@ class LLMEngine:
     ) -> None:
         self.config = config
         self.log_stats = log_stats
+        # With log_stats, vLLM's metrics in a registry of this engine's own (get_metrics).
+        self.stat_logger: PrometheusStatLogger | None = None
+        self.request_stats = RequestStatsTracker()
+        if log_stats:
+            self.stat_logger = PrometheusStatLogger(
+                config.model_config.served_model_name or "model", registry=CollectorRegistry()
+            )
         # The core runs in this thread, or in its own process behind ZMQ.
         self.engine_core = EngineCoreClient.make_client(
             config,
@@ -75,6 +86,12 @@ class LLMEngine:
             priority=priority,
             cache_salt=cache_salt,
         )
+        if self.log_stats:
+            for index in range(params.n):
+                child_id = request_id if params.n == 1 else f"{index}_{request_id}"
+                self.request_stats.add_request(
+                    child_id, arrival_time, len(request.prompt_token_ids)
+                )
         if params.n == 1:
             self.output_processor.add_request(request, prompt_text)
             self.engine_core.add_request(request)
@@ -96,6 +113,11 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         core_outputs = self.engine_core.get_output()
+        if self.stat_logger is not None:
+            self.stat_logger.record(
+                core_outputs.scheduler_stats,
+                self.request_stats.make_iteration_stats(core_outputs.outputs),
+            )
         processed = self.output_processor.process_outputs(
             core_outputs.outputs, core_outputs.timestamp
         )
@@ -108,6 +130,12 @@ class LLMEngine:
 
     def get_num_unfinished_requests(self) -> int:
         return self.output_processor.get_num_unfinished_requests()
+
+    def get_metrics(self) -> list[Metric]:
+        """vLLM's metrics reader: a snapshot of this engine's metrics (needs log_stats)."""
+        if self.stat_logger is None:
+            raise RuntimeError("stat logging is off: create the LLM with disable_log_stats=False")
+        return get_metrics_snapshot(self.stat_logger.registry)
 
     def reset_prefix_cache(self) -> bool:
         return self.engine_core.reset_prefix_cache()

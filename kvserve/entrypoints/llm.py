@@ -13,6 +13,7 @@ from kvserve.engine.arg_utils import EngineArgs
 from kvserve.engine.input_processor import apply_chat_template
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.inputs import PromptType
+from kvserve.metrics.reader import Metric
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import RequestOutputKind, SamplingParams
 
@@ -24,11 +25,16 @@ class LLM:
     `multiprocess_mode=True` runs the engine core in a background process."""
 
     def __init__(
-        self, model: str | None = DEFAULT_MODEL, *, multiprocess_mode: bool = False, **kwargs: Any
+        self,
+        model: str | None = DEFAULT_MODEL,
+        *,
+        multiprocess_mode: bool = False,
+        disable_log_stats: bool = True,
+        **kwargs: Any,
     ) -> None:
         engine_args = EngineArgs.from_kwargs(model=model, **kwargs)
         self.llm_engine = LLMEngine.from_engine_args(
-            engine_args, multiprocess_mode=multiprocess_mode
+            engine_args, multiprocess_mode=multiprocess_mode, log_stats=not disable_log_stats
         )
         self._request_counter = itertools.count()
 
@@ -96,6 +102,11 @@ class LLM:
 
     def reset_prefix_cache(self) -> bool:
         return self.llm_engine.reset_prefix_cache()
+
+    def get_metrics(self) -> list[Metric]:
+        """vLLM's metrics reader: every metric (Counter, Gauge, Vector, Histogram) with its
+        ``name`` (``kvserve:...``) and value(s); needs ``LLM(disable_log_stats=False)``."""
+        return self.llm_engine.get_metrics()
 
     def _broadcast_params(
         self, params: SamplingParams | Sequence[SamplingParams] | None, count: int

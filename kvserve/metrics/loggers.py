@@ -10,6 +10,7 @@ from typing import ClassVar
 import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from kvserve.metrics.spec_decode import SpecDecodingLogging, SpecDecodingProm
 from kvserve.metrics.stats import IterationStats
 from kvserve.protocol.engine_core import STEP_PHASES, SchedulerStats, StepTimes
 
@@ -58,6 +59,7 @@ class LoggingStatLogger(StatLoggerBase):
     def __init__(self, engine_index: int = 0) -> None:
         self.engine_index = engine_index
         self.last_scheduler_stats = SchedulerStats()
+        self.spec_decoding_logging = SpecDecodingLogging()
         self._reset(time.monotonic())
         self._last_line_idle = False
 
@@ -78,6 +80,8 @@ class LoggingStatLogger(StatLoggerBase):
             self.last_scheduler_stats = scheduler_stats
             self.prefix_queries += scheduler_stats.prefix_cache_queries
             self.prefix_hits += scheduler_stats.prefix_cache_hits
+            if scheduler_stats.spec_decoding_stats is not None:
+                self.spec_decoding_logging.observe(scheduler_stats.spec_decoding_stats)
 
     def format_line(self, now: float) -> str:
         elapsed = max(now - self.last_log_time, 1e-9)
@@ -104,6 +108,9 @@ class LoggingStatLogger(StatLoggerBase):
         # One idle line after activity, then silence until work arrives again.
         if not (idle and self._last_line_idle):
             logger.info("%s", self.format_line(now))
+        spec_line = self.spec_decoding_logging.format_line(now - self.last_log_time)
+        if spec_line is not None:
+            logger.info("%s", spec_line)
         self._last_line_idle = idle
         self._reset(now)
 
@@ -202,6 +209,8 @@ class PrometheusStatLogger(StatLoggerBase):
             self.engine_busy,
             self.engine_steps,
         ]
+        self.spec_decoding = SpecDecodingProm(reg, PREFIX, model_name)
+        self._collectors += self.spec_decoding.collectors
         # The scheduler reports preemptions as a running total; the counter takes deltas.
         self._last_num_preemptions = 0
         # KV connector totals (tier hits, bytes, ...): counters made as metrics first appear.
@@ -226,6 +235,8 @@ class PrometheusStatLogger(StatLoggerBase):
                 self._record_connector_stats(scheduler_stats.kv_connector_stats)
             if scheduler_stats.step_times is not None:
                 self._record_step_times(scheduler_stats.step_times)
+            if scheduler_stats.spec_decoding_stats is not None:
+                self.spec_decoding.record(scheduler_stats.spec_decoding_stats)
         if iteration_stats is None:
             return
         if iteration_stats.output_processing_time:

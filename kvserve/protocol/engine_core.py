@@ -77,6 +77,30 @@ class StepTimes(msgspec.Struct, omit_defaults=True, kw_only=True):
 STEP_PHASES = ("schedule", "prepare_inputs", "forward", "sample", "update")
 
 
+class SpecDecodingStats(msgspec.Struct, omit_defaults=True, kw_only=True):
+    """Running totals of speculative decoding since the engine started (vLLM's names).
+
+    A draft is one request's drafts verified in one step; num_accepted_tokens_per_pos[i]
+    counts the drafts whose (i+1)-th token was accepted. Totals, like StepTimes: the
+    receiver turns them into counter increments.
+    """
+
+    num_spec_tokens: int = 0
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_accepted_tokens_per_pos: list[int] = msgspec.field(default_factory=list)
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens per verified draft: the accepted ones plus the one the target adds."""
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+    @property
+    def draft_acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+
 class SchedulerStats(msgspec.Struct, omit_defaults=True, kw_only=True):
     num_running_reqs: int = 0
     num_waiting_reqs: int = 0
@@ -89,6 +113,7 @@ class SchedulerStats(msgspec.Struct, omit_defaults=True, kw_only=True):
     # Running totals from the KV connector, {metric: {label: value}} (e.g. tier hits).
     kv_connector_stats: dict[str, dict[str, float]] | None = None
     step_times: StepTimes | None = None
+    spec_decoding_stats: SpecDecodingStats | None = None
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, kw_only=True):

@@ -51,10 +51,16 @@ class RunnerStepTimes:
 class ModelRunnerOutput:
     req_ids: list[str]
     req_id_to_index: dict[str, int]
-    # One list per request in req_ids: empty while a prefill chunk is still partial.
+    # One list per request in req_ids: empty while a prefill chunk is still partial, and
+    # with speculative decoding the accepted drafts plus one token.
     sampled_token_ids: list[list[int]]
     # Rows follow req_ids; None when no request in the batch asked for logprobs.
     logprobs: LogprobsLists | None = None
+    # With several tokens per request: request index -> its first row in logprobs (rows of
+    # a request are consecutive). None: row i is request i.
+    logprobs_row_starts: list[int] | None = None
+    # Drafts for the next step, one list per request in req_ids (None: no speculation).
+    spec_token_ids: list[list[int]] | None = None
     # req_id -> prompt logprobs of the positions computed in this step (None if not asked).
     prompt_logprobs_dict: dict[str, LogprobsTensors | None] = field(default_factory=dict)
     # Filled by KV connectors on the worker side.

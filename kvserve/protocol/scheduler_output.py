@@ -54,6 +54,9 @@ class SchedulerOutput:
     # Preempted in this step: workers drop them from the batch, keep their state.
     preempted_req_ids: set[str] = field(default_factory=set)
     kv_connector_metadata: Any = None
+    # req_id -> the draft tokens computed for it in this step (speculative decoding); they
+    # are the last len(...) of its num_scheduled_tokens. Absent: no drafts.
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
 
     @classmethod
     def empty(cls) -> SchedulerOutput:

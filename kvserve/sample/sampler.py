@@ -11,7 +11,7 @@ from kvserve.protocol.runner_output import LogprobsTensors
 from kvserve.sample.logits_processor.interface import LogitsProcessor
 from kvserve.sample.metadata import SamplingMetadata
 from kvserve.sample.ops.logprobs import compute_prompt_logprobs, gather_logprobs
-from kvserve.sample.ops.penalties import apply_all_penalties
+from kvserve.sample.ops.penalties import apply_metadata_penalties
 from kvserve.sample.ops.topk_topp import apply_top_k_top_p, random_sample
 from kvserve.sampling_params import _SAMPLING_EPS
 
@@ -41,19 +41,7 @@ class Sampler(torch.nn.Module):
         else:
             logits = logits.clone()  # the steps below work in place
             logits = _apply_processors(logits, metadata, procs)
-            if not metadata.no_penalties:
-                assert metadata.prompt_token_ids is not None
-                assert metadata.presence_penalties is not None
-                assert metadata.frequency_penalties is not None
-                assert metadata.repetition_penalties is not None
-                logits = apply_all_penalties(
-                    logits,
-                    metadata.prompt_token_ids,
-                    metadata.output_token_ids,
-                    metadata.presence_penalties,
-                    metadata.frequency_penalties,
-                    metadata.repetition_penalties,
-                )
+            logits = apply_metadata_penalties(logits, metadata)
             sampled = self.sample(logits, metadata)
 
         logprobs_tensors = None

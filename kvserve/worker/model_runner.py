@@ -30,6 +30,7 @@ from kvserve.protocol.runner_output import (
 from kvserve.protocol.scheduler_output import GrammarOutput, NewRequestData, SchedulerOutput
 from kvserve.sample.sampler import Sampler, compute_prompt_logprobs
 from kvserve.sample.sampling_batch import SamplingBatch
+from kvserve.sample.spec_decode_metadata import SpecDecodeMetadata
 from kvserve.sampling_params import SamplingType
 from kvserve.structured_output.utils import apply_grammar_bitmask
 from kvserve.worker.input_batch import InputBatch
@@ -38,6 +39,7 @@ from kvserve.worker.kv_cache_specs import make_kv_cache_spec, zeroed_tensor
 from kvserve.worker.kv_connector_model_runner_mixin import KVConnectorModelRunnerMixin
 from kvserve.worker.request_state import CachedRequestState
 from kvserve.worker.thread_governor import StepThreadGovernor
+from kvserve.worker.spec_decode_runner import SpecDecodeModelRunnerMixin
 
 logger = logging.getLogger(__name__)
 
@@ -56,9 +58,11 @@ class ExecuteModelState:
     # Seconds before the forward (state update, inputs, attention metadata) and in it.
     prepare_time: float = 0.0
     forward_time: float = 0.0
+    # Where the drafts' logits are (a step with drafts); logits then has n + 1 rows per row.
+    spec_metadata: SpecDecodeMetadata | None = None
 
 
-class ModelRunner(KVConnectorModelRunnerMixin):
+class ModelRunner(KVConnectorModelRunnerMixin, SpecDecodeModelRunnerMixin):
     def __init__(self, config: EngineConfig, device: torch.device | str) -> None:
         self.config = config
         self.device = torch.device(device)
@@ -89,6 +93,8 @@ class ModelRunner(KVConnectorModelRunnerMixin):
         )
         self.sampler = Sampler()
         self.execute_model_state: ExecuteModelState | None = None
+        # The proposer (None without speculative_config) and the RejectionSampler.
+        self.init_spec_decode()
 
     # ---- setup ---------------------------------------------------------------------------
 
@@ -108,6 +114,8 @@ class ModelRunner(KVConnectorModelRunnerMixin):
         self.model = get_model(mc.resolved, arch, self.device, self.dtype, quantization)
         if self.config.cache_config.attention_sinks:
             self._enable_attention_sinks()
+        if self.drafter is not None:
+            self.drafter.load_model()
 
     def _enable_attention_sinks(self) -> None:
         """StreamingLLM: every full-attention layer sees the sink tokens plus a window."""
@@ -123,7 +131,11 @@ class ModelRunner(KVConnectorModelRunnerMixin):
     def _attention_layers(self) -> dict[str, Attention]:
         if self.model is None:
             raise RuntimeError("load_model() must run first")
-        return get_attention_layers(self.model)
+        layers = get_attention_layers(self.model)
+        if self.drafter is not None:
+            # A draft model's layers get their own KV cache in the same blocks.
+            layers.update(self.drafter.attention_layers())
+        return layers
 
     def get_kv_cache_spec(self) -> dict[str, KVCacheSpec]:
         """One spec per attention layer, from the layer's own attention type."""
@@ -165,6 +177,8 @@ class ModelRunner(KVConnectorModelRunnerMixin):
             backend = layers[group.layer_names[0]].backend
             self.attn_builders.append(backend.get_builder_cls()(spec.block_size, self.device))
         bind_kv_cache(self.model, self.kv_caches)
+        if self.drafter is not None:
+            self.drafter.bind_kv_cache(self.kv_caches, self.attn_builders, self.layer_to_group)
         self.init_kv_connector(self.config, kv_cache_config, self.kv_caches)
         self.input_batch = InputBatch(
             max_num_reqs=self.max_num_reqs,
@@ -202,6 +216,8 @@ class ModelRunner(KVConnectorModelRunnerMixin):
         for req_id in scheduler_output.finished_req_ids:
             self.requests.pop(req_id, None)
             batch.remove_request(req_id)
+        if self.drafter is not None and scheduler_output.finished_req_ids:
+            self.drafter.remove_requests(scheduler_output.finished_req_ids)
         # Preempted and otherwise unscheduled requests leave the batch but keep their state.
         scheduled = scheduler_output.num_scheduled_tokens
         for req_id in [r for r in batch.req_id_to_index if r not in scheduled]:
@@ -246,6 +262,7 @@ class ModelRunner(KVConnectorModelRunnerMixin):
         for state in to_add:
             batch.add_request(state)
         batch.condense()
+        self.write_spec_tokens(scheduler_output)
 
     # ---- per step: forward ----------------------------------------------------------------
 
@@ -286,6 +303,8 @@ class ModelRunner(KVConnectorModelRunnerMixin):
             if self.config.model_config.disable_cascade_attn
             else scheduler_output.num_common_prefix_blocks,
         )
+        spec_metadata = self.spec_decode_metadata(scheduler_output, inputs)
+        self.split_spec_rows(scheduler_output, inputs)
         attn_metadata = self._build_attn_metadata(inputs)
         forward_start = time.perf_counter()
         self.thread_governor.begin(scheduler_output.total_num_scheduled_tokens)
@@ -296,7 +315,9 @@ class ModelRunner(KVConnectorModelRunnerMixin):
             hidden_states = self.model(inputs.input_ids, inputs.positions)
         logits = None
         num_sample = len(inputs.sample_rows)
-        if num_sample == scheduler_output.total_num_scheduled_tokens:
+        if spec_metadata is not None:
+            logits = self.model.compute_logits(hidden_states[spec_metadata.logits_indices])
+        elif num_sample == scheduler_output.total_num_scheduled_tokens:
             # One token per row and every row samples (pure decode): the rows are the
             # logits rows already, no gather needed.
             logits = self.model.compute_logits(hidden_states)
@@ -317,6 +338,7 @@ class ModelRunner(KVConnectorModelRunnerMixin):
             kv_output if self.kv_connector else None,
             prepare_time=forward_start - start,
             forward_time=forward_end - forward_start,
+            spec_metadata=spec_metadata,
         )
 
     # ---- per step: sampling ---------------------------------------------------------------
@@ -344,7 +366,28 @@ class ModelRunner(KVConnectorModelRunnerMixin):
 
         sampled_token_ids: list[list[int]] = [[] for _ in range(num_reqs)]
         logprobs: LogprobsLists | None = None
-        if state.logits is not None:
+        logprobs_row_starts: list[int] | None = None
+        # Tokens with KV before this step (the proposer's drafter catches up from there).
+        num_computed_before = batch.num_computed_tokens_cpu.copy()
+        if state.spec_metadata is not None and state.logits is not None:
+            spec_out = self.rejection_sampler(
+                state.spec_metadata,
+                None,
+                state.logits,
+                sample_rows,
+                lambda rows: batch.sampling_batch.make_sampling_metadata(
+                    num_reqs, torch.from_numpy(rows)
+                ),
+            )
+            self.append_sampled_tokens(sample_rows, spec_out.sampled_token_ids)
+            for row, tokens in zip(sample_rows.tolist(), spec_out.sampled_token_ids, strict=True):
+                sampled_token_ids[row] = tokens
+            if spec_out.logprobs_tensors is not None:
+                logprobs = spec_out.logprobs_tensors.tolists()
+                logprobs_row_starts = self.logprobs_row_starts(
+                    sample_rows, spec_out.sampled_token_ids, num_reqs
+                )
+        elif state.logits is not None:
             rows = None if len(sample_rows) == num_reqs else torch.from_numpy(sample_rows)
             metadata = batch.sampling_batch.make_sampling_metadata(num_reqs, rows)
             if grammar_output is not None:
@@ -366,6 +409,8 @@ class ModelRunner(KVConnectorModelRunnerMixin):
             sampled_token_ids=sampled_token_ids,
             logprobs=logprobs,
             prompt_logprobs_dict=self._prompt_logprobs(state),
+            logprobs_row_starts=logprobs_row_starts,
+            spec_token_ids=self.propose_draft_token_ids(sample_rows, num_computed_before),
         )
         output.step_times = RunnerStepTimes(
             state.prepare_time, state.forward_time, time.perf_counter() - start

@@ -20,6 +20,7 @@ from kvserve.core.sched.isolation import SchedulerIsolationMixin
 from kvserve.core.sched.kv_connector_mixin import SchedulerKVConnectorMixin
 from kvserve.core.sched.request_queue import SchedulingPolicy, create_request_queue
 from kvserve.core.sched.structured_output_mixin import SchedulerStructuredOutputMixin
+from kvserve.core.sched.spec_decode_mixin import SchedulerSpecDecodeMixin
 from kvserve.core.sched.utils import (
     check_stop,
     make_cached_request_data,
@@ -40,6 +41,7 @@ class Scheduler(
     SchedulerIsolationMixin,
     SchedulerKVConnectorMixin,
     SchedulerStructuredOutputMixin,
+    SchedulerSpecDecodeMixin,
     SchedulerInterface,
 ):
     def __init__(
@@ -82,6 +84,8 @@ class Scheduler(
         self.num_preemptions = 0
         # Suspects of a failed step, run a probe at a time (isolation.py).
         self._init_isolation()
+        # Drafts per request and their acceptance totals (spec_decode_mixin.py).
+        self._init_spec_decode(config)
 
     # --- requests in and out ------------------------------------------------------
 
@@ -175,6 +179,7 @@ class Scheduler(
         scheduled_new: list[Request] = []
         scheduled_resumed: list[Request] = []
         preempted: list[Request] = []
+        scheduled_spec_decode_tokens: dict[str, list[int]] = {}
 
         # RUNNING first: a waiting request never takes budget or blocks from a running one.
         req_index = 0
@@ -184,13 +189,15 @@ class Scheduler(
                 req_index += 1
                 continue
             num_new_tokens = self._cap_new_tokens(
-                request.num_tokens - request.num_computed_tokens, token_budget
+                request.num_tokens_with_spec - request.num_computed_tokens, token_budget
             )
             if num_new_tokens <= 0:
                 req_index += 1
                 continue
             while True:
-                new_blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens)
+                new_blocks = self.kv_cache_manager.allocate_slots(
+                    request, num_new_tokens, num_lookahead_tokens=self.num_lookahead_tokens
+                )
                 if new_blocks is not None:
                     break
                 victim = self._pick_victim()
@@ -199,6 +206,7 @@ class Scheduler(
                     scheduled_running.remove(victim)
                     token_budget += num_scheduled_tokens.pop(victim.request_id)
                     req_to_new_blocks.pop(victim.request_id)
+                    scheduled_spec_decode_tokens.pop(victim.request_id, None)
                     req_index -= 1
                 self._preempt(victim)
                 preempted.append(victim)
@@ -210,6 +218,9 @@ class Scheduler(
             req_to_new_blocks[request.request_id] = new_blocks
             num_scheduled_tokens[request.request_id] = num_new_tokens
             token_budget -= num_new_tokens
+            spec_tokens = self._scheduled_spec_tokens(request, num_new_tokens)
+            if spec_tokens:
+                scheduled_spec_decode_tokens[request.request_id] = spec_tokens
             req_index += 1
 
         # WAITING next, unless this step already had to preempt (blocks are short).
@@ -265,6 +276,7 @@ class Scheduler(
                 num_new_local,
                 new_computed_blocks,
                 # Loaded blocks are cached once the load is known good (update_from_output).
+                num_lookahead_tokens=self.num_lookahead_tokens,
                 delay_cache_blocks=num_external > 0,
                 num_external_computed_tokens=num_external,
             )
@@ -329,6 +341,7 @@ class Scheduler(
             num_common_prefix_blocks=num_common_prefix_blocks,
             finished_req_ids=self.finished_req_ids,
             preempted_req_ids={r.request_id for r in preempted},
+            scheduled_spec_decode_tokens=scheduled_spec_decode_tokens,
         )
         if self.connector is not None:
             # Before num_computed_tokens advances: the connector plans from the step's start.
@@ -359,6 +372,7 @@ class Scheduler(
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.spec_token_ids = []
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.prepend_request(request)
@@ -395,6 +409,14 @@ class Scheduler(
             if request is None or request.is_finished() or request_id in dropped:
                 continue  # aborted while the step ran, or recomputes after a failed KV load
             req_index = model_runner_output.req_id_to_index.get(request_id)
+            scheduled_spec = scheduler_output.scheduled_spec_decode_tokens.get(request_id)
+            if scheduled_spec is not None:
+                num_generated = (
+                    0
+                    if req_index is None
+                    else len(model_runner_output.sampled_token_ids[req_index])
+                )
+                self._apply_spec_result(request, scheduled_spec, num_generated)
             new_token_ids: list[int] = []
             # A partial prefill samples nothing useful: only a caught-up request takes tokens.
             if req_index is not None and request.num_computed_tokens >= request.num_tokens:
@@ -413,6 +435,9 @@ class Scheduler(
             output = make_engine_core_output(request, new_token_ids, model_runner_output, req_index)
             if output is not None:
                 outputs.append(output)
+            spec_token_ids = model_runner_output.spec_token_ids
+            if not is_stopped and spec_token_ids is not None and req_index is not None:
+                self._update_draft_token_ids(request, spec_token_ids[req_index])
             if is_stopped:
                 stopped.add(request_id)
                 kv_transfer_params = self._free_request(request)
@@ -459,6 +484,7 @@ class Scheduler(
             prefix_cache_hits=prefix.hits if prefix else 0,
             num_preemptions=self.num_preemptions,
             kv_connector_stats=self.connector.get_kv_connector_stats() if self.connector else None,
+            spec_decoding_stats=self._spec_decoding_stats_snapshot(),
         )
 
     def check_integrity(self) -> None:

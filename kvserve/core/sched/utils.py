@@ -79,8 +79,9 @@ def make_engine_core_output(
         and req_index is not None
         and request.sampling_params.logprobs is not None
     ):
-        # One sampled token per request per step: its row is the request's batch index.
-        rows = logprobs.slice(req_index, req_index + len(new_token_ids))
+        starts = model_runner_output.logprobs_row_starts
+        start = req_index if starts is None else starts[req_index]
+        rows = logprobs.slice(start, start + len(new_token_ids))
         output.new_logprobs_token_ids = rows.logprob_token_ids
         output.new_logprobs = rows.logprobs
         output.new_sampled_token_ranks = rows.sampled_token_ranks

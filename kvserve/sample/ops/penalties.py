@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 from itertools import chain
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from kvserve.sample.metadata import SamplingMetadata
 
 
 def _output_token_counts(
@@ -52,3 +56,21 @@ def apply_all_penalties(
     logits -= frequency_penalties.unsqueeze(1).to(logits.dtype) * counts
     logits -= presence_penalties.unsqueeze(1).to(logits.dtype) * output_mask
     return logits
+
+
+def apply_metadata_penalties(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    """apply_all_penalties with the rows' settings from the metadata (no_penalties: as is)."""
+    if metadata.no_penalties:
+        return logits
+    assert metadata.prompt_token_ids is not None
+    assert metadata.presence_penalties is not None
+    assert metadata.frequency_penalties is not None
+    assert metadata.repetition_penalties is not None
+    return apply_all_penalties(
+        logits,
+        metadata.prompt_token_ids,
+        metadata.output_token_ids,
+        metadata.presence_penalties,
+        metadata.frequency_penalties,
+        metadata.repetition_penalties,
+    )

@@ -8,7 +8,14 @@ from typing import Any
 
 import pytest
 
-from kvserve.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig, SchedulerConfig
+from kvserve.config import (
+    CacheConfig,
+    DeviceConfig,
+    EngineConfig,
+    ModelConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+)
 from kvserve.core.request import RequestStatus
 from kvserve.core.sched.scheduler import Scheduler
 from kvserve.protocol.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
@@ -30,6 +37,7 @@ def make_driver(model_config: ModelConfig) -> Iterator[Callable[..., Driver]]:
         max_num_seqs: int = 16,
         max_model_len: int = 256,
         enable_prefix_caching: bool = True,
+        speculative_config: SpeculativeConfig | None = None,
         **scheduler_kwargs: Any,
     ) -> Driver:
         mc = copy.copy(model_config)
@@ -44,6 +52,7 @@ def make_driver(model_config: ModelConfig) -> Iterator[Callable[..., Driver]]:
                 **scheduler_kwargs,
             ),
             device_config=DeviceConfig("cpu"),
+            speculative_config=speculative_config,
         )
         spec = FullAttentionSpec(block_size=BS, num_kv_heads=1, head_size=8)
         kv_config = KVCacheConfig(num_blocks, [KVCacheGroupSpec(["layers.0.attn"], spec)])

@@ -1,0 +1,82 @@
+"""Greedy speculative decoding is lossless: with n-gram prompt lookup and with the model's
+own int8-activation copy as the draft, LLM.generate returns the non-speculative engine's
+greedy tokens, which tests/entrypoints/test_llm_correctness.py pins to HF transformers
+(batched and one at a time, with prefix caching and chunked prefill, under preemption),
+and no KV block leaks."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from kvserve.sampling_params import SamplingParams
+from tests.prompts import all_prompt_ids
+from tests.reference import assert_no_leak
+
+pytestmark = pytest.mark.slow
+NUM_TOKENS = 24
+
+SPEC_CONFIGS = {
+    "ngram": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1},
+    "quantized-draft": {
+        "method": "draft_model",
+        "num_speculative_tokens": 3,
+        "quantization": "gguf_int8",
+    },
+}
+
+
+def run(llm: Any, prompts: list[list[int]]) -> list[list[int]]:
+    params = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+def spec_stats(llm: Any) -> Any:
+    return llm.llm_engine.engine_core.engine_core.scheduler.spec_decoding_stats
+
+
+@pytest.fixture(scope="module")
+def cases(llm: Any) -> tuple[list[list[int]], list[list[int]]]:
+    prompts = all_prompt_ids(llm.get_tokenizer())
+    # Plus one that repeats itself, so the n-gram proposer surely drafts and gets accepted.
+    repeat = llm.get_tokenizer().encode("one two three four five six. " * 6 + "one two")
+    prompts = [*prompts, list(repeat)]
+    return prompts, run(llm, prompts)
+
+
+@pytest.mark.parametrize("method", list(SPEC_CONFIGS))
+def test_greedy_is_lossless(llm_factory: Any, cases: Any, method: str) -> None:
+    prompts, expected = cases
+    assert len(prompts) >= 8
+    # Chunks of 64 tokens: the long prompts prefill over several steps.
+    engine = llm_factory(
+        speculative_config=json.dumps(SPEC_CONFIGS[method]), max_num_batched_tokens=64
+    )
+    assert run(engine, prompts) == expected
+    # Again: the prompts now hit the prefix cache; drafts must never have been cached.
+    assert run(engine, prompts) == expected
+    # One at a time (no batching): a short, a long and the repeating prompt.
+    for i in (1, max(range(len(prompts)), key=lambda i: len(prompts[i])), len(prompts) - 1):
+        assert run(engine, [prompts[i]]) == [expected[i]]
+    stats = spec_stats(engine)
+    assert stats.num_drafts > 0 and stats.num_accepted_tokens > 0
+    assert_no_leak(engine)
+
+
+@pytest.mark.parametrize("method", list(SPEC_CONFIGS))
+def test_greedy_is_lossless_under_preemption(llm_factory: Any, cases: Any, method: str) -> None:
+    prompts, expected = cases
+    short = [i for i, p in enumerate(prompts) if len(p) < 100]
+    engine = llm_factory(
+        speculative_config=json.dumps(SPEC_CONFIGS[method]),
+        num_blocks_override=15,
+        max_num_batched_tokens=64,
+    )
+    scheduler = engine.llm_engine.engine_core.engine_core.scheduler
+    before = scheduler.num_preemptions
+    assert run(engine, [prompts[i] for i in short]) == [expected[i] for i in short]
+    assert scheduler.num_preemptions > before
+    assert_no_leak(engine)
