@@ -112,6 +112,10 @@ class EngineArgs:
             logits_processors=self._logits_processors(),
         )
         assert model_config.max_model_len is not None
+        # A model without a class fails here, listing what is supported (no torch import).
+        from kvserve.model_executor.models.registry import ModelRegistry
+
+        ModelRegistry.check_supported(model_config.arch.architecture)
         return EngineConfig(
             model_config=model_config,
             cache_config=CacheConfig(
