@@ -40,7 +40,7 @@ class MLAAttention(Attention):
         self._kv_b_proj = [kv_b_proj]
 
     def kv_b_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
-        weight = self._kv_b_proj[0].weight
+        weight: torch.Tensor = self._kv_b_proj[0].weight  # type: ignore[assignment]
         per_head = weight.view(self.num_heads, self.qk_nope_head_dim + self.v_head_dim, -1)
         return per_head[:, : self.qk_nope_head_dim], per_head[:, self.qk_nope_head_dim :]
 

@@ -17,7 +17,7 @@ import argparse
 import json
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 
 import torch
@@ -25,7 +25,6 @@ import torch.nn.functional as F
 
 from kvserve.model_executor.layers.fused_moe import FusedMoE, select_experts
 from kvserve.transformers_utils.arch_families import MoEConfig
-
 
 IMPLEMENTATIONS = ("fused", "loop", "hf", "hf_grouped")
 
@@ -81,7 +80,7 @@ def _hf_block(
     return block
 
 
-def _median_ms(fns: dict[str, Callable[[], torch.Tensor]], rounds: int) -> dict[str, float]:
+def _median_ms(fns: Mapping[str, Callable[[], torch.Tensor]], rounds: int) -> dict[str, float]:
     times: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(rounds):
         for name, fn in fns.items():
@@ -93,7 +92,12 @@ def _median_ms(fns: dict[str, Callable[[], torch.Tensor]], rounds: int) -> dict[
 
 @torch.inference_mode()
 def run(
-    num_experts: int, top_k: int, hidden: int, intermediate: int, token_counts: list[int], rounds: int
+    num_experts: int,
+    top_k: int,
+    hidden: int,
+    intermediate: int,
+    token_counts: list[int],
+    rounds: int,
 ) -> list[MoEResult]:
     torch.manual_seed(0)
     config = MoEConfig(num_experts=num_experts, top_k=top_k, intermediate_size=intermediate)
@@ -109,7 +113,9 @@ def run(
         x = torch.randn(num_tokens, hidden)
         fns = {
             "fused": lambda x=x: layer.forward(x, F.linear(x, router)),
-            "loop": lambda x=x: per_expert_loop(x, layer.w13_weight, layer.w2_weight, router, config),
+            "loop": lambda x=x: per_expert_loop(
+                x, layer.w13_weight, layer.w2_weight, router, config
+            ),
             "hf": lambda x=x: hf(x.unsqueeze(0))[0],
             "hf_grouped": lambda x=x: hf_grouped(x.unsqueeze(0))[0],
         }
@@ -145,5 +151,7 @@ def main(args: argparse.Namespace) -> int:
     print(f"{'tokens':>7} " + " ".join(f"{name:>18}" for name in IMPLEMENTATIONS) + "  max diff")
     for r in results:
         cells = [f"{r.ms[n]:>9.3f} ({r.ratio(n):>5.2f}x)" for n in IMPLEMENTATIONS]
-        print(f"{r.num_tokens:>7} " + " ".join(f"{c:>18}" for c in cells) + f"  {r.max_abs_diff:.1e}")
+        print(
+            f"{r.num_tokens:>7} " + " ".join(f"{c:>18}" for c in cells) + f"  {r.max_abs_diff:.1e}"
+        )
     return 0

@@ -135,7 +135,9 @@ class MLAAttentionSpec(FullAttentionSpec):
 
     def __post_init__(self) -> None:
         if self.num_kv_heads != 1:
-            raise ValueError(f"MLA caches one latent per token, got num_kv_heads={self.num_kv_heads}")
+            raise ValueError(
+                f"MLA caches one latent per token, got num_kv_heads={self.num_kv_heads}"
+            )
 
     @property
     def page_size_bytes(self) -> int:

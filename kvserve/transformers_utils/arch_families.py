@@ -90,7 +90,11 @@ def _moe_deepseek(cfg: dict[str, Any], v3: bool) -> MoEConfig:
     if topk_method not in ("greedy", "group_limited_greedy", "noaux_tc"):
         raise ValueError(f"unsupported DeepSeek topk_method {topk_method!r}")
     grouped = topk_method != "greedy"
-    scoring = cfg.get("scoring_func") or ("sigmoid" if v3 else "softmax")
+    scoring: ScoringFunc = "sigmoid" if v3 else "softmax"
+    if cfg.get("scoring_func") is not None:
+        if cfg["scoring_func"] not in ("softmax", "sigmoid"):
+            raise ValueError(f"unsupported DeepSeek scoring_func {cfg['scoring_func']!r}")
+        scoring = cfg["scoring_func"]
     return MoEConfig(
         num_experts=int(cfg.get("n_routed_experts") or cfg["num_local_experts"]),
         top_k=int(cfg["num_experts_per_tok"]),

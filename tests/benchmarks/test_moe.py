@@ -15,8 +15,7 @@ def test_bench_moe_runs_and_implementations_agree(capsys: pytest.CaptureFixture[
     parser = argparse.ArgumentParser()
     moe.add_cli_args(parser)
     args = parser.parse_args(
-        ["--hidden-size", "64", "--intermediate-size", "96", "--num-tokens", "1", "33",
-         "--rounds", "2", "--json"]  # fmt: skip
+        "--hidden-size 64 --intermediate-size 96 --num-tokens 1 33 --rounds 2 --json".split()
     )
     assert moe.main(args) == 0
     rows = json.loads(capsys.readouterr().out)

@@ -63,7 +63,7 @@ def fused_experts(
 ) -> torch.Tensor:
     """``sum_k w[t, k] * down_e(silu(gate_e(x_t)) * up_e(x_t))`` for ``e = topk_ids[t, k]``;
     ``hidden_states [T, H]``, ``w13 [E, 2I, H]``, ``w2 [E, H, I]``."""
-    num_tokens, top_k = topk_ids.shape
+    top_k = topk_ids.shape[1]
     num_experts = w13.shape[0]
     flat_ids = topk_ids.reshape(-1)
     # Stable: within an expert, rows keep token order (deterministic sums).
@@ -100,7 +100,9 @@ class FusedMoE(nn.Module):
         self.w13_weight = nn.Parameter(
             torch.empty(num_experts, 2 * size, hidden_size), requires_grad=False
         )
-        self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, size), requires_grad=False)
+        self.w2_weight = nn.Parameter(
+            torch.empty(num_experts, hidden_size, size), requires_grad=False
+        )
         for param in (self.w13_weight, self.w2_weight):
             param.weight_loader = self.weight_loader  # type: ignore[attr-defined]
 

@@ -68,7 +68,9 @@ def _yarn_inv_freq(rotary_dim: int, base: float, scaling: dict[str, Any]) -> tor
     low, high = max(low, 0), min(high, rotary_dim - 1)
     if low == high:
         high += 0.001
-    ramp = torch.clamp((torch.arange(rotary_dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    ramp = torch.clamp(
+        (torch.arange(rotary_dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1
+    )
     pos_freqs = base ** (torch.arange(0, rotary_dim, 2).float() / rotary_dim)
     extrapolation_weight = 1 - ramp
     return (1.0 / (factor * pos_freqs)) * (1 - extrapolation_weight) + (

@@ -102,7 +102,9 @@ class DeepseekV2MLAAttention(nn.Module):
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         num_tokens, mla = hidden_states.shape[0], self.mla
         if self.q_a_proj is not None:
-            q = self.q_b_proj.forward(self.q_a_layernorm.forward(self.q_a_proj.forward(hidden_states)))
+            q = self.q_b_proj.forward(
+                self.q_a_layernorm.forward(self.q_a_proj.forward(hidden_states))
+            )
         else:
             assert self.q_proj is not None
             q = self.q_proj.forward(hidden_states)
@@ -156,7 +158,9 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
                 per_head = tensor.reshape(heads, -1, *tensor.shape[1:]).clone()
                 rope = per_head[:, mla.qk_nope_head_dim :]
                 flat = rope.reshape(-1, *tensor.shape[1:])
-                per_head[:, mla.qk_nope_head_dim :] = interleaved_to_halves(flat, heads).view_as(rope)
+                per_head[:, mla.qk_nope_head_dim :] = interleaved_to_halves(flat, heads).view_as(
+                    rope
+                )
                 yield name, per_head.reshape(tensor.shape)
             elif ".self_attn.kv_a_proj_with_mqa." in name:
                 tensor = tensor.clone()

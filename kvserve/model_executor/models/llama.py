@@ -13,7 +13,7 @@ hooks on these modules.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -100,17 +100,20 @@ class LlamaDecoderLayer(nn.Module):
     ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.self_attn = self.make_attention(arch, qkv_bias, o_bias, f"{prefix}.self_attn", layer_idx)
+        self.self_attn = self.make_attention(
+            arch, qkv_bias, o_bias, f"{prefix}.self_attn", layer_idx
+        )
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.mlp = self.make_mlp(arch, f"{prefix}.mlp", layer_idx)
 
-    # Families that keep Llama's layer shape (Qwen3, Mixtral, DeepSeek) override these.
+    # Families that keep Llama's layer shape (Qwen3, Mixtral, DeepSeek) override these;
+    # typed Any as the decode stack reads Llama's own modules (and runs only for those).
     def make_attention(
         self, arch: ArchConfig, qkv_bias: bool, o_bias: bool, prefix: str, layer_idx: int
-    ) -> nn.Module:
+    ) -> Any:
         return LlamaAttention(arch, qkv_bias, o_bias, prefix=prefix, layer_idx=layer_idx)
 
-    def make_mlp(self, arch: ArchConfig, prefix: str, layer_idx: int) -> nn.Module:
+    def make_mlp(self, arch: ArchConfig, prefix: str, layer_idx: int) -> Any:
         return LlamaMLP(arch.hidden_size, arch.intermediate_size, prefix=prefix)
 
     def forward(

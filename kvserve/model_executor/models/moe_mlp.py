@@ -49,9 +49,7 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         router_logits = self.gate.forward(hidden_states)
-        out = self.experts.forward(
-            hidden_states, router_logits, self.gate.e_score_correction_bias
-        )
+        out = self.experts.forward(hidden_states, router_logits, self.gate.e_score_correction_bias)
         if self.shared_experts is not None:
             out = out + self.shared_experts.forward(hidden_states)
         return out

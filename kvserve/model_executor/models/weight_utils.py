@@ -10,7 +10,9 @@ from torch import nn
 
 # One expert's projection (`mlp.experts.3.gate_proj.weight`) or all experts stacked
 # (`mlp.experts.gate_proj.weight`, the GGUF loader's name) -> FusedMoE's parameters.
-_EXPERT_RE = re.compile(r"^(.*\.experts)\.(?:(\d+)\.)?(gate_proj|up_proj|down_proj|w1|w2|w3)\.weight$")
+_EXPERT_RE = re.compile(
+    r"^(.*\.experts)\.(?:(\d+)\.)?(gate_proj|up_proj|down_proj|w1|w2|w3)\.weight$"
+)
 _EXPERT_SHARDS = {"gate_proj": "w1", "w1": "w1", "up_proj": "w3", "w3": "w3",
                   "down_proj": "w2", "w2": "w2"}  # fmt: skip
 

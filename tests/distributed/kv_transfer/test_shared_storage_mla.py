@@ -4,8 +4,6 @@ the prompt loads them and generates HF's tokens."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 from safetensors import safe_open
 
@@ -19,7 +17,9 @@ BLOCK_SIZE = 4
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 
 
-def test_latent_blocks_are_reused_across_processes(tmp_path_factory: pytest.TempPathFactory) -> None:
+def test_latent_blocks_are_reused_across_processes(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
     model_dir = tmp_path_factory.mktemp("deepseek_v3")
     reference = build_family_model("deepseek_v3", model_dir)
     storage = tmp_path_factory.mktemp("shared_latents")

@@ -20,8 +20,11 @@ def _layer(config: MoEConfig) -> tuple[FusedMoE, list[dict[str, torch.Tensor]]]:
     torch.manual_seed(0)
     layer = FusedMoE(config, HIDDEN)
     experts = [
-        {"w1": torch.randn(INTER, HIDDEN) * 0.2, "w3": torch.randn(INTER, HIDDEN) * 0.2,
-         "w2": torch.randn(HIDDEN, INTER) * 0.2}  # fmt: skip
+        {
+            "w1": torch.randn(INTER, HIDDEN) * 0.2,
+            "w3": torch.randn(INTER, HIDDEN) * 0.2,
+            "w2": torch.randn(HIDDEN, INTER) * 0.2,
+        }
         for _ in range(config.num_experts)
     ]
     for e, weights in enumerate(experts):
@@ -44,7 +47,10 @@ def test_grouped_execution_equals_a_per_expert_loop_and_hf(num_tokens: int) -> N
     loop = per_expert_loop(x, layer.w13_weight, layer.w2_weight, router, config)
     torch.testing.assert_close(got, loop, atol=1e-5, rtol=1e-5)
     hf_config = MixtralConfig(
-        hidden_size=HIDDEN, intermediate_size=INTER, num_local_experts=EXPERTS, num_experts_per_tok=2
+        hidden_size=HIDDEN,
+        intermediate_size=INTER,
+        num_local_experts=EXPERTS,
+        num_experts_per_tok=2,
     )
     hf_config._experts_implementation = "eager"
     hf = MixtralSparseMoeBlock(hf_config).eval()
@@ -75,7 +81,9 @@ def test_sigmoid_grouped_routing_matches_deepseek_v3() -> None:
     )  # fmt: skip
     x = torch.randn(50, HIDDEN)
     _, hf_weights, hf_ids = router(x)
-    weights, ids = select_experts(F.linear(x, router.weight), config, router.e_score_correction_bias)
+    weights, ids = select_experts(
+        F.linear(x, router.weight), config, router.e_score_correction_bias
+    )
     hf_order, order = hf_ids.sort(dim=-1), ids.sort(dim=-1)
     assert torch.equal(order.values, hf_order.values)
     torch.testing.assert_close(
@@ -147,9 +155,7 @@ def test_fused_experts_weights_each_expert_output() -> None:
     config = MoEConfig(num_experts=EXPERTS, top_k=1, intermediate_size=INTER)
     layer, experts = _layer(config)
     x = torch.randn(1, HIDDEN)
-    out = fused_experts(
-        x, layer.w13_weight, layer.w2_weight, torch.ones(1, 1), torch.tensor([[5]])
-    )
+    out = fused_experts(x, layer.w13_weight, layer.w2_weight, torch.ones(1, 1), torch.tensor([[5]]))
     e = experts[5]
     expected = (F.silu(x @ e["w1"].T) * (x @ e["w3"].T)) @ e["w2"].T
     torch.testing.assert_close(out, expected)

@@ -6,7 +6,6 @@ The checkpoints carry no tokenizer: ``skip_tokenizer_init`` runs them on token i
 from __future__ import annotations
 
 import random
-from pathlib import Path
 from typing import Any
 
 import pytest

@@ -79,7 +79,7 @@ def test_unsupported_architecture_lists_the_supported_ones(tmp_path: Path) -> No
 
 
 def test_register_model_checks_its_arguments() -> None:
-    with pytest.raises(ValueError, match="pkg.module:Class"):
+    with pytest.raises(ValueError, match=r"pkg\.module:Class"):
         ModelRegistry.register_model("X", "no_colon_here")
     with pytest.raises(ValueError, match="non-empty"):
         ModelRegistry.register_model("", OutOfTreeLlama)
