@@ -21,6 +21,8 @@ from kvserve.utils.startup import startup_phase
 _GGUF_ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen3moe": "Qwen3MoeForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
 }
 # HF's per-layer attention kinds (``config.layer_types``).
@@ -149,8 +151,12 @@ def _from_gguf(path: str) -> ArchConfig:
         vocab = int(tensors["token_embd.weight"].shape[-1])
     eos_ids = [_gguf_value(reader, f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
     num_layers = int(meta("block_count"))
+    families = _gguf_family_fields(reader, gguf_arch)
+    architecture = _GGUF_ARCHITECTURES[gguf_arch]
+    if gguf_arch == "llama" and "moe" in families:  # llama.cpp files Mixtral as llama
+        architecture = "MixtralForCausalLM"
     return ArchConfig(
-        architecture=_GGUF_ARCHITECTURES[gguf_arch],
+        architecture=architecture,
         vocab_size=int(vocab),
         hidden_size=hidden,
         intermediate_size=int(meta("feed_forward_length")),
@@ -168,7 +174,26 @@ def _from_gguf(path: str) -> ArchConfig:
         bos_token_id=_gguf_value(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_ids=tuple(dict.fromkeys(int(i) for i in eos_ids if i is not None)),
         **_gguf_attention_variants(reader, gguf_arch, num_layers, head_dim),
+        **families,
     )
+
+
+def _gguf_family_fields(reader: GGUFFile, arch: str) -> dict[str, Any]:
+    """Qwen3's q/k norms and the experts of MoE files (Mixtral as ``llama``, Qwen3-MoE)."""
+    fields: dict[str, Any] = {}
+    if arch in ("qwen3", "qwen3moe"):
+        fields["qk_norm"] = True
+    num_experts = _gguf_value(reader, f"{arch}.expert_count")
+    if num_experts:
+        expert_ffn = _gguf_value(reader, f"{arch}.expert_feed_forward_length")
+        fields["moe"] = MoEConfig(
+            num_experts=int(num_experts),
+            top_k=int(_gguf_value(reader, f"{arch}.expert_used_count")),
+            intermediate_size=int(expert_ffn or _gguf_value(reader, f"{arch}.feed_forward_length")),
+            # llama.cpp renormalises the chosen weights for both (its norm_w).
+            renormalize=True,
+        )
+    return fields
 
 
 def _gguf_attention_variants(
