@@ -12,35 +12,36 @@ from torch import nn
 
 from kvserve.attention.backends.mla_cpu import CPUMLABackend, CPUMLAImpl
 from kvserve.attention.layer import Attention
+from kvserve.transformers_utils.arch_families import MLAConfig
 
 
 class MLAAttention(Attention):
     def __init__(
-        self,
-        num_heads: int,
-        scale: float,
-        kv_lora_rank: int,
-        qk_nope_head_dim: int,
-        qk_rope_head_dim: int,
-        v_head_dim: int,
-        kv_b_proj: nn.Module,
-        layer_name: str,
+        self, num_heads: int, scale: float, mla: MLAConfig, kv_b_proj: nn.Module, layer_name: str
     ) -> None:
-        latent = kv_lora_rank + qk_rope_head_dim
-        super().__init__(num_heads, latent, scale, 1, layer_name)
+        """``kv_b_proj``: the model's latent up-projection (weight ``[heads * (nope + v),
+        kv_lora_rank]``), read at every step so loading and quantization see one copy."""
+        super().__init__(num_heads, mla.latent_size, scale, 1, layer_name)
         self.backend = CPUMLABackend
-        self.mla_impl = CPUMLAImpl(
-            num_heads, scale, kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim
-        )
+        self.mla_impl = CPUMLAImpl(num_heads, scale, mla)
         self.impl = self.mla_impl
-        self.kv_lora_rank = kv_lora_rank
-        self.qk_nope_head_dim = qk_nope_head_dim
-        self.v_head_dim = v_head_dim
+        self.kv_lora_rank = mla.kv_lora_rank
+        self.qk_nope_head_dim = mla.qk_nope_head_dim
+        self.v_head_dim = mla.v_head_dim
         # Not a submodule: the attention module owns kv_b_proj (and its checkpoint name).
         self._kv_b_proj = [kv_b_proj]
+        self._dequantized_kv_b: torch.Tensor | None = None
 
     def kv_b_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
-        weight: torch.Tensor = self._kv_b_proj[0].weight  # type: ignore[assignment]
+        proj = self._kv_b_proj[0]
+        weight: torch.Tensor = proj.weight  # type: ignore[assignment]
+        quant = getattr(proj, "quant_weight", None)
+        if weight.numel() == 0 and quant is not None:
+            # --quantization dropped the float weight; the per-head einsums want one, so
+            # the blocks are dequantized once (kv_b_proj is small: kv_lora_rank columns).
+            if self._dequantized_kv_b is None:
+                self._dequantized_kv_b = quant.dequantize()
+            weight = self._dequantized_kv_b
         per_head = weight.view(self.num_heads, self.qk_nope_head_dim + self.v_head_dim, -1)
         return per_head[:, : self.qk_nope_head_dim], per_head[:, self.qk_nope_head_dim :]
 

@@ -9,10 +9,15 @@ from typing import Any
 
 import pytest
 import torch
+from gguf import GGMLQuantizationType
 
+from kvserve import _custom_ops as ops
 from kvserve.attention.backends.mla_cpu import CPUMLABackend, CPUMLAImpl
 from kvserve.attention.backends.utils import make_common_attn_metadata
+from kvserve.attention.mla import MLAAttention
 from kvserve.entrypoints.llm import LLM
+from kvserve.model_executor.layers.linear import ColumnParallelLinear
+from kvserve.model_executor.layers.quantization import BlockWeight
 from kvserve.protocol.kv_cache_interface import (
     FullAttentionSpec,
     MLAAttentionSpec,
@@ -20,6 +25,7 @@ from kvserve.protocol.kv_cache_interface import (
     kv_bytes_per_token,
     max_tokens_per_request,
 )
+from kvserve.transformers_utils.arch_families import MLAConfig
 from tests.family_models import build_family_model
 
 KV_LORA, ROPE, NOPE, V, HEADS = 16, 8, 16, 16, 4
@@ -47,7 +53,11 @@ def _paged_latents(num_tokens: int, block_size: int) -> tuple[torch.Tensor, list
 
 def test_absorbed_decode_equals_expanded_attention() -> None:
     torch.manual_seed(0)
-    impl = CPUMLAImpl(HEADS, 0.2, KV_LORA, NOPE, ROPE, V)
+    mla = MLAConfig(
+        kv_lora_rank=KV_LORA, q_lora_rank=None, qk_nope_head_dim=NOPE, qk_rope_head_dim=ROPE,
+        v_head_dim=V,
+    )  # fmt: skip
+    impl = CPUMLAImpl(HEADS, 0.2, mla)
     w = torch.randn(HEADS, NOPE + V, KV_LORA) * 0.3
 
     class Layer(torch.nn.Module):
@@ -102,3 +112,23 @@ def test_mla_model_caches_one_latent_per_token(
         assert f"{(1 << 30) // (layers * latent * 4)} tokens per GiB" in caplog.text
     finally:
         llm.llm_engine.shutdown()
+
+
+@pytest.mark.skipif(not ops.available(), reason="block weights need kvserve's CPU kernels")
+def test_quantized_kv_b_proj_is_read_dequantized() -> None:
+    """--quantization drops kv_b_proj's float weight; the layer reads its blocks instead."""
+    mla = MLAConfig(
+        kv_lora_rank=32, q_lora_rank=None, qk_nope_head_dim=NOPE, qk_rope_head_dim=ROPE,
+        v_head_dim=V,
+    )  # fmt: skip
+    kv_b = ColumnParallelLinear(32, HEADS * (NOPE + V))
+    with torch.no_grad():
+        kv_b.weight.normal_()
+    layer = MLAAttention(HEADS, 0.2, mla, kv_b, "layers.0.attn")
+    float_uk, float_uv = (w.clone() for w in layer.kv_b_weights())
+    kv_b.quant_weight = BlockWeight.quantize(kv_b.weight, GGMLQuantizationType.Q8_0)
+    kv_b.weight = torch.nn.Parameter(torch.empty(0), requires_grad=False)
+    w_uk, w_uv = layer.kv_b_weights()
+    assert w_uk.shape == float_uk.shape and w_uv.shape == float_uv.shape
+    torch.testing.assert_close(w_uk, float_uk, atol=0.05, rtol=0.05)  # Q8_0 rounding
+    assert layer.kv_b_weights()[0].data_ptr() == w_uk.data_ptr()  # dequantized once

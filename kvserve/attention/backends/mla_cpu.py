@@ -33,6 +33,7 @@ from kvserve.attention.backends.cpu_attn import (
     DecodeBatch,
     PrefillChunk,
 )
+from kvserve.transformers_utils.arch_families import MLAConfig
 
 
 class MLALayer(Protocol):
@@ -44,20 +45,12 @@ class MLALayer(Protocol):
 
 
 class CPUMLAImpl(AttentionImpl):
-    def __init__(
-        self,
-        num_heads: int,
-        scale: float,
-        kv_lora_rank: int,
-        qk_nope_head_dim: int,
-        qk_rope_head_dim: int,
-        v_head_dim: int,
-    ) -> None:
-        super().__init__(num_heads, kv_lora_rank + qk_rope_head_dim, scale, 1)
-        self.kv_lora_rank = kv_lora_rank
-        self.qk_nope_head_dim = qk_nope_head_dim
-        self.qk_rope_head_dim = qk_rope_head_dim
-        self.v_head_dim = v_head_dim
+    def __init__(self, num_heads: int, scale: float, mla: MLAConfig) -> None:
+        super().__init__(num_heads, mla.latent_size, scale, 1)
+        self.kv_lora_rank = mla.kv_lora_rank
+        self.qk_nope_head_dim = mla.qk_nope_head_dim
+        self.qk_rope_head_dim = mla.qk_rope_head_dim
+        self.v_head_dim = mla.v_head_dim
 
     def forward(
         self,

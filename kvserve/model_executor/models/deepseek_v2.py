@@ -89,14 +89,7 @@ class DeepseekV2MLAAttention(nn.Module):
             max_position=arch.max_position_embeddings,
         )  # fmt: skip
         self.attn = MLAAttention(
-            num_heads=self.num_heads,
-            scale=mla_softmax_scale(arch),
-            kv_lora_rank=mla.kv_lora_rank,
-            qk_nope_head_dim=mla.qk_nope_head_dim,
-            qk_rope_head_dim=mla.qk_rope_head_dim,
-            v_head_dim=mla.v_head_dim,
-            kv_b_proj=self.kv_b_proj,
-            layer_name=f"{prefix}.attn",
+            self.num_heads, mla_softmax_scale(arch), mla, self.kv_b_proj, f"{prefix}.attn"
         )
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
