@@ -132,10 +132,15 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--intermediate-size", type=int, default=1024)
     parser.add_argument("--num-tokens", type=int, nargs="+", default=[1, 8, 64, 256, 1024])
     parser.add_argument("--rounds", type=int, default=20)
+    parser.add_argument(
+        "--threads", type=int, default=None, help="torch threads (default: torch's choice)"
+    )
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.threads:
+        torch.set_num_threads(args.threads)
     results = run(
         args.num_experts, args.top_k, args.hidden_size, args.intermediate_size,
         args.num_tokens, args.rounds,
