@@ -42,7 +42,7 @@ _DEEPSEEK: dict[str, Any] = dict(
         "rope_type": "yarn",
         "rope_theta": 10000.0,
         "factor": 4.0,
-        "original_max_position_embeddings": 64,
+        "original_max_position_embeddings": 128,
         "mscale": 1.0,
         "mscale_all_dim": 1.0,
         "beta_fast": 32,

@@ -114,7 +114,7 @@ def test_unsupported_gguf_architecture(tmp_path: Path) -> None:
     _write_gguf(path, "gpt2", {"token_embd.weight": np.zeros((4, 8), np.float32)})
     with pytest.raises(
         ValueError,
-        match=r"unsupported GGUF architecture 'gpt2' \(supported: llama, qwen2, gemma3\)",
+        match=r"unsupported GGUF architecture 'gpt2' \(supported: llama, qwen2, qwen3, qwen3moe, gemma3\)",
     ):
         load_arch_config(resolve_model(str(path)))
 
