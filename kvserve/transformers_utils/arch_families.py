@@ -124,11 +124,19 @@ def _mla(cfg: dict[str, Any], v3: bool) -> MLAConfig:
     )
 
 
+# In-tree models whose MLPs are SiLU-gated (out-of-tree ones check their own).
+_SILU_ARCHITECTURES = frozenset({
+    "LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM", "Llama4ForCausalLM",
+    "MixtralForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
+    "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "Phi3ForCausalLM",
+})  # fmt: skip
+
+
 def family_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
     """``ArchConfig`` keyword arguments for ``arch``'s family (empty for dense Llama-like
     models)."""
     act = cfg.get("hidden_act", "silu")
-    if arch != "Gemma3ForCausalLM" and act not in ("silu", "swish"):
+    if arch in _SILU_ARCHITECTURES and act not in ("silu", "swish"):
         raise ValueError(f"unsupported hidden_act {act!r} for {arch} (supported: silu)")
     if arch == "MixtralForCausalLM":
         return {"moe": _moe_mixtral(cfg)}

@@ -4,6 +4,8 @@ the prompt loads them and generates HF's tokens."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from safetensors import safe_open
 
@@ -54,3 +56,12 @@ def test_latent_blocks_are_reused_across_processes(
         assert_no_leak(reader)
     finally:
         reader.llm_engine.shutdown()
+
+
+def test_tiered_cache_refuses_latent_caches(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """The KV tier stores per-head K/V chunks; an MLA model is refused at start-up, clearly."""
+    model_dir = tmp_path_factory.mktemp("deepseek_v2")
+    build_family_model("deepseek_v2", model_dir)
+    tiered = json.dumps({"kv_connector": "TieredCacheConnector", "kv_connector_extra_config": {}})
+    with pytest.raises(ValueError, match="cannot serve MLA latent caches"):
+        LLM(str(model_dir), skip_tokenizer_init=True, kv_transfer_config=tiered)
