@@ -145,6 +145,8 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
         assert mla is not None
         heads = self.arch.num_attention_heads
         for name, tensor in weights:
+            if _layer_index(name) >= self.arch.num_hidden_layers:
+                continue  # V3's multi-token-prediction layers: not served
             if not mla.rope_interleave:
                 yield name, tensor
             elif ".self_attn.q_proj." in name or ".self_attn.q_b_proj." in name:
@@ -161,6 +163,14 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
                 yield name, tensor
             else:
                 yield name, tensor
+
+
+def _layer_index(name: str) -> int:
+    """``model.layers.{i}.…`` -> ``i`` (-1 for weights outside the layers)."""
+    parts = name.split(".")
+    if len(parts) > 2 and parts[1] == "layers" and parts[2].isdigit():
+        return int(parts[2])
+    return -1
 
 
 class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
