@@ -15,6 +15,7 @@ from kvserve.model_executor.model_loader import get_model
 from kvserve.transformers_utils.arch_config import load_arch_config
 from kvserve.transformers_utils.model_resolver import resolve_model
 from tests.family_models import build_family_model
+from tests.model_executor.conftest import gguf_writer
 
 _LAYER_NAMES = {
     "input_layernorm": "attn_norm",
@@ -38,22 +39,12 @@ def _write_qwen3_moe_gguf(hf: torch.nn.Module, path: Path) -> None:
     """llama.cpp's layout: experts stacked per projection; ffn_up_exps stored as Q8_0
     (and the HF reference gets the same rounding)."""
     cfg = hf.config
-    w = gguf.GGUFWriter(str(path), "qwen3moe")
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
+    w = gguf_writer(path, "qwen3moe", cfg)
     w.add_key_length(cfg.head_dim)
     w.add_value_length(cfg.head_dim)
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_rope_freq_base(10000.0)
-    w.add_vocab_size(cfg.vocab_size)
     w.add_expert_count(cfg.num_local_experts)
     w.add_expert_used_count(cfg.num_experts_per_tok)
     w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
-    w.add_uint32("tokenizer.ggml.eos_token_id", 2)
     inter = cfg.moe_intermediate_size
     for name, tensor in hf.state_dict().items():
         arr = tensor.float().numpy()
