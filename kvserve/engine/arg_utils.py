@@ -39,6 +39,12 @@ def parse_bytes(value: str | int) -> int:
         raise ValueError(f"kv_cache_memory: cannot parse {value!r} as a size in bytes") from None
 
 
+def _model_registrations() -> tuple[tuple[str, str], ...]:
+    from kvserve.model_executor.models.registry import ModelRegistry
+
+    return ModelRegistry.out_of_tree_entries()
+
+
 @dataclass
 class EngineArgs:
     model: str | None = DEFAULT_MODEL
@@ -112,6 +118,7 @@ class EngineArgs:
             quantization=self.quantization,
             disable_cascade_attn=self.disable_cascade_attn,
             skip_tokenizer_init=self.skip_tokenizer_init,
+            model_registrations=_model_registrations(),
             logits_processors=self._logits_processors(),
         )
         assert model_config.max_model_len is not None

@@ -51,6 +51,18 @@ class _ModelRegistry:
             raise ValueError(f"model_cls must look like 'pkg.module:Class', got {model_cls!r}")
         self._models[model_arch] = model_cls
 
+    def out_of_tree_entries(self) -> tuple[tuple[str, str], ...]:
+        """``(architecture, "module:Class")`` of every model registered beyond the
+        in-tree ones, for processes that start fresh (the engine core) to register too."""
+        entries = []
+        for arch, target in self._models.items():
+            if isinstance(target, str):
+                if _IN_TREE.get(arch) != target:
+                    entries.append((arch, target))
+            elif _IN_TREE.get(arch) != f"{target.__module__}:{target.__qualname__}":
+                entries.append((arch, f"{target.__module__}:{target.__qualname__}"))
+        return tuple(sorted(entries))
+
     def get_supported_archs(self) -> list[str]:
         return sorted(self._models)
 

@@ -69,6 +69,26 @@ def test_out_of_tree_model_runs_through_llm(tmp_path: Path) -> None:
         ModelRegistry._models.pop(OUT_OF_TREE, None)
 
 
+def test_out_of_tree_model_runs_in_an_engine_core_process(tmp_path: Path) -> None:
+    """The engine core process starts fresh (spawn): the registration travels in the
+    config and the worker registers it there too (the name exists nowhere else)."""
+    reference = _retagged_llama(tmp_path, OUT_OF_TREE)
+    kvserve.ModelRegistry.register_model(OUT_OF_TREE, OutOfTreeLlama)
+    try:
+        assert (OUT_OF_TREE, f"{__name__}:OutOfTreeLlama") in ModelRegistry.out_of_tree_entries()
+        llm = LLM(str(tmp_path), skip_tokenizer_init=True, block_size=4, multiprocess_mode=True)
+        try:
+            prompt = list(range(7, 31))
+            params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+            [out] = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)
+            assert list(out.outputs[0].token_ids) == hf_greedy(reference, prompt, 8)
+        finally:
+            llm.llm_engine.shutdown()
+    finally:
+        ModelRegistry._models.pop(OUT_OF_TREE, None)
+    assert not ModelRegistry.out_of_tree_entries()
+
+
 def test_unsupported_architecture_lists_the_supported_ones(tmp_path: Path) -> None:
     _retagged_llama(tmp_path, "GPT2LMHeadModel")
     with pytest.raises(ValueError, match="unsupported architecture 'GPT2LMHeadModel'") as info:
