@@ -30,6 +30,7 @@ def test_latent_blocks_are_reused_across_processes(
     kwargs = dict(
         skip_tokenizer_init=True,
         block_size=BLOCK_SIZE,
+        kv_cache_memory=8 << 20,
         kv_transfer_config=as_json(shared_storage(storage)),
     )
     writer = LLM(str(model_dir), multiprocess_mode=True, **kwargs)  # engine core: a child process
