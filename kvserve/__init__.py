@@ -8,14 +8,23 @@ __version__ = "0.1.0"
 
 if TYPE_CHECKING:
     from kvserve.entrypoints.llm import LLM
+    from kvserve.model_executor.models.registry import ModelRegistry
     from kvserve.outputs import CompletionOutput, RequestOutput
     from kvserve.sampling_params import RequestOutputKind, SamplingParams
 
-__all__ = ["LLM", "CompletionOutput", "RequestOutput", "RequestOutputKind", "SamplingParams"]
+__all__ = [
+    "LLM",
+    "CompletionOutput",
+    "ModelRegistry",
+    "RequestOutput",
+    "RequestOutputKind",
+    "SamplingParams",
+]
 
 _LAZY = {
     "LLM": "kvserve.entrypoints.llm",
     "CompletionOutput": "kvserve.outputs",
+    "ModelRegistry": "kvserve.model_executor.models.registry",
     "RequestOutput": "kvserve.outputs",
     "RequestOutputKind": "kvserve.sampling_params",
     "SamplingParams": "kvserve.sampling_params",

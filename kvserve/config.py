@@ -36,6 +36,11 @@ class ModelConfig:
     # vLLM's flag: decode rows sharing a long prefix attend to it once (cascade attention)
     # unless this is set; tests and `kvserve bench cascade` compare the two.
     disable_cascade_attn: bool = False
+    # vLLM's skip_tokenizer_init: the front end builds no tokenizer (token ids in and out).
+    skip_tokenizer_init: bool = False
+    # Out-of-tree models registered in the front end, ("Arch", "module:Class"); the worker
+    # registers them again, since the engine core may run in a fresh process.
+    model_registrations: tuple[tuple[str, str], ...] = ()
     # Custom logits processors (vLLM's `logits_processors`): LogitsProcessor subclasses or
     # "package.module:Class" paths, run after the built-ins in every batch. Loaded by the
     # worker (this layer cannot import them); EngineArgs checks that they load.

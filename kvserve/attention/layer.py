@@ -54,6 +54,12 @@ class Attention(nn.Module):
         q = query.view(num_tokens, self.num_heads, self.head_size)
         k = key.view(num_tokens, self.num_kv_heads, self.head_size)
         v = value.view(num_tokens, self.num_kv_heads, self.head_size)
+        return self.run(q, k, v).reshape(num_tokens, -1)
+
+    def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """The step's attention over the paged cache through ``impl`` (with the KV
+        connector's per-layer hooks), or without a cache in a profiling run; ``q``,
+        ``k``, ``v`` are per head, the result ``[T, heads, head dim]``."""
         forward_context = get_forward_context()
         attn_metadata = forward_context.attn_metadata
         if isinstance(attn_metadata, dict):  # per-layer metadata (e.g. mixed window groups)
@@ -73,7 +79,7 @@ class Attention(nn.Module):
             out = self.impl.forward(self, q, k, v, self.kv_cache, attn_metadata)
             if connector is not None:
                 connector.save_kv_layer(self.layer_name, self.kv_cache, attn_metadata)
-        return out.reshape(num_tokens, self.num_heads * self.head_size)
+        return out
 
     def _causal_no_cache(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # Shapes and compute only: window, chunk and soft-cap do not change either.

@@ -1,4 +1,4 @@
-"""`kvserve bench serve|throughput|kvcache|peers|quantization|soak|startup|cascade`: wires the benchmarks into the kvserve command."""
+"""`kvserve bench serve|throughput|kvcache|peers|quantization|soak|startup|cascade|moe`: wires the benchmarks into the kvserve command."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import argparse
 from kvserve.benchmarks import (
     cascade,
     kvcache,
+    moe,
     peers,
     quant_accuracy,
     serve,
@@ -45,4 +46,7 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     shared = sub.add_parser("cascade", help="decode throughput, cascade attention on vs off")
     cascade.add_cli_args(shared)
     shared.set_defaults(func=cascade.main)
+    experts = sub.add_parser("moe", help="FusedMoE vs a per-expert loop vs HF's MoE block")
+    moe.add_cli_args(experts)
+    experts.set_defaults(func=moe.main)
     return bench

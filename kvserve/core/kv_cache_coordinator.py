@@ -10,7 +10,7 @@ from kvserve.core.block_pool import BlockPool, require_integrity
 from kvserve.core.kv_cache_utils import BlockHash, KVCacheBlock
 from kvserve.core.single_type_kv_cache_manager import SingleTypeKVCacheManager
 from kvserve.core.windowed_kv_cache_managers import get_manager_for_kv_cache_spec
-from kvserve.protocol.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheSpec
+from kvserve.protocol.kv_cache_interface import KVCacheConfig, KVCacheSpec
 
 if TYPE_CHECKING:
     from kvserve.core.request import Request
@@ -194,7 +194,7 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
             by_spec.setdefault(group.kv_cache_spec, []).append(group_id)
         # Full attention first: its answer is the upper bound for the others.
         self.attention_groups: list[tuple[KVCacheSpec, list[int]]] = sorted(
-            by_spec.items(), key=lambda item: type(item[0]) is not FullAttentionSpec
+            by_spec.items(), key=lambda item: not item[0].attends_to_all
         )
         block_sizes = {spec.block_size for spec in by_spec}
         if len(block_sizes) != 1:

@@ -229,6 +229,7 @@ class SinkFullAttentionManager(_ForgettingManager):
 # Spec kind -> manager class (the registry the coordinator builds its managers from).
 spec_manager_map: dict[str, type[SingleTypeKVCacheManager]] = {
     "full_attention": FullAttentionManager,
+    "mla_attention": FullAttentionManager,  # one latent per token, same block rules
     "sliding_window": SlidingWindowManager,
     "chunked_local_attention": ChunkedLocalAttentionManager,
     "sink_full_attention": SinkFullAttentionManager,

@@ -41,6 +41,12 @@ def parse_bytes(value: str | int) -> int:
         raise ValueError(f"kv_cache_memory: cannot parse {value!r} as a size in bytes") from None
 
 
+def _model_registrations() -> tuple[tuple[str, str], ...]:
+    from kvserve.model_executor.models.registry import ModelRegistry
+
+    return ModelRegistry.out_of_tree_entries()
+
+
 @dataclass
 class EngineArgs:
     model: str | None = DEFAULT_MODEL
@@ -72,6 +78,8 @@ class EngineArgs:
     # YAML file of the tiered KV cache; on its own it turns on TieredCacheConnector.
     kv_cache_config: str | None = None
     disable_cascade_attn: bool = False
+    # vLLM's: no tokenizer is loaded; prompts are token ids and outputs carry no text.
+    skip_tokenizer_init: bool = False
     # StreamingLLM sink mode (see CacheConfig): sink tokens kept by full-attention layers.
     attention_sinks: int = 0
     sink_max_seq_len: int | None = None
@@ -115,9 +123,15 @@ class EngineArgs:
             served_model_name=self.served_model_name,
             quantization=self.quantization,
             disable_cascade_attn=self.disable_cascade_attn,
+            skip_tokenizer_init=self.skip_tokenizer_init,
+            model_registrations=_model_registrations(),
             logits_processors=self._logits_processors(),
         )
         assert model_config.max_model_len is not None
+        # A model without a class fails here, listing what is supported (no torch import).
+        from kvserve.model_executor.models.registry import ModelRegistry
+
+        ModelRegistry.check_supported(model_config.arch.architecture)
         return EngineConfig(
             model_config=model_config,
             cache_config=CacheConfig(
@@ -188,6 +202,11 @@ class EngineArgs:
                 help="GGUF file, HF directory or a known name",
             )
         parser.add_argument("--tokenizer", default=None)
+        parser.add_argument(
+            "--skip-tokenizer-init", action="store_true",
+            help="load no tokenizer (a checkpoint without one runs): prompts are token ids, "
+            "outputs carry token ids and no text",
+        )  # fmt: skip
         parser.add_argument("--served-model-name", default=None)
         parser.add_argument("--max-model-len", type=int, default=None)
         parser.add_argument(

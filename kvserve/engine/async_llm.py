@@ -76,7 +76,8 @@ class AsyncLLM(EngineClient):
 
     def _init_front_end(self) -> None:
         config = self.config
-        self.tokenizer = get_tokenizer(config.model_config.tokenizer_resolved)
+        mc = config.model_config
+        self.tokenizer = None if mc.skip_tokenizer_init else get_tokenizer(mc.tokenizer_resolved)
         self.input_processor = InputProcessor(
             config.model_config,
             self.tokenizer,

@@ -9,7 +9,7 @@ from typing import cast
 
 import msgspec
 
-from kvserve.config import EngineConfig
+from kvserve.config import EngineConfig, GiB
 from kvserve.core.kv_cache_utils import get_request_block_hasher
 from kvserve.core.request import Request, RequestStatus
 from kvserve.core.sched.scheduler import Scheduler
@@ -25,6 +25,7 @@ from kvserve.protocol.engine_core import (
 from kvserve.protocol.kv_cache_interface import (
     KVCacheConfig,
     build_kv_cache_config,
+    kv_bytes_per_token,
     max_tokens_per_request,
 )
 from kvserve.protocol.scheduler_output import SchedulerOutput
@@ -115,6 +116,12 @@ class EngineCore:
                 spec.max_num_blocks(max(max_len, 1), max_batched),
                 spec.block_size,
             )
+        per_token = kv_bytes_per_token(kv_cache_config)
+        logger.info(
+            "KV cache: %.0f bytes per token across layers, %d tokens per GiB",
+            per_token,
+            int(GiB // per_token),
+        )
         log_phase(
             "KV cache",
             time.perf_counter() - start,

@@ -184,7 +184,7 @@ class InputProcessor:
 
 
 def apply_chat_template(
-    tokenizer: PreTrainedTokenizerBase,
+    tokenizer: PreTrainedTokenizerBase | None,
     messages: list[dict[str, Any]],
     add_generation_prompt: bool = True,
     chat_template: str | None = None,
@@ -194,6 +194,8 @@ def apply_chat_template(
     """Renders a conversation to the prompt text the model was trained on (not tokenized)."""
     if add_generation_prompt and continue_final_message:
         raise ValueError("add_generation_prompt and continue_final_message cannot both be True")
+    if tokenizer is None:
+        raise ValueError("chat messages need a tokenizer; the engine runs with skip_tokenizer_init")
     if chat_template is None and not tokenizer.chat_template:
         # Base models (Gemma 3 270M) ship none: guessing a format would silently
         # prompt the model in one it was never trained on.

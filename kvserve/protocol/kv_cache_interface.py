@@ -40,6 +40,12 @@ class FullAttentionSpec:
         """Most blocks one request of num_tokens tokens holds at once in this group."""
         return cdiv(num_tokens, self.block_size)
 
+    @property
+    def attends_to_all(self) -> bool:
+        """Every earlier token stays visible (full attention, MLA): the request keeps all
+        its blocks and the full-attention manager serves the group."""
+        return self.kind in FULL_ATTENTION_KINDS
+
 
 @dataclass(frozen=True, kw_only=True)
 class SlidingWindowSpec(FullAttentionSpec):
@@ -119,6 +125,27 @@ class SinkFullAttentionSpec(FullAttentionSpec):
         return min(self.num_sink_blocks + window_blocks, cdiv(num_tokens, self.block_size))
 
 
+@dataclass(frozen=True, kw_only=True)
+class MLAAttentionSpec(FullAttentionSpec):
+    """Multi-head Latent Attention (DeepSeek): a token caches one latent of
+    ``kv_lora_rank + qk_rope_head_dim`` values per layer (``head_size``, with
+    ``num_kv_heads == 1``), shared by every query head, instead of K and V per KV head."""
+
+    kind: ClassVar[str] = "mla_attention"
+
+    def __post_init__(self) -> None:
+        if self.num_kv_heads != 1:
+            raise ValueError(
+                f"MLA caches one latent per token, got num_kv_heads={self.num_kv_heads}"
+            )
+
+    @property
+    def page_size_bytes(self) -> int:
+        """Bytes one block takes in one layer: the latent only, no separate V."""
+        return self.block_size * self.head_size * self.dtype_size
+
+
+FULL_ATTENTION_KINDS = (FullAttentionSpec.kind, MLAAttentionSpec.kind)
 KVCacheSpec = FullAttentionSpec  # every spec is one; the subclasses say which manager
 
 
@@ -169,7 +196,7 @@ def _group_layers(layer_specs: dict[str, KVCacheSpec]) -> list[tuple[KVCacheSpec
     groups: dict[KVCacheSpec, list[str]] = {}
     for name, spec in layer_specs.items():
         groups.setdefault(spec, []).append(name)
-    return sorted(groups.items(), key=lambda item: type(item[0]) is not FullAttentionSpec)
+    return sorted(groups.items(), key=lambda item: not item[0].attends_to_all)
 
 
 def _split_into_groups(
@@ -224,27 +251,36 @@ def max_tokens_per_request(config: KVCacheConfig, max_num_batched_tokens: int) -
     """The longest single request the pool could hold with every block free (for the
     start-up log): full attention grows with the request, windows stay bounded."""
     usable = config.num_blocks - 1
-    per_token = sum(1 for g in config.kv_cache_groups if type(g.kv_cache_spec) is FullAttentionSpec)
+    per_token = sum(1 for g in config.kv_cache_groups if g.kv_cache_spec.attends_to_all)
     bounded = sum(
         g.kv_cache_spec.max_num_blocks(1 << 40, max_num_batched_tokens)
         for g in config.kv_cache_groups
-        if type(g.kv_cache_spec) is not FullAttentionSpec
+        if not g.kv_cache_spec.attends_to_all
     )
     if per_token == 0:
         return 1 << 40 if bounded <= usable else 0
     return max(usable - bounded, 0) // per_token * config.block_size
 
 
+def kv_bytes_per_token(config: KVCacheConfig) -> float:
+    """KV memory one token of context costs across all layers (the start-up log's
+    tokens-per-GiB figure: MLA's latent shows here)."""
+    return config.bytes_per_block / config.block_size
+
+
 __all__ = [
+    "FULL_ATTENTION_KINDS",
     "ChunkedLocalAttentionSpec",
     "FullAttentionSpec",
     "KVCacheConfig",
     "KVCacheGroupSpec",
     "KVCacheSpec",
     "KVCacheTensor",
+    "MLAAttentionSpec",
     "SinkFullAttentionSpec",
     "SlidingWindowSpec",
     "build_kv_cache_config",
     "cdiv",
+    "kv_bytes_per_token",
     "max_tokens_per_request",
 ]

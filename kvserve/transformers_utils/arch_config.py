@@ -13,20 +13,16 @@ from typing import Any
 
 import numpy as np
 
+from kvserve.transformers_utils.arch_families import MLAConfig, MoEConfig, family_fields
 from kvserve.transformers_utils.gguf_reader import GGUFFile, GGUFTensor, open_gguf
 from kvserve.transformers_utils.model_resolver import ResolvedModel
 from kvserve.utils.startup import startup_phase
 
-SUPPORTED_ARCHITECTURES = (
-    "LlamaForCausalLM",
-    "Qwen2ForCausalLM",
-    "MistralForCausalLM",
-    "Gemma3ForCausalLM",
-    "Llama4ForCausalLM",
-)
 _GGUF_ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen3moe": "Qwen3MoeForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
 }
 # HF's per-layer attention kinds (``config.layer_types``).
@@ -53,7 +49,8 @@ class ArchConfig:
     ``query_pre_attn_scalar`` replaces ``head_dim`` in the ``1/sqrt`` score scale where
     set; ``rope_local_base_freq`` is the RoPE base of sliding layers where it differs
     (Gemma 3). The soft-caps are ``cap * tanh(x / cap)`` on attention scores and on the
-    final logits.
+    final logits. ``moe``, ``mla`` and ``qk_norm`` describe the families of
+    ``arch_families`` (None / False for dense Llama-like models).
     """
 
     architecture: str
@@ -79,6 +76,9 @@ class ArchConfig:
     rope_local_base_freq: float | None = None
     attn_logit_softcapping: float | None = None
     final_logit_softcapping: float | None = None
+    moe: MoEConfig | None = None
+    mla: MLAConfig | None = None
+    qk_norm: bool = False
 
     def __post_init__(self) -> None:
         if not self.layer_types:
@@ -151,8 +151,12 @@ def _from_gguf(path: str) -> ArchConfig:
         vocab = int(tensors["token_embd.weight"].shape[-1])
     eos_ids = [_gguf_value(reader, f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
     num_layers = int(meta("block_count"))
+    families = _gguf_family_fields(reader, gguf_arch)
+    architecture = _GGUF_ARCHITECTURES[gguf_arch]
+    if gguf_arch == "llama" and "moe" in families:  # llama.cpp files Mixtral as llama
+        architecture = "MixtralForCausalLM"
     return ArchConfig(
-        architecture=_GGUF_ARCHITECTURES[gguf_arch],
+        architecture=architecture,
         vocab_size=int(vocab),
         hidden_size=hidden,
         intermediate_size=int(meta("feed_forward_length")),
@@ -170,7 +174,26 @@ def _from_gguf(path: str) -> ArchConfig:
         bos_token_id=_gguf_value(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_ids=tuple(dict.fromkeys(int(i) for i in eos_ids if i is not None)),
         **_gguf_attention_variants(reader, gguf_arch, num_layers, head_dim),
+        **families,
     )
+
+
+def _gguf_family_fields(reader: GGUFFile, arch: str) -> dict[str, Any]:
+    """Qwen3's q/k norms and the experts of MoE files (Mixtral as ``llama``, Qwen3-MoE)."""
+    fields: dict[str, Any] = {}
+    if arch in ("qwen3", "qwen3moe"):
+        fields["qk_norm"] = True
+    num_experts = _gguf_value(reader, f"{arch}.expert_count")
+    if num_experts:
+        expert_ffn = _gguf_value(reader, f"{arch}.expert_feed_forward_length")
+        fields["moe"] = MoEConfig(
+            num_experts=int(num_experts),
+            top_k=int(_gguf_value(reader, f"{arch}.expert_used_count")),
+            intermediate_size=int(expert_ffn or _gguf_value(reader, f"{arch}.feed_forward_length")),
+            # llama.cpp renormalises the chosen weights for both (its norm_w).
+            renormalize=True,
+        )
+    return fields
 
 
 def _gguf_attention_variants(
@@ -238,10 +261,12 @@ def _normalise_rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     rope_type = params.pop("rope_type", params.pop("type", "default"))
     if rope_type == "default":
         return theta, None
-    if rope_type not in ("llama3", "linear"):
+    if rope_type not in ("llama3", "linear", "yarn"):
         raise ValueError(
-            f"unsupported rope_type {rope_type!r} (supported: default, llama3, linear)"
+            f"unsupported rope_type {rope_type!r} (supported: default, llama3, linear, yarn)"
         )
+    if rope_type == "yarn":  # factor may be implied by the context extension (DeepSeek-V3)
+        params.setdefault("max_position_embeddings", cfg.get("max_position_embeddings"))
     return theta, {"rope_type": rope_type, **params}
 
 
@@ -258,12 +283,11 @@ def _from_hf_dir(model_dir: Path) -> ArchConfig:
     config_path = model_dir / "config.json"
     cfg = _read_json(config_path)
     architectures = cfg.get("architectures") or []
-    arch = next((a for a in architectures if a in SUPPORTED_ARCHITECTURES), None)
-    if arch is None:
-        raise ValueError(
-            f"unsupported architectures {architectures!r} in {config_path} "
-            f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
-        )
+    if not architectures:
+        raise ValueError(f"{config_path} lists no architectures")
+    # Whether kvserve has a model for it is the model registry's question (an
+    # out-of-tree model may be registered under any name).
+    arch = str(architectures[0])
     gen_path = model_dir / "generation_config.json"
     gen_eos = _read_json(gen_path).get("eos_token_id") if gen_path.is_file() else None
     try:
@@ -290,6 +314,7 @@ def _from_hf_dir(model_dir: Path) -> ArchConfig:
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=_eos_ids(cfg.get("eos_token_id"), gen_eos),
             **_hf_attention_variants(arch, cfg, num_layers),
+            **family_fields(arch, cfg),
         )
     except (KeyError, TypeError, ValueError) as e:
         raise ValueError(f"invalid model config {config_path}: {e!r}") from e

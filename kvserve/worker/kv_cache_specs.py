@@ -9,18 +9,24 @@ import numpy as np
 import torch
 
 from kvserve.attention.layer import Attention
+from kvserve.attention.mla import MLAAttention
 from kvserve.protocol.kv_cache_interface import (
     ChunkedLocalAttentionSpec,
     FullAttentionSpec,
     KVCacheSpec,
+    MLAAttentionSpec,
     SinkFullAttentionSpec,
     SlidingWindowSpec,
 )
 
 
 def make_kv_cache_spec(layer: Attention, block_size: int, dtype_size: int) -> KVCacheSpec:
-    """Sliding window, chunked local, StreamingLLM sinks (a window plus sink tokens on a
-    full-attention layer) or full attention, in that order of precedence."""
+    """MLA's latent; else sliding window, chunked local, StreamingLLM sinks (a window
+    plus sink tokens on a full-attention layer) or full attention, in that order."""
+    if isinstance(layer, MLAAttention):
+        return MLAAttentionSpec(
+            block_size=block_size, num_kv_heads=1, head_size=layer.head_size, dtype_size=dtype_size
+        )
     common = {
         "block_size": block_size,
         "num_kv_heads": layer.num_kv_heads,

@@ -7,6 +7,7 @@ import gc
 import torch
 
 from kvserve.config import EngineConfig
+from kvserve.model_executor.models.registry import ModelRegistry
 from kvserve.protocol.kv_cache_interface import KVCacheConfig, KVCacheSpec
 from kvserve.protocol.runner_output import ModelRunnerOutput
 from kvserve.protocol.scheduler_output import GrammarOutput, SchedulerOutput
@@ -48,6 +49,9 @@ class Worker(WorkerBase):
         self._model_runner = ModelRunner(self.config, self.device)
 
     def load_model(self) -> None:
+        # Models registered out of tree in the front end; this may be a fresh process.
+        for arch, target in self.config.model_config.model_registrations:
+            ModelRegistry.register_model(arch, target)
         self.model_runner.load_model()
 
     def get_kv_cache_spec(self) -> dict[str, KVCacheSpec]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -76,6 +77,25 @@ def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, PreTrain
 def tiny_qwen2(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, PreTrainedModel]:
     path = tmp_path_factory.mktemp("tiny_qwen2")
     return path, make_tiny_qwen2(path)
+
+
+def gguf_writer(path: Path, arch: str, cfg: Any) -> Any:
+    """A ``gguf.GGUFWriter`` with the header every tiny test GGUF carries, from an HF
+    config (plain RoPE, base 10000; EOS 2)."""
+    import gguf
+
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_rope_freq_base(10000.0)
+    w.add_vocab_size(cfg.vocab_size)
+    w.add_uint32("tokenizer.ggml.eos_token_id", 2)
+    return w
 
 
 class PagedRunner:

@@ -20,6 +20,7 @@ from kvserve.model_executor.model_loader.gguf_loader import gguf_to_hf_name, unp
 from kvserve.transformers_utils.arch_config import load_arch_config
 from kvserve.transformers_utils.model_resolver import resolve_model
 from kvserve.transformers_utils.tokenizer import get_tokenizer
+from tests.model_executor.conftest import gguf_writer
 
 _HF_TO_GGUF = {
     "input_layernorm": "attn_norm",
@@ -57,18 +58,8 @@ def test_name_mapping() -> None:
 
 def _write_tiny_llama_gguf(hf: torch.nn.Module, path: Path) -> None:
     cfg = hf.config
-    w = gguf.GGUFWriter(str(path), "llama")
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_rope_freq_base(10000.0)
-    w.add_vocab_size(cfg.vocab_size)
+    w = gguf_writer(path, "llama", cfg)
     w.add_uint32("tokenizer.ggml.bos_token_id", 1)
-    w.add_uint32("tokenizer.ggml.eos_token_id", 2)
     for name, tensor in hf.state_dict().items():
         arr = tensor.float().numpy()
         if name.startswith("model.layers."):

@@ -95,7 +95,8 @@ class OpenAIServingCompletion(OpenAIServing):
                 out.append(_Prompt(p, await self.tokenize(p, add_special_tokens=True)))
             elif isinstance(p, list) and p and all(isinstance(t, int) for t in p):
                 self.check_token_ids(p, "prompt")
-                out.append(_Prompt(self.tokenizer.decode(p), list(p)))
+                text = "" if self.tokenizer is None else self.tokenizer.decode(p)
+                out.append(_Prompt(text, list(p)))
             else:
                 raise OpenAIServingError(
                     "prompt must be a string, a list of strings, a list "

@@ -63,6 +63,11 @@ class OpenAIServing:
         return request_id if request_id.startswith(f"{prefix}-") else f"{prefix}-{request_id}"
 
     async def tokenize(self, text: str, add_special_tokens: bool) -> list[int]:
+        if self.tokenizer is None:
+            raise OpenAIServingError(
+                "the server runs without a tokenizer (--skip-tokenizer-init): send token ids",
+                param="prompt",
+            )
         # Fast tokenizers release the GIL: a long prompt does not stall other requests.
         return await asyncio.to_thread(
             lambda: list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
@@ -163,7 +168,7 @@ class OpenAIServing:
     def decoded(self, token_id: int, lp: Logprob | None) -> str:
         if lp is not None and lp.decoded_token is not None:
             return lp.decoded_token
-        return self.tokenizer.decode([token_id])
+        return "" if self.tokenizer is None else self.tokenizer.decode([token_id])
 
     def completion_logprobs(
         self,

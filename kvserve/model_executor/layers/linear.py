@@ -196,6 +196,32 @@ class RowParallelLinear(LinearBase):
         return out
 
 
+class ReplicatedLinear(LinearBase):
+    """``Y = X A^T + b`` with the whole weight on every rank (small projections such as
+    MLA's latent down-projections, which every head needs)."""
+
+    def __init__(
+        self, input_size: int, output_size: int, bias: bool = False, prefix: str = ""
+    ) -> None:
+        super().__init__(input_size, output_size, prefix)
+        self.weight = _attach_loader(
+            nn.Parameter(torch.empty(output_size, input_size), requires_grad=False), _copy_param
+        )
+        self.bias: nn.Parameter | None = None
+        if bias:
+            self.bias = _attach_loader(
+                nn.Parameter(torch.empty(output_size), requires_grad=False), _copy_param
+            )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self._matmul(x)
+        return out if self.bias is None else out + self.bias
+
+
+def _copy_param(param: nn.Parameter, loaded: torch.Tensor) -> None:
+    _copy(param, loaded)
+
+
 def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
     if dst.shape != src.shape:
         raise ValueError(

@@ -39,6 +39,58 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.T
     return torch.where(is_medium, smoothed, scaled)
 
 
+def yarn_get_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _yarn_factor(scaling: dict[str, Any]) -> float:
+    factor = scaling.get("factor")
+    if factor is None:  # implied by the context extension, as HF reads it
+        factor = scaling["max_position_embeddings"] / scaling["original_max_position_embeddings"]
+    return float(factor)
+
+
+def _yarn_inv_freq(rotary_dim: int, base: float, scaling: dict[str, Any]) -> torch.Tensor:
+    # YaRN: frequencies that turn less than beta_slow times over the original context are
+    # interpolated (divided by factor), those turning more than beta_fast times kept, a
+    # linear ramp between (HF's _compute_yarn_parameters, same float32 expressions).
+    factor = _yarn_factor(scaling)
+    old_ctx = float(scaling["original_max_position_embeddings"])
+    beta_fast = float(scaling.get("beta_fast") or 32)
+    beta_slow = float(scaling.get("beta_slow") or 1)
+
+    def correction_dim(rotations: float) -> float:
+        return (rotary_dim * math.log(old_ctx / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, rotary_dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = torch.clamp(
+        (torch.arange(rotary_dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1
+    )
+    pos_freqs = base ** (torch.arange(0, rotary_dim, 2).float() / rotary_dim)
+    extrapolation_weight = 1 - ramp
+    return (1.0 / (factor * pos_freqs)) * (1 - extrapolation_weight) + (
+        1.0 / pos_freqs
+    ) * extrapolation_weight
+
+
+def rope_attention_factor(scaling: dict[str, Any] | None) -> float:
+    """YaRN's factor on cos and sin (1 for every other rope type)."""
+    if not scaling or scaling.get("rope_type") != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor = _yarn_factor(scaling)
+    mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
+    if mscale and mscale_all_dim:
+        return yarn_get_mscale(factor, mscale) / yarn_get_mscale(factor, mscale_all_dim)
+    return yarn_get_mscale(factor)
+
+
 def compute_inv_freq(rotary_dim: int, base: float, scaling: dict[str, Any] | None) -> torch.Tensor:
     inv_freq = _default_inv_freq(rotary_dim, base)
     rope_type = (scaling or {}).get("rope_type", "default")
@@ -49,6 +101,8 @@ def compute_inv_freq(rotary_dim: int, base: float, scaling: dict[str, Any] | Non
         return inv_freq / float(scaling["factor"])
     if rope_type == "llama3":
         return _llama3_inv_freq(inv_freq, scaling)
+    if rope_type == "yarn":
+        return _yarn_inv_freq(rotary_dim, base, scaling)
     if rope_type == "freq_factors":  # llama.cpp's precomputed llama3 divisors
         return inv_freq / torch.tensor(scaling["freq_factors"], dtype=torch.float32)
     raise ValueError(f"unsupported rope_type {rope_type!r}")
@@ -75,6 +129,8 @@ class RotaryEmbedding(nn.Module):
         self.rotary_dim = rotary_dim
         self.max_position = max_position
         inv_freq = compute_inv_freq(rotary_dim, base, rope_scaling)
+        # YaRN scales cos and sin (1.0 otherwise: the tables stay HF's exact values).
+        self.attention_factor = rope_attention_factor(rope_scaling)
         # Non-persistent: derived from config, never part of a checkpoint.
         self.register_buffer("inv_freq", inv_freq.to(torch.get_default_device()), persistent=False)
         self._cos_sin_cache: torch.Tensor | None = None
@@ -82,6 +138,8 @@ class RotaryEmbedding(nn.Module):
     def _cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.float()[:, None] * self.inv_freq.float()[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [T, 1, rotary_dim]
+        if self.attention_factor != 1.0:
+            return emb.cos() * self.attention_factor, emb.sin() * self.attention_factor
         return emb.cos(), emb.sin()
 
     @property
@@ -90,7 +148,10 @@ class RotaryEmbedding(nn.Module):
         if self._cos_sin_cache is None or self._cos_sin_cache.device != self.inv_freq.device:
             positions = torch.arange(self.max_position, device=self.inv_freq.device)
             freqs = positions.float()[:, None] * self.inv_freq.float()[None, :]
-            self._cos_sin_cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1).contiguous()
+            cos_sin = torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+            if self.attention_factor != 1.0:
+                cos_sin = cos_sin * self.attention_factor
+            self._cos_sin_cache = cos_sin.contiguous()
         return self._cos_sin_cache
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -24,6 +24,18 @@ _BLOCK_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    # Qwen3's per-head q/k norms.
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    # Mixture of experts: the router, all experts stacked ([E, I, H] / [E, H, I] in
+    # torch order; FusedMoE loads them whole) and the shared expert.
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.experts.gate_proj",
+    "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
+    "ffn_gate_shexp": "mlp.shared_experts.gate_proj",
+    "ffn_up_shexp": "mlp.shared_experts.up_proj",
+    "ffn_down_shexp": "mlp.shared_experts.down_proj",
 }
 # Gemma 3 names its four per-layer norms differently (ffn_norm is the pre-MLP norm).
 _GEMMA3_BLOCK_NAMES = {

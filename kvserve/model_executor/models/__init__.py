@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
-from kvserve.model_executor.models.registry import get_model_cls, supported_architectures
+from kvserve.model_executor.models.registry import (
+    ModelRegistry,
+    get_model_cls,
+    supported_architectures,
+)
 
-__all__ = ["get_model_cls", "supported_architectures"]
+__all__ = ["ModelRegistry", "get_model_cls", "supported_architectures"]

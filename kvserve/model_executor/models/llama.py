@@ -13,7 +13,7 @@ hooks on these modules.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -100,11 +100,21 @@ class LlamaDecoderLayer(nn.Module):
     ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.self_attn = LlamaAttention(
-            arch, qkv_bias, o_bias, prefix=f"{prefix}.self_attn", layer_idx=layer_idx
+        self.self_attn = self.make_attention(
+            arch, qkv_bias, o_bias, f"{prefix}.self_attn", layer_idx
         )
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.mlp = LlamaMLP(arch.hidden_size, arch.intermediate_size, prefix=f"{prefix}.mlp")
+        self.mlp = self.make_mlp(arch, f"{prefix}.mlp", layer_idx)
+
+    # Families that keep Llama's layer shape (Qwen3, Mixtral, DeepSeek) override these;
+    # typed Any as the decode stack reads Llama's own modules (and runs only for those).
+    def make_attention(
+        self, arch: ArchConfig, qkv_bias: bool, o_bias: bool, prefix: str, layer_idx: int
+    ) -> Any:
+        return LlamaAttention(arch, qkv_bias, o_bias, prefix=prefix, layer_idx=layer_idx)
+
+    def make_mlp(self, arch: ArchConfig, prefix: str, layer_idx: int) -> Any:
+        return LlamaMLP(arch.hidden_size, arch.intermediate_size, prefix=prefix)
 
     def forward(
         self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None
@@ -121,19 +131,30 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, arch: ArchConfig, qkv_bias: bool, o_bias: bool, prefix: str) -> None:
+    def __init__(
+        self,
+        arch: ArchConfig,
+        qkv_bias: bool,
+        o_bias: bool,
+        prefix: str,
+        layer_cls: type[LlamaDecoderLayer] = LlamaDecoderLayer,
+    ) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(
             arch.vocab_size, arch.hidden_size, prefix=f"{prefix}.embed_tokens"
         )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(arch, qkv_bias, o_bias, prefix=f"{prefix}.layers.{i}", layer_idx=i)
+            layer_cls(arch, qkv_bias, o_bias, prefix=f"{prefix}.layers.{i}", layer_idx=i)
             for i in range(arch.num_hidden_layers)
         )
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         # Decode steps as one C++ call (same kernels, same result); None: always the
-        # modules (tests compare the two).
-        self.decode_stack: LlamaDecodeStack | None = LlamaDecodeStack(list(self.layers))  # type: ignore[arg-type]
+        # modules (tests compare the two). It implements Llama's own layers only.
+        self.decode_stack: LlamaDecodeStack | None = (
+            LlamaDecodeStack(list(self.layers))  # type: ignore[arg-type]
+            if layer_cls is LlamaDecoderLayer
+            else None
+        )
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden_states = self.embed_tokens.forward(input_ids)
@@ -162,6 +183,7 @@ class LlamaForCausalLM(nn.Module):
         ".gate_proj.": (".gate_up_proj.", 0),
         ".up_proj.": (".gate_up_proj.", 1),
     }
+    decoder_layer_cls: ClassVar[type[LlamaDecoderLayer]] = LlamaDecoderLayer
 
     @staticmethod
     def attention_biases(arch: ArchConfig) -> tuple[bool, bool]:
@@ -172,7 +194,9 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.arch = arch
         qkv_bias, o_bias = self.attention_biases(arch)
-        self.model = LlamaModel(arch, qkv_bias, o_bias, prefix=_join(prefix, "model"))
+        self.model = LlamaModel(
+            arch, qkv_bias, o_bias, _join(prefix, "model"), self.decoder_layer_cls
+        )
         self.lm_head = ParallelLMHead(
             arch.vocab_size, arch.hidden_size, prefix=_join(prefix, "lm_head")
         )

@@ -2,10 +2,30 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Mapping
 
 import torch
 from torch import nn
+
+# One expert's projection (`mlp.experts.3.gate_proj.weight`) or all experts stacked
+# (`mlp.experts.gate_proj.weight`, the GGUF loader's name) -> FusedMoE's parameters.
+_EXPERT_RE = re.compile(
+    r"^(.*\.experts)\.(?:(\d+)\.)?(gate_proj|up_proj|down_proj|w1|w2|w3)\.weight$"
+)
+_EXPERT_SHARDS = {"gate_proj": "w1", "w1": "w1", "up_proj": "w3", "w3": "w3",
+                  "down_proj": "w2", "w2": "w2"}  # fmt: skip
+
+
+def expert_target(name: str) -> tuple[str, str, int | None] | None:
+    """``(parameter name, shard id, expert id or None for all)`` of an expert weight."""
+    match = _EXPERT_RE.match(name)
+    if match is None:
+        return None
+    module, expert, proj = match.groups()
+    shard = _EXPERT_SHARDS[proj]
+    param = f"{module}.{'w2_weight' if shard == 'w2' else 'w13_weight'}"
+    return param, shard, None if expert is None else int(expert)
 
 
 def load_hf_weights(
@@ -24,6 +44,13 @@ def load_hf_weights(
             continue
         if name == "lm_head.weight" and tie_word_embeddings:
             continue  # some checkpoints store the tied copy too
+        expert = expert_target(name)
+        if expert is not None:
+            param_name, shard, expert_id = expert
+            param = _param(params, param_name, name)
+            param.weight_loader(param, tensor, shard, expert_id)  # type: ignore[attr-defined]
+            loaded.add(param_name)
+            continue
         for ckpt_part, (param_part, shard_id) in stacked_params.items():
             if ckpt_part in name:
                 fused = name.replace(ckpt_part, param_part)

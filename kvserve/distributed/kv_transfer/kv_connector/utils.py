@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Protocol
 
-from kvserve.protocol.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+from kvserve.protocol.kv_cache_interface import SlidingWindowSpec
 
 if TYPE_CHECKING:
     from kvserve.protocol.kv_cache_interface import KVCacheConfig
@@ -70,7 +70,7 @@ def check_connector_layout(
         return windows
     for group in kv_cache_config.kv_cache_groups:
         spec = group.kv_cache_spec
-        if type(spec) is FullAttentionSpec:
+        if spec.attends_to_all:  # full attention and MLA's latent blocks
             continue
         if type(spec) is SlidingWindowSpec and spec.sliding_window > min_window:
             windows.append(spec.sliding_window)

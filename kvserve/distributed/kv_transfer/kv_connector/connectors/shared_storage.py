@@ -258,7 +258,8 @@ class SharedStorageConnector(KVConnectorBase_V1):
         path = self._layer_file(self._entry_dir(spec.key), layer_name)
         try:
             kv = _read_layer(path)
-            expected = (2, kv.shape[1], *cache.shape[2:])
+            # K and V (2) or MLA's one latent (1), then blocks, then the page.
+            expected = (cache.shape[0], kv.shape[1], *cache.shape[2:])
             if tuple(kv.shape) != expected or kv.shape[1] < spec.end_block:
                 raise ValueError(
                     f"shape {tuple(kv.shape)} does not fit the cache {tuple(cache.shape)}"

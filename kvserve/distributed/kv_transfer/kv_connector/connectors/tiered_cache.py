@@ -99,6 +99,10 @@ class TieredCacheConnector(KVConnectorBase_V1):
                 f"chunk_size ({self.chunk_size}) must be a multiple of block_size ({self.block_size})"
             )
         windows = check_connector_layout(kv_cache_config, "TieredCacheConnector", self.chunk_size)
+        groups = kv_cache_config.kv_cache_groups if kv_cache_config else []
+        if any(g.kv_cache_spec.kind == "mla_attention" for g in groups):
+            # The tier's chunks are [layers, 2, tokens, kv heads, head size]; a latent is none.
+            raise ValueError("TieredCacheConnector cannot serve MLA latent caches yet")
         # Groups whose block tables hold null blocks where a window dropped tokens.
         self._windowed_groups = [
             g
