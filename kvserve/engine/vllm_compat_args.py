@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -176,32 +177,48 @@ class VllmCompatArgs:
 
     def check_ignored_args(self) -> None:
         """Logs each no-op / GPU-only argument given; raises for default-only ones set on."""
-        for name, arg in IGNORED_ARGS.items():
-            value = getattr(self, name)
-            if value is None:
-                continue
-            if arg.treatment == "default-only":
-                if value not in arg.accepted:
-                    raise ValueError(
-                        f"{name}={value!r} is not supported by kvserve ({arg.why}); "
-                        f"leave it unset"
-                        + (f" or pass {arg.accepted[0]!r}" if arg.accepted else "")
-                    )
-                continue
-            logger.warning("%s=%r has no effect in kvserve (%s): %s", name, value,
-                           arg.treatment, arg.why)  # fmt: skip
+        check_ignored(self, IGNORED_ARGS)
 
     @staticmethod
     def add_ignored_cli_args(parser: argparse.ArgumentParser) -> None:
-        """vLLM's flags for IGNORED_ARGS, grouped so --help says what they do here."""
-        group = parser.add_argument_group(
-            "vLLM compatibility", "accepted so vLLM command lines run; see docs/vllm_compat.md"
+        add_ignored_cli_args(parser, IGNORED_ARGS)
+
+
+def check_ignored(values: object, table: Mapping[str, IgnoredArg]) -> None:
+    """For each ``table`` name set (not None) on ``values``: logs it, or raises ValueError
+    when it is default-only and set to something else than an accepted value."""
+    for name, arg in table.items():
+        value = getattr(values, name, None)
+        if value is None:
+            continue
+        if arg.treatment == "default-only":
+            if value not in arg.accepted:
+                accepted = f" or pass {arg.accepted[0]!r}" if arg.accepted else ""
+                raise ValueError(
+                    f"{name}={value!r} is not supported by kvserve ({arg.why}); "
+                    f"leave it unset{accepted}"
+                )
+            continue
+        logger.warning(
+            "%s=%r has no effect in kvserve (%s): %s", name, value, arg.treatment, arg.why
         )
-        for name, arg in IGNORED_ARGS.items():
-            flag = "--" + name.replace("_", "-")
-            help_text = f"{arg.treatment}: {arg.why}"
-            if arg.cli == "flag":
-                group.add_argument(flag, action="store_true", default=None, help=help_text)
-            else:
-                kind = json.loads if arg.cli == "json" else arg.cli
-                group.add_argument(flag, type=kind, default=None, help=help_text)  # type: ignore[arg-type]
+
+
+def add_ignored_cli_args(
+    parser: argparse.ArgumentParser,
+    table: Mapping[str, IgnoredArg],
+    title: str = "vLLM compatibility",
+) -> None:
+    """vLLM's flags for ``table``'s names (default None), grouped so --help says what each
+    does here."""
+    group = parser.add_argument_group(
+        title, "accepted so vLLM command lines run; see docs/vllm_compat.md"
+    )
+    for name, arg in table.items():
+        flag = "--" + name.replace("_", "-")
+        help_text = f"{arg.treatment}: {arg.why}"
+        if arg.cli == "flag":
+            group.add_argument(flag, action="store_true", default=None, help=help_text)
+        else:
+            kind = json.loads if arg.cli == "json" else arg.cli
+            group.add_argument(flag, type=kind, default=None, help=help_text)  # type: ignore[arg-type]

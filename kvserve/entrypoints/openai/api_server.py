@@ -167,8 +167,14 @@ def build_app(engine_client: EngineClient, args: argparse.Namespace) -> FastAPI:
         yield
         watch.cancel()
 
+    docs = not getattr(args, "disable_fastapi_docs", False)
     app = FastAPI(
-        title="kvserve OpenAI-compatible server", version=kvserve.__version__, lifespan=lifespan
+        title="kvserve OpenAI-compatible server",
+        version=kvserve.__version__,
+        lifespan=lifespan,
+        openapi_url="/openapi.json" if docs else None,
+        docs_url="/docs" if docs else None,
+        redoc_url="/redoc" if docs else None,
     )
     app.state.engine_client = engine_client
     app.state.server = None  # set by run_server, so a dead engine can stop uvicorn
@@ -324,6 +330,9 @@ async def serve_http(args: argparse.Namespace, engine: EngineClient | None = Non
             # SIGTERM: stop accepting, let in-flight requests finish for this long.
             timeout_graceful_shutdown=args.shutdown_timeout,
             access_log=False,
+            root_path=getattr(args, "root_path", None) or "",
+            ssl_keyfile=getattr(args, "ssl_keyfile", None),
+            ssl_certfile=getattr(args, "ssl_certfile", None),
         )
         server = uvicorn.Server(config)
         app.state.server = server

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Mapping
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (
@@ -160,9 +161,17 @@ class _SamplingRequest(OpenAIRequestModel):
     request_id: ShortString | None = None
 
     def _sampling_params(
-        self, max_tokens: int, logprobs: int | None, stream: bool
+        self,
+        max_tokens: int,
+        logprobs: int | None,
+        stream: bool,
+        defaults: Mapping[str, Any] | None = None,
     ) -> SamplingParams:
-        """Raises ValueError (-> 400) for out-of-range values, via SamplingParams."""
+        """Raises ValueError (-> 400) for out-of-range values, via SamplingParams.
+
+        ``defaults`` (the model's generation config) fill the knobs the request leaves out.
+        """
+        default = dict(defaults or {})
         if logprobs is not None and logprobs > MAX_LOGPROBS:
             raise ValueError(f"logprobs must be at most {MAX_LOGPROBS}, got {logprobs}")
         if self.best_of is not None and self.best_of != self.n:
@@ -176,13 +185,17 @@ class _SamplingRequest(OpenAIRequestModel):
             bias = None
         return SamplingParams(
             n=self.n,
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=self.top_k or 0,
-            min_p=self.min_p or 0.0,
+            temperature=default.get("temperature", 1.0)
+            if self.temperature is None
+            else self.temperature,
+            top_p=default.get("top_p", 1.0) if self.top_p is None else self.top_p,
+            top_k=default.get("top_k", 0) if self.top_k is None else self.top_k,
+            min_p=default.get("min_p", 0.0) if self.min_p is None else self.min_p,
             presence_penalty=self.presence_penalty or 0.0,
             frequency_penalty=self.frequency_penalty or 0.0,
-            repetition_penalty=self.repetition_penalty or 1.0,
+            repetition_penalty=default.get("repetition_penalty", 1.0)
+            if self.repetition_penalty is None
+            else self.repetition_penalty,
             seed=self.seed,
             stop=self.stop,
             stop_token_ids=self.stop_token_ids,
@@ -211,8 +224,10 @@ class CompletionRequest(_SamplingRequest):
     echo: bool = False
     suffix: str | None = None
 
-    def to_sampling_params(self, max_tokens: int) -> SamplingParams:
-        return self._sampling_params(max_tokens, self.logprobs, self.stream)
+    def to_sampling_params(
+        self, max_tokens: int, defaults: Mapping[str, Any] | None = None
+    ) -> SamplingParams:
+        return self._sampling_params(max_tokens, self.logprobs, self.stream, defaults)
 
 
 class CompletionLogProbs(OpenAIBaseModel):
@@ -271,11 +286,13 @@ class ChatCompletionRequest(_SamplingRequest):
             else self.max_tokens
         )
 
-    def to_sampling_params(self, max_tokens: int) -> SamplingParams:
+    def to_sampling_params(
+        self, max_tokens: int, defaults: Mapping[str, Any] | None = None
+    ) -> SamplingParams:
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs=true")
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self._sampling_params(max_tokens, logprobs, self.stream)
+        return self._sampling_params(max_tokens, logprobs, self.stream, defaults)
 
 
 class ChatMessage(OpenAIBaseModel):

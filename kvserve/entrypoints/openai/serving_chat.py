@@ -78,7 +78,7 @@ class OpenAIServingChat(OpenAIServing):
         )
         max_tokens = self.check_length(len(prompt_ids), request.requested_max_tokens(), "messages")
         try:
-            params = request.to_sampling_params(max_tokens)
+            params = request.to_sampling_params(max_tokens, self.default_sampling_params)
         except ValueError as exc:
             raise self.bad_request(exc) from None
         base_id = self.request_id(raw_request, request.request_id, "chatcmpl")

@@ -51,7 +51,7 @@ class OpenAIServingCompletion(OpenAIServing):
         for i, prompt in enumerate(prompts):
             max_tokens = self.check_length(len(prompt.token_ids), request.max_tokens)
             try:
-                params = request.to_sampling_params(max_tokens)
+                params = request.to_sampling_params(max_tokens, self.default_sampling_params)
             except ValueError as exc:
                 raise self.bad_request(exc) from None
             if request.echo and request.logprobs is not None:
