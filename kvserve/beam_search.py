@@ -11,6 +11,7 @@ offline ``LLM.beam_search`` and the server's ``use_beam_search``) only run the e
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -43,7 +44,10 @@ def get_beam_search_score(generated_len: int, cum_logprob: float, length_penalty
     counting the generated tokens (a final EOS included). vLLM divides by the whole
     sequence's length less EOS; the two rank equal-length beams alike (EOS ignored),
     and HF, the correctness reference here, decides the rest."""
-    return cum_logprob / (max(generated_len, 1) ** length_penalty)
+    try:
+        return cum_logprob / (max(generated_len, 1) ** length_penalty)
+    except OverflowError:  # a huge penalty: the length term swamps the logprob
+        return -0.0 if length_penalty > 0 else -math.inf
 
 
 @dataclass

@@ -35,10 +35,12 @@ from kvserve.entrypoints.openai.protocol import (
     TokenizeChatRequest,
     TokenizeCompletionRequest,
 )
+from kvserve.entrypoints.openai.protocol_responses import ResponsesRequest
 from kvserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from kvserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from kvserve.entrypoints.openai.serving_engine import INTERNAL_ERROR_MESSAGE
 from kvserve.entrypoints.openai.serving_models import OpenAIServingModels
+from kvserve.entrypoints.openai.serving_responses import OpenAIServingResponses
 from kvserve.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from kvserve.entrypoints.openai.streaming import (
     GuardedStreamingResponse,
@@ -158,7 +160,10 @@ def build_app(engine_client: EngineClient, args: argparse.Namespace) -> FastAPI:
     chat = OpenAIServingChat(engine_client, models, chat_template=_chat_template(args))
     completion = OpenAIServingCompletion(engine_client, models)
     tokenization = OpenAIServingTokenization(chat)
-    for serving in (chat, completion):
+    responses = OpenAIServingResponses(
+        chat, enable_store=getattr(args, "enable_store_responses", False)
+    )
+    for serving in (chat, completion, responses):
         serving.log_requests = not getattr(args, "disable_log_requests", False)
 
     @contextlib.asynccontextmanager
@@ -240,6 +245,15 @@ def build_app(engine_client: EngineClient, args: argparse.Namespace) -> FastAPI:
     ) -> Response:
         work = chat.create_chat_completion(request, raw_request)
         return _respond(await _until_disconnect(raw_request, work, request_timeout), args)
+
+    @app.post("/v1/responses")
+    async def create_response(request: ResponsesRequest, raw_request: Request) -> Response:
+        work = responses.create_response(request, raw_request)
+        return _respond(await _until_disconnect(raw_request, work, request_timeout), args)
+
+    @app.get("/v1/responses/{response_id}")
+    async def retrieve_response(response_id: str) -> Response:
+        return _respond(responses.retrieve(response_id))
 
     @app.post("/tokenize")
     async def tokenize(request: TokenizeChatRequest | TokenizeCompletionRequest) -> Response:

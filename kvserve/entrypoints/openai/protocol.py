@@ -16,7 +16,7 @@ from pydantic import (
 )
 from pydantic.types import StringConstraints
 
-from kvserve.sampling_params import RequestOutputKind, SamplingParams
+from kvserve.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 # vLLM's default cap on logprobs per position; also OpenAI's top_logprobs limit.
 MAX_LOGPROBS = 20
@@ -223,6 +223,22 @@ class CompletionRequest(_SamplingRequest):
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     suffix: str | None = None
+    # vLLM's extras: beam search with beam width n.
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+
+    def to_beam_search_params(self, max_tokens: int) -> BeamSearchParams:
+        """Raises ValueError (-> 400) for what beam search cannot do."""
+        if self.stream or self.logprobs is not None or self.echo:
+            raise ValueError("use_beam_search does not support stream, logprobs or echo")
+        return BeamSearchParams(
+            beam_width=self.n,
+            max_tokens=max_tokens,
+            ignore_eos=self.ignore_eos,
+            temperature=self.temperature or 0.0,
+            length_penalty=self.length_penalty,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+        )
 
     def to_sampling_params(
         self, max_tokens: int, defaults: Mapping[str, Any] | None = None
