@@ -65,7 +65,7 @@ class ModelConfig:
         # A separate tokenizer source (a GGUF or HF directory); the model's own by default.
         self.tokenizer_resolved = resolve_model(self.tokenizer) if self.tokenizer else self.resolved
         self.arch = load_arch_config(self.resolved)
-        if self.dtype not in ("float32", "auto"):
+        if self.dtype not in ("float32", "float", "auto"):
             raise ValueError(f"dtype must be 'float32' (or 'auto'), got {self.dtype!r}")
         self.dtype = "float32"
         limit = self.arch.max_position_embeddings

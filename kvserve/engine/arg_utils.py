@@ -229,6 +229,19 @@ class EngineArgs(VllmCompatArgs):
             "none/float32 (default for HF directories): dequantize to float32 at load",
         )  # fmt: skip
         parser.add_argument("--seed", type=int, default=0)
+        parser.add_argument(
+            "--dtype", default="float32", choices=["auto", "float32", "float"],
+            help="weights and activations compute in float32",
+        )  # fmt: skip
+        parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+        parser.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
+        parser.add_argument(
+            "--distributed-executor-backend", default=None, choices=["uni", "mp", "ray"]
+        )
+        parser.add_argument(
+            "--prefix-caching-hash-seed", type=int, default=0,
+            help="seed of the block hash; every engine sharing a KV store must use the same",
+        )  # fmt: skip
         parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
         parser.add_argument("--block-size", type=int, default=16)
         parser.add_argument(

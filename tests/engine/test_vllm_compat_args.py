@@ -110,3 +110,15 @@ def test_cli_flags_with_vllm_names() -> None:
     assert config.model_config.max_logprobs == 5
     assert config.cache_config.num_blocks_override == 64
     assert config.model_config.get_diff_sampling_param() == {"temperature": 0.5}
+
+
+def test_every_engine_argument_is_a_flag() -> None:
+    parser = argparse.ArgumentParser()
+    EngineArgs.add_cli_args(parser)
+    dests = {action.dest for action in parser._actions}
+    # vLLM's second names for two fields share their flags (--kv-cache-memory-bytes,
+    # --num-gpu-blocks-override).
+    aliases = {"kv_cache_memory_bytes", "num_gpu_blocks_override"}
+    assert {f.name for f in dataclasses.fields(EngineArgs)} - dests == aliases
+    args = parse(["-tp", "1", "--dtype", "auto", "--kv-cache-memory-bytes", "32M"])
+    assert args.tensor_parallel_size == 1 and args.kv_cache_memory == "32M"

@@ -17,11 +17,34 @@ INSTRUCTIONS = "Answer in one short sentence."
 QUESTION = "What is the capital of France?"
 
 
+# vLLM command-line flags a `vllm serve` line carries: accepted, the no-ops logged.
+VLLM_FLAGS = (
+    "--enforce-eager",
+    "--swap-space",
+    "4",
+    "--trust-remote-code",
+    "--max-logprobs",
+    "20",
+    "--generation-config",
+    "auto",
+    "--disable-frontend-multiprocessing",
+    "--tensor-parallel-size",
+    "1",
+)
+
+
 @pytest.fixture(scope="module")
 def server() -> Iterator[RemoteServer]:
-    remote = RemoteServer()
+    remote = RemoteServer(*VLLM_FLAGS)
     yield remote
     remote.stop()
+
+
+def test_vllm_serve_flags_are_accepted_and_no_ops_logged(server: RemoteServer) -> None:
+    log = server.output()
+    for flag in ("enforce_eager", "swap_space", "trust_remote_code"):
+        assert f"{flag}=" in log and "has no effect in kvserve" in log, log
+    assert "disable_frontend_multiprocessing=True has no effect" in log
 
 
 def chat_reply(client: openai.OpenAI, messages: list[dict[str, Any]], max_tokens: int) -> str:
