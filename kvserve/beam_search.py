@@ -67,11 +67,22 @@ class BeamSearch:
     """Runs ``params`` over prompts; ``step`` hands back the engine's candidates."""
 
     def __init__(
-        self, params: BeamSearchParams, eos_token_ids: Sequence[int], max_model_len: int
+        self,
+        params: BeamSearchParams,
+        eos_token_ids: Sequence[int],
+        max_model_len: int,
+        max_logprobs: int,
     ) -> None:
+        """Raises ValueError when a step would ask for more logprobs than the engine gives."""
         self.params = params
         self.eos_token_ids = frozenset(() if params.ignore_eos else eos_token_ids)
         self.max_model_len = max_model_len
+        wanted = 2 * params.beam_width
+        if max_logprobs != -1 and wanted > max_logprobs:
+            raise ValueError(
+                f"beam_width={params.beam_width} needs {wanted} logprobs per step, more than "
+                f"the engine's max_logprobs={max_logprobs} (raise max_logprobs)"
+            )
 
     def sampling_params(self) -> SamplingParams:
         """The one-token request each beam makes per step."""

@@ -7,6 +7,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
+from kvserve.sampling_params import SamplingParams
 from kvserve.transformers_utils.arch_config import ArchConfig, load_arch_config
 from kvserve.transformers_utils.generation_config import load_generation_defaults
 from kvserve.transformers_utils.local_model import check_load_format
@@ -84,6 +85,10 @@ class ModelConfig:
         self.generation_defaults = load_generation_defaults(
             self.resolved, self.generation_config, self.override_generation_config
         )
+        try:  # checked now, not on the first request that uses them
+            SamplingParams(**self.generation_defaults)
+        except ValueError as exc:
+            raise ValueError(f"generation config of {self.model!r}: {exc}") from None
 
     def get_diff_sampling_param(self) -> dict[str, Any]:
         """The sampling defaults the generation config sets (vLLM's name), a fresh dict."""

@@ -50,7 +50,12 @@ def run_beam_search(
     tokenizer = llm.get_tokenizer()
     processor = llm.llm_engine.input_processor
     eos = [processor.eos_token_id] if processor.eos_token_id is not None else []
-    search = BeamSearch(params, [*eos, *processor.extra_eos_token_ids], processor.max_model_len)
+    search = BeamSearch(
+        params,
+        [*eos, *processor.extra_eos_token_ids],
+        processor.max_model_len,
+        processor.max_logprobs,
+    )
     sampling_params = search.sampling_params()
     all_ids = [prompt_token_ids(tokenizer, p) for p in prompts]
     limit = concurrency_limit or max(len(all_ids), 1)

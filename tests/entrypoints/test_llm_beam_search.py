@@ -88,3 +88,6 @@ def test_beam_search_params_are_checked(tiny: tuple[Any, LLM]) -> None:
     _, llm = tiny
     with pytest.raises(ValueError, match="params must be BeamSearchParams"):
         llm.beam_search(["the quick"], {"beam_width": 2})  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"beam_width=11 needs 22 logprobs .* max_logprobs=20"):
+        llm.beam_search(["the quick"], BeamSearchParams(beam_width=11, max_tokens=2))
+    assert_no_leak(llm)

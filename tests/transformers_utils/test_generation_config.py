@@ -73,3 +73,13 @@ def test_gguf_sampling_metadata(tmp_path: Path) -> None:
         "repetition_penalty": 1.5,
     }
     assert load_generation_defaults(resolved, "vllm") == {}
+
+
+def test_bad_defaults_stop_the_engine_config(tmp_path: Path) -> None:
+    from kvserve.engine.arg_utils import EngineArgs
+    from tests.entrypoints.test_llm_tiny_models import build_model
+
+    build_model("llama", tmp_path)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"top_p": 0.0}))
+    with pytest.raises(ValueError, match=r"generation config of .*top_p must be in \(0, 1\]"):
+        EngineArgs(model=str(tmp_path)).create_engine_config()

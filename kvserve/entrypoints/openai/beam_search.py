@@ -36,7 +36,12 @@ async def beam_search(
 
     Cancelling it cancels the step's requests, which aborts them in the engine.
     """
-    search = BeamSearch(params, eos_token_ids(engine_client), max_model_len)
+    search = BeamSearch(
+        params,
+        eos_token_ids(engine_client),
+        max_model_len,
+        engine_client.model_config.max_logprobs,
+    )
     sampling_params = search.sampling_params()
     instance = BeamSearchInstance.start(prompt_ids)
 
@@ -57,9 +62,18 @@ async def beam_search(
         beams = search.live_beams([instance])
         if not beams:
             break
-        rows = await asyncio.gather(
-            *(candidates(b.tokens, f"{request_id}-beam{step}-{i}") for i, b in enumerate(beams))
-        )
+        tasks = [
+            asyncio.ensure_future(candidates(b.tokens, f"{request_id}-beam{step}-{i}"))
+            for i, b in enumerate(beams)
+        ]
+        try:
+            rows = await asyncio.gather(*tasks)
+        except BaseException:
+            # One beam failed or the client left: abort the step's other requests too.
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
         search.advance([instance], rows)
     result = search.finish(instance, engine_client.tokenizer.decode)
     yield RequestOutput(

@@ -89,6 +89,12 @@ class OpenAIServingCompletion(OpenAIServing):
     ) -> AsyncGenerator[RequestOutput, None]:
         try:
             params = request.to_beam_search_params(max_tokens)
+            max_logprobs = self.engine_client.model_config.max_logprobs
+            if max_logprobs != -1 and 2 * params.beam_width > max_logprobs:
+                raise ValueError(
+                    f"n must be at most {max_logprobs // 2} with use_beam_search (each step "
+                    f"asks for 2n logprobs; the server's max_logprobs is {max_logprobs})"
+                )
         except ValueError as exc:
             raise self.bad_request(exc) from None
         return beam_search(

@@ -182,6 +182,8 @@ def test_completions_use_beam_search_matches_offline(server: RemoteServer, llm: 
     assert [c["text"] for c in choices] == [s.text for s in offline.sequences]
     streamed = httpx.post(server.url("/v1/completions"), json={**body, "stream": True}, timeout=60)
     assert streamed.status_code == 400 and "use_beam_search" in streamed.text
+    wide = httpx.post(server.url("/v1/completions"), json={**body, "n": 12}, timeout=60)
+    assert wide.status_code == 400 and "n must be at most 10" in wide.text
 
 
 def test_stored_responses_when_enabled() -> None:
