@@ -99,11 +99,9 @@ class EngineArgs(VllmCompatArgs):
     override_generation_config: dict[str, Any] | str | None = None
 
     def _kv_cache_bytes(self, device: str) -> int:
-        given = (
-            self.kv_cache_memory
-            if self.kv_cache_memory is not None
-            else (self.kv_cache_memory_bytes)
-        )
+        given = self.kv_cache_memory
+        if given is None:
+            given = self.kv_cache_memory_bytes
         if given is not None:
             return parse_bytes(given)
         if self.gpu_memory_utilization is not None:
@@ -148,13 +146,16 @@ class EngineArgs(VllmCompatArgs):
 
     def create_engine_config(self) -> EngineConfig:
         self.check_ignored_args()
+        model = locate_model(self.model, self.revision, self.download_dir)
         model_config = ModelConfig(
-            model=locate_model(self.model, self.revision, self.download_dir),
+            model=model,
             tokenizer=locate_model(self.tokenizer, self.tokenizer_revision, self.download_dir),
             dtype=self.dtype,
             max_model_len=self.max_model_len,
             seed=self.seed,
-            served_model_name=self.served_model_name,
+            # A model found in download_dir keeps the name it was asked for (org/name).
+            served_model_name=self.served_model_name
+            or (None if model == self.model else self.model),
             quantization=self.quantization,
             disable_cascade_attn=self.disable_cascade_attn,
             logits_processors=self._logits_processors(),

@@ -122,3 +122,25 @@ def test_every_engine_argument_is_a_flag() -> None:
     assert {f.name for f in dataclasses.fields(EngineArgs)} - dests == aliases
     args = parse(["-tp", "1", "--dtype", "auto", "--kv-cache-memory-bytes", "32M"])
     assert args.tensor_parallel_size == 1 and args.kv_cache_memory == "32M"
+
+
+def test_download_dir_and_revision_pick_a_cached_snapshot(tmp_path: Path) -> None:
+    from tests.entrypoints.test_llm_tiny_models import build_model
+
+    repo = tmp_path / "models--org--tiny"
+    snapshot = repo / "snapshots" / "c0ffee"
+    snapshot.mkdir(parents=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("c0ffee")
+    build_model("llama", snapshot)
+    config = EngineArgs(model="org/tiny", download_dir=str(tmp_path)).create_engine_config()
+    assert config.model_config.resolved.path == str(snapshot.resolve())
+    assert config.model_config.served_model_name == "org/tiny"
+    config = EngineArgs(
+        model="org/tiny", download_dir=str(tmp_path), revision="c0ffee"
+    ).create_engine_config()
+    assert config.model_config.resolved.path == str(snapshot.resolve())
+    with pytest.raises(ValueError, match="does not download"):
+        EngineArgs(
+            model="org/tiny", download_dir=str(tmp_path), revision="v9"
+        ).create_engine_config()
