@@ -7,7 +7,10 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
+from kvserve.sampling_params import SamplingParams
 from kvserve.transformers_utils.arch_config import ArchConfig, load_arch_config
+from kvserve.transformers_utils.generation_config import load_generation_defaults
+from kvserve.transformers_utils.local_model import check_load_format
 from kvserve.transformers_utils.model_resolver import ResolvedModel, resolve_model
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
@@ -45,19 +48,30 @@ class ModelConfig:
     # "package.module:Class" paths, run after the built-ins in every batch. Loaded by the
     # worker (this layer cannot import them); EngineArgs checks that they load.
     logits_processors: tuple[str | type, ...] = ()
+    # vLLM's cap on logprobs / prompt_logprobs per request (-1: the whole vocabulary).
+    max_logprobs: int = 20
+    # Where default sampling parameters come from: "auto" (the model's generation config),
+    # "vllm" (none) or a folder with a generation_config.json; overrides go on top.
+    generation_config: str = "auto"
+    override_generation_config: dict[str, Any] | None = None
+    # vLLM's load_format, checked against the model's format ("auto" reads any).
+    load_format: str = "auto"
     # Whether `quantization` is that default rather than asked for: a default "gguf" falls
     # back to float32 where its kernels cannot run (no compiler, a CUDA device).
     quantization_is_default: bool = field(init=False, default=False)
     resolved: ResolvedModel = field(init=False)
     arch: ArchConfig = field(init=False)
     tokenizer_resolved: ResolvedModel = field(init=False)
+    # SamplingParams field -> value from the generation config (vLLM's diff_sampling_param).
+    generation_defaults: dict[str, Any] = field(init=False, default_factory=dict)
 
     def __post_init__(self) -> None:
         self.resolved = resolve_model(self.model)
+        check_load_format(self.load_format, self.resolved)
         # A separate tokenizer source (a GGUF or HF directory); the model's own by default.
         self.tokenizer_resolved = resolve_model(self.tokenizer) if self.tokenizer else self.resolved
         self.arch = load_arch_config(self.resolved)
-        if self.dtype not in ("float32", "auto"):
+        if self.dtype not in ("float32", "float", "auto"):
             raise ValueError(f"dtype must be 'float32' (or 'auto'), got {self.dtype!r}")
         self.dtype = "float32"
         limit = self.arch.max_position_embeddings
@@ -71,6 +85,19 @@ class ModelConfig:
         if self.served_model_name is None:
             self.served_model_name = self.resolved.name
         self._resolve_quantization()
+        if self.max_logprobs < -1:
+            raise ValueError(f"max_logprobs must be -1 or more, got {self.max_logprobs}")
+        self.generation_defaults = load_generation_defaults(
+            self.resolved, self.generation_config, self.override_generation_config
+        )
+        try:  # checked now, not on the first request that uses them
+            SamplingParams(**self.generation_defaults)
+        except ValueError as exc:
+            raise ValueError(f"generation config of {self.model!r}: {exc}") from None
+
+    def get_diff_sampling_param(self) -> dict[str, Any]:
+        """The sampling defaults the generation config sets (vLLM's name), a fresh dict."""
+        return dict(self.generation_defaults)
 
     def _resolve_quantization(self) -> None:
         if self.quantization is None:

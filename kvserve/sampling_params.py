@@ -248,3 +248,32 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
 
     def clone(self, **changes: Any) -> SamplingParams:
         return msgspec.structs.replace(self, **changes)
+
+
+class BeamSearchParams(msgspec.Struct, kw_only=True):
+    """vLLM's beam search settings (``LLM.beam_search``; ``use_beam_search`` on the server)."""
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.beam_width, bool) or not isinstance(self.beam_width, int):
+            raise _bad("beam_width", "must be an integer", self.beam_width)
+        if self.beam_width < 1:
+            raise _bad("beam_width", "must be at least 1", self.beam_width)
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int):
+            raise _bad("max_tokens", "must be an integer", self.max_tokens)
+        if self.max_tokens < 1:
+            raise _bad("max_tokens", "must be at least 1", self.max_tokens)
+        for name in ("temperature", "length_penalty"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise _bad(name, "must be a number", value)
+            if not math.isfinite(value):
+                raise _bad(name, "must be a finite number", value)
+        if self.temperature < 0.0:
+            raise _bad("temperature", "must be non-negative", self.temperature)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -24,6 +25,8 @@ from kvserve.config import (
     StructuredOutputsConfig,
     SpeculativeConfig,
 )
+from kvserve.engine.vllm_compat_args import VllmCompatArgs
+from kvserve.transformers_utils.local_model import locate_model
 
 _SIZE_SUFFIXES = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
@@ -48,7 +51,10 @@ def _model_registrations() -> tuple[tuple[str, str], ...]:
 
 
 @dataclass
-class EngineArgs:
+class EngineArgs(VllmCompatArgs):
+    """vLLM's engine arguments: those kvserve gives a meaning here are the fields below;
+    the ones it accepts without use come from VllmCompatArgs (docs/vllm_compat.md)."""
+
     model: str | None = DEFAULT_MODEL
     tokenizer: str | None = None
     served_model_name: str | None = None
@@ -59,8 +65,13 @@ class EngineArgs:
     device: str = "auto"
     block_size: int = 16
     kv_cache_dtype: str = "auto"
-    kv_cache_memory: int | str = CacheConfig.kv_cache_memory
+    # Bytes (or "2G") for the KV cache; unset: gpu_memory_utilization's share of the
+    # available memory when that is given, else CacheConfig's default.
+    kv_cache_memory: int | str | None = None
+    kv_cache_memory_bytes: int | str | None = None  # vLLM's name for kv_cache_memory
+    gpu_memory_utilization: float | None = None
     num_blocks_override: int | None = None
+    num_gpu_blocks_override: int | None = None  # vLLM's name for num_blocks_override
     enable_prefix_caching: bool = True
     prefix_caching_hash_seed: int = 0
     max_num_batched_tokens: int = SchedulerConfig.max_num_batched_tokens
@@ -89,6 +100,40 @@ class EngineArgs:
     structured_outputs_backend: str = "auto"
     # A SpeculativeConfig, a dict of its fields, or the JSON text of --speculative-config.
     speculative_config: SpeculativeConfig | dict[str, Any] | str | None = None
+    max_logprobs: int = 20
+    # vLLM's LLM passes True; the server (and LLMEngine/AsyncLLM.from_engine_args) reads it.
+    disable_log_stats: bool = False
+    # Loading local files (kvserve does not download): see transformers_utils.local_model.
+    revision: str | None = None
+    tokenizer_revision: str | None = None
+    download_dir: str | None = None
+    load_format: str = "auto"
+    # Default sampling parameters: "auto" (the model's generation config), "vllm" or a folder.
+    generation_config: str = "auto"
+    override_generation_config: dict[str, Any] | str | None = None
+
+    def _kv_cache_bytes(self, device: str) -> int:
+        given = self.kv_cache_memory
+        if given is None:
+            given = self.kv_cache_memory_bytes
+        if given is not None:
+            return parse_bytes(given)
+        if self.gpu_memory_utilization is not None:
+            from kvserve.utils.memory import kv_cache_bytes_for_utilization
+
+            return kv_cache_bytes_for_utilization(self.gpu_memory_utilization, device)
+        return CacheConfig.kv_cache_memory
+
+    def _generation_overrides(self) -> dict[str, Any] | None:
+        value = self.override_generation_config
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"override_generation_config is not valid JSON: {exc}") from None
+        if value is not None and not isinstance(value, dict):
+            raise ValueError(f"override_generation_config must be a dict, got {value!r}")
+        return value
 
     def _transfer_config(self) -> KVTransferConfig | None:
         transfer = (
@@ -114,33 +159,42 @@ class EngineArgs:
         return specs
 
     def create_engine_config(self) -> EngineConfig:
+        self.check_ignored_args()
+        model = locate_model(self.model, self.revision, self.download_dir)
         model_config = ModelConfig(
-            model=self.model,
-            tokenizer=self.tokenizer,
+            model=model,
+            tokenizer=locate_model(self.tokenizer, self.tokenizer_revision, self.download_dir),
             dtype=self.dtype,
             max_model_len=self.max_model_len,
             seed=self.seed,
-            served_model_name=self.served_model_name,
+            # A model found in download_dir keeps the name it was asked for (org/name).
+            served_model_name=self.served_model_name
+            or (None if model == self.model else self.model),
             quantization=self.quantization,
             disable_cascade_attn=self.disable_cascade_attn,
             skip_tokenizer_init=self.skip_tokenizer_init,
             model_registrations=_model_registrations(),
             logits_processors=self._logits_processors(),
+            max_logprobs=self.max_logprobs,
+            generation_config=self.generation_config,
+            override_generation_config=self._generation_overrides(),
+            load_format=self.load_format,
         )
         assert model_config.max_model_len is not None
         # A model without a class fails here, listing what is supported (no torch import).
         from kvserve.model_executor.models.registry import ModelRegistry
 
         ModelRegistry.check_supported(model_config.arch.architecture)
+        device_config = DeviceConfig(device=self.device)
         return EngineConfig(
             model_config=model_config,
             cache_config=CacheConfig(
                 block_size=self.block_size,
                 cache_dtype=self.kv_cache_dtype,
-                kv_cache_memory=parse_bytes(self.kv_cache_memory),
+                kv_cache_memory=self._kv_cache_bytes(device_config.device),
                 enable_prefix_caching=self.enable_prefix_caching,
                 prefix_caching_hash_seed=self.prefix_caching_hash_seed,
-                num_blocks_override=self.num_blocks_override,
+                num_blocks_override=self.num_blocks_override or self.num_gpu_blocks_override,
                 attention_sinks=self.attention_sinks,
                 sink_max_seq_len=self.sink_max_seq_len,
             ),
@@ -157,7 +211,7 @@ class EngineArgs:
                 pipeline_parallel_size=self.pipeline_parallel_size,
                 distributed_executor_backend=self.distributed_executor_backend,
             ),
-            device_config=DeviceConfig(device=self.device),
+            device_config=device_config,
             kv_events_config=(
                 None
                 if self.kv_events_config is None
@@ -218,6 +272,19 @@ class EngineArgs:
             "none/float32 (default for HF directories): dequantize to float32 at load",
         )  # fmt: skip
         parser.add_argument("--seed", type=int, default=0)
+        parser.add_argument(
+            "--dtype", default="float32", choices=["auto", "float32", "float"],
+            help="weights and activations compute in float32",
+        )  # fmt: skip
+        parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+        parser.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
+        parser.add_argument(
+            "--distributed-executor-backend", default=None, choices=["uni", "mp", "ray"]
+        )
+        parser.add_argument(
+            "--prefix-caching-hash-seed", type=int, default=0,
+            help="seed of the block hash; every engine sharing a KV store must use the same",
+        )  # fmt: skip
         parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
         parser.add_argument("--block-size", type=int, default=16)
         parser.add_argument(
@@ -226,10 +293,50 @@ class EngineArgs:
             "bfloat16 halve the bytes decode attention reads, rounding stored keys/values",
         )  # fmt: skip
         parser.add_argument(
-            "--kv-cache-memory",
-            default=str(CacheConfig.kv_cache_memory),
-            help="bytes for the paged KV cache, e.g. 2G",
+            "--kv-cache-memory", "--kv-cache-memory-bytes", default=None,
+            help="bytes for the paged KV cache, e.g. 2G (default: --gpu-memory-utilization's "
+            f"share of the available memory if given, else {CacheConfig.kv_cache_memory >> 20}M)",
+        )  # fmt: skip
+        parser.add_argument(
+            "--gpu-memory-utilization", type=float, default=None,
+            help="without --kv-cache-memory: the KV cache takes this share of the device's "
+            "available memory (host RAM on the CPU)",
+        )  # fmt: skip
+        parser.add_argument(
+            "--num-gpu-blocks-override", "--num-blocks-override", dest="num_blocks_override",
+            type=int, default=None, help="this many KV blocks, whatever the memory size",
+        )  # fmt: skip
+        parser.add_argument(
+            "--max-logprobs", type=int, default=20,
+            help="most logprobs / prompt_logprobs a request may ask for (-1: no limit)",
+        )  # fmt: skip
+        parser.add_argument(
+            "--disable-log-stats", action="store_true", help="do not log engine statistics"
         )
+        parser.add_argument(
+            "--revision", default=None,
+            help="snapshot of a model in the Hugging Face cache layout (local files only)",
+        )  # fmt: skip
+        parser.add_argument("--tokenizer-revision", default=None)
+        parser.add_argument(
+            "--download-dir", default=None,
+            help="folder holding the model (plain or in the HF cache layout); nothing is "
+            "downloaded",
+        )  # fmt: skip
+        parser.add_argument(
+            "--load-format", default="auto", choices=["auto", "safetensors", "gguf", "pt",
+                                                      "npcache", "dummy"],
+            help="auto, safetensors or gguf (pt/npcache/dummy are refused: no pickles)",
+        )  # fmt: skip
+        parser.add_argument(
+            "--generation-config", default="auto",
+            help="default sampling parameters: auto (the model's generation config), vllm "
+            "(none), or a folder with a generation_config.json",
+        )  # fmt: skip
+        parser.add_argument(
+            "--override-generation-config", default=None,
+            help='JSON, e.g. \'{"temperature": 0.5}\', applied over the generation config',
+        )  # fmt: skip
         parser.add_argument(
             "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True
         )
@@ -298,6 +405,7 @@ class EngineArgs:
             help="custom LogitsProcessor classes to load, run in every batch after the "
             "built-ins; requests turn them on through SamplingParams.extra_args",
         )
+        VllmCompatArgs.add_ignored_cli_args(parser)
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:

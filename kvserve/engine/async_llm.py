@@ -88,6 +88,7 @@ class AsyncLLM(EngineClient):
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs, **kwargs: Any) -> AsyncLLM:
+        kwargs.setdefault("log_stats", not engine_args.disable_log_stats)
         return cls(engine_args.create_engine_config(), **kwargs)
 
     # --- state -------------------------------------------------------------------------

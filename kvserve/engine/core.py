@@ -5,7 +5,8 @@ from __future__ import annotations
 import gc
 import logging
 import time
-from typing import cast
+from collections.abc import Callable
+from typing import Any, cast
 
 import msgspec
 
@@ -237,6 +238,16 @@ class EngineCore:
         reset = self.scheduler.reset_prefix_cache()
         self._publish_kv_events()
         return reset
+
+    def collective_rpc(
+        self,
+        method: str | Callable[..., Any],
+        timeout: float | None = None,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> list[Any]:
+        """Runs ``method`` on every worker (Executor.collective_rpc), between steps."""
+        return self.model_executor.collective_rpc(method, timeout, args, kwargs)
 
     def shutdown(self) -> None:
         self.scheduler.shutdown()

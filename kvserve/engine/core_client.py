@@ -57,6 +57,20 @@ class EngineCoreClient(ABC):
     @abstractmethod
     def shutdown(self) -> None: ...
 
+    def collective_rpc(
+        self,
+        method: str | Callable[..., Any],
+        timeout: float | None = None,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> list[Any]:
+        # A callable and arbitrary arguments reach another process only as pickles, which
+        # kvserve never sends; the in-process core calls the worker directly.
+        raise ValueError(
+            "collective_rpc needs the engine core in this process "
+            "(LLM(..., multiprocess_mode=False), the default)"
+        )
+
 
 class InprocClient(EngineCoreClient):
     """Runs the core in the caller's thread: get_output() performs one step."""
@@ -79,6 +93,15 @@ class InprocClient(EngineCoreClient):
 
     def reset_prefix_cache(self) -> bool:
         return self.engine_core.reset_prefix_cache()
+
+    def collective_rpc(
+        self,
+        method: str | Callable[..., Any],
+        timeout: float | None = None,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> list[Any]:
+        return self.engine_core.collective_rpc(method, timeout, args, kwargs)
 
     def shutdown(self) -> None:
         self.engine_core.shutdown()

@@ -37,6 +37,7 @@ class InputProcessor:
             scheduler_config.max_model_len if scheduler_config else model_config.max_model_len
         )
         self.vocab_size = model_config.vocab_size
+        self.max_logprobs = model_config.max_logprobs
         eos_ids = list(model_config.arch.eos_token_ids)
         if not eos_ids and tokenizer is not None and tokenizer.eos_token_id is not None:
             eos_ids = [tokenizer.eos_token_id]
@@ -134,6 +135,7 @@ class InputProcessor:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
         params.verify_against_vocab(self.vocab_size)
+        self._check_logprobs(params)
         changes: dict[str, Any] = {}
         # A copy per request: callers reuse one SamplingParams for many prompts.
         if params.max_tokens is None:
@@ -162,6 +164,18 @@ class InputProcessor:
 
         backend = resolve_backend(spec._backend or self.structured_outputs_backend, spec)
         return msgspec.structs.replace(spec, _backend=backend)
+    def _check_logprobs(self, params: SamplingParams) -> None:
+        """vLLM's max_logprobs: a request may ask for at most that many (-1 in either
+        place: the whole vocabulary, allowed only when max_logprobs is -1)."""
+        if self.max_logprobs == -1:
+            return
+        for field in ("logprobs", "prompt_logprobs"):
+            asked = getattr(params, field)
+            if asked is not None and (asked == -1 or asked > self.max_logprobs):
+                raise ValueError(
+                    f"{field}={asked} is more than max_logprobs={self.max_logprobs} "
+                    "(raise the engine's max_logprobs)"
+                )
 
     def _tokenize_bad_words(self, bad_words: list[str]) -> list[list[int]]:
         if self.tokenizer is None:

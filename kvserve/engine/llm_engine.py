@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -66,6 +67,7 @@ class LLMEngine:
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs, **kwargs: Any) -> LLMEngine:
+        kwargs.setdefault("log_stats", not engine_args.disable_log_stats)
         return cls(engine_args.create_engine_config(), **kwargs)
 
     def add_request(
@@ -140,6 +142,15 @@ class LLMEngine:
 
     def reset_prefix_cache(self) -> bool:
         return self.engine_core.reset_prefix_cache()
+
+    def collective_rpc(
+        self,
+        method: str | Callable[..., Any],
+        timeout: float | None = None,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> list[Any]:
+        return list(self.engine_core.collective_rpc(method, timeout, args, kwargs))
 
     def shutdown(self) -> None:
         self.engine_core.shutdown()

@@ -3,19 +3,21 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, cast
 
 from tqdm.auto import tqdm
 
+from kvserve.beam_search import BeamSearchOutput
 from kvserve.config import DEFAULT_MODEL
 from kvserve.engine.arg_utils import EngineArgs
 from kvserve.engine.input_processor import apply_chat_template
 from kvserve.engine.llm_engine import LLMEngine
+from kvserve.entrypoints.llm_beam_search import run_beam_search
 from kvserve.inputs import PromptType
 from kvserve.metrics.reader import Metric
 from kvserve.outputs import RequestOutput
-from kvserve.sampling_params import RequestOutputKind, SamplingParams
+from kvserve.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 ChatMessages = list[dict[str, Any]]
 
@@ -32,6 +34,8 @@ class LLM:
         disable_log_stats: bool = True,
         **kwargs: Any,
     ) -> None:
+        # vLLM's LLM keeps engine statistics off unless asked for.
+        kwargs.setdefault("disable_log_stats", True)
         engine_args = EngineArgs.from_kwargs(model=model, **kwargs)
         self.llm_engine = LLMEngine.from_engine_args(
             engine_args, multiprocess_mode=multiprocess_mode, log_stats=not disable_log_stats
@@ -42,7 +46,31 @@ class LLM:
         return self.llm_engine.tokenizer
 
     def get_default_sampling_params(self) -> SamplingParams:
-        return SamplingParams()
+        """SamplingParams with the model's generation config applied (vLLM's behaviour;
+        none with generation_config="vllm"). Used when generate() gets no params."""
+        return SamplingParams(**self.llm_engine.config.model_config.get_diff_sampling_param())
+
+    def beam_search(
+        self,
+        prompts: Sequence[PromptType],
+        params: BeamSearchParams,
+        *,
+        use_tqdm: bool = False,
+        concurrency_limit: int | None = None,
+    ) -> list[BeamSearchOutput]:
+        """vLLM's beam search: the best ``params.beam_width`` beams of each prompt."""
+        return run_beam_search(self, prompts, params, use_tqdm, concurrency_limit)
+
+    def collective_rpc(
+        self,
+        method: str | Callable[..., Any],
+        timeout: float | None = None,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> list[Any]:
+        """Calls ``method`` (a Worker method name, or a callable taking the worker first)
+        on every worker; the results in rank order. Needs the in-process engine core."""
+        return self.llm_engine.collective_rpc(method, timeout, args, kwargs)
 
     def generate(
         self,

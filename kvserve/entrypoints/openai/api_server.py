@@ -35,10 +35,12 @@ from kvserve.entrypoints.openai.protocol import (
     TokenizeChatRequest,
     TokenizeCompletionRequest,
 )
+from kvserve.entrypoints.openai.protocol_responses import ResponsesRequest
 from kvserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from kvserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from kvserve.entrypoints.openai.serving_engine import INTERNAL_ERROR_MESSAGE
 from kvserve.entrypoints.openai.serving_models import OpenAIServingModels
+from kvserve.entrypoints.openai.serving_responses import OpenAIServingResponses
 from kvserve.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from kvserve.entrypoints.openai.streaming import (
     GuardedStreamingResponse,
@@ -164,7 +166,10 @@ def build_app(engine_client: EngineClient, args: argparse.Namespace) -> FastAPI:
     )
     completion = OpenAIServingCompletion(engine_client, models)
     tokenization = OpenAIServingTokenization(chat)
-    for serving in (chat, completion):
+    responses = OpenAIServingResponses(
+        chat, enable_store=getattr(args, "enable_store_responses", False)
+    )
+    for serving in (chat, completion, responses):
         serving.log_requests = not getattr(args, "disable_log_requests", False)
 
     @contextlib.asynccontextmanager
@@ -173,8 +178,14 @@ def build_app(engine_client: EngineClient, args: argparse.Namespace) -> FastAPI:
         yield
         watch.cancel()
 
+    docs = not getattr(args, "disable_fastapi_docs", False)
     app = FastAPI(
-        title="kvserve OpenAI-compatible server", version=kvserve.__version__, lifespan=lifespan
+        title="kvserve OpenAI-compatible server",
+        version=kvserve.__version__,
+        lifespan=lifespan,
+        openapi_url="/openapi.json" if docs else None,
+        docs_url="/docs" if docs else None,
+        redoc_url="/redoc" if docs else None,
     )
     app.state.engine_client = engine_client
     app.state.server = None  # set by run_server, so a dead engine can stop uvicorn
@@ -240,6 +251,15 @@ def build_app(engine_client: EngineClient, args: argparse.Namespace) -> FastAPI:
     ) -> Response:
         work = chat.create_chat_completion(request, raw_request)
         return _respond(await _until_disconnect(raw_request, work, request_timeout), args)
+
+    @app.post("/v1/responses")
+    async def create_response(request: ResponsesRequest, raw_request: Request) -> Response:
+        work = responses.create_response(request, raw_request)
+        return _respond(await _until_disconnect(raw_request, work, request_timeout), args)
+
+    @app.get("/v1/responses/{response_id}")
+    async def retrieve_response(response_id: str) -> Response:
+        return _respond(responses.retrieve(response_id))
 
     @app.post("/tokenize")
     async def tokenize(request: TokenizeChatRequest | TokenizeCompletionRequest) -> Response:
@@ -330,6 +350,9 @@ async def serve_http(args: argparse.Namespace, engine: EngineClient | None = Non
             # SIGTERM: stop accepting, let in-flight requests finish for this long.
             timeout_graceful_shutdown=args.shutdown_timeout,
             access_log=False,
+            root_path=getattr(args, "root_path", None) or "",
+            ssl_keyfile=getattr(args, "ssl_keyfile", None),
+            ssl_certfile=getattr(args, "ssl_certfile", None),
         )
         server = uvicorn.Server(config)
         app.state.server = server

@@ -9,6 +9,7 @@ import json
 import logging
 
 from kvserve.engine.arg_utils import EngineArgs
+from kvserve.entrypoints.openai.compat_args import add_vllm_server_args, check_server_args
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -71,6 +72,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="seconds in-flight requests may run after SIGTERM before they are aborted",
     )
     add_limit_args(parser)
+    add_vllm_server_args(parser)
     return parser
 
 
@@ -146,6 +148,7 @@ def serve_main(args: argparse.Namespace) -> int:
             ToolParserManager.get_tool_parser(args.tool_call_parser)
         except ValueError as exc:
             raise SystemExit(f"--tool-call-parser: {exc}") from None
+    check_server_args(args)
     # Request lines and the periodic stats line are INFO: show them unless asked not to.
     names = ["kvserve.metrics"] + (
         [] if args.disable_log_requests else ["kvserve.entrypoints.openai"]

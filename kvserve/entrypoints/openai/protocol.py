@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Mapping
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (
@@ -22,7 +23,7 @@ from kvserve.entrypoints.openai.protocol_structured import (
     ToolCall,
     ToolChoice,
 )
-from kvserve.sampling_params import RequestOutputKind, SamplingParams
+from kvserve.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 # vLLM's default cap on logprobs per position; also OpenAI's top_logprobs limit.
 MAX_LOGPROBS = 20
@@ -167,9 +168,17 @@ class _SamplingRequest(StructuredOutputsRequestFields, OpenAIRequestModel):
     request_id: ShortString | None = None
 
     def _sampling_params(
-        self, max_tokens: int, logprobs: int | None, stream: bool
+        self,
+        max_tokens: int,
+        logprobs: int | None,
+        stream: bool,
+        defaults: Mapping[str, Any] | None = None,
     ) -> SamplingParams:
-        """Raises ValueError (-> 400) for out-of-range values, via SamplingParams."""
+        """Raises ValueError (-> 400) for out-of-range values, via SamplingParams.
+
+        ``defaults`` (the model's generation config) fill the knobs the request leaves out.
+        """
+        default = dict(defaults or {})
         if logprobs is not None and logprobs > MAX_LOGPROBS:
             raise ValueError(f"logprobs must be at most {MAX_LOGPROBS}, got {logprobs}")
         if self.best_of is not None and self.best_of != self.n:
@@ -183,13 +192,17 @@ class _SamplingRequest(StructuredOutputsRequestFields, OpenAIRequestModel):
             bias = None
         return SamplingParams(
             n=self.n,
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=self.top_k or 0,
-            min_p=self.min_p or 0.0,
+            temperature=default.get("temperature", 1.0)
+            if self.temperature is None
+            else self.temperature,
+            top_p=default.get("top_p", 1.0) if self.top_p is None else self.top_p,
+            top_k=default.get("top_k", 0) if self.top_k is None else self.top_k,
+            min_p=default.get("min_p", 0.0) if self.min_p is None else self.min_p,
             presence_penalty=self.presence_penalty or 0.0,
             frequency_penalty=self.frequency_penalty or 0.0,
-            repetition_penalty=self.repetition_penalty or 1.0,
+            repetition_penalty=default.get("repetition_penalty", 1.0)
+            if self.repetition_penalty is None
+            else self.repetition_penalty,
             seed=self.seed,
             stop=self.stop,
             stop_token_ids=self.stop_token_ids,
@@ -218,9 +231,27 @@ class CompletionRequest(_SamplingRequest):
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     suffix: str | None = None
+    # vLLM's extras: beam search with beam width n.
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
 
-    def to_sampling_params(self, max_tokens: int) -> SamplingParams:
-        return self._sampling_params(max_tokens, self.logprobs, self.stream)
+    def to_beam_search_params(self, max_tokens: int) -> BeamSearchParams:
+        """Raises ValueError (-> 400) for what beam search cannot do."""
+        if self.stream or self.logprobs is not None or self.echo:
+            raise ValueError("use_beam_search does not support stream, logprobs or echo")
+        return BeamSearchParams(
+            beam_width=self.n,
+            max_tokens=max_tokens,
+            ignore_eos=self.ignore_eos,
+            temperature=self.temperature or 0.0,
+            length_penalty=self.length_penalty,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+        )
+
+    def to_sampling_params(
+        self, max_tokens: int, defaults: Mapping[str, Any] | None = None
+    ) -> SamplingParams:
+        return self._sampling_params(max_tokens, self.logprobs, self.stream, defaults)
 
 
 class CompletionLogProbs(OpenAIBaseModel):
@@ -281,11 +312,13 @@ class ChatCompletionRequest(_SamplingRequest):
             else self.max_tokens
         )
 
-    def to_sampling_params(self, max_tokens: int) -> SamplingParams:
+    def to_sampling_params(
+        self, max_tokens: int, defaults: Mapping[str, Any] | None = None
+    ) -> SamplingParams:
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs=true")
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self._sampling_params(max_tokens, logprobs, self.stream)
+        return self._sampling_params(max_tokens, logprobs, self.stream, defaults)
 
 
 class ChatMessage(OpenAIBaseModel):

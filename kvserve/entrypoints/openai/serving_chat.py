@@ -93,7 +93,7 @@ class OpenAIServingChat(OpenAIServing):
         )
         max_tokens = self.check_length(len(prompt_ids), request.requested_max_tokens(), "messages")
         try:
-            params = request.to_sampling_params(max_tokens)
+            params = request.to_sampling_params(max_tokens, self.default_sampling_params)
             tool_grammar = tools.structured_outputs()
             if tool_grammar is not None:
                 if params.structured_outputs is not None:

@@ -10,6 +10,7 @@ from typing import Any
 
 from fastapi import Request
 
+from kvserve.entrypoints.openai.beam_search import beam_search
 from kvserve.entrypoints.openai.protocol import (
     CompletionRequest,
     CompletionResponse,
@@ -50,13 +51,18 @@ class OpenAIServingCompletion(OpenAIServing):
         generators = []
         for i, prompt in enumerate(prompts):
             max_tokens = self.check_length(len(prompt.token_ids), request.max_tokens)
+            request_id = base_id if len(prompts) == 1 else f"{base_id}-{i}"
+            if request.use_beam_search:
+                generators.append(
+                    self._beam_search(request, prompt.token_ids, max_tokens, request_id)
+                )
+                continue
             try:
-                params = request.to_sampling_params(max_tokens)
+                params = request.to_sampling_params(max_tokens, self.default_sampling_params)
             except ValueError as exc:
                 raise self.bad_request(exc) from None
             if request.echo and request.logprobs is not None:
                 params = params.clone(prompt_logprobs=request.logprobs)
-            request_id = base_id if len(prompts) == 1 else f"{base_id}-{i}"
             generators.append(
                 self.generate(
                     {"prompt_token_ids": prompt.token_ids, "prompt": prompt.text},
@@ -77,6 +83,29 @@ class OpenAIServingCompletion(OpenAIServing):
             await merged.aclose()
             raise self.engine_error(exc) from None
         return self._stream(request, merged, first, prompts, model, response_id)
+
+    def _beam_search(
+        self, request: CompletionRequest, prompt_ids: list[int], max_tokens: int, request_id: str
+    ) -> AsyncGenerator[RequestOutput, None]:
+        try:
+            params = request.to_beam_search_params(max_tokens)
+            max_logprobs = self.engine_client.model_config.max_logprobs
+            if max_logprobs != -1 and 2 * params.beam_width > max_logprobs:
+                raise ValueError(
+                    f"n must be at most {max_logprobs // 2} with use_beam_search (each step "
+                    f"asks for 2n logprobs; the server's max_logprobs is {max_logprobs})"
+                )
+        except ValueError as exc:
+            raise self.bad_request(exc) from None
+        return beam_search(
+            self.engine_client,
+            prompt_ids,
+            params,
+            request_id,
+            self.max_model_len,
+            request.priority,
+            request.cache_salt,
+        )
 
     async def _prompts(
         self, prompt: str | list[str] | list[int] | list[list[int]]

@@ -50,6 +50,9 @@ class OpenAIServing:
         self.tokenizer = engine_client.tokenizer
         assert engine_client.model_config.max_model_len is not None
         self.max_model_len: int = engine_client.model_config.max_model_len
+        # The model's generation config: defaults for what a request leaves out, and its
+        # max_new_tokens a server-wide cap on output length (vLLM's behaviour).
+        self.default_sampling_params = engine_client.model_config.get_diff_sampling_param()
         self.log_requests = True
 
     @staticmethod
@@ -95,8 +98,9 @@ class OpenAIServing:
                 "input.",
                 param=input_param,
             )
+        cap = self.default_sampling_params.get("max_tokens")
         if max_tokens is None:
-            return limit - prompt_len
+            return min(limit - prompt_len, cap or limit)
         if max_tokens < 1:
             raise OpenAIServingError(
                 f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens"
@@ -109,7 +113,7 @@ class OpenAIServing:
                 "or of the completion.",
                 param="max_tokens",
             )
-        return max_tokens
+        return min(max_tokens, cap or max_tokens)
 
     def generate(
         self,

@@ -1,0 +1,110 @@
+"""Bodies of the Responses API (`/v1/responses`), as the openai SDK reads them."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from typing import Any, Literal
+
+from pydantic import Field
+
+from kvserve.entrypoints.openai.protocol import (
+    INT64_MAX,
+    OpenAIBaseModel,
+    ShortString,
+    _SamplingRequest,
+    random_uuid,
+)
+from kvserve.sampling_params import SamplingParams
+
+
+class ResponsesRequest(_SamplingRequest):
+    """OpenAI's fields (input, instructions, max_output_tokens, store, ...) on top of the
+    sampling knobs completions and chat share (one sample: ``n`` must stay 1)."""
+
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    max_output_tokens: int | None = Field(None, ge=1, le=INT64_MAX)
+    # OpenAI stores by default; this server only when started with --enable-store-responses.
+    store: bool = True
+    previous_response_id: ShortString | None = None
+    tools: list[dict[str, Any]] | None = None
+    metadata: dict[str, Any] | None = None
+
+    def to_sampling_params(
+        self, max_tokens: int, defaults: Mapping[str, Any] | None = None
+    ) -> SamplingParams:
+        if self.n != 1:
+            raise ValueError(f"n must be 1 for /v1/responses, got {self.n}")
+        return self._sampling_params(max_tokens, None, self.stream, defaults)
+
+
+class ResponseOutputText(OpenAIBaseModel):
+    type: Literal["output_text"] = "output_text"
+    text: str
+    annotations: list[Any] = Field(default_factory=list)
+    logprobs: list[Any] = Field(default_factory=list)
+
+
+class ResponseOutputMessage(OpenAIBaseModel):
+    id: str = Field(default_factory=lambda: f"msg_{random_uuid()}")
+    type: Literal["message"] = "message"
+    role: Literal["assistant"] = "assistant"
+    status: Literal["in_progress", "completed", "incomplete"] = "in_progress"
+    content: list[ResponseOutputText] = Field(default_factory=list)
+
+
+class InputTokensDetails(OpenAIBaseModel):
+    cached_tokens: int = 0
+
+
+class OutputTokensDetails(OpenAIBaseModel):
+    reasoning_tokens: int = 0
+
+
+class ResponseUsage(OpenAIBaseModel):
+    input_tokens: int
+    input_tokens_details: InputTokensDetails
+    output_tokens: int
+    output_tokens_details: OutputTokensDetails = Field(default_factory=OutputTokensDetails)
+    total_tokens: int
+
+    @classmethod
+    def of(cls, input_tokens: int, output_tokens: int, cached_tokens: int) -> ResponseUsage:
+        return cls(
+            input_tokens=input_tokens,
+            input_tokens_details=InputTokensDetails(cached_tokens=cached_tokens),
+            output_tokens=output_tokens,
+            total_tokens=input_tokens + output_tokens,
+        )
+
+
+class IncompleteDetails(OpenAIBaseModel):
+    reason: Literal["max_output_tokens", "content_filter"]
+
+
+class ResponsesResponse(OpenAIBaseModel):
+    id: str = Field(default_factory=lambda: f"resp_{random_uuid()}")
+    object: Literal["response"] = "response"
+    created_at: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    status: Literal["in_progress", "completed", "incomplete", "failed"] = "in_progress"
+    output: list[ResponseOutputMessage] = Field(default_factory=list)
+    usage: ResponseUsage | None = None
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    previous_response_id: str | None = None
+    incomplete_details: IncompleteDetails | None = None
+    error: dict[str, Any] | None = None
+    metadata: dict[str, Any] | None = None
+    parallel_tool_calls: bool = False
+    tool_choice: str = "none"
+    tools: list[Any] = Field(default_factory=list)
+    store: bool = False
+    text: dict[str, Any] = Field(default_factory=lambda: {"format": {"type": "text"}})
+
+    @property
+    def output_text(self) -> str:
+        return "".join(part.text for item in self.output for part in item.content)
