@@ -8,6 +8,8 @@ from collections.abc import Callable
 from typing import Any
 
 from kvserve.protocol.engine_core import EngineCoreRequest, FinishReason
+from kvserve.lora.request import LoRARequest
+from kvserve.pooling_params import PoolingParams
 from kvserve.sampling_params import SamplingParams
 
 
@@ -56,6 +58,8 @@ class Request:
         cache_salt: str | None = None,
         block_hasher: BlockHasher | None = None,
         kv_transfer_params: dict[str, Any] | None = None,
+        pooling_params: PoolingParams | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
@@ -65,6 +69,9 @@ class Request:
         self.priority = priority
         self.cache_salt = cache_salt
         self.kv_transfer_params = kv_transfer_params
+        self.pooling_params = pooling_params
+        # Set before the block hasher runs: the adapter id is part of every block hash.
+        self.lora_request = lora_request
 
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
@@ -99,6 +106,8 @@ class Request:
             cache_salt=request.cache_salt,
             block_hasher=block_hasher,
             kv_transfer_params=request.kv_transfer_params,
+            pooling_params=request.pooling_params,
+            lora_request=request.lora_request,
         )
 
     def update_block_hashes(self) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -18,10 +19,12 @@ from kvserve.config import (
     EngineConfig,
     KVEventsConfig,
     KVTransferConfig,
+    LoRAConfig,
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
 )
+from kvserve.pooling_params import PoolerConfig
 
 _SIZE_SUFFIXES = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
@@ -75,6 +78,31 @@ class EngineArgs:
     sink_max_seq_len: int | None = None
     # Custom logits processors: LogitsProcessor subclasses or "package.module:Class" paths.
     logits_processors: Sequence[str | type] | None = None
+    # Pooling models (vLLM's names): runner "pooling" or task "embed" returns vectors;
+    # pooler_config is a PoolerConfig, a dict of its fields or JSON text.
+    runner: str = "auto"
+    task: str | None = None
+    pooler_config: PoolerConfig | dict[str, Any] | str | None = None
+    # LoRA adapters (vLLM's names): off unless enable_lora.
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+
+    def _pooler_config(self) -> PoolerConfig | None:
+        value = self.pooler_config
+        if value is None or isinstance(value, PoolerConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"pooler_config is not valid JSON: {exc}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"pooler_config must be a JSON object, got {value!r}")
+        try:
+            return PoolerConfig(**value)
+        except TypeError as exc:
+            raise ValueError(f"pooler_config: {exc}") from None
 
     def _transfer_config(self) -> KVTransferConfig | None:
         transfer = (
@@ -110,6 +138,9 @@ class EngineArgs:
             quantization=self.quantization,
             disable_cascade_attn=self.disable_cascade_attn,
             logits_processors=self._logits_processors(),
+            runner=self.runner,
+            task=self.task,
+            pooler_config=self._pooler_config(),
         )
         assert model_config.max_model_len is not None
         return EngineConfig(
@@ -144,6 +175,11 @@ class EngineArgs:
                 else KVEventsConfig.from_cli(self.kv_events_config)
             ),
             kv_transfer_config=self._transfer_config(),
+            lora_config=(
+                LoRAConfig(max_loras=self.max_loras, max_lora_rank=self.max_lora_rank)
+                if self.enable_lora
+                else None
+            ),
         )
 
     @classmethod
@@ -243,6 +279,21 @@ class EngineArgs:
             help="custom LogitsProcessor classes to load, run in every batch after the "
             "built-ins; requests turn them on through SamplingParams.extra_args",
         )
+        parser.add_argument(
+            "--runner", default="auto", choices=["auto", "generate", "pooling"],
+            help="pooling: return one vector per prompt (/v1/embeddings) instead of tokens",
+        )  # fmt: skip
+        parser.add_argument(
+            "--task", default=None, choices=["generate", "embed", "encode"],
+            help="vLLM's task: embed or encode selects the pooling runner",
+        )  # fmt: skip
+        parser.add_argument(
+            "--pooler-config", default=None,
+            help='the pooler as JSON, e.g. \'{"pooling_type": "MEAN", "normalize": true}\'',
+        )  # fmt: skip
+        parser.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters")
+        parser.add_argument("--max-loras", type=int, default=1, help="adapters in one batch")
+        parser.add_argument("--max-lora-rank", type=int, default=16)
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:

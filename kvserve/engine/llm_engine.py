@@ -15,7 +15,9 @@ from kvserve.engine.input_processor import InputProcessor
 from kvserve.engine.output_processor import OutputProcessor
 from kvserve.engine.parallel_sampling import ParentRequest
 from kvserve.inputs import PromptType
-from kvserve.outputs import RequestOutput
+from kvserve.lora.request import LoRARequest
+from kvserve.outputs import AnyRequestOutput
+from kvserve.pooling_params import PoolingParams
 from kvserve.sampling_params import SamplingParams
 from kvserve.transformers_utils.tokenizer import get_tokenizer
 
@@ -45,7 +47,7 @@ class LLMEngine:
         config = self.config
         self.tokenizer = get_tokenizer(config.model_config.tokenizer_resolved)
         self.input_processor = InputProcessor(
-            config.model_config, self.tokenizer, config.scheduler_config
+            config.model_config, self.tokenizer, config.scheduler_config, config.lora_config
         )
         self.output_processor = OutputProcessor(self.tokenizer, log_stats=self.log_stats)
 
@@ -57,10 +59,11 @@ class LLMEngine:
         self,
         request_id: str,
         prompt: PromptType,
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         arrival_time: float | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         """Validates and queues one request; raises ValueError on bad input, adding nothing."""
         arrival_time = arrival_time if arrival_time is not None else time.time()
@@ -71,8 +74,9 @@ class LLMEngine:
             arrival_time=arrival_time,
             priority=priority,
             cache_salt=cache_salt,
+            lora_request=lora_request,
         )
-        if params.n == 1:
+        if not isinstance(params, SamplingParams) or params.n == 1:
             self.output_processor.add_request(request, prompt_text)
             self.engine_core.add_request(request)
             return
@@ -91,7 +95,7 @@ class LLMEngine:
         all_ids = self.output_processor.abort_requests(ids)
         self.engine_core.abort_requests(list(all_ids) if all_ids is not None else ids)
 
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[AnyRequestOutput]:
         core_outputs = self.engine_core.get_output()
         processed = self.output_processor.process_outputs(
             core_outputs.outputs, core_outputs.timestamp

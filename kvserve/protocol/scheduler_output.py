@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvserve.lora.request import LoRARequest
+from kvserve.pooling_params import PoolingParams
 from kvserve.sampling_params import SamplingParams
 
 
@@ -19,6 +21,8 @@ class NewRequestData:
     num_computed_tokens: int
     # Output tokens a worker must know of, e.g. for a request forked from another.
     output_token_ids: list[int] = field(default_factory=list)
+    pooling_params: PoolingParams | None = None
+    lora_request: LoRARequest | None = None
 
 
 @dataclass

@@ -35,6 +35,7 @@ from kvserve.worker.input_batch import InputBatch
 from kvserve.worker.input_preparation import InputPreparer, StepInputs
 from kvserve.worker.kv_cache_specs import make_kv_cache_spec, zeroed_tensor
 from kvserve.worker.kv_connector_model_runner_mixin import KVConnectorModelRunnerMixin
+from kvserve.worker.prompt_pooler import PromptPooler
 from kvserve.worker.request_state import CachedRequestState
 
 logger = logging.getLogger(__name__)
@@ -51,6 +52,8 @@ class ExecuteModelState:
     hidden_states: torch.Tensor | None
     # The KV connector's report for this step (None without a connector).
     kv_connector_output: KVConnectorOutput | None = None
+    # Pooling runner: the vectors of the prompts that completed in this step.
+    pooler_output: dict[str, list[float]] = dataclasses.field(default_factory=dict)
     # Seconds before the forward (state update, inputs, attention metadata) and in it.
     prepare_time: float = 0.0
     forward_time: float = 0.0
@@ -84,6 +87,12 @@ class ModelRunner(KVConnectorModelRunnerMixin):
             self.max_num_reqs, self.max_num_tokens, self.device, self.pin_memory
         )
         self.sampler = Sampler()
+        # The pooling runner returns vectors instead of sampling (None: generate).
+        self.prompt_pooler = (
+            PromptPooler(model_config.pooler_config)
+            if model_config.is_pooling and model_config.pooler_config is not None
+            else None
+        )
         self.execute_model_state: ExecuteModelState | None = None
 
     # ---- setup ---------------------------------------------------------------------------
@@ -189,6 +198,8 @@ class ModelRunner(KVConnectorModelRunnerMixin):
             num_computed_tokens=new.num_computed_tokens,
             output_token_ids=list(new.output_token_ids),
             eos_token_id=self.eos_token_id,
+            pooling_params=new.pooling_params,
+            lora_request=new.lora_request,
         )
 
     def _update_states(self, scheduler_output: SchedulerOutput) -> None:
@@ -198,6 +209,8 @@ class ModelRunner(KVConnectorModelRunnerMixin):
         for req_id in scheduler_output.finished_req_ids:
             self.requests.pop(req_id, None)
             batch.remove_request(req_id)
+            if self.prompt_pooler is not None:
+                self.prompt_pooler.forget(req_id)
         # Preempted and otherwise unscheduled requests leave the batch but keep their state.
         scheduled = scheduler_output.num_scheduled_tokens
         for req_id in [r for r in batch.req_id_to_index if r not in scheduled]:
@@ -291,7 +304,10 @@ class ModelRunner(KVConnectorModelRunnerMixin):
             hidden_states = self.model(inputs.input_ids, inputs.positions)
         logits = None
         num_sample = len(inputs.sample_rows)
-        if num_sample == scheduler_output.total_num_scheduled_tokens:
+        pooler_output: dict[str, list[float]] = {}
+        if self.prompt_pooler is not None:
+            pooler_output = self.prompt_pooler.pool_step(hidden_states, self.input_batch, inputs)
+        elif num_sample == scheduler_output.total_num_scheduled_tokens:
             # One token per row and every row samples (pure decode): the rows are the
             # logits rows already, no gather needed.
             logits = self.model.compute_logits(hidden_states)
@@ -309,6 +325,7 @@ class ModelRunner(KVConnectorModelRunnerMixin):
             logits,
             keep_hidden,
             kv_output if self.kv_connector else None,
+            pooler_output=pooler_output,
             prepare_time=forward_start - start,
             forward_time=forward_end - forward_start,
         )
@@ -358,6 +375,7 @@ class ModelRunner(KVConnectorModelRunnerMixin):
             sampled_token_ids=sampled_token_ids,
             logprobs=logprobs,
             prompt_logprobs_dict=self._prompt_logprobs(state),
+            pooler_output=state.pooler_output,
         )
         output.step_times = RunnerStepTimes(
             state.prepare_time, state.forward_time, time.perf_counter() - start

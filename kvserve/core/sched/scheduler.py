@@ -300,6 +300,8 @@ class Scheduler(SchedulerIsolationMixin, SchedulerKVConnectorMixin, SchedulerInt
                 block_ids=req_to_new_blocks[r.request_id].get_block_ids(),
                 num_computed_tokens=r.num_computed_tokens,
                 output_token_ids=list(r.output_token_ids),
+                pooling_params=r.pooling_params,
+                lora_request=r.lora_request,
             )
             for r in scheduled_new
         ]
@@ -387,6 +389,10 @@ class Scheduler(SchedulerIsolationMixin, SchedulerKVConnectorMixin, SchedulerInt
                 if probe is not None and request_id in probe:
                     passed.append(request_id)
             is_stopped = False
+            pooled = model_runner_output.pooler_output.get(request_id)
+            if pooled is not None:  # a pooling request is done once its prompt is
+                request.status = RequestStatus.FINISHED_STOPPED
+                is_stopped = True
             for i, token_id in enumerate(new_token_ids):
                 request.append_output_token_ids(token_id)
                 if check_stop(request, self.max_model_len):
@@ -395,6 +401,7 @@ class Scheduler(SchedulerIsolationMixin, SchedulerKVConnectorMixin, SchedulerInt
                     break
             output = make_engine_core_output(request, new_token_ids, model_runner_output, req_index)
             if output is not None:
+                output.pooling_output = pooled
                 outputs.append(output)
             if is_stopped:
                 stopped.add(request_id)

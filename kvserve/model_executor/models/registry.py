@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from kvserve.model_executor.models.bert import BertModel
 from kvserve.model_executor.models.gemma3 import Gemma3ForCausalLM
 from kvserve.model_executor.models.llama import LlamaForCausalLM
 from kvserve.model_executor.models.llama4 import Llama4ForCausalLM
@@ -16,6 +17,7 @@ _MODELS: dict[str, type[nn.Module]] = {
     "MistralForCausalLM": MistralForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "Llama4ForCausalLM": Llama4ForCausalLM,
+    "BertModel": BertModel,
 }
 
 
