@@ -17,11 +17,13 @@ from kvserve.transformers_utils.model_resolver import ResolvedModel
 RUNNERS = ("auto", "generate", "pooling")
 # vLLM's task names -> runner ("generate" keeps sampling; the others pool).
 TASK_RUNNERS = {"generate": "generate", "embed": "pooling", "encode": "pooling"}
-_ST_POOLING_MODES = {
+# sentence-transformers < 6 writes one flag per mode; 6 writes "pooling_mode": "mean".
+_ST_POOLING_FLAGS = {
     "pooling_mode_cls_token": "CLS",
     "pooling_mode_mean_tokens": "MEAN",
     "pooling_mode_lasttoken": "LAST",
 }
+_ST_POOLING_MODES = {"cls": "CLS", "mean": "MEAN", "lasttoken": "LAST"}
 
 
 def resolve_runner(
@@ -67,7 +69,12 @@ def _sentence_transformers_pooling(resolved: ResolvedModel) -> str | None:
         for module in modules:
             if module.get("type", "").endswith("Pooling"):
                 config = json.loads((model_dir / module["path"] / "config.json").read_text())
-                for key, pooling_type in _ST_POOLING_MODES.items():
+                mode = config.get("pooling_mode")
+                if isinstance(mode, str):
+                    if mode not in _ST_POOLING_MODES:
+                        raise ValueError(f"pooling_mode {mode!r} is not supported")
+                    return _ST_POOLING_MODES[mode]
+                for key, pooling_type in _ST_POOLING_FLAGS.items():
                     if config.get(key):
                         return pooling_type
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
