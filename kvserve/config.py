@@ -9,8 +9,8 @@ from typing import Any, Literal, TypeVar
 
 from kvserve.pooling_params import PoolerConfig
 from kvserve.transformers_utils.arch_config import ArchConfig, load_arch_config
-from kvserve.transformers_utils.pooling_config import resolve_runner
 from kvserve.transformers_utils.model_resolver import ResolvedModel, resolve_model
+from kvserve.transformers_utils.pooling_config import resolve_runner
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 GiB = 1 << 30

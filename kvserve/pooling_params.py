@@ -39,8 +39,7 @@ class PoolingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     def verify(self, hidden_size: int) -> None:
         if self.dimensions is not None and self.dimensions > hidden_size:
             raise ValueError(
-                f"dimensions ({self.dimensions}) exceeds the model's embedding size "
-                f"({hidden_size})"
+                f"dimensions ({self.dimensions}) exceeds the model's embedding size ({hidden_size})"
             )
 
 

@@ -7,9 +7,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from kvserve.protocol.engine_core import EngineCoreRequest, FinishReason
 from kvserve.lora.request import LoRARequest
 from kvserve.pooling_params import PoolingParams
+from kvserve.protocol.engine_core import EngineCoreRequest, FinishReason
 from kvserve.sampling_params import SamplingParams
 
 

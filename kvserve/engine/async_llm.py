@@ -26,9 +26,9 @@ from kvserve.engine.output_processor import OutputProcessor, RequestOutputCollec
 from kvserve.engine.parallel_sampling import ParentRequest
 from kvserve.engine.protocol import EngineClient
 from kvserve.inputs import PromptType
+from kvserve.lora.request import LoRARequest
 from kvserve.metrics.loggers import LoggingStatLogger, PrometheusStatLogger, StatLoggerBase
 from kvserve.metrics.stats import IterationStats, RequestStatsTracker
-from kvserve.lora.request import LoRARequest
 from kvserve.outputs import AnyRequestOutput, PoolingRequestOutput, RequestOutput
 from kvserve.pooling_params import PoolingParams
 from kvserve.protocol.engine_core import EngineCoreOutputs, FinishReason, SchedulerStats

@@ -110,7 +110,9 @@ class InputProcessor:
         if lora_request is None:
             return
         if not isinstance(lora_request, LoRARequest):
-            raise ValueError(f"lora_request must be a LoRARequest, got {type(lora_request).__name__}")
+            raise ValueError(
+                f"lora_request must be a LoRARequest, got {type(lora_request).__name__}"
+            )
         if self.lora_config is None:
             raise ValueError(
                 f"LoRA adapter {lora_request.lora_name!r} requested, but LoRA is not "

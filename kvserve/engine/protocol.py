@@ -9,8 +9,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from kvserve.config import EngineConfig, ModelConfig
     from kvserve.inputs import PromptType
-    from kvserve.metrics.loggers import StatLoggerBase
     from kvserve.lora.request import LoRARequest
+    from kvserve.metrics.loggers import StatLoggerBase
     from kvserve.outputs import PoolingRequestOutput, RequestOutput
     from kvserve.pooling_params import PoolingParams
     from kvserve.protocol.engine_core import SchedulerStats

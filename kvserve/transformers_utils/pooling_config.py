@@ -78,5 +78,7 @@ def _sentence_transformers_pooling(resolved: ResolvedModel) -> str | None:
                     if config.get(key):
                         return pooling_type
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-        raise ValueError(f"cannot read the sentence-transformers pooling of {model_dir}: {e}")
+        raise ValueError(
+            f"cannot read the sentence-transformers pooling of {model_dir}: {e}"
+        ) from None
     return None

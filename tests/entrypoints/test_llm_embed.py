@@ -4,7 +4,6 @@ random BERT) and against HF's hidden states (SmolLM2, last-token pooling)."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
