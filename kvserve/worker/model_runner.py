@@ -18,6 +18,7 @@ from kvserve.attention.layer import Attention, bind_kv_cache, get_attention_laye
 from kvserve.config import EngineConfig
 from kvserve.distributed.kv_transfer.kv_connector.base import KVConnectorOutput
 from kvserve.forward_context import set_forward_context
+from kvserve.model_executor.lora.model_manager import LoRAModelManager
 from kvserve.model_executor.model_loader import get_model
 from kvserve.protocol.kv_cache_interface import KVCacheConfig, KVCacheSpec
 from kvserve.protocol.runner_output import (
@@ -94,6 +95,8 @@ class ModelRunner(KVConnectorModelRunnerMixin):
             else None
         )
         self.execute_model_state: ExecuteModelState | None = None
+        # enable_lora: the adapters' slots and the wrapped projections (after load_model).
+        self.lora_manager: LoRAModelManager | None = None
 
     # ---- setup ---------------------------------------------------------------------------
 
@@ -113,6 +116,8 @@ class ModelRunner(KVConnectorModelRunnerMixin):
         self.model = get_model(mc.resolved, arch, self.device, self.dtype, quantization)
         if self.config.cache_config.attention_sinks:
             self._enable_attention_sinks()
+        if self.config.lora_config is not None:
+            self.lora_manager = LoRAModelManager(self.model, self.config.lora_config)
 
     def _enable_attention_sinks(self) -> None:
         """StreamingLLM: every full-attention layer sees the sink tokens plus a window."""
@@ -296,6 +301,11 @@ class ModelRunner(KVConnectorModelRunnerMixin):
             else scheduler_output.num_common_prefix_blocks,
         )
         attn_metadata = self._build_attn_metadata(inputs)
+        if self.lora_manager is not None:
+            rows = self.input_batch.requests[: self.input_batch.num_reqs]
+            self.lora_manager.set_active_loras(
+                [None if r is None else r.lora_request for r in rows], inputs.num_scheduled_tokens
+            )
         forward_start = time.perf_counter()
         with (
             set_forward_context(attn_metadata, kv_connector=self.kv_connector),

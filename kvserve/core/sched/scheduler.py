@@ -52,6 +52,8 @@ class Scheduler(SchedulerIsolationMixin, SchedulerKVConnectorMixin, SchedulerInt
         self.log_stats = log_stats
         self.block_size = config.cache_config.block_size
         self.enable_caching = config.cache_config.enable_prefix_caching
+        # Adapters the workers hold at once: running requests use at most this many.
+        self.max_loras = config.lora_config.max_loras if config.lora_config else None
         self.kv_cache_manager = KVCacheManager(
             kv_cache_config,
             self.max_model_len,
@@ -214,6 +216,10 @@ class Scheduler(SchedulerIsolationMixin, SchedulerKVConnectorMixin, SchedulerInt
                 continue
             if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
                 # Its async KV load is still running (update_from_output releases it).
+                skipped.add_request(self.waiting.pop_request())
+                continue
+            if self._lora_slots_full(request):
+                # Its adapter would be one too many in a step: it waits for a slot.
                 skipped.add_request(self.waiting.pop_request())
                 continue
             if request.num_prompt_tokens > self.max_model_len or not (
@@ -420,6 +426,13 @@ class Scheduler(SchedulerIsolationMixin, SchedulerKVConnectorMixin, SchedulerInt
         return EngineCoreOutputs(
             outputs=outputs, scheduler_stats=self.make_stats(), timestamp=time.monotonic()
         )
+
+    def _lora_slots_full(self, request: Request) -> bool:
+        lora = request.lora_request
+        if lora is None or self.max_loras is None:
+            return False
+        active = {r.lora_request.lora_int_id for r in self.running if r.lora_request}
+        return lora.lora_int_id not in active and len(active) >= self.max_loras
 
     # --- state and stats ----------------------------------------------------------
 
