@@ -10,6 +10,7 @@ import jinja2
 
 from kvserve.config import LoRAConfig, ModelConfig, SchedulerConfig
 from kvserve.inputs import PromptType
+from kvserve.lora.peft_config import read_peft_config
 from kvserve.lora.request import LoRARequest
 from kvserve.pooling_params import PoolingParams
 from kvserve.protocol.engine_core import EngineCoreRequest
@@ -118,6 +119,9 @@ class InputProcessor:
                 f"LoRA adapter {lora_request.lora_name!r} requested, but LoRA is not "
                 "enabled: start the engine with enable_lora=True"
             )
+        # The adapter's config is checked here so a bad one fails this request alone,
+        # before the worker tries to load it in the middle of a step.
+        read_peft_config(lora_request.lora_path, self.lora_config.max_lora_rank)
 
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
