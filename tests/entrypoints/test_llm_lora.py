@@ -104,7 +104,7 @@ def test_more_adapters_than_slots_wait_their_turn(setup: dict[str, Any]) -> None
 
 def test_bad_lora_requests_raise_value_errors(setup: dict[str, Any], tmp_path: Path) -> None:
     llm = setup["llm"]
-    with pytest.raises(ValueError, match="adapter_config.json"):
+    with pytest.raises(ValueError, match=r"adapter_config\.json"):
         llm.generate("the fox", GREEDY, lora_request=LoRARequest("x", 9, str(tmp_path)))
     with pytest.raises(ValueError, match="lora_int_id"):
         LoRARequest("x", 0, str(tmp_path))

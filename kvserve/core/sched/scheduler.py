@@ -397,6 +397,7 @@ class Scheduler(SchedulerIsolationMixin, SchedulerKVConnectorMixin, SchedulerInt
             is_stopped = False
             pooled = model_runner_output.pooler_output.get(request_id)
             if pooled is not None:  # a pooling request is done once its prompt is
+                new_token_ids = []  # and samples nothing
                 request.status = RequestStatus.FINISHED_STOPPED
                 is_stopped = True
             for i, token_id in enumerate(new_token_ids):

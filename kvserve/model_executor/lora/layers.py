@@ -32,6 +32,9 @@ class LoRAStepState:
 
 
 class LoRALinear(nn.Module):
+    lora_a: torch.Tensor
+    lora_b: torch.Tensor
+
     def __init__(
         self,
         base_layer: LinearBase,

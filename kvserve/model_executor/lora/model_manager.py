@@ -36,7 +36,9 @@ logger = logging.getLogger(__name__)
 LORA_TARGETS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 _QKV_SHARDS = {"q": 0, "k": 1, "v": 2}
 # base_model.model.<module>.lora_A.weight (older PEFT: lora_A.<adapter name>.weight).
-_PEFT_TENSOR = re.compile(r"^base_model\.model\.(?P<module>.+)\.lora_(?P<kind>[AB])(\.\w+)?\.weight$")
+_PEFT_TENSOR = re.compile(
+    r"^base_model\.model\.(?P<module>.+)\.lora_(?P<kind>[AB])(\.\w+)?\.weight$"
+)
 
 
 def _output_slices(layer: LinearBase) -> list[int]:
@@ -61,7 +63,7 @@ class LoRAModelManager:
             raise ValueError(f"{type(model).__name__} has no projections LoRA can apply to")
         # lora_int_id -> slot, least recently used first.
         self.slots: OrderedDict[int, int] = OrderedDict()
-        self.device = next(iter(self.layers.values())).lora_a.device
+        self.device: torch.device = next(iter(self.layers.values())).lora_a.device
 
     def _wrap(self, model: nn.Module) -> None:
         for name, module in list(model.named_modules()):
@@ -81,7 +83,7 @@ class LoRAModelManager:
         # would skip the adapters: the modules run every step instead.
         for module in model.modules():
             if hasattr(module, "decode_stack"):
-                module.decode_stack = None
+                setattr(module, "decode_stack", None)  # noqa: B010
 
     # ---- per step ----------------------------------------------------------------------
 
