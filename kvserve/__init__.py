@@ -8,15 +8,36 @@ __version__ = "0.1.0"
 
 if TYPE_CHECKING:
     from kvserve.entrypoints.llm import LLM
-    from kvserve.outputs import CompletionOutput, RequestOutput
+    from kvserve.outputs import (
+        CompletionOutput,
+        EmbeddingRequestOutput,
+        PoolingRequestOutput,
+        RequestOutput,
+        ScoringRequestOutput,
+    )
+    from kvserve.pooling_params import PoolingParams
     from kvserve.sampling_params import RequestOutputKind, SamplingParams
 
-__all__ = ["LLM", "CompletionOutput", "RequestOutput", "RequestOutputKind", "SamplingParams"]
+__all__ = [
+    "LLM",
+    "CompletionOutput",
+    "EmbeddingRequestOutput",
+    "PoolingParams",
+    "PoolingRequestOutput",
+    "RequestOutput",
+    "RequestOutputKind",
+    "SamplingParams",
+    "ScoringRequestOutput",
+]
 
 _LAZY = {
     "LLM": "kvserve.entrypoints.llm",
     "CompletionOutput": "kvserve.outputs",
     "RequestOutput": "kvserve.outputs",
+    "EmbeddingRequestOutput": "kvserve.outputs",
+    "PoolingRequestOutput": "kvserve.outputs",
+    "ScoringRequestOutput": "kvserve.outputs",
+    "PoolingParams": "kvserve.pooling_params",
     "RequestOutputKind": "kvserve.sampling_params",
     "SamplingParams": "kvserve.sampling_params",
 }

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -23,6 +22,7 @@ from kvserve.config import (
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
+    _dataclass_from_json,
 )
 from kvserve.pooling_params import PoolerConfig
 
@@ -92,17 +92,7 @@ class EngineArgs:
         value = self.pooler_config
         if value is None or isinstance(value, PoolerConfig):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"pooler_config is not valid JSON: {exc}") from None
-        if not isinstance(value, dict):
-            raise ValueError(f"pooler_config must be a JSON object, got {value!r}")
-        try:
-            return PoolerConfig(**value)
-        except TypeError as exc:
-            raise ValueError(f"pooler_config: {exc}") from None
+        return _dataclass_from_json(PoolerConfig, value, "pooler_config")
 
     def _transfer_config(self) -> KVTransferConfig | None:
         transfer = (

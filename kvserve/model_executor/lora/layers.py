@@ -51,16 +51,13 @@ class LoRALinear(nn.Module):
         self.max_rank = max_rank
         self.state = state
         width = len(output_slices) * max_loras * max_rank
-        weight = base_layer.weight
-        in_features = weight.shape[1]
+        # The declared sizes, not weight.shape: a quantized layer's weight is a placeholder
+        # (its GGUF blocks do the matmul); the adapters stay float32.
+        in_features = getattr(base_layer, "input_size_per_partition", base_layer.input_size)
+        device = base_layer.weight.device
         # Buffers, not parameters: adapters come and go at run time, never from a checkpoint.
-        self.register_buffer(
-            "lora_a", torch.zeros(in_features, width, dtype=weight.dtype, device=weight.device)
-        )
-        self.register_buffer(
-            "lora_b",
-            torch.zeros(width, sum(output_slices), dtype=weight.dtype, device=weight.device),
-        )
+        self.register_buffer("lora_a", torch.zeros(in_features, width, device=device))
+        self.register_buffer("lora_b", torch.zeros(width, sum(output_slices), device=device))
 
     def _columns(self, sub: int, slot: int) -> slice:
         start = (sub * self.max_loras + slot) * self.max_rank

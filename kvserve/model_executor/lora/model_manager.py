@@ -46,7 +46,7 @@ def _output_slices(layer: LinearBase) -> list[int]:
         return [layer.q_size, layer.kv_size, layer.kv_size]
     if isinstance(layer, MergedColumnParallelLinear):
         return [size // layer.tp_size for size in layer.output_sizes]
-    return [int(layer.weight.shape[0])]
+    return [int(getattr(layer, "output_size_per_partition", layer.output_size))]
 
 
 class LoRAModelManager:
