@@ -127,3 +127,41 @@ def test_lora_needs_enable_lora(tmp_path: Path, setup: dict[str, Any]) -> None:
             plain.generate("the fox", GREEDY, lora_request=setup["loras"]["alpha"])
     finally:
         plain.llm_engine.shutdown()
+
+
+def test_adapter_on_the_gguf_default_model_matches_peft(llm_factory: Any, tmp_path: Path) -> None:
+    """SmolLM2 runs its GGUF blocks (lossless) under the wrappers; an adapter built with
+    peft on HF's copy of the same weights gives the same greedy tokens."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    from tests.reference import hf_reference
+
+    ref = hf_reference()
+    torch.manual_seed(0)
+    config = LoraConfig(
+        r=8,
+        lora_alpha=16,
+        target_modules=["q_proj", "v_proj", "o_proj", "gate_proj", "down_proj"],
+        init_lora_weights=False,
+    )
+    peft_model = get_peft_model(ref.model, config)
+    try:
+        with torch.no_grad():
+            for name, param in peft_model.named_parameters():
+                if "lora_" in name:
+                    param.normal_(0.0, 0.05)
+        peft_model.save_pretrained(tmp_path / "adapter")
+        prompt = ref.tokenizer("The capital of France is")["input_ids"]
+        expected = hf_greedy(peft_model.eval(), prompt, 8)
+    finally:
+        peft_model.unload()  # the shared HF reference gets its plain modules back
+    llm = llm_factory(enable_lora=True, max_lora_rank=8)
+    assert llm.llm_engine.config.model_config.quantization == "gguf"
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    lora = LoRARequest("smol", 1, str(tmp_path / "adapter"))
+    output = llm.generate({"prompt_token_ids": prompt}, params, lora_request=lora, use_tqdm=False)
+    base = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)
+    assert list(output[0].outputs[0].token_ids) == expected
+    assert base[0].outputs[0].token_ids != output[0].outputs[0].token_ids
+    assert_no_leak(llm)
