@@ -9,16 +9,27 @@ __version__ = "0.1.0"
 if TYPE_CHECKING:
     from kvserve.entrypoints.llm import LLM
     from kvserve.model_executor.models.registry import ModelRegistry
-    from kvserve.outputs import CompletionOutput, RequestOutput
+    from kvserve.outputs import (
+        CompletionOutput,
+        EmbeddingRequestOutput,
+        PoolingRequestOutput,
+        RequestOutput,
+        ScoringRequestOutput,
+    )
+    from kvserve.pooling_params import PoolingParams
     from kvserve.sampling_params import RequestOutputKind, SamplingParams
 
 __all__ = [
     "LLM",
     "CompletionOutput",
+    "EmbeddingRequestOutput",
     "ModelRegistry",
+    "PoolingParams",
+    "PoolingRequestOutput",
     "RequestOutput",
     "RequestOutputKind",
     "SamplingParams",
+    "ScoringRequestOutput",
 ]
 
 _LAZY = {
@@ -26,6 +37,10 @@ _LAZY = {
     "CompletionOutput": "kvserve.outputs",
     "ModelRegistry": "kvserve.model_executor.models.registry",
     "RequestOutput": "kvserve.outputs",
+    "EmbeddingRequestOutput": "kvserve.outputs",
+    "PoolingRequestOutput": "kvserve.outputs",
+    "ScoringRequestOutput": "kvserve.outputs",
+    "PoolingParams": "kvserve.pooling_params",
     "RequestOutputKind": "kvserve.sampling_params",
     "SamplingParams": "kvserve.sampling_params",
 }

@@ -7,11 +7,13 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
+from kvserve.pooling_params import PoolerConfig
 from kvserve.sampling_params import SamplingParams
 from kvserve.transformers_utils.arch_config import ArchConfig, load_arch_config
 from kvserve.transformers_utils.generation_config import load_generation_defaults
 from kvserve.transformers_utils.local_model import check_load_format
 from kvserve.transformers_utils.model_resolver import ResolvedModel, resolve_model
+from kvserve.transformers_utils.pooling_config import resolve_runner
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 GiB = 1 << 30
@@ -56,6 +58,12 @@ class ModelConfig:
     override_generation_config: dict[str, Any] | None = None
     # vLLM's load_format, checked against the model's format ("auto" reads any).
     load_format: str = "auto"
+    # vLLM's runner / task: "generate" samples tokens, "pooling" returns one vector per
+    # prompt (task "embed" / "encode"); "auto" picks from the architecture.
+    runner: str = "auto"
+    task: str | None = None
+    # The pooler of a pooling runner (None: the model's defaults, resolved here).
+    pooler_config: PoolerConfig | None = None
     # Whether `quantization` is that default rather than asked for: a default "gguf" falls
     # back to float32 where its kernels cannot run (no compiler, a CUDA device).
     quantization_is_default: bool = field(init=False, default=False)
@@ -94,10 +102,22 @@ class ModelConfig:
             SamplingParams(**self.generation_defaults)
         except ValueError as exc:
             raise ValueError(f"generation config of {self.model!r}: {exc}") from None
+        self.runner, self.pooler_config = resolve_runner(
+            self.runner, self.task, self.pooler_config, self.resolved, self.arch
+        )
 
     def get_diff_sampling_param(self) -> dict[str, Any]:
         """The sampling defaults the generation config sets (vLLM's name), a fresh dict."""
         return dict(self.generation_defaults)
+
+    @property
+    def is_pooling(self) -> bool:
+        return self.runner == "pooling"
+
+    @property
+    def is_encoder_only(self) -> bool:
+        """Bidirectional attention: a prompt is computed whole, its KV never reused."""
+        return self.arch.is_encoder_only
 
     def _resolve_quantization(self) -> None:
         if self.quantization is None:
@@ -464,6 +484,20 @@ class StructuredOutputsConfig:
 
 
 @dataclass
+class LoRAConfig:
+    """vLLM's LoRA engine arguments: adapters resident at once, and their largest rank."""
+
+    max_loras: int = 1
+    max_lora_rank: int = 16
+
+    def __post_init__(self) -> None:
+        if self.max_loras < 1:
+            raise ValueError(f"max_loras must be at least 1, got {self.max_loras}")
+        if self.max_lora_rank < 1:
+            raise ValueError(f"max_lora_rank must be at least 1, got {self.max_lora_rank}")
+
+
+@dataclass
 class EngineConfig:
     model_config: ModelConfig
     cache_config: CacheConfig
@@ -476,12 +510,16 @@ class EngineConfig:
         default_factory=StructuredOutputsConfig
     )
     speculative_config: SpeculativeConfig | None = None
+    # None: LoRA off (enable_lora=False).
+    lora_config: LoRAConfig | None = None
 
     def __post_init__(self) -> None:
         if self.speculative_config is not None:
             self.speculative_config.resolve_draft_model(self.model_config)
         context_len = self.model_config.max_model_len
         assert context_len is not None
+        if self.model_config.is_pooling:
+            self._configure_pooling(context_len)
         self.scheduler_config.max_model_len = context_len
         self.scheduler_config.verify_against_model_len()
         sinks = self.cache_config.attention_sinks
@@ -501,6 +539,16 @@ class EngineConfig:
             # The scheduler's and the workers' bound is the whole sequence; the KV each
             # request keeps stays within max_model_len (the sink spec bounds it).
             self.scheduler_config.max_model_len = max_seq_len
+
+    def _configure_pooling(self, context_len: int) -> None:
+        """A pooling request's vector needs its whole prompt computed here: cached
+        prefix blocks would skip the tokens mean pooling averages, and an encoder's
+        (bidirectional) states depend on every token of the prompt at once."""
+        self.cache_config.enable_prefix_caching = False
+        if self.model_config.is_encoder_only:
+            self.scheduler_config.enable_chunked_prefill = False
+            sched = self.scheduler_config
+            sched.max_num_batched_tokens = max(sched.max_num_batched_tokens, context_len)
 
     @property
     def max_seq_len(self) -> int:

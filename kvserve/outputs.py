@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    # The front end makes tensors only for pooling outputs: torch loads then, not here.
+    import torch
 
 
 @dataclass
@@ -133,3 +138,71 @@ class RequestOutput:
 def _short(items: list | None) -> str:
     # Logprob lists get long; the repr shows how many positions, not every dict.
     return "None" if items is None else f"<{len(items)} positions>"
+
+
+@dataclass
+class PoolingOutput:
+    """A pooling request's vector (vLLM's name; ``data`` is a float32 tensor there too)."""
+
+    data: torch.Tensor
+
+
+@dataclass
+class PoolingRequestOutput:
+    """The result of a pooling request: one vector for the whole prompt."""
+
+    request_id: str
+    outputs: PoolingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+
+    @property
+    def error(self) -> str | None:
+        return None
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """``LLM.embed``'s result for one prompt (vLLM's shape)."""
+
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+
+    @classmethod
+    def from_base(cls, output: PoolingRequestOutput) -> EmbeddingRequestOutput:
+        return cls(
+            output.request_id,
+            EmbeddingOutput(output.outputs.data.tolist()),
+            output.prompt_token_ids,
+            output.finished,
+        )
+
+
+@dataclass
+class ScoringOutput:
+    score: float
+
+
+@dataclass
+class ScoringRequestOutput:
+    """``LLM.score``'s result for one (text_1, text_2) pair: their embeddings' cosine."""
+
+    request_id: str
+    outputs: ScoringOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+
+
+# What the engine's output processing yields: generated text, or a pooled vector.
+AnyRequestOutput = RequestOutput | PoolingRequestOutput

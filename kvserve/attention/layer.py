@@ -29,6 +29,7 @@ class Attention(nn.Module):
         sliding_window: int | None = None,
         attention_chunk_size: int | None = None,
         logits_soft_cap: float | None = None,
+        attn_type: str = "decoder",
     ) -> None:
         super().__init__()
         self.num_heads = num_heads
@@ -45,6 +46,11 @@ class Attention(nn.Module):
             num_heads, head_size, scale, num_kv_heads, sliding_window,
             attention_chunk_size, logits_soft_cap,
         )  # fmt: skip
+        # vLLM's AttentionType: "encoder_only" layers (BERT) attend both ways, within a
+        # prompt the scheduler runs whole (see EngineConfig._configure_pooling).
+        if attn_type not in ("decoder", "encoder_only"):
+            raise ValueError(f"attn_type must be 'decoder' or 'encoder_only', got {attn_type!r}")
+        self.impl.causal = attn_type == "decoder"
         # A plain attribute, not a buffer: the runner owns the memory, and it must not
         # show up in state_dict() or be copied by .to().
         self.kv_cache: torch.Tensor = torch.empty(0)

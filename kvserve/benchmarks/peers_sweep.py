@@ -17,6 +17,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from kvserve.benchmarks.peers_workloads import KVSERVE_ENGINES, EngineResult, PeerRequest
+from kvserve.outputs import RequestOutput
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -70,7 +71,7 @@ def _generate_capped(engine: LLMEngine, requests: list[PeerRequest], limit: int,
             )
             engine.add_request(f"{tag}-{i}", {"prompt_token_ids": r.prompt_token_ids}, params)
         for output in engine.step():
-            if output.finished:
+            if output.finished and isinstance(output, RequestOutput):
                 produced += sum(len(c.token_ids) for c in output.outputs)
     return produced
 

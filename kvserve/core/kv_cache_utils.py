@@ -72,13 +72,19 @@ def hash_block_tokens(
 
 
 def generate_block_hash_extra_keys(request: Request, block_index: int) -> tuple[Any, ...] | None:
-    """What besides the tokens decides a block's KV (multimodal and LoRA keys go here later).
+    """What besides the tokens decides a block's KV (multimodal keys go here later).
 
     The cache salt only needs to enter the first block: every later hash chains from it.
+    The LoRA adapter's id enters every block, as in vLLM: the same tokens through another
+    adapter are other keys and values, so adapters never share blocks.
     """
+    keys: list[Any] = []
     if block_index == 0 and request.cache_salt:
-        return (request.cache_salt,)
-    return None
+        keys.append(request.cache_salt)
+    lora = request.lora_request
+    if lora is not None:
+        keys.append(("lora", lora.lora_int_id))
+    return tuple(keys) if keys else None
 
 
 class BlockContent(NamedTuple):

@@ -7,6 +7,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from kvserve.lora.request import LoRARequest
+from kvserve.pooling_params import PoolingParams
 from kvserve.protocol.engine_core import EngineCoreRequest, FinishReason
 from kvserve.sampling_params import SamplingParams
 from kvserve.structured_output.request import StructuredOutputRequest
@@ -59,6 +61,8 @@ class Request:
         cache_salt: str | None = None,
         block_hasher: BlockHasher | None = None,
         kv_transfer_params: dict[str, Any] | None = None,
+        pooling_params: PoolingParams | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
@@ -68,6 +72,9 @@ class Request:
         self.priority = priority
         self.cache_salt = cache_salt
         self.kv_transfer_params = kv_transfer_params
+        self.pooling_params = pooling_params
+        # Set before the block hasher runs: the adapter id is part of every block hash.
+        self.lora_request = lora_request
 
         self.status = RequestStatus.WAITING
         self.structured_output_request: StructuredOutputRequest | None = None
@@ -111,6 +118,8 @@ class Request:
             cache_salt=request.cache_salt,
             block_hasher=block_hasher,
             kv_transfer_params=request.kv_transfer_params,
+            pooling_params=request.pooling_params,
+            lora_request=request.lora_request,
         )
 
     def update_block_hashes(self) -> None:

@@ -19,13 +19,16 @@ from kvserve.config import (
     EngineConfig,
     KVEventsConfig,
     KVTransferConfig,
+    LoRAConfig,
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
-    StructuredOutputsConfig,
     SpeculativeConfig,
+    StructuredOutputsConfig,
+    _dataclass_from_json,
 )
 from kvserve.engine.vllm_compat_args import VllmCompatArgs
+from kvserve.pooling_params import PoolerConfig
 from kvserve.transformers_utils.local_model import locate_model
 
 _SIZE_SUFFIXES = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
@@ -135,6 +138,22 @@ class EngineArgs(VllmCompatArgs):
             raise ValueError(f"override_generation_config must be a dict, got {value!r}")
         return value
 
+    # Pooling models (vLLM's names): runner "pooling" or task "embed" returns vectors;
+    # pooler_config is a PoolerConfig, a dict of its fields or JSON text.
+    runner: str = "auto"
+    task: str | None = None
+    pooler_config: PoolerConfig | dict[str, Any] | str | None = None
+    # LoRA adapters (vLLM's names): off unless enable_lora.
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+
+    def _pooler_config(self) -> PoolerConfig | None:
+        value = self.pooler_config
+        if value is None or isinstance(value, PoolerConfig):
+            return value
+        return _dataclass_from_json(PoolerConfig, value, "pooler_config")
+
     def _transfer_config(self) -> KVTransferConfig | None:
         transfer = (
             None
@@ -179,6 +198,9 @@ class EngineArgs(VllmCompatArgs):
             generation_config=self.generation_config,
             override_generation_config=self._generation_overrides(),
             load_format=self.load_format,
+            runner=self.runner,
+            task=self.task,
+            pooler_config=self._pooler_config(),
         )
         assert model_config.max_model_len is not None
         # A model without a class fails here, listing what is supported (no torch import).
@@ -223,6 +245,11 @@ class EngineArgs(VllmCompatArgs):
                 None
                 if self.speculative_config is None
                 else SpeculativeConfig.from_cli(self.speculative_config)
+            ),
+            lora_config=(
+                LoRAConfig(max_loras=self.max_loras, max_lora_rank=self.max_lora_rank)
+                if self.enable_lora
+                else None
             ),
         )
 
@@ -406,6 +433,21 @@ class EngineArgs(VllmCompatArgs):
             "built-ins; requests turn them on through SamplingParams.extra_args",
         )
         VllmCompatArgs.add_ignored_cli_args(parser)
+        parser.add_argument(
+            "--runner", default="auto", choices=["auto", "generate", "pooling"],
+            help="pooling: return one vector per prompt (/v1/embeddings) instead of tokens",
+        )  # fmt: skip
+        parser.add_argument(
+            "--task", default=None, choices=["generate", "embed", "encode"],
+            help="vLLM's task: embed or encode selects the pooling runner",
+        )  # fmt: skip
+        parser.add_argument(
+            "--pooler-config", default=None,
+            help='the pooler as JSON, e.g. \'{"pooling_type": "MEAN", "normalize": true}\'',
+        )  # fmt: skip
+        parser.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters")
+        parser.add_argument("--max-loras", type=int, default=1, help="adapters in one batch")
+        parser.add_argument("--max-lora-rank", type=int, default=16)
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:

@@ -9,6 +9,7 @@ RequestOutputCollector, which the request's generate() iterator awaits.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncGenerator, Iterable
@@ -25,9 +26,11 @@ from kvserve.engine.output_processor import OutputProcessor, RequestOutputCollec
 from kvserve.engine.parallel_sampling import ParentRequest
 from kvserve.engine.protocol import EngineClient
 from kvserve.inputs import PromptType
+from kvserve.lora.request import LoRARequest
 from kvserve.metrics.loggers import LoggingStatLogger, PrometheusStatLogger, StatLoggerBase
 from kvserve.metrics.stats import IterationStats, RequestStatsTracker
-from kvserve.outputs import RequestOutput
+from kvserve.outputs import AnyRequestOutput, PoolingRequestOutput, RequestOutput
+from kvserve.pooling_params import PoolingParams
 from kvserve.protocol.engine_core import EngineCoreOutputs, FinishReason, SchedulerStats
 from kvserve.sampling_params import SamplingParams
 from kvserve.transformers_utils.tokenizer import get_tokenizer
@@ -83,6 +86,7 @@ class AsyncLLM(EngineClient):
             self.tokenizer,
             config.scheduler_config,
             config.structured_outputs_config.backend,
+            config.lora_config,
         )
         self.output_processor = OutputProcessor(self.tokenizer, log_stats=self.log_stats)
 
@@ -115,10 +119,11 @@ class AsyncLLM(EngineClient):
         self,
         request_id: str,
         prompt: PromptType,
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         *,
         priority: int = 0,
         cache_salt: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> RequestOutputCollector:
         """Validates (ValueError) and submits one request; its outputs arrive in the queue."""
         if self.errored:
@@ -131,9 +136,10 @@ class AsyncLLM(EngineClient):
             arrival_time=time.time(),
             priority=priority,
             cache_salt=cache_salt,
+            lora_request=lora_request,
         )
-        queue = RequestOutputCollector(params.output_kind)
-        if params.n == 1:
+        queue = RequestOutputCollector(request.sampling_params.output_kind)
+        if not isinstance(params, SamplingParams) or params.n == 1:
             await self._add_core_request(request, prompt_text, None, 0, queue)
             return queue
         # n > 1: children share the prompt, so the prefix cache shares their blocks.
@@ -168,11 +174,51 @@ class AsyncLLM(EngineClient):
         *,
         priority: int = 0,
         cache_salt: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
+        # aclosing: a consumer closing this generator closes the stream, which aborts.
+        stream = self._stream(
+            prompt, sampling_params, request_id, priority, cache_salt, lora_request
+        )
+        async with contextlib.aclosing(stream):
+            async for output in stream:
+                assert isinstance(output, RequestOutput)
+                yield output
+
+    async def encode(
+        self,
+        prompt: PromptType,
+        pooling_params: PoolingParams,
+        request_id: str,
+        *,
+        lora_request: LoRARequest | None = None,
+    ) -> AsyncGenerator[PoolingRequestOutput, None]:
+        """A pooling request's one output (its vector); same contract as generate()."""
+        stream = self._stream(prompt, pooling_params, request_id, 0, None, lora_request)
+        async with contextlib.aclosing(stream):
+            async for output in stream:
+                if isinstance(output, RequestOutput):  # the engine failed it: no vector
+                    raise RuntimeError(output.error or "the pooling request ended, no vector")
+                yield output
+
+    async def _stream(
+        self,
+        prompt: PromptType,
+        params: SamplingParams | PoolingParams,
+        request_id: str,
+        priority: int,
+        cache_salt: str | None,
+        lora_request: LoRARequest | None,
+    ) -> AsyncGenerator[AnyRequestOutput, None]:
         queue: RequestOutputCollector | None = None
         try:
             queue = await self.add_request(
-                request_id, prompt, sampling_params, priority=priority, cache_salt=cache_salt
+                request_id,
+                prompt,
+                params,
+                priority=priority,
+                cache_salt=cache_salt,
+                lora_request=lora_request,
             )
             finished = False
             while not finished:

@@ -9,10 +9,13 @@ from typing import TYPE_CHECKING, Any
 import jinja2
 import msgspec
 
-from kvserve.config import ModelConfig, SchedulerConfig
+from kvserve.config import LoRAConfig, ModelConfig, SchedulerConfig
 from kvserve.inputs import PromptType
+from kvserve.lora.peft_config import read_peft_config
+from kvserve.lora.request import LoRARequest
+from kvserve.pooling_params import PoolingParams
 from kvserve.protocol.engine_core import EngineCoreRequest
-from kvserve.sampling_params import SamplingParams, StructuredOutputsParams
+from kvserve.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 if TYPE_CHECKING:
     # Annotations only: transformers loads when a tokenizer is built, not on import.
@@ -26,9 +29,11 @@ class InputProcessor:
         tokenizer: PreTrainedTokenizerBase | None,
         scheduler_config: SchedulerConfig | None = None,
         structured_outputs_backend: str = "auto",
+        lora_config: LoRAConfig | None = None,
     ) -> None:
         self.model_config = model_config
         self.structured_outputs_backend = structured_outputs_backend
+        self.lora_config = lora_config
         self.tokenizer = tokenizer
         self.scheduler_policy = scheduler_config.policy if scheduler_config else "fcfs"
         assert model_config.max_model_len is not None
@@ -49,10 +54,11 @@ class InputProcessor:
         self,
         request_id: str,
         prompt: PromptType,
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         arrival_time: float | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> tuple[EngineCoreRequest, str | None]:
         """Returns the core request and the prompt text (None when only ids were given).
 
@@ -65,8 +71,14 @@ class InputProcessor:
                 f"priority={priority} is only supported with the 'priority' scheduling "
                 f"policy (the engine uses {self.scheduler_policy!r})"
             )
+        self._validate_lora(lora_request)
+        pooling_params = self._pooling_params(params)
         prompt_text, prompt_token_ids = self._tokenize(prompt)
         self._validate_prompt(prompt_token_ids)
+        if pooling_params is not None:
+            # Nothing is sampled: the scheduler ends the request when its prompt is done.
+            params = SamplingParams(max_tokens=1, output_kind=RequestOutputKind.FINAL_ONLY)
+        assert isinstance(params, SamplingParams)
         params = self._finalize_params(params, len(prompt_token_ids))
         request = EngineCoreRequest(
             request_id=request_id,
@@ -77,8 +89,43 @@ class InputProcessor:
             priority=priority,
             cache_salt=cache_salt,
             kv_transfer_params=(params.extra_args or {}).get("kv_transfer_params"),
+            pooling_params=pooling_params,
+            lora_request=lora_request,
         )
         return request, prompt_text
+
+    def _pooling_params(self, params: SamplingParams | PoolingParams) -> PoolingParams | None:
+        """The request's PoolingParams; the runner decides which kind of params it takes."""
+        if isinstance(params, PoolingParams):
+            if not self.model_config.is_pooling:
+                raise ValueError(
+                    "PoolingParams (embed/encode) need a pooling model: start the engine "
+                    "with runner='pooling' or task='embed'"
+                )
+            params.verify(self.model_config.arch.hidden_size)
+            return params
+        if self.model_config.is_pooling and isinstance(params, SamplingParams):
+            raise ValueError(
+                "this engine runs the pooling runner: it returns embeddings "
+                "(LLM.embed / /v1/embeddings), it does not generate text"
+            )
+        return None
+
+    def _validate_lora(self, lora_request: LoRARequest | None) -> None:
+        if lora_request is None:
+            return
+        if not isinstance(lora_request, LoRARequest):
+            raise ValueError(
+                f"lora_request must be a LoRARequest, got {type(lora_request).__name__}"
+            )
+        if self.lora_config is None:
+            raise ValueError(
+                f"LoRA adapter {lora_request.lora_name!r} requested, but LoRA is not "
+                "enabled: start the engine with enable_lora=True"
+            )
+        # The adapter's config is checked here so a bad one fails this request alone,
+        # before the worker tries to load it in the middle of a step.
+        read_peft_config(lora_request.lora_path, self.lora_config.max_lora_rank)
 
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -164,6 +211,7 @@ class InputProcessor:
 
         backend = resolve_backend(spec._backend or self.structured_outputs_backend, spec)
         return msgspec.structs.replace(spec, _backend=backend)
+
     def _check_logprobs(self, params: SamplingParams) -> None:
         """vLLM's max_logprobs: a request may ask for at most that many (-1 in either
         place: the whole vocabulary, allowed only when max_logprobs is -1)."""

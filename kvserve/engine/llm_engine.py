@@ -17,10 +17,12 @@ from kvserve.engine.input_processor import InputProcessor
 from kvserve.engine.output_processor import OutputProcessor
 from kvserve.engine.parallel_sampling import ParentRequest
 from kvserve.inputs import PromptType
+from kvserve.lora.request import LoRARequest
 from kvserve.metrics.loggers import PrometheusStatLogger
 from kvserve.metrics.reader import Metric, get_metrics_snapshot
 from kvserve.metrics.stats import RequestStatsTracker
-from kvserve.outputs import RequestOutput
+from kvserve.outputs import AnyRequestOutput
+from kvserve.pooling_params import PoolingParams
 from kvserve.sampling_params import SamplingParams
 from kvserve.transformers_utils.tokenizer import get_tokenizer
 
@@ -62,6 +64,7 @@ class LLMEngine:
             self.tokenizer,
             config.scheduler_config,
             config.structured_outputs_config.backend,
+            config.lora_config,
         )
         self.output_processor = OutputProcessor(self.tokenizer, log_stats=self.log_stats)
 
@@ -74,10 +77,11 @@ class LLMEngine:
         self,
         request_id: str,
         prompt: PromptType,
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         arrival_time: float | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         """Validates and queues one request; raises ValueError on bad input, adding nothing."""
         arrival_time = arrival_time if arrival_time is not None else time.time()
@@ -88,14 +92,16 @@ class LLMEngine:
             arrival_time=arrival_time,
             priority=priority,
             cache_salt=cache_salt,
+            lora_request=lora_request,
         )
+        n = params.n if isinstance(params, SamplingParams) else 1
         if self.log_stats:
-            for index in range(params.n):
-                child_id = request_id if params.n == 1 else f"{index}_{request_id}"
+            for index in range(n):
+                child_id = request_id if n == 1 else f"{index}_{request_id}"
                 self.request_stats.add_request(
                     child_id, arrival_time, len(request.prompt_token_ids)
                 )
-        if params.n == 1:
+        if not isinstance(params, SamplingParams) or n == 1:
             self.output_processor.add_request(request, prompt_text)
             self.engine_core.add_request(request)
             return
@@ -114,7 +120,7 @@ class LLMEngine:
         all_ids = self.output_processor.abort_requests(ids)
         self.engine_core.abort_requests(list(all_ids) if all_ids is not None else ids)
 
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[AnyRequestOutput]:
         core_outputs = self.engine_core.get_output()
         if self.stat_logger is not None:
             self.stat_logger.record(

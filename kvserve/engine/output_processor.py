@@ -12,7 +12,14 @@ from typing import TYPE_CHECKING
 from kvserve.engine.detokenizer import IncrementalDetokenizer
 from kvserve.engine.logprobs import LogprobsProcessor
 from kvserve.engine.parallel_sampling import ParentRequest
-from kvserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from kvserve.outputs import (
+    AnyRequestOutput,
+    CompletionOutput,
+    PoolingOutput,
+    PoolingRequestOutput,
+    RequestMetrics,
+    RequestOutput,
+)
 from kvserve.protocol.engine_core import EngineCoreOutput, EngineCoreRequest, FinishReason
 from kvserve.sampling_params import RequestOutputKind
 
@@ -21,6 +28,15 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
+
+
+def make_pooling_output(
+    request_id: str, vector: list[float], prompt_token_ids: list[int]
+) -> PoolingRequestOutput:
+    import torch  # only pooling servers pay for it in the front end
+
+    data = torch.tensor(vector, dtype=torch.float32)
+    return PoolingRequestOutput(request_id, PoolingOutput(data), prompt_token_ids)
 
 
 class RequestOutputCollector:
@@ -32,17 +48,17 @@ class RequestOutputCollector:
 
     def __init__(self, output_kind: RequestOutputKind) -> None:
         self.aggregate = output_kind == RequestOutputKind.DELTA
-        self.output: RequestOutput | Exception | None = None
+        self.output: AnyRequestOutput | Exception | None = None
         self.ready = asyncio.Event()
 
-    def put(self, output: RequestOutput | Exception) -> None:
+    def put(self, output: AnyRequestOutput | Exception) -> None:
         if self.output is None or isinstance(output, Exception):
             self.output = output
             self.ready.set()
-        elif isinstance(self.output, RequestOutput):
+        elif isinstance(self.output, RequestOutput) and isinstance(output, RequestOutput):
             self.output.add(output, aggregate=self.aggregate)
 
-    async def get(self) -> RequestOutput:
+    async def get(self) -> AnyRequestOutput:
         while (output := self.output) is None:
             await self.ready.wait()
         self.output = None
@@ -51,7 +67,7 @@ class RequestOutputCollector:
             raise output
         return output
 
-    def get_nowait(self) -> RequestOutput | None:
+    def get_nowait(self) -> AnyRequestOutput | None:
         output = self.output
         if output is None:
             return None
@@ -64,7 +80,7 @@ class RequestOutputCollector:
 
 @dataclass
 class OutputProcessorOutput:
-    request_outputs: list[RequestOutput]
+    request_outputs: list[AnyRequestOutput]
     # Requests finished here (stop strings) that the engine core must abort.
     reqs_to_abort: list[str]
 
@@ -244,7 +260,7 @@ class OutputProcessor:
         # Metrics use this process's wall clock, the clock of arrival_time; the core's
         # timestamp (a monotonic clock in another process) is not comparable with it.
         now = time.time()
-        request_outputs: list[RequestOutput] = []
+        request_outputs: list[AnyRequestOutput] = []
         reqs_to_abort: list[str] = []
         for eco in engine_core_outputs:
             state = self.request_states.get(eco.request_id)
@@ -271,8 +287,12 @@ class OutputProcessor:
         eco: EngineCoreOutput,
         now: float,
         reqs_to_abort: list[str],
-    ) -> RequestOutput | None:
+    ) -> AnyRequestOutput | None:
         self._update_metrics(state, eco, now)
+        if eco.pooling_output is not None:
+            state.metrics.finished_time = now
+            self._forget(state)
+            return make_pooling_output(state.request_id, eco.pooling_output, state.prompt_token_ids)
         finish_reason, stop_reason = eco.finish_reason, eco.stop_reason
         stop_string = state.detokenizer.update(
             eco.new_token_ids, finish_reason == FinishReason.STOP

@@ -9,8 +9,10 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from kvserve.config import EngineConfig, ModelConfig
     from kvserve.inputs import PromptType
+    from kvserve.lora.request import LoRARequest
     from kvserve.metrics.loggers import StatLoggerBase
-    from kvserve.outputs import RequestOutput
+    from kvserve.outputs import PoolingRequestOutput, RequestOutput
+    from kvserve.pooling_params import PoolingParams
     from kvserve.protocol.engine_core import SchedulerStats
     from kvserve.sampling_params import SamplingParams
 
@@ -42,9 +44,21 @@ class EngineClient(ABC):
         *,
         priority: int = 0,
         cache_salt: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Streams the request's outputs; ValueError for bad input before the first one,
         EngineDeadError if the engine dies. Closing or cancelling the iterator aborts it."""
+
+    @abstractmethod
+    def encode(
+        self,
+        prompt: PromptType,
+        pooling_params: PoolingParams,
+        request_id: str,
+        *,
+        lora_request: LoRARequest | None = None,
+    ) -> AsyncGenerator[PoolingRequestOutput, None]:
+        """A pooling request: its one output carries the prompt's vector."""
 
     @abstractmethod
     async def abort(self, request_id: str | Iterable[str]) -> None: ...

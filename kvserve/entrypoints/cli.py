@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from kvserve.engine.arg_utils import EngineArgs
+from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import RequestOutputKind, SamplingParams
 from kvserve.utils.threads import configure_process_threads
 
@@ -47,6 +48,7 @@ def _stream(engine: LLMEngine, prompt: Any, params: SamplingParams) -> Iterator[
     engine.add_request(request_id, prompt, params)
     while engine.has_unfinished_requests():
         for output in engine.step():
+            assert isinstance(output, RequestOutput)  # a generate request's output
             yield output.outputs[0].text
 
 

@@ -15,8 +15,17 @@ from kvserve.engine.input_processor import apply_chat_template
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.entrypoints.llm_beam_search import run_beam_search
 from kvserve.inputs import PromptType
+from kvserve.lora.request import LoRARequest
 from kvserve.metrics.reader import Metric
-from kvserve.outputs import RequestOutput
+from kvserve.outputs import (
+    AnyRequestOutput,
+    EmbeddingRequestOutput,
+    PoolingRequestOutput,
+    RequestOutput,
+    ScoringOutput,
+    ScoringRequestOutput,
+)
+from kvserve.pooling_params import PoolingParams
 from kvserve.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 ChatMessages = list[dict[str, Any]]
@@ -80,16 +89,89 @@ class LLM:
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
         cache_salt: str | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Generates for every prompt; outputs come back in the prompts' order."""
-        if isinstance(prompts, str | dict):
-            prompts = [prompts]
-        prompt_list = list(prompts)
+        """Generates for every prompt; outputs come back in the prompts' order.
+        ``lora_request``: one adapter for all prompts, or one (or None) per prompt."""
+        prompt_list = _as_prompt_list(prompts)
         params_list = self._broadcast_params(sampling_params, len(prompt_list))
         if priority is not None and len(priority) != len(prompt_list):
             raise ValueError(f"priority has {len(priority)} entries for {len(prompt_list)} prompts")
-        self._add_requests(prompt_list, params_list, priority, cache_salt)
-        return self._run_engine(use_tqdm)
+        loras = _broadcast_lora(lora_request, len(prompt_list))
+        self._add_requests(prompt_list, params_list, priority, cache_salt, loras)
+        return cast(list[RequestOutput], self._run_engine(use_tqdm))
+
+    def encode(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+    ) -> list[PoolingRequestOutput]:
+        """One pooled vector per prompt (pooling runner), in the prompts' order."""
+        prompt_list = _as_prompt_list(prompts)
+        if pooling_params is None:
+            pooling_params = PoolingParams(task="encode")
+        if isinstance(pooling_params, PoolingParams):
+            params_list = [pooling_params] * len(prompt_list)
+        else:
+            params_list = list(pooling_params)
+            if len(params_list) != len(prompt_list):
+                raise ValueError(
+                    f"got {len(params_list)} pooling_params for {len(prompt_list)} prompts"
+                )
+        loras = _broadcast_lora(lora_request, len(prompt_list))
+        self._add_requests(prompt_list, params_list, None, None, loras)
+        outputs = self._run_engine(use_tqdm)
+        failed = [o for o in outputs if isinstance(o, RequestOutput)]
+        if failed:
+            raise RuntimeError(f"request {failed[0].request_id} failed: {failed[0].error}")
+        return cast(list[PoolingRequestOutput], outputs)
+
+    def embed(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+    ) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt (``outputs.embedding``), normalised unless the pooler
+        config or the params say otherwise."""
+        outputs = self.encode(
+            prompts,
+            pooling_params if pooling_params is not None else PoolingParams(task="embed"),
+            use_tqdm=use_tqdm,
+            lora_request=lora_request,
+        )
+        return [EmbeddingRequestOutput.from_base(o) for o in outputs]
+
+    def score(
+        self,
+        text_1: PromptType | Sequence[PromptType],
+        text_2: PromptType | Sequence[PromptType],
+        *,
+        use_tqdm: bool = True,
+    ) -> list[ScoringRequestOutput]:
+        """vLLM's embedding-model scoring: the cosine similarity of each pair's embeddings.
+        One ``text_1`` pairs with every ``text_2``; otherwise the lists pair up."""
+        first, second = _as_prompt_list(text_1), _as_prompt_list(text_2)
+        if len(first) == 1:
+            first = first * len(second)
+        if len(first) != len(second):
+            raise ValueError(f"text_1 has {len(first)} prompts and text_2 {len(second)}")
+        embeddings = self.encode([*first, *second], PoolingParams(task="embed", normalize=True),
+                                 use_tqdm=use_tqdm)  # fmt: skip
+        left, right = embeddings[: len(first)], embeddings[len(first) :]
+        return [
+            ScoringRequestOutput(
+                request_id=f"{a.request_id}-{b.request_id}",
+                outputs=ScoringOutput(float((a.outputs.data @ b.outputs.data).item())),
+                prompt_token_ids=a.prompt_token_ids + b.prompt_token_ids,
+            )
+            for a, b in zip(left, right, strict=True)
+        ]
 
     def chat(
         self,
@@ -150,15 +232,17 @@ class LLM:
     def _add_requests(
         self,
         prompts: list[PromptType],
-        params: list[SamplingParams],
+        params: Sequence[SamplingParams | PoolingParams],
         priority: Sequence[int] | None,
         cache_salt: str | None,
+        lora_requests: Sequence[LoRARequest | None],
     ) -> None:
         added: list[str] = []
         try:
             for i, (prompt, sp) in enumerate(zip(prompts, params, strict=True)):
-                # Offline callers want one result per request, not a stream.
-                sp = sp.clone(output_kind=RequestOutputKind.FINAL_ONLY)
+                if isinstance(sp, SamplingParams):
+                    # Offline callers want one result per request, not a stream.
+                    sp = sp.clone(output_kind=RequestOutputKind.FINAL_ONLY)
                 request_id = str(next(self._request_counter))
                 self.llm_engine.add_request(
                     request_id,
@@ -166,6 +250,7 @@ class LLM:
                     sp,
                     priority=priority[i] if priority else 0,
                     cache_salt=cache_salt,
+                    lora_request=lora_requests[i],
                 )
                 added.append(request_id)
         except Exception:
@@ -174,11 +259,11 @@ class LLM:
                 self.llm_engine.abort_request(added)
             raise
 
-    def _run_engine(self, use_tqdm: bool) -> list[RequestOutput]:
+    def _run_engine(self, use_tqdm: bool) -> list[AnyRequestOutput]:
         engine = self.llm_engine
         total = len(engine.output_processor.unfinished_request_ids())
         bar = tqdm(total=total, desc="Processed prompts", dynamic_ncols=True, disable=not use_tqdm)
-        finished: list[RequestOutput] = []
+        finished: list[AnyRequestOutput] = []
         prompt_tokens = output_tokens = 0
         try:
             while engine.has_unfinished_requests():
@@ -188,7 +273,8 @@ class LLM:
                     finished.append(output)
                     bar.update(1)
                     prompt_tokens += len(output.prompt_token_ids or [])
-                    output_tokens += sum(len(c.token_ids) for c in output.outputs)
+                    if isinstance(output, RequestOutput):
+                        output_tokens += sum(len(c.token_ids) for c in output.outputs)
                     elapsed = bar.format_dict["elapsed"] or 1e-9
                     bar.set_postfix_str(
                         f"in: {prompt_tokens / elapsed:.0f} tok/s, "
@@ -203,3 +289,20 @@ class LLM:
         finally:
             bar.close()
         return sorted(finished, key=lambda o: int(o.request_id))
+
+
+def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
+    if isinstance(prompts, str | dict):
+        return [prompts]
+    return list(prompts)
+
+
+def _broadcast_lora(
+    lora_request: LoRARequest | Sequence[LoRARequest | None] | None, count: int
+) -> list[LoRARequest | None]:
+    if lora_request is None or isinstance(lora_request, LoRARequest):
+        return [lora_request] * count
+    loras = list(lora_request)
+    if len(loras) != count:
+        raise ValueError(f"got {len(loras)} lora_requests for {count} prompts")
+    return loras

@@ -7,6 +7,8 @@ from typing import Any
 
 import msgspec
 
+from kvserve.lora.request import LoRARequest
+from kvserve.pooling_params import PoolingParams
 from kvserve.sampling_params import SamplingParams
 
 
@@ -29,6 +31,9 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, kw_
     priority: int = 0
     cache_salt: str | None = None
     kv_transfer_params: dict[str, Any] | None = None
+    # A pooling request (returns a vector, samples nothing) / the LoRA adapter it runs with.
+    pooling_params: PoolingParams | None = None
+    lora_request: LoRARequest | None = None
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, kw_only=True):
@@ -47,6 +52,8 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, kw_o
     num_cached_tokens: int = 0
     error: str | None = None
     kv_transfer_params: dict[str, Any] | None = None
+    # A pooling request's vector, with its final output.
+    pooling_output: list[float] | None = None
 
     @property
     def finished(self) -> bool:

@@ -67,6 +67,8 @@ class ModelRunnerOutput:
     finished_sending: set[str] | None = None
     finished_recving: set[str] | None = None
     invalid_block_ids: set[int] = field(default_factory=set)
+    # req_id -> the pooled vector of a pooling request whose prompt finished this step.
+    pooler_output: dict[str, list[float]] = field(default_factory=dict)
     # None for a step without a forward (EMPTY_MODEL_RUNNER_OUTPUT is shared: never set it).
     step_times: RunnerStepTimes | None = None
 

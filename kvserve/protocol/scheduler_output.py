@@ -7,6 +7,8 @@ from typing import Any
 
 import numpy as np
 
+from kvserve.lora.request import LoRARequest
+from kvserve.pooling_params import PoolingParams
 from kvserve.sampling_params import SamplingParams
 
 
@@ -21,6 +23,8 @@ class NewRequestData:
     num_computed_tokens: int
     # Output tokens a worker must know of, e.g. for a request forked from another.
     output_token_ids: list[int] = field(default_factory=list)
+    pooling_params: PoolingParams | None = None
+    lora_request: LoRARequest | None = None
 
 
 @dataclass

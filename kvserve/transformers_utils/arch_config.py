@@ -18,6 +18,8 @@ from kvserve.transformers_utils.gguf_reader import GGUFFile, GGUFTensor, open_gg
 from kvserve.transformers_utils.model_resolver import ResolvedModel
 from kvserve.utils.startup import startup_phase
 
+# Bidirectional encoders (pooling only): no causal mask, no LM head.
+ENCODER_ONLY_ARCHITECTURES = ("BertModel",)
 _GGUF_ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
@@ -79,6 +81,12 @@ class ArchConfig:
     moe: MoEConfig | None = None
     mla: MLAConfig | None = None
     qk_norm: bool = False
+    # BERT's token type (segment) embeddings; 0 for models without them.
+    type_vocab_size: int = 0
+
+    @property
+    def is_encoder_only(self) -> bool:
+        return self.architecture in ENCODER_ONLY_ARCHITECTURES
 
     def __post_init__(self) -> None:
         if not self.layer_types:
@@ -305,7 +313,7 @@ def _from_hf_dir(model_dir: Path) -> ArchConfig:
             num_attention_heads=num_heads,
             num_key_value_heads=int(cfg.get("num_key_value_heads") or num_heads),
             head_dim=int(cfg.get("head_dim") or hidden // num_heads),
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", cfg.get("layer_norm_eps", 1e-6))),
             rope_theta=theta,
             rope_scaling=scaling,
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
@@ -330,9 +338,20 @@ def _hf_attention_variants(arch: str, cfg: dict[str, Any], num_layers: int) -> d
         return _gemma3_variants(cfg, num_layers)
     if arch == "Llama4ForCausalLM":
         return _llama4_variants(cfg, num_layers)
+    if arch == "BertModel":
+        return _bert_variants(cfg)
     use_window = cfg.get("use_sliding_window", arch != "Qwen2ForCausalLM")
     window = cfg.get("sliding_window") if use_window else None
     return {"sliding_window": None if window is None else int(window)}
+
+
+def _bert_variants(cfg: dict[str, Any]) -> dict[str, Any]:
+    """BERT: LayerNorm's eps stands in rms_norm_eps; absolute positions, exact GELU."""
+    if cfg.get("hidden_act", "gelu") != "gelu":
+        raise ValueError(f"unsupported BERT hidden_act {cfg.get('hidden_act')!r} (gelu only)")
+    if cfg.get("position_embedding_type", "absolute") != "absolute":
+        raise ValueError("only absolute position embeddings are supported for BERT")
+    return {"type_vocab_size": int(cfg.get("type_vocab_size", 2))}
 
 
 def _gemma3_variants(cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:

@@ -18,6 +18,7 @@ from kvserve.attention.layer import Attention, bind_kv_cache, get_attention_laye
 from kvserve.config import EngineConfig
 from kvserve.distributed.kv_transfer.kv_connector.base import KVConnectorOutput
 from kvserve.forward_context import set_forward_context
+from kvserve.model_executor.lora.model_manager import LoRAModelManager
 from kvserve.model_executor.model_loader import get_model
 from kvserve.protocol.kv_cache_interface import KVCacheConfig, KVCacheSpec
 from kvserve.protocol.runner_output import (
@@ -37,9 +38,10 @@ from kvserve.worker.input_batch import InputBatch
 from kvserve.worker.input_preparation import InputPreparer, StepInputs
 from kvserve.worker.kv_cache_specs import make_kv_cache_spec, zeroed_tensor
 from kvserve.worker.kv_connector_model_runner_mixin import KVConnectorModelRunnerMixin
+from kvserve.worker.prompt_pooler import PromptPooler
 from kvserve.worker.request_state import CachedRequestState
-from kvserve.worker.thread_governor import StepThreadGovernor
 from kvserve.worker.spec_decode_runner import SpecDecodeModelRunnerMixin
+from kvserve.worker.thread_governor import StepThreadGovernor
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +57,8 @@ class ExecuteModelState:
     hidden_states: torch.Tensor | None
     # The KV connector's report for this step (None without a connector).
     kv_connector_output: KVConnectorOutput | None = None
+    # Pooling runner: the vectors of the prompts that completed in this step.
+    pooler_output: dict[str, list[float]] = dataclasses.field(default_factory=dict)
     # Seconds before the forward (state update, inputs, attention metadata) and in it.
     prepare_time: float = 0.0
     forward_time: float = 0.0
@@ -92,9 +96,17 @@ class ModelRunner(KVConnectorModelRunnerMixin, SpecDecodeModelRunnerMixin):
             self.max_num_reqs, self.max_num_tokens, self.device, self.pin_memory
         )
         self.sampler = Sampler()
+        # The pooling runner returns vectors instead of sampling (None: generate).
+        self.prompt_pooler = (
+            PromptPooler(model_config.pooler_config)
+            if model_config.is_pooling and model_config.pooler_config is not None
+            else None
+        )
         self.execute_model_state: ExecuteModelState | None = None
         # The proposer (None without speculative_config) and the RejectionSampler.
         self.init_spec_decode()
+        # enable_lora: the adapters' slots and the wrapped projections (after load_model).
+        self.lora_manager: LoRAModelManager | None = None
 
     # ---- setup ---------------------------------------------------------------------------
 
@@ -116,6 +128,8 @@ class ModelRunner(KVConnectorModelRunnerMixin, SpecDecodeModelRunnerMixin):
             self._enable_attention_sinks()
         if self.drafter is not None:
             self.drafter.load_model()
+        if self.config.lora_config is not None:
+            self.lora_manager = LoRAModelManager(self.model, self.config.lora_config)
 
     def _enable_attention_sinks(self) -> None:
         """StreamingLLM: every full-attention layer sees the sink tokens plus a window."""
@@ -207,6 +221,8 @@ class ModelRunner(KVConnectorModelRunnerMixin, SpecDecodeModelRunnerMixin):
             num_computed_tokens=new.num_computed_tokens,
             output_token_ids=list(new.output_token_ids),
             eos_token_id=self.eos_token_id,
+            pooling_params=new.pooling_params,
+            lora_request=new.lora_request,
         )
 
     def _update_states(self, scheduler_output: SchedulerOutput) -> None:
@@ -218,6 +234,8 @@ class ModelRunner(KVConnectorModelRunnerMixin, SpecDecodeModelRunnerMixin):
             batch.remove_request(req_id)
         if self.drafter is not None and scheduler_output.finished_req_ids:
             self.drafter.remove_requests(scheduler_output.finished_req_ids)
+            if self.prompt_pooler is not None:
+                self.prompt_pooler.forget(req_id)
         # Preempted and otherwise unscheduled requests leave the batch but keep their state.
         scheduled = scheduler_output.num_scheduled_tokens
         for req_id in [r for r in batch.req_id_to_index if r not in scheduled]:
@@ -306,6 +324,11 @@ class ModelRunner(KVConnectorModelRunnerMixin, SpecDecodeModelRunnerMixin):
         spec_metadata = self.spec_decode_metadata(scheduler_output, inputs)
         self.split_spec_rows(scheduler_output, inputs)
         attn_metadata = self._build_attn_metadata(inputs)
+        if self.lora_manager is not None:
+            rows = self.input_batch.requests[: self.input_batch.num_reqs]
+            self.lora_manager.set_active_loras(
+                [None if r is None else r.lora_request for r in rows], inputs.num_scheduled_tokens
+            )
         forward_start = time.perf_counter()
         self.thread_governor.begin(scheduler_output.total_num_scheduled_tokens)
         with (
@@ -317,6 +340,9 @@ class ModelRunner(KVConnectorModelRunnerMixin, SpecDecodeModelRunnerMixin):
         num_sample = len(inputs.sample_rows)
         if spec_metadata is not None:
             logits = self.model.compute_logits(hidden_states[spec_metadata.logits_indices])
+        pooler_output: dict[str, list[float]] = {}
+        if self.prompt_pooler is not None:
+            pooler_output = self.prompt_pooler.pool_step(hidden_states, self.input_batch, inputs)
         elif num_sample == scheduler_output.total_num_scheduled_tokens:
             # One token per row and every row samples (pure decode): the rows are the
             # logits rows already, no gather needed.
@@ -336,6 +362,7 @@ class ModelRunner(KVConnectorModelRunnerMixin, SpecDecodeModelRunnerMixin):
             logits,
             keep_hidden,
             kv_output if self.kv_connector else None,
+            pooler_output=pooler_output,
             prepare_time=forward_start - start,
             forward_time=forward_end - forward_start,
             spec_metadata=spec_metadata,
@@ -411,6 +438,7 @@ class ModelRunner(KVConnectorModelRunnerMixin, SpecDecodeModelRunnerMixin):
             prompt_logprobs_dict=self._prompt_logprobs(state),
             logprobs_row_starts=logprobs_row_starts,
             spec_token_ids=self.propose_draft_token_ids(sample_rows, num_computed_before),
+            pooler_output=state.pooler_output,
         )
         output.step_times = RunnerStepTimes(
             state.prepare_time, state.forward_time, time.perf_counter() - start

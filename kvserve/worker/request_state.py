@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvserve.lora.request import LoRARequest
+from kvserve.pooling_params import PoolingParams
 from kvserve.sampling_params import SamplingParams
 
 
@@ -28,6 +30,8 @@ class CachedRequestState:
     # Set once the last prompt chunk has produced its prompt logprobs, so a recompute
     # after preemption does not emit them a second time.
     prompt_logprobs_done: bool = False
+    pooling_params: PoolingParams | None = None
+    lora_request: LoRARequest | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -57,6 +57,8 @@ class AttentionImpl(ABC):
         self.num_sink_tokens = 0
         # Scores become ``cap * tanh(scores / cap)`` before the mask (Gemma 2 style).
         self.logits_soft_cap = logits_soft_cap
+        # False for encoder-only layers: every query sees every key of its prompt.
+        self.causal = True
 
     @abstractmethod
     def forward(

@@ -302,7 +302,9 @@ class CPUAttentionImpl(AttentionImpl):
         k, v = k.to(q.dtype), v.to(q.dtype)  # a float16/bfloat16 cache, widened
         key = self.mask_key
         mask: torch.Tensor | None = c.causal_mask if key is None else c.mask_for(key)
-        if key is None and q.shape[0] == c.seq_len and self.logits_soft_cap is None:
+        if not self.causal:
+            mask = torch.ones_like(c.causal_mask)  # encoder-only: the whole prompt, both ways
+        elif key is None and q.shape[0] == c.seq_len and self.logits_soft_cap is None:
             mask = None  # nothing cached before the chunk: plain causal attention
         # 4-D inputs: SDPA's fused CPU (flash) kernel takes those, masks and GQA included;
         # 3-D ones fall back to the math path that materializes the score matrix.

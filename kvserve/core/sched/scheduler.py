@@ -19,8 +19,8 @@ from kvserve.core.sched.interface import SchedulerInterface
 from kvserve.core.sched.isolation import SchedulerIsolationMixin
 from kvserve.core.sched.kv_connector_mixin import SchedulerKVConnectorMixin
 from kvserve.core.sched.request_queue import SchedulingPolicy, create_request_queue
-from kvserve.core.sched.structured_output_mixin import SchedulerStructuredOutputMixin
 from kvserve.core.sched.spec_decode_mixin import SchedulerSpecDecodeMixin
+from kvserve.core.sched.structured_output_mixin import SchedulerStructuredOutputMixin
 from kvserve.core.sched.utils import (
     check_stop,
     make_cached_request_data,
@@ -62,6 +62,8 @@ class Scheduler(
         self.log_stats = log_stats
         self.block_size = config.cache_config.block_size
         self.enable_caching = config.cache_config.enable_prefix_caching
+        # Adapters the workers hold at once: running requests use at most this many.
+        self.max_loras = config.lora_config.max_loras if config.lora_config else None
         self.kv_cache_manager = KVCacheManager(
             kv_cache_config,
             self.max_model_len,
@@ -241,6 +243,9 @@ class Scheduler(
                 self.waiting.pop_request()
                 if not request.is_finished():
                     skipped.add_request(request)
+            if self._lora_slots_full(request):
+                # Its adapter would be one too many in a step: it waits for a slot.
+                skipped.add_request(self.waiting.pop_request())
                 continue
             if request.num_prompt_tokens > self.max_model_len or not (
                 self.kv_cache_manager.fits_in_pool(request.num_tokens)
@@ -327,6 +332,8 @@ class Scheduler(
                 block_ids=req_to_new_blocks[r.request_id].get_block_ids(),
                 num_computed_tokens=r.num_computed_tokens,
                 output_token_ids=list(r.output_token_ids),
+                pooling_params=r.pooling_params,
+                lora_request=r.lora_request,
             )
             for r in scheduled_new
         ]
@@ -424,6 +431,11 @@ class Scheduler(
                 if probe is not None and request_id in probe:
                     passed.append(request_id)
             is_stopped = False
+            pooled = model_runner_output.pooler_output.get(request_id)
+            if pooled is not None:  # a pooling request is done once its prompt is
+                new_token_ids = []  # and samples nothing
+                request.status = RequestStatus.FINISHED_STOPPED
+                is_stopped = True
             for i, token_id in enumerate(new_token_ids):
                 request.append_output_token_ids(token_id)
                 if check_stop(request, self.max_model_len) or self._advance_grammar(
@@ -434,6 +446,7 @@ class Scheduler(
                     break
             output = make_engine_core_output(request, new_token_ids, model_runner_output, req_index)
             if output is not None:
+                output.pooling_output = pooled
                 outputs.append(output)
             spec_token_ids = model_runner_output.spec_token_ids
             if not is_stopped and spec_token_ids is not None and req_index is not None:
@@ -455,6 +468,13 @@ class Scheduler(
         return EngineCoreOutputs(
             outputs=outputs, scheduler_stats=self.make_stats(), timestamp=time.monotonic()
         )
+
+    def _lora_slots_full(self, request: Request) -> bool:
+        lora = request.lora_request
+        if lora is None or self.max_loras is None:
+            return False
+        active = {r.lora_request.lora_int_id for r in self.running if r.lora_request}
+        return lora.lora_int_id not in active and len(active) >= self.max_loras
 
     # --- state and stats ----------------------------------------------------------
 

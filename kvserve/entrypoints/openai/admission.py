@@ -16,8 +16,9 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvserve.entrypoints.openai.protocol import OpenAIServingError
 
-# The routes that start a generation (and so hold engine resources while they run).
-GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+# The routes that start a generation (and so hold engine resources while they run);
+# an embedding request runs its prompt through the model the same way.
+GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/embeddings"})
 
 
 def error_response(err: OpenAIServingError) -> JSONResponse:

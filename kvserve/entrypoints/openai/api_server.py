@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
@@ -27,6 +27,11 @@ from kvserve.entrypoints.openai.admission import (
     BodySizeLimitMiddleware,
     error_response,
 )
+from kvserve.entrypoints.openai.embedding_protocol import EmbeddingRequest
+from kvserve.entrypoints.openai.lora_protocol import (
+    LoadLoRAAdapterRequest,
+    UnloadLoRAAdapterRequest,
+)
 from kvserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -38,6 +43,7 @@ from kvserve.entrypoints.openai.protocol import (
 from kvserve.entrypoints.openai.protocol_responses import ResponsesRequest
 from kvserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from kvserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from kvserve.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
 from kvserve.entrypoints.openai.serving_engine import INTERNAL_ERROR_MESSAGE
 from kvserve.entrypoints.openai.serving_models import OpenAIServingModels
 from kvserve.entrypoints.openai.serving_responses import OpenAIServingResponses
@@ -164,6 +170,13 @@ def build_app(engine_client: EngineClient, args: argparse.Namespace) -> FastAPI:
         tool_call_parser=getattr(args, "tool_call_parser", None),
         enable_auto_tool_choice=getattr(args, "enable_auto_tool_choice", False),
     )
+    lora_modules = dict(getattr(args, "lora_modules", None) or [])
+    lora_config = engine_client.config.lora_config
+    if lora_modules and lora_config is None:
+        raise ValueError("--lora-modules needs --enable-lora")
+    models = OpenAIServingModels(engine_client.model_config, lora_config, lora_modules)
+    embedding = OpenAIServingEmbedding(engine_client, models)
+    chat = OpenAIServingChat(engine_client, models, chat_template=_chat_template(args))
     completion = OpenAIServingCompletion(engine_client, models)
     tokenization = OpenAIServingTokenization(chat)
     responses = OpenAIServingResponses(
@@ -260,6 +273,23 @@ def build_app(engine_client: EngineClient, args: argparse.Namespace) -> FastAPI:
     @app.get("/v1/responses/{response_id}")
     async def retrieve_response(response_id: str) -> Response:
         return _respond(responses.retrieve(response_id))
+
+    @app.post("/v1/embeddings")
+    async def create_embedding(request: EmbeddingRequest, raw_request: Request) -> Response:
+        work = embedding.create_embedding(request, raw_request)
+        return _respond(await _until_disconnect(raw_request, work, request_timeout), args)
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(request: LoadLoRAAdapterRequest) -> Response:
+        models.load_lora_adapter(request.lora_name, request.lora_path)
+        return PlainTextResponse(f"Success: LoRA adapter '{request.lora_name}' added successfully.")
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(request: UnloadLoRAAdapterRequest) -> Response:
+        models.unload_lora_adapter(request.lora_name)
+        return PlainTextResponse(
+            f"Success: LoRA adapter '{request.lora_name}' removed successfully."
+        )
 
     @app.post("/tokenize")
     async def tokenize(request: TokenizeChatRequest | TokenizeCompletionRequest) -> Response:

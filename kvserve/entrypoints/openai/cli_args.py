@@ -71,9 +71,34 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         default=30.0,
         help="seconds in-flight requests may run after SIGTERM before they are aborted",
     )
+    parser.add_argument(
+        "--lora-modules",
+        nargs="+",
+        type=_lora_module,
+        default=None,
+        metavar="NAME=PATH",
+        help="LoRA adapters (PEFT directories) served under their own model names, as "
+        'name=path or JSON \'{"name": ..., "path": ...}\'; needs --enable-lora',
+    )
     add_limit_args(parser)
     add_vllm_server_args(parser)
     return parser
+
+
+def _lora_module(value: str) -> tuple[str, str]:
+    """vLLM's two forms of a --lora-modules entry -> (name, path)."""
+    if value.lstrip().startswith("{"):
+        try:
+            entry = json.loads(value)
+            return str(entry["name"]), str(entry["path"])
+        except (json.JSONDecodeError, KeyError, TypeError):
+            raise argparse.ArgumentTypeError(
+                f"--lora-modules JSON needs 'name' and 'path': {value!r}"
+            ) from None
+    name, sep, path = value.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"--lora-modules expects name=path, got {value!r}")
+    return name, path
 
 
 def add_limit_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

@@ -112,6 +112,7 @@ class OpenAIServingChat(OpenAIServing):
                 base_id,
                 request.priority,
                 request.cache_salt,
+                self.models.lora_request(request.model),
             )
         )
         response_id = self.response_id(base_id, "chatcmpl")

@@ -70,6 +70,7 @@ class OpenAIServingCompletion(OpenAIServing):
                     request_id,
                     request.priority,
                     request.cache_salt,
+                    self.models.lora_request(request.model),
                 )
             )
         merged = merge_async_iterators(*generators)

@@ -27,6 +27,7 @@ from kvserve.entrypoints.openai.protocol import (
 )
 from kvserve.entrypoints.openai.serving_models import OpenAIServingModels
 from kvserve.inputs import TokensPrompt
+from kvserve.lora.request import LoRARequest
 from kvserve.outputs import Logprob, RequestOutput
 from kvserve.sampling_params import SamplingParams
 
@@ -122,6 +123,7 @@ class OpenAIServing:
         request_id: str,
         priority: int,
         cache_salt: str | None,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         if self.log_requests:
             # msgspec leaves defaults out: the line shows what this request changed.
@@ -132,7 +134,12 @@ class OpenAIServing:
                 msgspec.json.encode(params).decode(),
             )
         return self.engine_client.generate(
-            prompt, params, request_id, priority=priority, cache_salt=cache_salt
+            prompt,
+            params,
+            request_id,
+            priority=priority,
+            cache_salt=cache_salt,
+            lora_request=lora_request,
         )
 
     @staticmethod

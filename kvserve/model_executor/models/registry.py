@@ -35,6 +35,7 @@ _IN_TREE: dict[str, str] = {
     "DeepseekV2ForCausalLM": f"{_PKG}.deepseek_v2:DeepseekV2ForCausalLM",
     "DeepseekV3ForCausalLM": f"{_PKG}.deepseek_v2:DeepseekV3ForCausalLM",
     "Phi3ForCausalLM": f"{_PKG}.phi3:Phi3ForCausalLM",
+    "BertModel": f"{_PKG}.bert:BertModel",
 }
 
 

@@ -1,0 +1,1 @@
+"""LoRA adapters applied inside the model: wrapped projections and the adapter slots."""
