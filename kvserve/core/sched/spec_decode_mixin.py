@@ -70,7 +70,12 @@ class SchedulerSpecDecodeMixin:
     def _update_draft_token_ids(self, request: Request, draft_token_ids: list[int]) -> None:
         """Keeps the drafts the next step can use: none past max_tokens or max_model_len
         (the step adds one token of its own), and none across the min_tokens boundary,
-        where the stop-token mask changes from one position to the next."""
+        where the stop-token mask changes from one position to the next. A request under a
+        grammar takes none: its step's bitmask covers one position (checking drafts
+        against the matcher, as vLLM does, is the open step)."""
+        if request.structured_output_request is not None:
+            request.spec_token_ids = []
+            return
         limit = self.max_model_len - request.num_tokens - 1
         if request.max_tokens is not None:
             limit = min(limit, request.max_tokens - request.num_output_tokens - 1)
