@@ -80,3 +80,28 @@ def test_greedy_is_lossless_under_preemption(llm_factory: Any, cases: Any, metho
     assert run(engine, [prompts[i] for i in short]) == [expected[i] for i in short]
     assert scheduler.num_preemptions > before
     assert_no_leak(engine)
+
+
+def test_constrained_requests_beside_speculation(llm: Any, llm_factory: Any) -> None:
+    """In a speculative engine a request under a grammar decodes without drafts (its
+    bitmask covers one position a step) and gives the non-speculative engine's tokens;
+    a plain request in the same batch still drafts, and keeps its tokens."""
+    from kvserve.sampling_params import StructuredOutputsParams
+
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    constrained = SamplingParams(
+        temperature=0.0, max_tokens=24,
+        structured_outputs=StructuredOutputsParams(json=schema, disable_any_whitespace=True),
+    )  # fmt: skip
+    plain = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True)
+    repeat = "one two three four five six. " * 6 + "one two"
+    prompts = ["A number as JSON:", repeat]
+    engine = llm_factory(speculative_config=json.dumps(SPEC_CONFIGS["ngram"]))
+    expected = [
+        o.outputs[0].token_ids for o in llm.generate(prompts, [constrained, plain], use_tqdm=False)
+    ]
+    got = engine.generate(prompts, [constrained, plain], use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == expected
+    assert isinstance(json.loads(got[0].outputs[0].text)["n"], int)
+    assert spec_stats(engine).num_accepted_tokens > 0  # the plain one drafted
+    assert_no_leak(engine)

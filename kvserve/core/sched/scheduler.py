@@ -243,6 +243,7 @@ class Scheduler(
                 self.waiting.pop_request()
                 if not request.is_finished():
                     skipped.add_request(request)
+                continue
             if self._lora_slots_full(request):
                 # Its adapter would be one too many in a step: it waits for a slot.
                 skipped.add_request(self.waiting.pop_request())
