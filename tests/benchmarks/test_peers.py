@@ -23,7 +23,7 @@ def test_workloads_are_deterministic_and_scaled() -> None:
     for r in first:
         assert 16 <= len(r.prompt_token_ids) <= 64 and 8 <= r.output_len <= 32
         assert not {0, 1} & set(r.prompt_token_ids)
-    assert peers.parse_scale("0.5,b=0.25") == {"a": 0.5, "b": 0.25, "c": 0.5}
+    assert peers.parse_scale("0.5,b=0.25") == {"a": 0.5, "b": 0.25, "c": 0.5, "e": 0.5}
 
 
 @pytest.mark.slow
