@@ -338,11 +338,11 @@ class ModelRunner(KVConnectorModelRunnerMixin, SpecDecodeModelRunnerMixin):
             hidden_states = self.model(inputs.input_ids, inputs.positions)
         logits = None
         num_sample = len(inputs.sample_rows)
-        if spec_metadata is not None:
-            logits = self.model.compute_logits(hidden_states[spec_metadata.logits_indices])
         pooler_output: dict[str, list[float]] = {}
         if self.prompt_pooler is not None:
             pooler_output = self.prompt_pooler.pool_step(hidden_states, self.input_batch, inputs)
+        elif spec_metadata is not None:
+            logits = self.model.compute_logits(hidden_states[spec_metadata.logits_indices])
         elif num_sample == scheduler_output.total_num_scheduled_tokens:
             # One token per row and every row samples (pure decode): the rows are the
             # logits rows already, no gather needed.
