@@ -162,7 +162,12 @@ class ApiKeyMiddleware:
 
 def build_app(engine_client: EngineClient, args: argparse.Namespace) -> FastAPI:
     """The FastAPI app over ``engine_client`` (an AsyncLLM); ``args`` from add_serve_args."""
-    models = OpenAIServingModels(engine_client.model_config)
+    lora_modules = dict(getattr(args, "lora_modules", None) or [])
+    lora_config = engine_client.config.lora_config
+    if lora_modules and lora_config is None:
+        raise ValueError("--lora-modules needs --enable-lora")
+    models = OpenAIServingModels(engine_client.model_config, lora_config, lora_modules)
+    embedding = OpenAIServingEmbedding(engine_client, models)
     chat = OpenAIServingChat(
         engine_client,
         models,
@@ -170,13 +175,6 @@ def build_app(engine_client: EngineClient, args: argparse.Namespace) -> FastAPI:
         tool_call_parser=getattr(args, "tool_call_parser", None),
         enable_auto_tool_choice=getattr(args, "enable_auto_tool_choice", False),
     )
-    lora_modules = dict(getattr(args, "lora_modules", None) or [])
-    lora_config = engine_client.config.lora_config
-    if lora_modules and lora_config is None:
-        raise ValueError("--lora-modules needs --enable-lora")
-    models = OpenAIServingModels(engine_client.model_config, lora_config, lora_modules)
-    embedding = OpenAIServingEmbedding(engine_client, models)
-    chat = OpenAIServingChat(engine_client, models, chat_template=_chat_template(args))
     completion = OpenAIServingCompletion(engine_client, models)
     tokenization = OpenAIServingTokenization(chat)
     responses = OpenAIServingResponses(
