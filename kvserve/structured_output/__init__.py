@@ -5,6 +5,8 @@ engine core's StructuredOutputManager compiles it asynchronously and fills a per
 bitmask; the worker masks the logits with it before sampling (``apply_grammar_bitmask``).
 """
 
+from typing import TYPE_CHECKING, Any
+
 from kvserve.structured_output.backend_types import (
     StructuredOutputBackend,
     StructuredOutputGrammar,
@@ -13,8 +15,20 @@ from kvserve.structured_output.backend_types import (
     register_backend,
     resolve_backend,
 )
-from kvserve.structured_output.manager import StructuredOutputManager
 from kvserve.structured_output.request import StructuredOutputRequest
+
+if TYPE_CHECKING:
+    from kvserve.structured_output.manager import StructuredOutputManager
+
+
+def __getattr__(name: str) -> Any:
+    # The manager (torch) loads in the engine core only: core/request.py imports this
+    # package in the serve front end, which must start the core before torch loads.
+    if name == "StructuredOutputManager":
+        from kvserve.structured_output.manager import StructuredOutputManager
+
+        return StructuredOutputManager
+    raise AttributeError(name)
 
 __all__ = [
     "StructuredOutputBackend",
