@@ -30,6 +30,7 @@ def __getattr__(name: str) -> Any:
         return StructuredOutputManager
     raise AttributeError(name)
 
+
 __all__ = [
     "StructuredOutputBackend",
     "StructuredOutputGrammar",
