@@ -397,6 +397,10 @@ class ModelRunner(KVConnectorModelRunnerMixin, SpecDecodeModelRunnerMixin):
         # Tokens with KV before this step (the proposer's drafter catches up from there).
         num_computed_before = batch.num_computed_tokens_cpu.copy()
         if state.spec_metadata is not None and state.logits is not None:
+            if grammar_output is not None:
+                self._apply_grammar_bitmask(
+                    state.logits, sample_rows, grammar_output, state.spec_metadata.cu_num_logits
+                )
             spec_out = self.rejection_sampler(
                 state.spec_metadata,
                 None,
@@ -446,12 +450,20 @@ class ModelRunner(KVConnectorModelRunnerMixin, SpecDecodeModelRunnerMixin):
         return self.attach_kv_connector_output(output, state.kv_connector_output)
 
     def _apply_grammar_bitmask(
-        self, logits: torch.Tensor, sample_rows: np.ndarray, grammar_output: GrammarOutput
+        self,
+        logits: torch.Tensor,
+        sample_rows: np.ndarray,
+        grammar_output: GrammarOutput,
+        first_logits_row: np.ndarray | None = None,
     ) -> None:
-        """Masks the constrained requests' logits rows (row i of logits is the request in
-        batch row sample_rows[i]) to the tokens their grammars allow."""
+        """Masks the constrained requests' logits rows to the tokens their grammars allow.
+        Row i of logits is the request in batch row sample_rows[i], or with drafts in the
+        step row first_logits_row[i] (a constrained request has no drafts: one row)."""
         assert self.input_batch is not None
-        logits_row_of = {int(row): i for i, row in enumerate(sample_rows.tolist())}
+        starts = range(len(sample_rows)) if first_logits_row is None else first_logits_row.tolist()
+        logits_row_of = {
+            int(row): int(s) for row, s in zip(sample_rows.tolist(), starts, strict=False)
+        }
         index = self.input_batch.req_id_to_index
         # The scheduler lists exactly the sampling rows; a request missing here is a bug
         # upstream and fails the step (KeyError) rather than sampling unconstrained.
