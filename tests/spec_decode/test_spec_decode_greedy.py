@@ -105,3 +105,31 @@ def test_constrained_requests_beside_speculation(llm: Any, llm_factory: Any) -> 
     assert isinstance(json.loads(got[0].outputs[0].text)["n"], int)
     assert spec_stats(engine).num_accepted_tokens > 0  # the plain one drafted
     assert_no_leak(engine)
+
+
+def test_n_greater_than_one_and_a_kv_connector_beside_speculation(
+    llm: Any, llm_factory: Any, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """n > 1 (greedy children) and the SharedStorage connector under speculation: a second
+    request loads the first one's KV from storage, and every output is the plain engine's."""
+    from tests.distributed.kv_transfer.helpers import as_json, shared_storage
+
+    repeat = "red green blue yellow, " * 8 + "red green"
+    prompts = [repeat, "The history of Rome"]
+    params = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True, n=2)
+    expected = [
+        [c.token_ids for c in o.outputs] for o in llm.generate(prompts, params, use_tqdm=False)
+    ]
+    assert all(a == b for a, b in expected)
+    engine = llm_factory(
+        speculative_config=json.dumps(SPEC_CONFIGS["ngram"]),
+        kv_transfer_config=as_json(shared_storage(tmp_path_factory.mktemp("spec_kv"))),
+    )
+    first = engine.generate(prompts, params, use_tqdm=False)
+    assert [[c.token_ids for c in o.outputs] for o in first] == expected
+    engine.reset_prefix_cache()  # the second pass must load from storage, not the cache
+    again = engine.generate(prompts, params, use_tqdm=False)
+    assert [[c.token_ids for c in o.outputs] for o in again] == expected
+    assert again[0].num_cached_tokens > 0
+    assert spec_stats(engine).num_accepted_tokens > 0
+    assert_no_leak(engine)
