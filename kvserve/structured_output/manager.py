@@ -105,16 +105,33 @@ class StructuredOutputManager:
 
     # --- per step ------------------------------------------------------------------
 
-    def grammar_bitmask(self, grammars: Sequence[StructuredOutputGrammar]) -> np.ndarray:
-        """[len(grammars), ceil(V/32)] int32: row i allows the tokens grammars[i] allows next."""
-        num = len(grammars)
+    def grammar_bitmask(
+        self,
+        grammars: Sequence[StructuredOutputGrammar],
+        drafts: Sequence[list[int]] | None = None,
+    ) -> np.ndarray:
+        """[rows, ceil(V/32)] int32: grammar i's rows allow the tokens it allows next, then
+        after each of its drafts (``drafts[i]``, accepted into the matcher to fill the next
+        row and rolled back after), one row per position a speculative step samples."""
+        drafts = drafts if drafts is not None else [[] for _ in grammars]
+        num = sum(1 + len(d) for d in drafts)
         if num > self._bitmask.shape[0]:
             self._bitmask = torch.full((num, self._bitmask.shape[1]), -1, dtype=torch.int32)
         bitmask = self._bitmask[:num]
         bitmask.fill_(-1)
-        for i, grammar in enumerate(grammars):
-            if not grammar.is_terminated():
-                grammar.fill_bitmask(bitmask, i)
+        row = 0
+        for grammar, tokens in zip(grammars, drafts, strict=True):
+            accepted = 0
+            for position in range(1 + len(tokens)):
+                if not grammar.is_terminated():
+                    grammar.fill_bitmask(bitmask, row + position)
+                if position < len(tokens) and grammar.accept_tokens("draft", [tokens[position]]):
+                    accepted += 1
+                elif position < len(tokens):
+                    break  # drafts were validated; a refusal leaves the rest unmasked
+            if accepted:
+                grammar.rollback(accepted)
+            row += 1 + len(tokens)
         # A copy: the buffer is refilled next step while the worker may still hold this one.
         return bitmask.numpy().copy()
 

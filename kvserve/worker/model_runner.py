@@ -467,7 +467,12 @@ class ModelRunner(KVConnectorModelRunnerMixin, SpecDecodeModelRunnerMixin):
         index = self.input_batch.req_id_to_index
         # The scheduler lists exactly the sampling rows; a request missing here is a bug
         # upstream and fails the step (KeyError) rather than sampling unconstrained.
-        rows = [logits_row_of[index[r]] for r in grammar_output.structured_output_request_ids]
+        # A request with drafts has consecutive rows: its positions in order.
+        seen: dict[str, int] = {}
+        rows = []
+        for r in grammar_output.structured_output_request_ids:
+            rows.append(logits_row_of[index[r]] + seen.get(r, 0))
+            seen[r] = seen.get(r, 0) + 1
         apply_grammar_bitmask(logits, rows, grammar_output.grammar_bitmask)
 
     @staticmethod

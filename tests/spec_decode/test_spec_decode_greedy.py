@@ -83,9 +83,9 @@ def test_greedy_is_lossless_under_preemption(llm_factory: Any, cases: Any, metho
 
 
 def test_constrained_requests_beside_speculation(llm: Any, llm_factory: Any) -> None:
-    """In a speculative engine a request under a grammar decodes without drafts (its
-    bitmask covers one position a step) and gives the non-speculative engine's tokens;
-    a plain request in the same batch still drafts, and keeps its tokens."""
+    """In a speculative engine a request under a grammar drafts what its matcher accepts,
+    every draft position masked with the grammar's state after the drafts before it, and
+    gives the non-speculative engine's tokens; a plain request beside it keeps its tokens."""
     from kvserve.sampling_params import StructuredOutputsParams
 
     schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
@@ -95,7 +95,8 @@ def test_constrained_requests_beside_speculation(llm: Any, llm_factory: Any) -> 
     )  # fmt: skip
     plain = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True)
     repeat = "one two three four five six. " * 6 + "one two"
-    prompts = ["A number as JSON:", repeat]
+    # The JSON prompt repeats its answer's shape, so prompt lookup drafts inside the grammar.
+    prompts = ['{"n":1} {"n":2} {"n":3} {"n":1} {"n":2} A number as JSON:', repeat]
     engine = llm_factory(speculative_config=json.dumps(SPEC_CONFIGS["ngram"]))
     expected = [
         o.outputs[0].token_ids for o in llm.generate(prompts, [constrained, plain], use_tqdm=False)
@@ -103,7 +104,11 @@ def test_constrained_requests_beside_speculation(llm: Any, llm_factory: Any) -> 
     got = engine.generate(prompts, [constrained, plain], use_tqdm=False)
     assert [o.outputs[0].token_ids for o in got] == expected
     assert isinstance(json.loads(got[0].outputs[0].text)["n"], int)
-    assert spec_stats(engine).num_accepted_tokens > 0  # the plain one drafted
+    assert spec_stats(engine).num_accepted_tokens > 0
+    drafts_before = spec_stats(engine).num_drafts
+    [alone] = engine.generate(prompts[:1], constrained, use_tqdm=False)
+    assert alone.outputs[0].token_ids == expected[0]
+    assert spec_stats(engine).num_drafts > drafts_before  # the constrained one drafted
     assert_no_leak(engine)
 
 

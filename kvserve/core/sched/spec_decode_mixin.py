@@ -71,18 +71,21 @@ class SchedulerSpecDecodeMixin:
         """Keeps the drafts the next step can use: none past max_tokens or max_model_len
         (the step adds one token of its own), and none across the min_tokens boundary,
         where the stop-token mask changes from one position to the next. A request under a
-        grammar takes none: its step's bitmask covers one position (checking drafts
-        against the matcher, as vLLM does, is the open step)."""
-        if request.structured_output_request is not None:
-            request.spec_token_ids = []
-            return
+        grammar keeps the drafts its matcher accepts (checked, then rolled back): the step
+        masks every draft position with the grammar's state after the drafts before it."""
         limit = self.max_model_len - request.num_tokens - 1
         if request.max_tokens is not None:
             limit = min(limit, request.max_tokens - request.num_output_tokens - 1)
         min_tokens = request.sampling_params.min_tokens
         if request.num_output_tokens < min_tokens:
             limit = min(limit, min_tokens - request.num_output_tokens - 1)
-        request.spec_token_ids = draft_token_ids[: max(limit, 0)]
+        drafts = draft_token_ids[: max(limit, 0)]
+        constrained = request.structured_output_request
+        if constrained is not None and drafts:
+            grammar = constrained.grammar
+            ok = grammar is not None and not grammar.is_terminated()
+            drafts = grammar.validate_tokens(drafts) if grammar is not None and ok else []
+        request.spec_token_ids = drafts
 
     def _spec_decoding_stats_snapshot(self) -> SpecDecodingStats | None:
         """A copy of the totals for SchedulerStats (the live ones keep counting)."""

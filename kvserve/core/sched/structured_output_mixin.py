@@ -52,6 +52,7 @@ class SchedulerStructuredOutputMixin:
             return None
         req_ids: list[str] = []
         grammars = []
+        drafts: list[list[int]] = []
         for req_id in scheduler_output.num_scheduled_tokens:
             request = self.requests.get(req_id)
             if request is None or request.structured_output_request is None:
@@ -60,11 +61,15 @@ class SchedulerStructuredOutputMixin:
             # schedule() counted the step's tokens as computed: caught up means it samples.
             if grammar is None or request.num_computed_tokens < request.num_tokens:
                 continue
-            req_ids.append(req_id)
+            # One row per position it samples: the next token and one after each draft.
+            spec = scheduler_output.scheduled_spec_decode_tokens.get(req_id, [])
+            req_ids += [req_id] * (1 + len(spec))
             grammars.append(grammar)
+            drafts.append(list(spec))
         if not req_ids:
             return None
-        return GrammarOutput(req_ids, self.structured_output_manager.grammar_bitmask(grammars))
+        bitmask = self.structured_output_manager.grammar_bitmask(grammars, drafts)
+        return GrammarOutput(req_ids, bitmask)
 
     def _advance_grammar(self, request: Request, token_id: int) -> bool:
         """Feeds a sampled token to the request's matcher; True when the grammar completed
