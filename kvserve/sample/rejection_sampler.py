@@ -61,8 +61,8 @@ class RejectionSampler(torch.nn.Module):
         ``sample_rows``: the batch row of each sampling row."""
         logits = logits.to(torch.float32)
         full = make_metadata(sample_rows)
-        # Hook for structured outputs: drafts that a request's grammar rejects could be cut
-        # here, before verification (a token bitmask per draft position).
+        # Constrained rows arrive masked per position (the scheduler validated their drafts
+        # against the grammar): verification only ever sees tokens the grammar allows.
         if (
             full.all_greedy
             and full.no_penalties
