@@ -101,7 +101,11 @@ class PrefixIndex:
         """The instance of ``loads`` holding the longest prefix; among equals the one with
         the smallest load (e.g. (requests in flight, requests routed so far)), then the
         first by name."""
+        return self.pick(self.match(token_ids, cache_salt), loads)
+
+    @staticmethod
+    def pick(matched: Mapping[str, int], loads: Mapping[str, tuple[int, ...]]) -> str:
+        """The routing rule on a ``match`` result: longest prefix, smallest load, name."""
         if not loads:
             raise ValueError("no instance to route to")
-        matched = self.match(token_ids, cache_salt)
         return min(loads, key=lambda i: (-matched.get(i, 0), loads[i], i))

@@ -105,9 +105,10 @@ class Router:
             return healthy[next(self._rotation) % len(healthy)]
         # Equal prefixes: the least busy, then the least used (new conversations spread).
         loads = {b.url: (b.in_flight, b.routed) for b in healthy}
-        with self.lock:
-            url = self.index.choose(token_ids, loads, cache_salt)
-            self.prefix_tokens_matched += self.index.match(token_ids, cache_salt).get(url, 0)
+        with self.lock:  # the prompt is hashed once, for the choice and the metric
+            matched = self.index.match(token_ids, cache_salt)
+        url = self.index.pick(matched, loads)
+        self.prefix_tokens_matched += matched.get(url, 0)
         return next(b for b in healthy if b.url == url)
 
     async def forward(self, request: Request, path: str) -> Response:
