@@ -132,7 +132,7 @@ def disagg_main(args: argparse.Namespace) -> int:
 
     from kvserve.engine.arg_utils import EngineArgs
 
-    model = args.model or EngineArgs.model
+    model = str(args.model or EngineArgs.model)
     extra = shlex.split(args.serve_args)
     kv_port = free_port()
     producer_config, consumer_config = connector_configs(args.kv_tier, kv_port)

@@ -54,7 +54,8 @@ _decoder = msgspec.msgpack.Decoder(Message)
 
 def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     """The raw bytes of a contiguous tensor (any dtype, bfloat16 included)."""
-    return memoryview(tensor.contiguous().view(torch.uint8).numpy()).cast("B")
+    array = tensor.contiguous().view(torch.uint8).numpy()
+    return memoryview(array.data).cast("B")
 
 
 def tensor_from(payload: bytes, header: LayerHeader) -> torch.Tensor:

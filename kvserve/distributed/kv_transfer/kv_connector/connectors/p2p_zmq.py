@@ -58,16 +58,16 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# The worker runs in the engine core's process (one worker): it leaves transfer timings
-# here for the scheduler side's stats, per engine id.
-_WORKER_TOTALS: dict[str, dict[str, float]] = {}
+# The worker runs in the engine core's process (one worker): it leaves its totals (transfer
+# seconds, failed loads) here for the scheduler side's stats, per engine id.
+_WORKER_TOTALS: dict[str, dict[str, dict[str, float]]] = {}
 _TOTALS_LOCK = threading.Lock()
 
 
-def _add_total(engine_id: str, name: str, value: float) -> None:
+def _add_total(engine_id: str, metric: str, kind: str, value: float) -> None:
     with _TOTALS_LOCK:
-        totals = _WORKER_TOTALS.setdefault(engine_id, {})
-        totals[name] = totals.get(name, 0.0) + value
+        totals = _WORKER_TOTALS.setdefault(engine_id, {}).setdefault(metric, {})
+        totals[kind] = totals.get(kind, 0.0) + value
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -282,8 +282,7 @@ class P2pZmqConnector(KVConnectorBase_V1):
                 continue
             blocks = spec.block_ids[spec.start_block : spec.end_block]
             if bad and not bad.isdisjoint(blocks):
-                self._count("transfer_requests", "failed")
-                continue
+                continue  # the worker counted it as failed
             self._count("transfer_requests", "received")
             self._count(
                 "transfer_tokens", "received", spec.num_tokens - spec.start_block * self.block_size
@@ -321,9 +320,8 @@ class P2pZmqConnector(KVConnectorBase_V1):
     def get_kv_connector_stats(self) -> dict[str, dict[str, float]] | None:
         stats = {metric: dict(values) for metric, values in self._stats.items()}
         with _TOTALS_LOCK:
-            worker = dict(_WORKER_TOTALS.get(self.engine_id, {}))
-        if worker:
-            stats["transfer_seconds"] = worker
+            for metric, values in _WORKER_TOTALS.get(self.engine_id, {}).items():
+                stats.setdefault(metric, {}).update(values)
         return stats or None
 
     # ---- worker side -----------------------------------------------------------------------
@@ -400,7 +398,7 @@ class P2pZmqConnector(KVConnectorBase_V1):
             for req_id, ok, _num_bytes, seconds in sender.take_done():
                 self._in_flight.discard(req_id)
                 if ok:
-                    _add_total(self.engine_id, "sent", seconds)
+                    _add_total(self.engine_id, "transfer_seconds", "sent", seconds)
         self._finished |= finished_req_ids
         sending = {r for r in self._finished if r not in self._in_flight}
         self._finished -= sending
@@ -432,6 +430,7 @@ class P2pZmqConnector(KVConnectorBase_V1):
                 continue
             if why is not None:
                 logger.warning("KV load of transfer %s failed: %s", spec.transfer_id, why)
+                _add_total(self.engine_id, "transfer_requests", "failed", 1.0)
                 self._load_errors.update(spec.block_ids[spec.start_block : spec.end_block])
             del self._recvs[req_id]
             done.add(req_id)
@@ -457,7 +456,8 @@ class P2pZmqConnector(KVConnectorBase_V1):
             cache[:, ids.to(cache.device)] = kv[:, spec.start_block : spec.end_block].to(
                 cache.device
             )
-        _add_total(self.engine_id, "received", max(arrival.last_at - arrival.first_at, 0.0))
+        seconds = max(arrival.last_at - arrival.first_at, 0.0)
+        _add_total(self.engine_id, "transfer_seconds", "received", seconds)
         return None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
