@@ -184,6 +184,29 @@ def test_proxy_balances_over_several_instances(
         wait_idle(server)
 
 
+def test_client_errors_and_disconnects_pass_through(fleet: Fleet) -> None:
+    # Bad input: the prefiller's 400, in OpenAI's error shape, straight to the client.
+    with pytest.raises(openai.BadRequestError) as bad:
+        fleet.one_one.client().completions.create(model=MODEL, prompt="", max_tokens=4)
+    assert bad.value.body["param"] == "prompt"  # type: ignore[index]
+    # A client that leaves a stream: the decoder aborts the request and frees its blocks.
+    aborts = fleet.one_one.metrics()[("kvserve_proxy_client_aborts_total", "")]
+    with httpx.stream(
+        "POST", f"{fleet.one_one.url}/v1/completions", timeout=60,
+        json={"model": MODEL, "prompt": _prompt("long stories"), "max_tokens": 400,
+              "ignore_eos": True, "stream": True},
+    ) as response:  # fmt: skip
+        lines = response.iter_lines()
+        assert next(line for line in lines if line.startswith("data: "))
+    deadline = time.monotonic() + 30
+    while fleet.one_one.metrics()[("kvserve_proxy_client_aborts_total", "")] == aborts:
+        assert time.monotonic() < deadline, "the proxy never saw the client leave"
+        time.sleep(0.1)
+    wait_idle(fleet.d1)
+    # 400 tokens take far longer than that here: the request was dropped, not finished.
+    assert fleet.d1.metrics()[("kvserve:num_requests_running", "")] == 0
+
+
 def _prefill_then_die(producer: Process, kv_port: int, topic: str) -> dict[str, Any]:
     """A prefill whose producer sends 3 of its layers, then stops (it is killed next)."""
     answer = producer.client().completions.create(
