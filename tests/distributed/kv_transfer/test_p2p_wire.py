@@ -140,8 +140,8 @@ def test_params() -> None:
     assert parse_send({"foo": 1}) is None and parse_recv(None) is None
     with pytest.raises(ValueError, match="remote_port must be in"):
         check_params({"do_remote_decode": True, "remote_host": "h", "remote_port": 0})
-    with pytest.raises(ValueError, match="remote_host must be a str"):
+    with pytest.raises(ValueError, match="remote_host must be a string"):
         check_params({"do_remote_decode": True, "remote_port": 9})
-    with pytest.raises(ValueError, match="num_tokens must be a int"):
+    with pytest.raises(ValueError, match="num_tokens must be an integer"):
         check_params({"do_remote_prefill": True, "transfer_id": "x", "num_tokens": True})
     assert prompt_hash([1, 2, 3]) == prompt_hash([1, 2, 3]) != prompt_hash([1, 2, 4])

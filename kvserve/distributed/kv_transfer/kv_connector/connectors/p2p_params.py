@@ -35,7 +35,8 @@ def _field(params: dict[str, Any], name: str, kind: type, required: bool = True)
     if value is None and not required:
         return None
     if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
-        raise ValueError(f"kv_transfer_params.{name} must be a {kind.__name__}, got {value!r}")
+        what = {int: "an integer", str: "a string"}.get(kind, kind.__name__)
+        raise ValueError(f"kv_transfer_params.{name} must be {what}, got {value!r}")
     if isinstance(value, str) and not 0 < len(value) <= MAX_ID_CHARS:
         raise ValueError(f"kv_transfer_params.{name} must be 1 to {MAX_ID_CHARS} characters")
     return value
