@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
+
+# An instance that refused a connection goes to the back of the line for this long.
+COOLDOWN_S = 5.0
 
 
 @dataclass
@@ -15,6 +19,10 @@ class Instance:
     kv_port: int | None = None
     in_flight: int = 0
     served: int = 0
+    failed_at: float = -COOLDOWN_S  # time.monotonic() of its last connection failure
+
+    def cooling_down(self) -> bool:
+        return time.monotonic() - self.failed_at < COOLDOWN_S
 
     @classmethod
     def parse(cls, spec: str, flag: str) -> Instance:
@@ -31,7 +39,8 @@ class Instance:
 
 
 class Pool:
-    """Least requests in flight first, then least served (so a quiet pool alternates)."""
+    """Least requests in flight first, then least served (so a quiet pool alternates);
+    instances that just failed a connection last."""
 
     def __init__(self, instances: list[Instance], flag: str) -> None:
         if not instances:
@@ -42,4 +51,8 @@ class Pool:
         self.instances = instances
 
     def pick(self) -> Instance:
-        return min(self.instances, key=lambda i: (i.in_flight, i.served))
+        return self.by_preference()[0]
+
+    def by_preference(self) -> list[Instance]:
+        """All instances, the preferred one first."""
+        return sorted(self.instances, key=lambda i: (i.cooling_down(), i.in_flight, i.served))

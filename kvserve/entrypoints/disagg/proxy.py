@@ -7,7 +7,9 @@ its KV connector pushes the KV to that decoder. The prefiller's answer carries t
 kv_transfer_params the decoder needs; the original request then goes to the decoder with
 them, and the decoder's answer (streamed or whole) goes back to the client as it comes. A
 client that leaves a stream closes the decoder's connection, which aborts the request
-there. Instances are picked by fewest requests in flight, then fewest served.
+there. Instances are picked by fewest requests in flight, then fewest served; a
+prefiller that refuses the connection is skipped for the next one (and tried last for a
+few seconds).
 
 Decoders given without a KV address (``--decode URL``) get no kv_transfer_params: the
 shape for a shared KV tier (the prefiller stores to Redis or a cache server, the decoder
@@ -70,19 +72,27 @@ class DisaggProxy:
         self, path: str, body: dict[str, Any], decoder: Instance, headers: dict[str, str]
     ) -> tuple[dict[str, Any] | None, Response | None, str]:
         """(kv_transfer_params for the decoder, an error response to give the client
-        instead, the prefiller's URL)."""
-        prefiller = self.prefill.pick()
-        prefiller.in_flight += 1
-        start = time.perf_counter()
-        try:
-            answer = await self.client.post(
-                f"{prefiller.url}{path}", json=self.prefill_body(body, decoder), headers=headers
-            )
-        except httpx.TransportError as exc:
+        instead, the prefiller's URL). A prefiller that cannot be reached has not seen the
+        request: the next one is tried."""
+        failures: list[str] = []
+        for prefiller in self.prefill.by_preference():
+            prefiller.in_flight += 1
+            start = time.perf_counter()
+            try:
+                answer = await self.client.post(
+                    f"{prefiller.url}{path}",
+                    json=self.prefill_body(body, decoder),
+                    headers=headers,
+                )
+                break
+            except httpx.TransportError as exc:
+                prefiller.failed_at = time.monotonic()
+                failures.append(f"{prefiller.url}: {exc!r}")
+            finally:
+                prefiller.in_flight -= 1
+        else:
             self.metrics.errors.labels("prefill").inc()
-            return None, _error(503, f"prefill instance {prefiller.url} failed: {exc!r}"), ""
-        finally:
-            prefiller.in_flight -= 1
+            return None, _error(503, "no prefill instance answered: " + "; ".join(failures)), ""
         prefiller.served += 1
         self.metrics.requests.labels("prefill", prefiller.url).inc()
         self.metrics.stage_seconds.labels("prefill").observe(time.perf_counter() - start)
@@ -136,6 +146,7 @@ class DisaggProxy:
                 stream=True,
             )
         except httpx.TransportError as exc:
+            decoder.failed_at = time.monotonic()
             self.metrics.errors.labels("decode").inc()
             release()
             return _error(503, f"decode instance {decoder.url} failed: {exc!r}")

@@ -3,6 +3,8 @@ prefill copy of a request."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from kvserve.entrypoints.disagg.pool import Instance, Pool
@@ -30,6 +32,8 @@ def test_pick_spreads_by_load_then_use() -> None:
     assert picked == ["http://a", "http://b", "http://a", "http://b"]
     a.in_flight = 2
     assert pool.pick() is b
+    b.failed_at = time.monotonic()  # refused a connection just now: tried last
+    assert pool.by_preference() == [a, b]
     with pytest.raises(ValueError, match="at least one --decode"):
         Pool([], "--decode")
     with pytest.raises(ValueError, match="named twice"):

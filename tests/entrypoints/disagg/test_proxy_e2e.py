@@ -248,3 +248,6 @@ def test_producer_killed_mid_transfer(fleet: Fleet, plain: dict[tuple[str, str],
         wait_idle(consumer)
     failed = fleet.d2.metrics()[("kvserve:kv_connector_transfer_requests_total", "failed")]
     assert failed == 1
+    # The 2P1D proxy goes on with the producer left (the dead one is tried and skipped).
+    for topic in TOPICS[:2]:
+        assert _complete(fleet.two_one, topic, stream=False) == plain[("completion", topic)]
