@@ -13,7 +13,8 @@ few seconds).
 
 Decoders given without a KV address (``--decode URL``) get no kv_transfer_params: the
 shape for a shared KV tier (the prefiller stores to Redis or a cache server, the decoder
-finds the prompt there). Requests with n > 1 or beam search skip the prefill stage.
+finds the prompt there). The prefill computes one sample whatever the request's n (the
+decoder's samples share its KV); beam search requests skip the prefill stage.
 """
 
 from __future__ import annotations
@@ -36,7 +37,9 @@ from kvserve.entrypoints.disagg.pool import Instance, Pool
 logger = logging.getLogger(__name__)
 
 # Fields of the client's request that make no sense for a one-token prefill.
-_NOT_FOR_PREFILL = ("stream", "stream_options", "max_completion_tokens", "min_tokens")
+_NOT_FOR_PREFILL = (
+    "stream", "stream_options", "max_completion_tokens", "min_tokens", "n", "best_of",
+)  # fmt: skip
 
 
 def _error(status: int, message: str, kind: str = "ServiceUnavailableError") -> JSONResponse:
@@ -130,7 +133,7 @@ class DisaggProxy:
         try:
             out_headers = {"x-kvserve-decode": decoder.url}
             decode_body = {k: v for k, v in body.items() if k != "kv_transfer_params"}
-            if int(body.get("n") or 1) == 1 and not body.get("use_beam_search"):
+            if not body.get("use_beam_search"):
                 params, failed, prefiller = await self.run_prefill(path, body, decoder, headers)
                 if failed is not None:
                     release()

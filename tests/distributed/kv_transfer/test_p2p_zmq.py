@@ -98,6 +98,12 @@ def _run(llm: Any, request_id: str, ids: list[int], params: Any) -> tuple[list[i
     return scheduled, tokens
 
 
+def _transfers(llm: Any) -> dict[str, float]:
+    """The connector's transfer_requests totals by kind (received, failed, sent)."""
+    stats = core_of(llm).scheduler.connector.get_kv_connector_stats() or {}
+    return dict(stats.get("transfer_requests", {}))
+
+
 def _free_blocks(llm: Any) -> int:
     return int(core_of(llm).scheduler.kv_cache_manager.block_pool.get_num_free_blocks())
 
@@ -128,6 +134,23 @@ def test_consumer_loads_the_prompt_and_computes_one_token(
     assert final.num_cached_tokens == 52
     drain(producer)
     assert_no_leak(producer)
+    assert_no_leak(consumer)
+
+
+def test_n_samples_share_one_transfer(producer: Any, consumer: Any, kv_port: int) -> None:
+    ids = prompt_ids(consumer.get_tokenizer(), "many samples")
+    params = _prefill(producer, ids, kv_port)
+    before = _transfers(consumer)
+    [out] = consumer.generate(
+        {"prompt_token_ids": ids}, with_params(params).clone(n=2), use_tqdm=False
+    )
+    # One sample loads the KV; the other computes the prompt rather than wait for it.
+    after = _transfers(consumer)
+    assert after.get("received", 0) == before.get("received", 0) + 1
+    assert after.get("failed", 0) == before.get("failed", 0)
+    expected = hf_reference().greedy(ids, GREEDY.max_tokens)
+    assert [c.token_ids for c in out.outputs] == [expected, expected]
+    drain(producer)
     assert_no_leak(consumer)
 
 

@@ -154,6 +154,15 @@ def test_1p1d_gives_the_plain_tokens_and_the_consumer_only_decodes(
     wait_idle(fleet.p1)
 
 
+def test_n_samples_through_the_proxy(fleet: Fleet, plain: dict[tuple[str, str], str]) -> None:
+    topic = TOPICS[0]
+    answer = fleet.one_one.client().completions.create(
+        model=MODEL, prompt=_prompt(topic), max_tokens=MAX_TOKENS, temperature=0.0, n=2
+    )
+    assert [c.text for c in answer.choices] == [plain[("completion", topic)]] * 2
+    wait_idle(fleet.d1)
+
+
 def _spread(p: Process) -> dict[tuple[str, str], float]:
     text = httpx.get(f"{p.url}/metrics", timeout=10).text
     out: dict[tuple[str, str], float] = {}

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import uuid
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -55,6 +56,8 @@ if TYPE_CHECKING:
     from kvserve.protocol.scheduler_output import SchedulerOutput
 
 logger = logging.getLogger(__name__)
+
+MAX_CLAIMED = 4096
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -108,6 +111,9 @@ class P2pZmqConnector(P2pWorkerSide, KVConnectorBase_V1):
         self._recv_lookups: dict[str, RecvParams] = {}  # admitted-to-be, checked params
         self._loading: dict[str, LoadSpec] = {}
         self._loaded: set[str] = set()  # loaded once: a preempted request recomputes
+        # Transfers a request took (the latest ones): the n samples of one request carry
+        # the same params, and only the first loads; the others compute the prompt.
+        self._claimed: OrderedDict[str, None] = OrderedDict()
         self._pending_loads: list[LoadSpec] = []
         self._pending_discards: list[str] = []
         self._stats: dict[str, dict[str, float]] = {}
@@ -149,6 +155,8 @@ class P2pZmqConnector(P2pWorkerSide, KVConnectorBase_V1):
         )
         if params is None:
             return 0, False
+        if params.transfer_id in self._claimed:
+            return 0, False
         n = params.num_tokens
         prompt = request.prompt_token_ids
         if n >= len(prompt) or prompt_hash(list(prompt[:n])) != params.prompt_hash:
@@ -172,6 +180,9 @@ class P2pZmqConnector(P2pWorkerSide, KVConnectorBase_V1):
         recv = self._recv_lookups.pop(req_id, None)
         if recv is not None:
             self._loaded.add(req_id)
+            self._claimed[recv.transfer_id] = None
+            if len(self._claimed) > MAX_CLAIMED:
+                self._claimed.popitem(last=False)
             if num_external_tokens <= 0:  # the local prefix cache had it all
                 self._pending_discards.append(recv.transfer_id)
             else:
