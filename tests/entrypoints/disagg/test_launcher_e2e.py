@@ -1,8 +1,8 @@
-"""`kvserve disagg --kv-tier redis://...`: a producer, a consumer and the proxy from one
-command, the KV going through a real redis-server (the shared-tier shape, for instances
-that cannot reach each other). Answers equal the producer's own (plain: a kv_producer of
-the tier never loads); the consumer found the prompts in the tier; SIGTERM to the command
-stops all three processes."""
+"""`kvserve disagg`: a producer, a consumer and the proxy from one command, the KV sent
+straight from producer to consumer (P2pZmqConnector, the default) or going through a real
+redis-server (`--kv-tier`, for instances that cannot reach each other). Answers equal the
+producer's own (plain: a producer never loads KV); the consumer got the prompts' KV
+from the producer or the tier; SIGTERM to the command stops all three processes."""
 
 from __future__ import annotations
 
@@ -55,11 +55,10 @@ def _metric(url: str, name: str, kind: str) -> float:
     return 0.0
 
 
-def test_disagg_through_a_shared_tier_and_stop_on_sigterm(redis: RedisServer) -> None:
-    launcher = Process(
-        "disagg",
-        ["disagg", "--kv-tier", redis.url, "--serve-args", shlex.join(SERVER_ARGS)],
-    )
+@pytest.mark.parametrize("kv_path", ["p2p", "redis"])
+def test_disagg_answers_and_stops_on_sigterm(kv_path: str, request: pytest.FixtureRequest) -> None:
+    tier = [] if kv_path == "p2p" else ["--kv-tier", request.getfixturevalue("redis").url]
+    launcher = Process("disagg", ["disagg", *tier, "--serve-args", shlex.join(SERVER_ARGS)])
     try:
         launcher.wait_healthy(timeout=600)
         producer, consumer = _urls(launcher)
@@ -76,9 +75,12 @@ def test_disagg_through_a_shared_tier_and_stop_on_sigterm(redis: RedisServer) ->
                 model=MODEL, prompt=_prompt(topic), max_tokens=8, temperature=0.0, stream=True
             )
             assert "".join(c.choices[0].text for c in chunks) == reference.choices[0].text
-        # The consumer found (almost) every prompt token in the tier.
-        hit = _metric(consumer, "kvserve:kv_connector_lookup_tokens_total", "hit")
-        assert hit >= 3 * 32, hit
+        if kv_path == "p2p":  # 6 transfers, every prompt token but the last
+            sent = _metric(consumer, "kvserve:kv_connector_transfer_requests_total", "received")
+            assert sent == 2 * len(TOPICS), sent
+        else:  # the consumer found (almost) every prompt token in the tier
+            hit = _metric(consumer, "kvserve:kv_connector_lookup_tokens_total", "hit")
+            assert hit >= 3 * 32, hit
     finally:
         launcher.stop()
     assert launcher.proc.returncode == 0
