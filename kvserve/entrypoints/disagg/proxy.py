@@ -14,7 +14,8 @@ few seconds).
 Decoders given without a KV address (``--decode URL``) get no kv_transfer_params: the
 shape for a shared KV tier (the prefiller stores to Redis or a cache server, the decoder
 finds the prompt there). The prefill computes one sample whatever the request's n (the
-decoder's samples share its KV); beam search requests skip the prefill stage.
+decoder's samples share its KV); beam search requests and batches of prompts skip the
+prefill stage.
 """
 
 from __future__ import annotations
@@ -40,6 +41,14 @@ logger = logging.getLogger(__name__)
 _NOT_FOR_PREFILL = (
     "stream", "stream_options", "max_completion_tokens", "min_tokens", "n", "best_of",
 )  # fmt: skip
+
+
+def disaggregates(body: dict[str, Any]) -> bool:
+    """Whether a request goes through the prefill stage: not beam search, and one prompt
+    (a batch of prompts would share one transfer between several prompts' KV)."""
+    prompt = body.get("prompt")
+    batch = isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], (str, list))
+    return not body.get("use_beam_search") and not batch
 
 
 def _error(status: int, message: str, kind: str = "ServiceUnavailableError") -> JSONResponse:
@@ -133,7 +142,7 @@ class DisaggProxy:
         try:
             out_headers = {"x-kvserve-decode": decoder.url}
             decode_body = {k: v for k, v in body.items() if k != "kv_transfer_params"}
-            if not body.get("use_beam_search"):
+            if disaggregates(body):
                 params, failed, prefiller = await self.run_prefill(path, body, decoder, headers)
                 if failed is not None:
                     release()

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from kvserve.entrypoints.disagg.pool import Instance, Pool
-from kvserve.entrypoints.disagg.proxy import DisaggProxy
+from kvserve.entrypoints.disagg.proxy import DisaggProxy, disaggregates
 
 
 def test_instance_specs() -> None:
@@ -55,3 +55,11 @@ def test_prefill_copy() -> None:
     # A decoder without a KV address (a shared tier): no params at all.
     assert "kv_transfer_params" not in proxy.prefill_body(body, Instance("http://d2"))
     assert body["max_tokens"] == 50  # the client's request is left as it was
+
+
+def test_which_requests_are_disaggregated() -> None:
+    assert disaggregates({"prompt": "hi"}) and disaggregates({"prompt": [1, 2, 3]})
+    assert disaggregates({"messages": [{"role": "user", "content": "hi"}], "n": 3})
+    assert not disaggregates({"prompt": ["a", "b"]})  # a batch: one transfer per prompt
+    assert not disaggregates({"prompt": [[1, 2], [3]]})
+    assert not disaggregates({"prompt": "hi", "use_beam_search": True})

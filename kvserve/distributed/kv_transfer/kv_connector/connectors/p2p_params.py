@@ -3,7 +3,7 @@ decode request, and what the producer answers with.
 
 Prefill request (to a kv_producer), named by the proxy:
     {"do_remote_decode": true, "remote_host": "10.0.0.2", "remote_port": 14579,
-     "transfer_id": "<unique id>"}            # transfer_id optional (the request id else)
+     "transfer_id": "<id>"}    # optional: a prefix of the transfer's id, unique per request
 Producer's answer (the prefill response's kv_transfer_params), given as is to a consumer:
     {"do_remote_prefill": true, "transfer_id": ..., "num_tokens": 52,
      "prompt_hash": "<sha256 of the first num_tokens prompt ids>", "kv_bytes": 1597440,
@@ -22,7 +22,7 @@ import struct
 from dataclasses import dataclass
 from typing import Any
 
-MAX_ID_CHARS = 256
+MAX_ID_CHARS = 1024
 
 
 def prompt_hash(token_ids: list[int]) -> str:

@@ -205,7 +205,8 @@ class P2pZmqConnector(P2pWorkerSide, KVConnectorBase_V1):
             stop = params.get("fault_stop_after_layers")
             self._sends[req_id] = _Send(
                 send,
-                send.transfer_id or f"{self.engine_id}-{req_id}-{uuid.uuid4().hex[:8]}",
+                # Unique per request even when several share the params (a batch, n > 1).
+                f"{send.transfer_id or self.engine_id}-{req_id}-{uuid.uuid4().hex[:8]}",
                 list(request.prompt_token_ids),
                 block_ids,
                 stop if isinstance(stop, int) and not isinstance(stop, bool) else None,
