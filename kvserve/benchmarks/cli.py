@@ -1,4 +1,4 @@
-"""`kvserve bench serve|throughput|kvcache|peers|quantization|soak|startup|cascade|moe`: wires the benchmarks into the kvserve command."""
+"""`kvserve bench serve|throughput|kvcache|peers|quantization|soak|startup|cascade|moe|kv-transfer`: wires the benchmarks into the kvserve command."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import argparse
 
 from kvserve.benchmarks import (
     cascade,
+    kv_transfer,
     kvcache,
     moe,
     peers,
@@ -25,6 +26,11 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     )
     serve.add_cli_args(serve_parser)
     serve_parser.set_defaults(func=serve.main)
+    transfer = sub.add_parser(
+        "kv-transfer", help="P2pZmqConnector's transport: GB/s of whole KV transfers"
+    )
+    kv_transfer.add_cli_args(transfer)
+    transfer.set_defaults(func=kv_transfer.main)
     offline = sub.add_parser("throughput", help="offline generation throughput (LLM class)")
     throughput.add_cli_args(offline)
     offline.set_defaults(func=throughput.main)

@@ -1,4 +1,5 @@
-"""The `kvserve` command: generate, chat, serve, bench, events, cache-server, router."""
+"""The `kvserve` command: generate, chat, serve, bench, events, cache-server, router,
+proxy, disagg."""
 
 from __future__ import annotations
 
@@ -166,6 +167,16 @@ _LAZY_COMMANDS = {
         "route requests over several instances by their cached prefixes",
         "kvserve.entrypoints.router.server",
         "add_router_parser",
+    ),
+    "proxy": (
+        "disaggregated prefill: one front door over prefill and decode instances",
+        "kvserve.entrypoints.disagg.proxy",
+        "add_proxy_parser",
+    ),
+    "disagg": (
+        "run a producer, a consumer and the disaggregation proxy locally",
+        "kvserve.entrypoints.disagg.launcher",
+        "add_disagg_parser",
     ),
 }
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from kvserve.core.request import Request, RequestStatus
+from kvserve.distributed.kv_transfer.kv_connector.base import KV_LOAD_FAILURE_PREFIX
 
 if TYPE_CHECKING:
     from kvserve.config import EngineConfig
@@ -154,7 +155,7 @@ class SchedulerKVConnectorMixin:
 
     def _load_failure_message(self, request: Request, first_bad: int) -> str:
         return (
-            f"KV connector failed to load external KV for request {request.request_id} "
+            f"{KV_LOAD_FAILURE_PREFIX} for request {request.request_id} "
             f"(tokens from {first_bad} on could not be read) and kv_load_failure_policy "
             "is 'fail'"
         )

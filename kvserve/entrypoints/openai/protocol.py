@@ -166,6 +166,9 @@ class _SamplingRequest(StructuredOutputsRequestFields, OpenAIRequestModel):
     priority: int = Field(0, ge=INT64_MIN, le=INT64_MAX)
     cache_salt: ShortString | None = None
     request_id: ShortString | None = None
+    # vLLM's field: handed to the KV connector (disaggregated prefill), e.g.
+    # {"do_remote_decode": true, ...} to a producer; the answer carries the consumer's.
+    kv_transfer_params: dict[str, Any] | None = None
 
     def _sampling_params(
         self,
@@ -215,6 +218,9 @@ class _SamplingRequest(StructuredOutputsRequestFields, OpenAIRequestModel):
             include_stop_str_in_output=self.include_stop_str_in_output,
             output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY,
             structured_outputs=self.structured_outputs_params(),
+            extra_args=None
+            if self.kv_transfer_params is None
+            else {"kv_transfer_params": self.kv_transfer_params},
         )
 
     @property
@@ -276,6 +282,8 @@ class CompletionResponse(OpenAIBaseModel):
     model: str
     choices: list[CompletionResponseChoice]
     usage: UsageInfo | None = None
+    # What the KV connector returned for the request (vLLM's field; null without one).
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 class CompletionStreamResponse(OpenAIBaseModel):
@@ -356,6 +364,7 @@ class ChatCompletionResponse(OpenAIBaseModel):
     model: str
     choices: list[ChatCompletionResponseChoice]
     usage: UsageInfo
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 class DeltaMessage(OpenAIBaseModel):

@@ -166,6 +166,7 @@ class OpenAIServingChat(OpenAIServing):
             model=model,
             choices=choices,
             usage=UsageInfo.of(prompt_tokens, completion_tokens),
+            kv_transfer_params=final.kv_transfer_params,
         )
 
     async def _stream(

@@ -181,6 +181,8 @@ class OpenAIServingCompletion(OpenAIServing):
             model=model,
             choices=choices,
             usage=UsageInfo.of(prompt_tokens, completion_tokens),
+            # One prompt's (a batch has one per prompt: the first, as vLLM does).
+            kv_transfer_params=finals[min(finals)].kv_transfer_params if finals else None,
         )
 
     async def _stream(

@@ -13,6 +13,7 @@ from typing import Any, TypeVar
 import msgspec
 from fastapi import Request
 
+from kvserve.distributed.kv_transfer.kv_connector.base import KV_LOAD_FAILURE_PREFIX
 from kvserve.engine.exceptions import EngineDeadError
 from kvserve.engine.protocol import EngineClient
 from kvserve.entrypoints.openai.protocol import (
@@ -168,6 +169,10 @@ class OpenAIServing:
     @staticmethod
     def check_output(output: RequestOutput) -> None:
         """A sample the engine failed (finish_reason "error") becomes a 500."""
+        if output.error and output.error.startswith(KV_LOAD_FAILURE_PREFIX):
+            # Disaggregated serving: the KV never came (kv_load_failure_policy "fail").
+            # The client (a proxy) may retry; the message says what happened.
+            raise OpenAIServingError(output.error, status=503)
         if output.error:
             # The engine isolated this request's failure (the others go on); the details
             # are in the server log, not for the client.

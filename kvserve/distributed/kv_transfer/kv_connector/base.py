@@ -36,6 +36,11 @@ if TYPE_CHECKING:
     from kvserve.protocol.scheduler_output import SchedulerOutput
 
 
+# How the error of a request ended by kv_load_failure_policy "fail" begins: the OpenAI
+# server shows such errors to the client (503) instead of hiding them as internal ones.
+KV_LOAD_FAILURE_PREFIX = "KV connector failed to load external KV"
+
+
 class KVConnectorRole(enum.IntEnum):
     SCHEDULER = 0
     WORKER = 1

@@ -79,3 +79,6 @@ KVConnectorFactory.register_connector("MultiConnector", f"{_CONNECTORS}.multi", 
 KVConnectorFactory.register_connector(
     "TieredCacheConnector", f"{_CONNECTORS}.tiered_cache", "TieredCacheConnector"
 )
+KVConnectorFactory.register_connector(
+    "P2pZmqConnector", f"{_CONNECTORS}.p2p_zmq", "P2pZmqConnector"
+)

@@ -1,0 +1,246 @@
+"""P2pZmqConnector's worker side: sends each layer's prompt blocks as the forward writes
+them, and copies arrived transfers into the blocks of the requests that wait for them.
+
+Loads land between steps (in get_finished, on the worker's own thread), so a request
+aborted while its KV is on the way drops its pending load, in the step that reports the
+abort, before its blocks can be written. Also the plans the scheduler side sends here.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from kvserve.distributed.kv_transfer.kv_connector.base import KVConnectorMetadata
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvserve.distributed.kv_transfer.kv_connector.connectors.p2p_wire import (
+        PeerSender,
+        Receiver,
+    )
+    from kvserve.forward_context import ForwardContext
+
+logger = logging.getLogger(__name__)
+
+# The worker runs in the engine core's process (one worker): it leaves its totals (transfer
+# seconds, failed loads) here for the scheduler side's stats, per engine id.
+_WORKER_TOTALS: dict[str, dict[str, dict[str, float]]] = {}
+_TOTALS_LOCK = threading.Lock()
+
+
+def worker_totals(engine_id: str) -> dict[str, dict[str, float]]:
+    """A copy of what the engine's worker side counted: {metric: {kind: total}}."""
+    with _TOTALS_LOCK:
+        return {m: dict(v) for m, v in _WORKER_TOTALS.get(engine_id, {}).items()}
+
+
+def _add_total(engine_id: str, metric: str, kind: str, value: float) -> None:
+    with _TOTALS_LOCK:
+        totals = _WORKER_TOTALS.setdefault(engine_id, {}).setdefault(metric, {})
+        totals[kind] = totals.get(kind, 0.0) + value
+
+
+@dataclass
+class SaveSpec:
+    req_id: str
+    transfer_id: str
+    address: str
+    block_ids: list[int]  # the blocks holding tokens [0, num_tokens)
+    num_tokens: int
+    prompt_hash: str
+    stop_after_layers: int | None = None
+
+
+@dataclass
+class LoadSpec:
+    req_id: str
+    transfer_id: str
+    block_ids: list[int]  # the request's blocks; [start_block, end_block) are loaded
+    start_block: int
+    end_block: int
+    num_tokens: int
+    prompt_hash: str
+
+
+@dataclass
+class P2pMetadata(KVConnectorMetadata):
+    saves: list[SaveSpec] = field(default_factory=list)
+    loads: list[LoadSpec] = field(default_factory=list)
+    discards: list[str] = field(default_factory=list)  # transfer ids nobody will claim
+
+
+class P2pWorkerSide:
+    """Mixed into P2pZmqConnector: the worker role's hooks."""
+
+    engine_id: str
+    recv_timeout_s: float
+    send_timeout_s: float
+
+    if TYPE_CHECKING:
+
+        def _get_connector_metadata(self) -> KVConnectorMetadata: ...
+
+    def _init_worker_side(self, receiver: Receiver | None) -> None:
+        self._kv_caches: dict[str, torch.Tensor] = {}
+        self._layer_index: dict[str, int] = {}
+        self._senders: dict[str, PeerSender] = {}
+        self._zmq_context: Any = None
+        self._in_flight: set[str] = set()  # requests with an unfinished transfer
+        self._finished: set[str] = set()  # finished by the scheduler, blocks maybe sending
+        self._recvs: dict[str, tuple[LoadSpec, float]] = {}  # req_id -> (spec, deadline)
+        self._load_errors: set[int] = set()
+        self._receiver = receiver
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._kv_caches = dict(kv_caches)
+        self._layer_index = {name: i for i, name in enumerate(kv_caches)}
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, P2pMetadata)
+        deadline = time.monotonic() + self.recv_timeout_s
+        for spec in meta.loads:
+            self._recvs[spec.req_id] = (spec, deadline)
+        if self._receiver is not None:
+            for transfer_id in meta.discards:
+                self._receiver.discard(transfer_id)
+        for save in meta.saves:
+            self._in_flight.add(save.req_id)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None  # loads land between steps, before their requests run
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
+    ) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, P2pMetadata)
+        if not meta.saves:
+            return
+        import torch
+
+        from kvserve.distributed.kv_transfer.kv_connector.connectors.p2p_wire import LayerHeader
+
+        index = self._layer_index[layer_name]
+        for save in meta.saves:
+            if save.stop_after_layers is not None and index >= save.stop_after_layers:
+                continue
+            ids = torch.tensor(save.block_ids, dtype=torch.long, device=kv_layer.device)
+            # A gathered copy: the send overlaps the next layers and reads no live block.
+            blocks = kv_layer[:, ids].to("cpu").contiguous()
+            header = LayerHeader(
+                transfer_id=save.transfer_id,
+                layer_index=index,
+                num_layers=len(self._kv_caches),
+                layer_name=layer_name,
+                dtype=str(blocks.dtype).removeprefix("torch."),
+                shape=list(blocks.shape),
+                num_tokens=save.num_tokens,
+                prompt_hash=save.prompt_hash,
+            )
+            self._sender(save.address).send_layer(save.req_id, header, blocks)
+
+    def _sender(self, address: str) -> PeerSender:
+        sender = self._senders.get(address)
+        if sender is None:
+            import zmq
+
+            from kvserve.distributed.kv_transfer.kv_connector.connectors.p2p_wire import (
+                PeerSender,
+            )
+
+            if self._zmq_context is None:
+                self._zmq_context = zmq.Context()
+            sender = PeerSender(self._zmq_context, address, self.send_timeout_s)
+            self._senders[address] = sender
+        return sender
+
+    def wait_for_save(self) -> None:
+        return None  # sends go on in the background; get_finished reports them
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        for sender in self._senders.values():
+            for req_id, ok, _num_bytes, seconds in sender.take_done():
+                self._in_flight.discard(req_id)
+                if ok:
+                    _add_total(self.engine_id, "transfer_seconds", "sent", seconds)
+        self._finished |= finished_req_ids
+        sending = {r for r in self._finished if r not in self._in_flight}
+        self._finished -= sending
+        return sending or None, self._poll_recvs(finished_req_ids) or None
+
+    def _poll_recvs(self, finished_req_ids: set[str]) -> set[str]:
+        """Copies every arrived transfer into its blocks; returns the requests whose load
+        ended (well or not: failures are in the load errors)."""
+        receiver = self._receiver
+        done: set[str] = set()
+        if receiver is None:
+            return done
+        now = time.monotonic()
+        for req_id, (spec, deadline) in list(self._recvs.items()):
+            if req_id in finished_req_ids:  # aborted: its blocks may be someone else's now
+                receiver.discard(spec.transfer_id)
+                del self._recvs[req_id]
+                continue
+            arrival = receiver.take(spec.transfer_id)
+            why: str | None = None
+            if isinstance(arrival, str):
+                why = arrival
+            elif arrival is not None:
+                why = self._copy_in(spec, arrival)
+            elif now > deadline:
+                receiver.discard(spec.transfer_id)
+                why = f"not arrived within {self.recv_timeout_s}s"
+            else:
+                continue
+            if why is not None:
+                logger.warning("KV load of transfer %s failed: %s", spec.transfer_id, why)
+                _add_total(self.engine_id, "transfer_requests", "failed", 1.0)
+                self._load_errors.update(spec.block_ids[spec.start_block : spec.end_block])
+            del self._recvs[req_id]
+            done.add(req_id)
+        return done
+
+    def _copy_in(self, spec: LoadSpec, arrival: Any) -> str | None:
+        """Writes the arrived layers into the request's blocks; the reason it could not."""
+        import torch
+
+        if arrival.prompt_hash != spec.prompt_hash or arrival.num_tokens < spec.num_tokens:
+            return "the transfer holds KV of other tokens"
+        ids = torch.tensor(spec.block_ids[spec.start_block : spec.end_block], dtype=torch.long)
+        for name, cache in self._kv_caches.items():
+            kv = arrival.layers.get(name)
+            if kv is None:
+                return f"layer {name} is missing"
+            if (
+                kv.dtype != cache.dtype
+                or kv.shape[0] != cache.shape[0]
+                or (kv.shape[2:] != cache.shape[2:] or kv.shape[1] < spec.end_block)
+            ):
+                return f"layer {name}: {tuple(kv.shape)} {kv.dtype} does not fit the cache"
+            cache[:, ids.to(cache.device)] = kv[:, spec.start_block : spec.end_block].to(
+                cache.device
+            )
+        seconds = max(arrival.last_at - arrival.first_at, 0.0)
+        _add_total(self.engine_id, "transfer_seconds", "received", seconds)
+        return None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def shutdown(self) -> None:
+        for sender in self._senders.values():
+            sender.close()
+        self._senders = {}
+        if self._receiver is not None:
+            self._receiver.close()
+            self._receiver = None
+        if self._zmq_context is not None:
+            self._zmq_context.term()
+            self._zmq_context = None

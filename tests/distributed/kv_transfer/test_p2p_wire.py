@@ -1,0 +1,147 @@
+"""P2pZmqConnector's transport over real ZMQ sockets on loopback: layers arrive bit-exact
+and are acknowledged, a full buffer refuses a transfer, an absent consumer times the
+transfer out, late layers of a claimed transfer are ignored; and its params parse."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import pytest
+import torch
+import zmq
+
+from kvserve.distributed.kv_transfer.kv_connector.connectors.p2p_params import (
+    check_params,
+    parse_recv,
+    parse_send,
+    prompt_hash,
+)
+from kvserve.distributed.kv_transfer.kv_connector.connectors.p2p_wire import (
+    Arrival,
+    LayerHeader,
+    PeerSender,
+    Receiver,
+)
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _layers(n: int, dtype: torch.dtype = torch.bfloat16) -> list[torch.Tensor]:
+    return [torch.randn(2, 3, 16, 3, 64).to(dtype) for _ in range(n)]
+
+
+def _header(transfer_id: str, i: int, n: int, t: torch.Tensor) -> LayerHeader:
+    return LayerHeader(
+        transfer_id=transfer_id, layer_index=i, num_layers=n, layer_name=f"layers.{i}",
+        dtype=str(t.dtype).removeprefix("torch."), shape=list(t.shape), num_tokens=40,
+        prompt_hash="h",
+    )  # fmt: skip
+
+
+def _wait(predicate: object, timeout: float = 5.0) -> object:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()  # type: ignore[operator]
+        if value:
+            return value
+        time.sleep(0.01)
+    raise AssertionError("timed out")
+
+
+@pytest.fixture
+def context() -> zmq.Context:
+    ctx = zmq.Context()
+    yield ctx
+    ctx.term()
+
+
+def test_layers_arrive_exactly_and_are_acknowledged(context: zmq.Context) -> None:
+    port = _port()
+    receiver = Receiver(f"tcp://127.0.0.1:{port}", 1 << 30, ttl_s=60)
+    sender = PeerSender(context, f"tcp://127.0.0.1:{port}", timeout_s=5)
+    try:
+        layers = _layers(4)
+        assert receiver.take("t1") is None  # nothing yet
+        for i, t in enumerate(layers):
+            sender.send_layer("req-1", _header("t1", i, 4, t), t)
+        arrival = _wait(lambda: receiver.take("t1"))
+        assert isinstance(arrival, Arrival) and arrival.complete
+        for i, t in enumerate(layers):
+            assert torch.equal(arrival.layers[f"layers.{i}"], t)
+        assert arrival.num_bytes == sum(t.numel() * 2 for t in layers)
+        [(req_id, ok, num_bytes, _)] = _wait(sender.take_done)  # type: ignore[misc]
+        assert (req_id, ok, num_bytes) == ("req-1", True, arrival.num_bytes)
+        assert receiver.buffered_bytes == 0  # claimed: out of the buffer
+        # A late duplicate of a claimed transfer is not filed again.
+        sender.send_layer("req-1", _header("t1", 0, 4, layers[0]), layers[0])
+        time.sleep(0.2)
+        assert receiver.take("t1") is None and receiver.buffered_bytes == 0
+    finally:
+        sender.close()
+        receiver.close()
+
+
+def test_a_full_buffer_refuses_the_transfer(context: zmq.Context) -> None:
+    port = _port()
+    layers = _layers(3, torch.float32)
+    receiver = Receiver(f"tcp://127.0.0.1:{port}", layers[0].numel() * 4 * 2, ttl_s=60)
+    sender = PeerSender(context, f"tcp://127.0.0.1:{port}", timeout_s=5)
+    try:
+        for i, t in enumerate(layers):
+            sender.send_layer("req-2", _header("t2", i, 3, t), t)
+        why = _wait(lambda: receiver.take("t2"))
+        assert isinstance(why, str) and "full" in why
+        [(req_id, ok, _, _)] = _wait(sender.take_done)  # type: ignore[misc]
+        assert (req_id, ok) == ("req-2", False)
+        assert receiver.buffered_bytes == 0
+    finally:
+        sender.close()
+        receiver.close()
+
+
+def test_no_consumer_times_the_transfer_out(context: zmq.Context) -> None:
+    sender = PeerSender(context, f"tcp://127.0.0.1:{_port()}", timeout_s=0.3)
+    try:
+        t = _layers(1)[0]
+        sender.send_layer("req-3", _header("t3", 0, 1, t), t)
+        [(req_id, ok, _, seconds)] = _wait(sender.take_done)  # type: ignore[misc]
+        assert (req_id, ok) == ("req-3", False) and seconds >= 0.3
+    finally:
+        sender.close()
+
+
+def test_an_unclaimed_transfer_expires(context: zmq.Context) -> None:
+    port = _port()
+    receiver = Receiver(f"tcp://127.0.0.1:{port}", 1 << 30, ttl_s=0.3)
+    sender = PeerSender(context, f"tcp://127.0.0.1:{port}", timeout_s=5)
+    try:
+        t = _layers(1)[0]
+        sender.send_layer("req-4", _header("t4", 0, 2, t), t)  # 1 of 2 layers
+        _wait(lambda: receiver.buffered_bytes > 0)
+        _wait(lambda: receiver.buffered_bytes == 0, timeout=3)
+        assert receiver.take("t4") is None
+    finally:
+        sender.close()
+        receiver.close()
+
+
+def test_params() -> None:
+    send = parse_send({"do_remote_decode": True, "remote_host": "h", "remote_port": 9})
+    assert send is not None and send.address == "tcp://h:9" and send.transfer_id is None
+    recv = parse_recv(
+        {"do_remote_prefill": True, "transfer_id": "x", "num_tokens": 3, "prompt_hash": "p"}
+    )
+    assert recv is not None and recv.num_tokens == 3
+    assert parse_send({"foo": 1}) is None and parse_recv(None) is None
+    with pytest.raises(ValueError, match="remote_port must be in"):
+        check_params({"do_remote_decode": True, "remote_host": "h", "remote_port": 0})
+    with pytest.raises(ValueError, match="remote_host must be a string"):
+        check_params({"do_remote_decode": True, "remote_port": 9})
+    with pytest.raises(ValueError, match="num_tokens must be an integer"):
+        check_params({"do_remote_prefill": True, "transfer_id": "x", "num_tokens": True})
+    assert prompt_hash([1, 2, 3]) == prompt_hash([1, 2, 3]) != prompt_hash([1, 2, 4])

@@ -1,0 +1,262 @@
+"""Disaggregated prefill over real processes: two producers and two consumers running
+P2pZmqConnector, and `kvserve proxy` in front of them in three shapes (1P1D, 2P1D, 1P2D).
+
+The reference is the second producer answering the same requests without
+kv_transfer_params (a plain instance: its connector does nothing for such requests).
+The last test kills that producer in the middle of two transfers: the consumer with
+kv_load_failure_policy "recompute" still answers with the plain tokens, the one with
+"fail" answers a 503 naming the failure, and neither keeps a KV block.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from tests.entrypoints.disagg.helpers import (
+    MODEL,
+    Process,
+    _free_port,
+    p2p_consumer,
+    p2p_producer,
+    proxy,
+    serve,
+    wait_idle,
+)
+
+pytestmark = pytest.mark.slow
+
+TOPICS = [
+    "ocean tides", "volcanoes", "honey bees", "glaciers",
+    "the printing press", "lighthouses", "desert foxes", "paper airplanes",
+]  # fmt: skip
+MAX_TOKENS = 8
+
+
+def _prompt(topic: str) -> str:
+    return (
+        f"Here is a short story about {topic}. Once upon a time, in a quiet village by the "
+        f"sea, there lived a curious child who loved {topic} more than anything else, and"
+    )
+
+
+def _messages(topic: str) -> list[dict[str, str]]:
+    return [{"role": "user", "content": f"Tell me three facts about {topic}, briefly."}]
+
+
+@dataclass
+class Fleet:
+    p1: Process
+    p2: Process
+    d1: Process  # policy recompute
+    d2: Process  # policy fail
+    d1_kv: int
+    d2_kv: int
+    one_one: Process
+    two_one: Process
+    one_two: Process
+
+
+@pytest.fixture(scope="module")
+def fleet() -> Iterator[Fleet]:
+    d1_kv, d2_kv = _free_port(), _free_port()
+    engines = [
+        serve("p1", p2p_producer()),
+        serve("p2", p2p_producer()),
+        serve("d1", p2p_consumer(d1_kv)),
+        serve("d2", p2p_consumer(d2_kv, policy="fail")),
+    ]
+    proxies: list[Process] = []
+    try:
+        for engine in engines:
+            engine.wait_healthy()
+        p1, p2, d1, d2 = engines
+        proxies = [
+            proxy("proxy-1p1d", [p1], [(d1, d1_kv)]),
+            proxy("proxy-2p1d", [p1, p2], [(d1, d1_kv)]),
+            proxy("proxy-1p2d", [p1], [(d1, d1_kv), (d2, d2_kv)]),
+        ]
+        for p in proxies:
+            p.wait_healthy()
+        yield Fleet(p1, p2, d1, d2, d1_kv, d2_kv, *proxies)
+    finally:
+        for process in [*proxies, *engines]:
+            process.stop()
+
+
+def _complete(server: Process, topic: str, stream: bool) -> str:
+    client = server.client()
+    kwargs: dict[str, Any] = {"model": MODEL, "max_tokens": MAX_TOKENS, "temperature": 0.0}
+    if not stream:
+        return str(client.completions.create(prompt=_prompt(topic), **kwargs).choices[0].text)
+    chunks = client.completions.create(prompt=_prompt(topic), stream=True, **kwargs)
+    return "".join(c.choices[0].text for c in chunks if c.choices)
+
+
+def _chat(server: Process, topic: str, stream: bool) -> str:
+    client = server.client()
+    kwargs: dict[str, Any] = {"model": MODEL, "max_tokens": MAX_TOKENS, "temperature": 0.0}
+    if not stream:
+        reply = client.chat.completions.create(messages=_messages(topic), **kwargs)  # type: ignore[arg-type]
+        return str(reply.choices[0].message.content)
+    chunks = client.chat.completions.create(messages=_messages(topic), stream=True, **kwargs)  # type: ignore[arg-type]
+    return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+
+
+@pytest.fixture(scope="module")
+def plain(fleet: Fleet) -> dict[tuple[str, str], str]:
+    """The plain instance's answers: (kind, topic) -> text."""
+    answers = {("completion", t): _complete(fleet.p2, t, stream=False) for t in TOPICS}
+    answers |= {("chat", t): _chat(fleet.p2, t, stream=False) for t in TOPICS}
+    return answers
+
+
+def _consumer_counts(d: Process) -> tuple[float, float, float, float]:
+    """Prompt tokens, local prefix hits, tokens and requests received over the wire."""
+    m = d.metrics()
+    return (
+        m.get(("kvserve:prompt_tokens_total", ""), 0.0),
+        m.get(("kvserve:prefix_cache_hits_total", ""), 0.0),
+        m.get(("kvserve:kv_connector_transfer_tokens_total", "received"), 0.0),
+        m.get(("kvserve:kv_connector_transfer_requests_total", "received"), 0.0),
+    )
+
+
+def test_1p1d_gives_the_plain_tokens_and_the_consumer_only_decodes(
+    fleet: Fleet, plain: dict[tuple[str, str], str]
+) -> None:
+    before = _consumer_counts(fleet.d1)
+    num_requests = 0
+    for topic in TOPICS:
+        for stream in (False, True):
+            assert _complete(fleet.one_one, topic, stream) == plain[("completion", topic)]
+            assert _chat(fleet.one_one, topic, stream) == plain[("chat", topic)]
+            num_requests += 2
+    deadline = time.monotonic() + 10
+    while (after := _consumer_counts(fleet.d1))[3] - before[3] < num_requests:
+        assert time.monotonic() < deadline, f"only {after[3] - before[3]} transfers received"
+        time.sleep(0.1)
+    prompt, hits, received, _ = (a - b for a, b in zip(after, before, strict=True))
+    computed = prompt - hits - received
+    # Every prompt token but the last came over the wire (or the local prefix cache).
+    assert received > 0 and computed <= num_requests, (prompt, hits, received)
+    proxy_metrics = fleet.one_one.metrics()
+    assert proxy_metrics[("kvserve_proxy_kv_transfer_bytes_total", "")] > 0
+    assert proxy_metrics[("kvserve_proxy_stage_seconds_count", "prefill")] == num_requests
+    assert proxy_metrics[("kvserve_proxy_errors_total", "decode")] == 0
+    wait_idle(fleet.d1)
+    wait_idle(fleet.p1)
+
+
+def test_n_samples_through_the_proxy(fleet: Fleet, plain: dict[tuple[str, str], str]) -> None:
+    topic = TOPICS[0]
+    answer = fleet.one_one.client().completions.create(
+        model=MODEL, prompt=_prompt(topic), max_tokens=MAX_TOKENS, temperature=0.0, n=2
+    )
+    assert [c.text for c in answer.choices] == [plain[("completion", topic)]] * 2
+    wait_idle(fleet.d1)
+
+
+def _spread(p: Process) -> dict[tuple[str, str], float]:
+    text = httpx.get(f"{p.url}/metrics", timeout=10).text
+    out: dict[tuple[str, str], float] = {}
+    for line in text.splitlines():
+        if line.startswith("kvserve_proxy_requests_total{"):
+            labels, value = line[len("kvserve_proxy_requests_total{") :].split("} ")
+            fields = dict(kv.split("=", 1) for kv in labels.split(","))
+            out[(fields["stage"].strip('"'), fields["instance"].strip('"'))] = float(value)
+    return out
+
+
+@pytest.mark.parametrize("shape", ["2p1d", "1p2d"])
+def test_proxy_balances_over_several_instances(
+    fleet: Fleet, plain: dict[tuple[str, str], str], shape: str
+) -> None:
+    front = fleet.two_one if shape == "2p1d" else fleet.one_two
+    for topic in TOPICS[:4]:
+        assert _complete(front, topic, stream=True) == plain[("completion", topic)]
+        assert _chat(front, topic, stream=False) == plain[("chat", topic)]
+    spread = _spread(front)
+    if shape == "2p1d":
+        assert spread[("prefill", fleet.p1.url)] > 0 and spread[("prefill", fleet.p2.url)] > 0
+        assert spread[("decode", fleet.d1.url)] == 8
+    else:
+        assert spread[("prefill", fleet.p1.url)] == 8
+        assert spread[("decode", fleet.d1.url)] > 0 and spread[("decode", fleet.d2.url)] > 0
+    for server in (fleet.p1, fleet.p2, fleet.d1, fleet.d2):
+        wait_idle(server)
+
+
+def test_client_errors_and_disconnects_pass_through(fleet: Fleet) -> None:
+    # Bad input: the prefiller's 400, in OpenAI's error shape, straight to the client.
+    with pytest.raises(openai.BadRequestError) as bad:
+        fleet.one_one.client().completions.create(model=MODEL, prompt="", max_tokens=4)
+    assert bad.value.body["param"] == "prompt"  # type: ignore[index]
+    # A client that leaves a stream: the decoder aborts the request and frees its blocks.
+    aborts = fleet.one_one.metrics()[("kvserve_proxy_client_aborts_total", "")]
+    with httpx.stream(
+        "POST", f"{fleet.one_one.url}/v1/completions", timeout=60,
+        json={"model": MODEL, "prompt": _prompt("long stories"), "max_tokens": 400,
+              "ignore_eos": True, "stream": True},
+    ) as response:  # fmt: skip
+        lines = response.iter_lines()
+        assert next(line for line in lines if line.startswith("data: "))
+    deadline = time.monotonic() + 30
+    while fleet.one_one.metrics()[("kvserve_proxy_client_aborts_total", "")] == aborts:
+        assert time.monotonic() < deadline, "the proxy never saw the client leave"
+        time.sleep(0.1)
+    wait_idle(fleet.d1)
+    # 400 tokens take far longer than that here: the request was dropped, not finished.
+    assert fleet.d1.metrics()[("kvserve:num_requests_running", "")] == 0
+
+
+def _prefill_then_die(producer: Process, kv_port: int, topic: str) -> dict[str, Any]:
+    """A prefill whose producer sends 3 of its layers, then stops (it is killed next)."""
+    answer = producer.client().completions.create(
+        model=MODEL, prompt=_prompt(topic), max_tokens=1, temperature=0.0,
+        extra_body={"kv_transfer_params": {
+            "do_remote_decode": True, "remote_host": "127.0.0.1", "remote_port": kv_port,
+            "fault_stop_after_layers": 3,
+        }},
+    )  # fmt: skip
+    params = answer.model_extra["kv_transfer_params"]  # type: ignore[index]
+    assert params["do_remote_prefill"] and params["num_tokens"] > 16
+    return dict(params)
+
+
+def test_producer_killed_mid_transfer(fleet: Fleet, plain: dict[tuple[str, str], str]) -> None:
+    topic_a, topic_b = TOPICS[6], TOPICS[7]
+    params_a = _prefill_then_die(fleet.p2, fleet.d1_kv, topic_a)
+    params_b = _prefill_then_die(fleet.p2, fleet.d2_kv, topic_b)
+    fleet.p2.stop(sig=9)  # SIGKILL, engine core included: the rest never comes
+    kwargs: dict[str, Any] = {"model": MODEL, "max_tokens": MAX_TOKENS, "temperature": 0.0}
+    # "recompute": the consumer waits out recv_timeout_s, then computes the prompt itself.
+    started = time.monotonic()
+    answer = fleet.d1.client().completions.create(
+        prompt=_prompt(topic_a), extra_body={"kv_transfer_params": params_a}, **kwargs
+    )
+    assert answer.choices[0].text == plain[("completion", topic_a)]
+    assert time.monotonic() - started >= 7  # it did wait for the KV first
+    # "fail": a clear error, and the consumer goes on serving.
+    with pytest.raises(openai.APIStatusError) as failure:
+        fleet.d2.client().completions.create(
+            prompt=_prompt(topic_b), extra_body={"kv_transfer_params": params_b}, **kwargs
+        )
+    assert failure.value.status_code == 503
+    assert "failed to load external KV" in str(failure.value)
+    assert "kv_load_failure_policy is 'fail'" in str(failure.value)
+    for consumer in (fleet.d1, fleet.d2):
+        wait_idle(consumer)
+        assert _complete(consumer, topic_b, stream=False) == plain[("completion", topic_b)]
+        wait_idle(consumer)
+    failed = fleet.d2.metrics()[("kvserve:kv_connector_transfer_requests_total", "failed")]
+    assert failed == 1
+    # The 2P1D proxy goes on with the producer left (the dead one is tried and skipped).
+    for topic in TOPICS[:2]:
+        assert _complete(fleet.two_one, topic, stream=False) == plain[("completion", topic)]
