@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import msgspec
+import numpy as np
 
 
 class PlaceholderRange(msgspec.Struct, frozen=True):
@@ -39,6 +38,33 @@ class PlaceholderRange(msgspec.Struct, frozen=True):
         return start < self.end and self.offset < end
 
 
+class TensorData(msgspec.Struct, frozen=True, array_like=True):
+    """A tensor on the wire: element type by name, shape and raw C-order bytes (no pickle).
+
+    Built from numpy or torch; ``to_numpy`` views the bytes without a copy."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    data: bytes
+
+    @classmethod
+    def from_array(cls, value: object) -> TensorData:
+        if isinstance(value, np.ndarray):
+            array = np.ascontiguousarray(value)
+        else:  # a torch tensor (torch is only imported where tensors exist)
+            array = np.ascontiguousarray(value.detach().cpu().numpy())  # type: ignore[attr-defined]
+        if array.dtype.hasobject:
+            raise ValueError("a tensor of Python objects cannot cross the wire")
+        return cls(array.dtype.name, tuple(int(d) for d in array.shape), array.tobytes())
+
+    def to_numpy(self) -> np.ndarray:
+        return np.frombuffer(self.data, dtype=np.dtype(self.dtype)).reshape(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.data)
+
+
 class MultiModalFeatureSpec(msgspec.Struct):
     """One item of a request as the engine core sees it.
 
@@ -49,4 +75,8 @@ class MultiModalFeatureSpec(msgspec.Struct):
     modality: str
     identifier: str
     mm_position: PlaceholderRange
-    data: dict[str, Any] | None = None
+    data: dict[str, TensorData] | None = None
+
+    @property
+    def data_nbytes(self) -> int:
+        return sum(t.nbytes for t in (self.data or {}).values())
