@@ -87,6 +87,7 @@ class AsyncLLM(EngineClient):
             config.scheduler_config,
             config.structured_outputs_config.backend,
             config.lora_config,
+            config.multimodal_config,
         )
         self.output_processor = OutputProcessor(self.tokenizer, log_stats=self.log_stats)
 

@@ -149,6 +149,12 @@ class EngineCore:
                 f"prompt_token_ids contains token ids outside the vocabulary "
                 f"[0, {vocab_size}): {bad[:5]}"
             )
+        if request.mm_features:
+            mirror = self.scheduler.mm_processor_cache
+            if mirror is None:
+                raise ValueError(f"{self.config.model_config.arch.architecture} takes no images")
+            # Items the front end sent as their hash alone come back with their data.
+            request.mm_features = mirror.receive(request.mm_features)
         core_request = Request.from_engine_core_request(request, self.block_hasher)
         if core_request.structured_output_request is not None:
             self.structured_output_manager.grammar_init(core_request.structured_output_request)

@@ -65,6 +65,7 @@ class LLMEngine:
             config.scheduler_config,
             config.structured_outputs_config.backend,
             config.lora_config,
+            config.multimodal_config,
         )
         self.output_processor = OutputProcessor(self.tokenizer, log_stats=self.log_stats)
 
