@@ -9,8 +9,8 @@ from typing import Any
 
 from kvserve.lora.request import LoRARequest
 from kvserve.pooling_params import PoolingParams
-from kvserve.protocol.mm_inputs import MultiModalFeatureSpec
 from kvserve.protocol.engine_core import EngineCoreRequest, FinishReason
+from kvserve.protocol.mm_inputs import MultiModalFeatureSpec
 from kvserve.sampling_params import SamplingParams
 from kvserve.structured_output.request import StructuredOutputRequest
 

@@ -85,6 +85,7 @@ class InputProcessor:
         self._validate_lora(lora_request)
         pooling_params = self._pooling_params(params)
         mm_features = None
+        prompt_text: str | None
         if isinstance(prompt, Mapping) and prompt.get("multi_modal_data"):
             if self.mm_inputs is None:
                 raise ValueError(
@@ -319,7 +320,14 @@ def _normalize_messages(messages: Any) -> list[dict[str, Any]]:
         if "content" not in msg and not msg.get("tool_calls"):
             raise ValueError(f"messages[{i}] is missing 'content'")
         content = msg.get("content")
-        if isinstance(content, list):
+        if isinstance(content, list) and any(
+            isinstance(p, Mapping) and p.get("type") == "image" for p in content
+        ):
+            # Image parts stay parts: the template places the model's image marker.
+            content = [
+                p if isinstance(p, Mapping) else {"type": "text", "text": p} for p in content
+            ]
+        elif isinstance(content, list):
             content = _join_text_parts(content, i)
         elif content is None and not msg.get("tool_calls"):
             raise ValueError(f"messages[{i}].content is None (only allowed with tool_calls)")

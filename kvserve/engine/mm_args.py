@@ -56,7 +56,7 @@ class MultiModalArgs:
 def add_mm_cli_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("multimodal input")
     group.add_argument(
-        "--limit-mm-per-prompt", default=None, help='JSON, e.g. \'{"image": 2}\' (default 4 images)'
+        "--limit-mm-per-prompt", default=None, help="JSON, e.g. '{\"image\": 2}' (default 4 images)"
     )
     group.add_argument("--max-image-pixels", type=int, default=16_000_000)
     group.add_argument("--mm-processor-cache-gb", type=float, default=1.0)
@@ -65,9 +65,7 @@ def add_mm_cli_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--allowed-local-media-path", default=None, help="directory file:// image URLs may read"
     )
-    group.add_argument(
-        "--allow-remote-media", action="store_true", help="fetch http(s) image URLs"
-    )
+    group.add_argument("--allow-remote-media", action="store_true", help="fetch http(s) image URLs")
     group.add_argument(
         "--ec-transfer-config",
         default=None,

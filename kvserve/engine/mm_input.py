@@ -75,7 +75,8 @@ class MultiModalInputs:
             if not isinstance(request_kwargs, Mapping):
                 raise ValueError("mm_processor_kwargs must be a dict")
             kwargs.update(request_kwargs)
-        processed = self.processor.process(text, items, kwargs)
+        add_special = prompt.get("add_special_tokens", True)
+        processed = self.processor.process(text, items, kwargs, add_special_tokens=add_special)
         if self.arch.bidirectional_items and self.max_num_batched_tokens is not None:
             for i, feature in enumerate(processed.features):
                 if feature.mm_position.length > self.max_num_batched_tokens:

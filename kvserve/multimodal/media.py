@@ -79,7 +79,9 @@ def to_rgb_array(field: str, item: object, policy: MediaPolicy) -> np.ndarray:
     if item.ndim == 3 and item.shape[0] == 3 and item.shape[-1] != 3:
         item = item.transpose(1, 2, 0)  # [3, H, W] -> [H, W, 3]
     if item.ndim != 3 or item.shape[-1] != 3:
-        raise ValueError(f"{field}: an image array must be [H, W, 3] or [3, H, W], got {item.shape}")
+        raise ValueError(
+            f"{field}: an image array must be [H, W, 3] or [3, H, W], got {item.shape}"
+        )
     _check_size(field, item.shape[1], item.shape[0], policy)
     return np.ascontiguousarray(item)
 

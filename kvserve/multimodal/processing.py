@@ -47,7 +47,9 @@ class MultiModalProcessor:
         prompt: str,
         mm_data: Mapping[str, Sequence[object]],
         mm_processor_kwargs: Mapping[str, Any] | None,
+        add_special_tokens: bool = True,
     ) -> ProcessedPrompt:
+        """``add_special_tokens``: False for a chat template's text (it holds BOS)."""
         raise NotImplementedError
 
 
@@ -115,6 +117,7 @@ class Gemma3MultiModalProcessor(MultiModalProcessor):
         prompt: str,
         mm_data: Mapping[str, Sequence[object]],
         mm_processor_kwargs: Mapping[str, Any] | None,
+        add_special_tokens: bool = True,
     ) -> ProcessedPrompt:
         unknown = sorted(set(mm_data) - set(self.modalities))
         if unknown:
@@ -144,7 +147,7 @@ class Gemma3MultiModalProcessor(MultiModalProcessor):
         for i, piece in enumerate(pieces[1:]):
             num_crops = datas[i]["pixel_values"].shape[0] - 1
             text += self.hf.replace_image_token({"num_crops": [num_crops]}, 0) + piece
-        token_ids = list(self.tokenizer.encode(text, add_special_tokens=True))
+        token_ids = list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
         ranges = self._placeholders(token_ids, [d["pixel_values"].shape[0] for d in datas])
         features = [
             MultiModalFeatureSpec("image", mm_hash, rng, data)

@@ -179,7 +179,9 @@ class EncoderRunnerMixin:
             q = g[start:seq_len]
             q_pos = torch.arange(start, seq_len, device=self.device)
             k_pos = torch.arange(seq_len, device=self.device)
-            extra = (q[:, None] == g[None, :]) & (q[:, None] >= 0) & (k_pos[None, :] > q_pos[:, None])
+            extra = (
+                (q[:, None] == g[None, :]) & (q[:, None] >= 0) & (k_pos[None, :] > q_pos[:, None])
+            )
             for chunk in chunks:
                 chunk.extra_visible = extra
 

@@ -308,7 +308,7 @@ class CPUAttentionImpl(AttentionImpl):
         if not self.causal:
             mask = torch.ones_like(c.causal_mask)  # encoder-only: the whole prompt, both ways
         elif c.extra_visible is not None:
-            mask = mask | c.extra_visible
+            mask = (c.causal_mask if key is None else c.mask_for(key)) | c.extra_visible
         elif key is None and q.shape[0] == c.seq_len and self.logits_soft_cap is None:
             mask = None  # nothing cached before the chunk: plain causal attention
         # 4-D inputs: SDPA's fused CPU (flash) kernel takes those, masks and GQA included;

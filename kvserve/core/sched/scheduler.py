@@ -201,10 +201,8 @@ class Scheduler(
             num_new_tokens = self._cap_new_tokens(
                 request.num_tokens_with_spec - request.num_computed_tokens, token_budget
             )
-            encoder_inputs, num_new_tokens, new_encoder_budget = (
-                self._try_schedule_encoder_inputs(
-                    request, request.num_computed_tokens, num_new_tokens, encoder_budget
-                )
+            encoder_inputs, num_new_tokens, new_encoder_budget = self._try_schedule_encoder_inputs(
+                request, request.num_computed_tokens, num_new_tokens, encoder_budget
             )
             if num_new_tokens <= 0:
                 req_index += 1

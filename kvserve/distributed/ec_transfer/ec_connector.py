@@ -42,7 +42,9 @@ class ECConnector:
             assert config.ec_redis_url is not None
             url = urllib.parse.urlsplit(config.ec_redis_url)
             db = int(url.path.lstrip("/") or 0)
-            self.backend = RedisBackend(url.hostname or "localhost", url.port or 6379, db, self.stats)
+            self.backend = RedisBackend(
+                url.hostname or "localhost", url.port or 6379, db, self.stats
+            )
 
     def _key(self, mm_hash: str) -> CacheEngineKey:
         # The tag keeps encoder outputs apart from KV chunks in a tier both use.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
@@ -9,6 +10,7 @@ from typing import Any
 
 from fastapi import Request
 
+from kvserve.engine.chat_media import extract_chat_images, has_image_parts, media_policy
 from kvserve.engine.input_processor import apply_chat_template
 from kvserve.engine.protocol import EngineClient
 from kvserve.entrypoints.openai.protocol import (
@@ -84,8 +86,17 @@ class OpenAIServingChat(OpenAIServing):
         model = self.models.resolve(request.model)
         tools = ChatToolHandler(request, self.tool_parser, self.enable_auto_tool_choice)
         add_generation_prompt = request.add_generation_prompt and not request.continue_final_message
+        messages = messages_for_template(request.messages)
+        images: list[object] = []
+        if has_image_parts(messages):
+            # Loading and decoding run off the event loop; a bad image is the client's 400.
+            policy = media_policy(self.engine_client.config.multimodal_config)
+            try:
+                messages, images = await asyncio.to_thread(extract_chat_images, messages, policy)
+            except ValueError as exc:
+                raise OpenAIServingError(str(exc), param="messages") from None
         text, prompt_ids = await self.render_prompt(
-            messages_for_template(request.messages),
+            messages,
             add_generation_prompt,
             request.continue_final_message,
             request.chat_template,
@@ -105,9 +116,13 @@ class OpenAIServingChat(OpenAIServing):
         except ValueError as exc:
             raise self.bad_request(exc) from None
         base_id = self.request_id(raw_request, request.request_id, "chatcmpl")
+        prompt: Any = {"prompt_token_ids": prompt_ids, "prompt": text}
+        if images:  # the engine expands the image markers (and counts the tokens again)
+            prompt = {"prompt": text, "multi_modal_data": {"image": images}}
+            prompt["add_special_tokens"] = False
         merged = merge_async_iterators(
             self.generate(
-                {"prompt_token_ids": prompt_ids, "prompt": text},
+                prompt,
                 params,
                 base_id,
                 request.priority,
