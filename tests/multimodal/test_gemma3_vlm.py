@@ -31,6 +31,7 @@ ONE = "<bos>Look: <start_of_image> what?"
 TWO = "<bos>A <start_of_image> and B <start_of_image>, compare."
 TEXT = "<bos>Just some text here"
 # 20 text tokens first: block 0 (16 tokens) is text only, the image falls in block 1.
+REMOTE = "https://example.org/cat.png"
 LONG = "<bos>A long preamble, then <start_of_image> describe."
 
 
@@ -196,9 +197,9 @@ def test_bad_inputs_are_value_errors_and_the_engine_keeps_serving(
             [
                 {
                     "role": "user",
-                    "content": [{"type": "image_url", "image_url": {"url": "https://x.org/a.png"}}],
+                    "content": [{"type": "image_url", "image_url": {"url": REMOTE}}],
                 }
-            ],  # fmt: skip
+            ],
             _params(),
             use_tqdm=False,
         )
