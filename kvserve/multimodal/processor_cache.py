@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 import msgspec
 
-from kvserve.multimodal.inputs import MultiModalFeatureSpec, TensorData
+from kvserve.protocol.mm_inputs import MultiModalFeatureSpec, TensorData
 
 ItemData = dict[str, TensorData]
 
