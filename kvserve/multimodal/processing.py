@@ -39,9 +39,6 @@ class MultiModalProcessor:
         self.cache = cache
         self.num_processed = 0  # items that ran the image processor (cache misses)
 
-    def max_tokens_per_item(self) -> int:
-        raise NotImplementedError
-
     def process(
         self,
         prompt: str,
@@ -84,12 +81,6 @@ class Gemma3MultiModalProcessor(MultiModalProcessor):
             for k in self._ALLOWED_KWARGS
             if (v := getattr(self.hf.image_processor, k, None)) is not None
         }
-
-    def max_tokens_per_item(self) -> int:
-        """An image with the most Pan-and-Scan crops: the whole range it spans."""
-        max_crops = int(self._kwargs(None).get("pan_and_scan_max_num_crops", 4))
-        text = self.hf.replace_image_token({"num_crops": [max_crops]}, 0)
-        return len(self.tokenizer.encode(text, add_special_tokens=False))
 
     def _kwargs(self, request_kwargs: Mapping[str, Any] | None) -> dict[str, Any]:
         kwargs = dict(self.default_kwargs)

@@ -69,7 +69,9 @@ class EncoderRunnerMixin:
             self.ec_connector = ECConnector(ec, name)
         self._encoder_stats = EncoderRunStats()
 
-    def _encoder_output(self, feature: MultiModalFeatureSpec) -> torch.Tensor:
+    def _encoder_output(self, feature: MultiModalFeatureSpec, keep: bool = True) -> torch.Tensor:
+        """The item's output: cached, loaded (EC connector) or encoded now. ``keep``: cache
+        it (items the scheduler scheduled; it tells when to drop them)."""
         out = self.encoder_cache.get(feature.identifier)
         if out is not None:
             return out
@@ -91,7 +93,8 @@ class EncoderRunnerMixin:
                 f"item {feature.identifier[:16]}: {out.shape[0]} embeddings for "
                 f"{feature.mm_position.num_embeds} placeholder positions"
             )
-        self.encoder_cache[feature.identifier] = out
+        if keep:
+            self.encoder_cache[feature.identifier] = out
         return out
 
     def execute_mm_encoder(self, scheduler_output: SchedulerOutput) -> None:
@@ -126,8 +129,9 @@ class EncoderRunnerMixin:
                 if not pos.overlaps(start, start + n):
                     continue
                 if embeds is None:
-                    embeds = self.model.embed_input_ids(inputs.input_ids).clone()
-                out = self._encoder_output(feature)
+                    embeds = self.model.embed_input_ids(inputs.input_ids)
+                # Not kept when missing: only the scheduler's items have a known lifetime.
+                out = self._encoder_output(feature, keep=False)
                 lo, hi = max(start, pos.offset), min(start + n, pos.end)
                 index = _embed_index(feature)
                 if index is None:

@@ -137,8 +137,11 @@ def test_repeated_image_processed_once_encoded_once_and_prefix_cached(llm: LLM) 
     # The same pixels as a numpy array: same hash, so the same cache entries.
     same_pixels = np.asarray(image)
     other_text = "<bos>Another question entirely: <start_of_image> and?"
+    mm_inputs = llm.llm_engine.input_processor.mm_inputs
+    assert mm_inputs is not None
     before = _counters(llm)
     first = llm.generate(_mm_prompt(LONG, [image]), _params(), use_tqdm=False)[0]
+    processed = mm_inputs.processor.num_processed
     after_first = _counters(llm)
     # Other text before the same image: no prefix hit, so the encoder output is needed.
     llm.generate(_mm_prompt(other_text, [same_pixels]), _params(), use_tqdm=False)
@@ -150,6 +153,7 @@ def test_repeated_image_processed_once_encoded_once_and_prefix_cached(llm: LLM) 
     def delta(name: str, start: dict[str, int], end: dict[str, int]) -> int:
         return end.get(f"kvserve:{name}", 0) - start.get(f"kvserve:{name}", 0)
 
+    assert mm_inputs.processor.num_processed == processed  # not processed again
     assert delta("mm_processor_cache_hits", before, after_first) == 0
     assert delta("mm_processor_cache_hits", after_first, after) == 2  # sent as hash twice
     assert delta("mm_vision_tower_runs", before, after_first) == 1
