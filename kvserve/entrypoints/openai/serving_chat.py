@@ -138,7 +138,9 @@ class OpenAIServingChat(OpenAIServing):
         except Exception as exc:
             await merged.aclose()
             raise self.engine_error(exc) from None
-        return self._stream(request, merged, first, len(prompt_ids), model, response_id, tools)
+        # The engine's prompt (with images, their expanded placeholders) is the one counted.
+        num_prompt = len(first[1].prompt_token_ids or prompt_ids)
+        return self._stream(request, merged, first, num_prompt, model, response_id, tools)
 
     async def _full(
         self,
@@ -180,7 +182,9 @@ class OpenAIServingChat(OpenAIServing):
             id=response_id,
             model=model,
             choices=choices,
-            usage=UsageInfo.of(prompt_tokens, completion_tokens),
+            usage=UsageInfo.of(
+                len(final.prompt_token_ids or []) or prompt_tokens, completion_tokens
+            ),
         )
 
     async def _stream(

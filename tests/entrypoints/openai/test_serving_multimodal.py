@@ -56,17 +56,22 @@ def vlm_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Remot
     server.stop()
 
 
-def _expected(reference: Any, images: list[Any]) -> str:
+def _expected(reference: Any, images: list[Any]) -> tuple[str, int]:
+    """HF's reply text and prompt length."""
     model, processor = reference
     parts = [{"type": "image"} for _ in images] + [{"type": "text", "text": "What is it?"}]
     text = processor.apply_chat_template(
         [{"role": "user", "content": parts}], add_generation_prompt=True
     )
-    tokens = hf_greedy(model, processor, text, images, MAX_TOKENS)[1]
-    return str(processor.tokenizer.decode(tokens))
+    ids, tokens = hf_greedy(model, processor, text, images, MAX_TOKENS)
+    return str(processor.tokenizer.decode(tokens)), len(ids)
 
 
 def _chat(client: openai.OpenAI, messages: list[dict[str, Any]]) -> str:
+    return _chat_usage(client, messages)[0]
+
+
+def _chat_usage(client: openai.OpenAI, messages: list[dict[str, Any]]) -> tuple[str, int]:
     model = client.models.list().data[0].id
     response = client.chat.completions.create(
         model=model,
@@ -75,7 +80,8 @@ def _chat(client: openai.OpenAI, messages: list[dict[str, Any]]) -> str:
         temperature=0.0,
         extra_body={"ignore_eos": True, "skip_special_tokens": False},
     )
-    return response.choices[0].message.content or ""
+    assert response.usage is not None
+    return response.choices[0].message.content or "", response.usage.prompt_tokens
 
 
 def test_image_urls_give_hf_tokens_and_repeats_hit_the_caches(
@@ -84,20 +90,34 @@ def test_image_urls_give_hf_tokens_and_repeats_hit_the_caches(
     server, reference = vlm_server
     client = server.client()
     image = random_image(20, 64, 24)
-    assert _chat(client, _messages(_data_url(image))) == _expected(reference, [image])
+    # The reply and the prompt's length (image placeholders expanded) are HF's.
+    assert _chat_usage(client, _messages(_data_url(image))) == _expected(reference, [image])
     before = server.metrics()
-    assert _chat(client, _messages(_data_url(image))) == _expected(reference, [image])
+    assert _chat_usage(client, _messages(_data_url(image))) == _expected(reference, [image])
     after = server.metrics()
     hits = "kvserve:mm_processor_cache_hits_total"
     runs = "kvserve:mm_vision_tower_runs_total"
     assert after[hits] == before[hits] + 1
     assert after[runs] == before[runs]  # the prefix cache and encoder cache cover it
+    stream = client.chat.completions.create(
+        model=client.models.list().data[0].id,
+        messages=_messages(_data_url(image)),  # type: ignore[arg-type]
+        max_tokens=MAX_TOKENS,
+        temperature=0.0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True, "skip_special_tokens": False},
+    )
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    usage = chunks[-1].usage
+    assert usage is not None and (text, usage.prompt_tokens) == _expected(reference, [image])
     root: Path = server.root  # type: ignore[attr-defined]
     from PIL import Image
 
     cat = Image.open(root / "media" / "cat.png").convert("RGB")
     url = f"file://{root}/media/cat.png"
-    assert _chat(client, _messages(url)) == _expected(reference, [cat])
+    assert _chat_usage(client, _messages(url)) == _expected(reference, [cat])
 
 
 def test_bad_images_get_400_and_the_server_keeps_serving(
