@@ -165,7 +165,7 @@ class AsyncLLM(EngineClient):
         self.request_stats.add_request(
             request.request_id, request.arrival_time, len(request.prompt_token_ids)
         )
-        await self.engine_core.add_request_async(request)
+        await self.engine_core.add_request_async(self.input_processor.commit_mm(request))
 
     async def generate(
         self,

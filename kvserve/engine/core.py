@@ -142,6 +142,14 @@ class EngineCore:
         its wire protocol directly, since one out-of-vocabulary id fails the whole batch's
         forward pass.
         """
+        if request.mm_features:
+            mirror = self.scheduler.mm_processor_cache
+            if mirror is None:
+                raise ValueError(f"{self.config.model_config.arch.architecture} takes no images")
+            # First, whatever follows: the mirror moves with every request the front end
+            # sent, as the front end's cache did. Items sent as their hash alone come
+            # back with their data.
+            request.mm_features = mirror.receive(request.mm_features)
         vocab_size = self.config.model_config.vocab_size
         bad = [t for t in request.prompt_token_ids if not 0 <= t < vocab_size]
         if bad:
@@ -149,12 +157,6 @@ class EngineCore:
                 f"prompt_token_ids contains token ids outside the vocabulary "
                 f"[0, {vocab_size}): {bad[:5]}"
             )
-        if request.mm_features:
-            mirror = self.scheduler.mm_processor_cache
-            if mirror is None:
-                raise ValueError(f"{self.config.model_config.arch.architecture} takes no images")
-            # Items the front end sent as their hash alone come back with their data.
-            request.mm_features = mirror.receive(request.mm_features)
         core_request = Request.from_engine_core_request(request, self.block_hasher)
         if core_request.structured_output_request is not None:
             self.structured_output_manager.grammar_init(core_request.structured_output_request)

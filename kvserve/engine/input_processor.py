@@ -100,9 +100,6 @@ class InputProcessor:
             params = SamplingParams(max_tokens=1, output_kind=RequestOutputKind.FINAL_ONLY)
         assert isinstance(params, SamplingParams)
         params = self._finalize_params(params, len(prompt_token_ids))
-        if mm_features and self.mm_inputs is not None:
-            # Last: the processor cache moves only for a request that is sent.
-            mm_features = self.mm_inputs.commit(mm_features)
         request = EngineCoreRequest(
             request_id=request_id,
             prompt_token_ids=prompt_token_ids,
@@ -117,6 +114,16 @@ class InputProcessor:
             mm_features=mm_features,
         )
         return request, prompt_text
+
+    def commit_mm(self, request: EngineCoreRequest) -> EngineCoreRequest:
+        """The request as it is sent: its images the processor cache holds go as their
+        hash alone. Call it right before the send and only then (the engine core's mirror
+        of the cache moves with each request it receives, so must this one)."""
+        if not request.mm_features or self.mm_inputs is None:
+            return request
+        return msgspec.structs.replace(
+            request, mm_features=self.mm_inputs.commit(request.mm_features)
+        )
 
     def _pooling_params(self, params: SamplingParams | PoolingParams) -> PoolingParams | None:
         """The request's PoolingParams; the runner decides which kind of params it takes."""

@@ -207,7 +207,18 @@ def test_bad_inputs_are_value_errors_and_the_engine_keeps_serving(
             _params(),
             use_tqdm=False,
         )
-    out = llm.generate(_mm_prompt(ONE, [image]), _params(), use_tqdm=False)[0]
-    assert len(out.outputs[0].token_ids) == MAX_TOKENS
+    # A request refused after processing (a duplicate id) never moved the processor
+    # cache: its image, sent later, still travels with its pixels.
+    engine = llm.llm_engine
+    engine.add_request("dup", _mm_prompt(ONE, [image]), _params())
+    with pytest.raises(ValueError, match="already running"):
+        engine.add_request("dup", _mm_prompt(ONE, [random_image(12)]), _params())
+    while engine.has_unfinished_requests():
+        engine.step()
+    outs = llm.generate(
+        [_mm_prompt(ONE, [random_image(12)]), _mm_prompt(ONE, [image])], _params(), use_tqdm=False
+    )
+    assert [len(o.outputs[0].token_ids) for o in outs] == [MAX_TOKENS] * 2
+    assert not any(o.outputs[0].finish_reason == "error" for o in outs)
     gauges = {m.name: m.value for m in llm.get_metrics() if isinstance(m, Gauge)}
     assert gauges["kvserve:kv_cache_blocks_in_use"] == 0  # no block leaked
