@@ -78,3 +78,33 @@ def test_arrays_and_tensors_become_the_same_pixels() -> None:
         to_rgb_array("f", PIXELS.astype(np.float32), policy)
     with pytest.raises(ValueError, match=r"must be \[H, W, 3\]"):
         to_rgb_array("f", PIXELS[:, :, :2], policy)
+
+
+def test_remote_urls_when_enabled() -> None:
+    import http.server
+    import threading
+
+    body = _png(PIXELS)
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            found = self.path == "/cat.png"
+            self.send_response(200 if found else 404)
+            self.end_headers()
+            if found:
+                self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        base = f"http://127.0.0.1:{server.server_address[1]}"
+        policy = MediaPolicy(allow_remote_media=True)
+        np.testing.assert_array_equal(load_image_url("f", f"{base}/cat.png", policy), PIXELS)
+        with pytest.raises(ValueError, match="f: cannot fetch"):
+            load_image_url("f", f"{base}/missing.png", policy)
+    finally:
+        server.shutdown()
+        server.server_close()
