@@ -154,3 +154,31 @@ def test_bad_images_get_400_and_the_server_keeps_serving(
         assert len(_chat(client, _messages(good))) > 0  # still serving
     assert server.proc.poll() is None
     assert server.metrics()["kvserve:kv_cache_blocks_in_use"] == 0
+
+
+def test_concurrent_requests_with_repeated_images(vlm_server: tuple[RemoteServer, Any]) -> None:
+    """Many requests at once, images repeating: each is right (the processor cache and
+    its mirror in the core stay in step however the requests interleave)."""
+    import asyncio
+
+    server, reference = vlm_server
+    images = [random_image(30 + i, 30 + 7 * i, 28) for i in range(3)]
+    expected = [_expected(reference, [image])[0] for image in images]
+    order = [0, 1, 0, 2, 1, 0, 2, 2, 1, 0, 0, 1]
+    client = server.async_client()
+
+    async def ask(i: int) -> str:
+        model = (await client.models.list()).data[0].id
+        response = await client.chat.completions.create(
+            model=model,
+            messages=_messages(_data_url(images[i])),  # type: ignore[arg-type]
+            max_tokens=MAX_TOKENS,
+            temperature=0.0,
+            extra_body={"ignore_eos": True, "skip_special_tokens": False},
+        )
+        return response.choices[0].message.content or ""
+
+    async def run() -> list[str]:
+        return await asyncio.gather(*(ask(i) for i in order))
+
+    assert asyncio.run(run()) == [expected[i] for i in order]
