@@ -112,6 +112,32 @@ def test_chunked_prefill_reaching_into_an_image(vlm: tuple[Path, Any, Any]) -> N
         engine.llm_engine.shutdown()
 
 
+def test_preemption_with_images(vlm: tuple[Path, Any, Any]) -> None:
+    """A pool of 12 blocks for five two-image requests: requests are preempted and
+    recomputed (their images' encoder outputs released and asked for again), and every
+    one still gives HF's tokens."""
+    directory, model, processor = vlm
+    engine = LLM(
+        model=str(directory),
+        num_blocks_override=12,
+        max_num_batched_tokens=96,
+        block_size=16,
+        disable_log_stats=False,
+    )
+    try:
+        images = [random_image(40 + i) for i in range(5)]
+        cases = [[images[i], images[(i + 1) % 5]] for i in range(5)]
+        params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+        outs = engine.generate([_mm_prompt(TWO, c) for c in cases], params, use_tqdm=False)
+        for out, case in zip(outs, cases, strict=True):
+            assert list(out.outputs[0].token_ids) == hf_greedy(model, processor, TWO, case, 40)[1]
+        counters = _counters(engine)
+        assert counters["kvserve:num_preemptions"] > 0
+        assert counters["kvserve:mm_vision_tower_runs"] == 5  # one per distinct image
+    finally:
+        engine.llm_engine.shutdown()
+
+
 def test_chat_with_image_parts(llm: LLM, vlm: tuple[Path, Any, Any]) -> None:
     _, model, processor = vlm
     image = random_image(7)

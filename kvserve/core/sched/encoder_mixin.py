@@ -40,6 +40,9 @@ class SchedulerEncoderMixin:
         self.encoder_cache_manager: EncoderCacheManager | None = None
         self.max_num_encoder_input_tokens = 0
         self.mm_stats: MultiModalStats | None = None
+        # (request, item) pairs counted as encoder cache queries: once each, however many
+        # steps a request waits before it runs.
+        self._mm_counted: set[tuple[str, int]] = set()
         # The mirror of the front end's processor cache (EngineCore.add_request fills
         # each request's items from it).
         self.mm_processor_cache: ProcessorCache | None = None
@@ -94,19 +97,24 @@ class SchedulerEncoderMixin:
                 num_new = max(start - num_computed, 0)
                 break
             if manager.check_and_update_cache(request, i):
-                if self.mm_stats is not None:
-                    self.mm_stats.encoder_cache_queries += 1
-                    self.mm_stats.encoder_cache_hits += 1
+                self._count_query(request, i, hit=True)
                 continue
             if not manager.can_allocate(request, i, encoder_budget, num_embeds):
                 num_new = max(start - num_computed, 0)
                 break
-            if self.mm_stats is not None:
-                self.mm_stats.encoder_cache_queries += 1
+            self._count_query(request, i, hit=False)
             num_embeds += length
             encoder_budget -= length
             to_schedule.append(i)
         return to_schedule, num_new, encoder_budget
+
+    def _count_query(self, request: Request, input_id: int, hit: bool) -> None:
+        key = (request.request_id, input_id)
+        if self.mm_stats is None or key in self._mm_counted:
+            return
+        self._mm_counted.add(key)
+        self.mm_stats.encoder_cache_queries += 1
+        self.mm_stats.encoder_cache_hits += hit
 
     def _allocate_encoder_inputs(self, request: Request, input_ids: list[int]) -> list[int]:
         """Reserves the scheduled items' cache space once the request is scheduled; an
@@ -134,6 +142,9 @@ class SchedulerEncoderMixin:
     def _free_encoder(self, request: Request) -> None:
         if self.encoder_cache_manager is not None and request.mm_features:
             self.encoder_cache_manager.free(request)
+            # A preempted request asks again when it resumes (its outputs may be gone).
+            for i in range(len(request.mm_features)):
+                self._mm_counted.discard((request.request_id, i))
 
     def _take_freed_encoder_hashes(self) -> list[str]:
         if self.encoder_cache_manager is None:
