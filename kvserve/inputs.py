@@ -7,8 +7,11 @@ from typing import Any, NotRequired, TypeAlias, TypedDict
 
 class TextPrompt(TypedDict):
     prompt: str
-    # Reserved for images/audio; the input processor rejects it until multimodal lands.
+    # {"image": image or [images]} (PIL images, uint8 numpy arrays or tensors) for a
+    # vision-language model; the prompt text marks where each goes.
     multi_modal_data: NotRequired[dict[str, Any]]
+    # Per-request processor options, e.g. {"do_pan_and_scan": True}.
+    mm_processor_kwargs: NotRequired[dict[str, Any]]
 
 
 class TokensPrompt(TypedDict):

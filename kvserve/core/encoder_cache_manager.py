@@ -19,7 +19,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Protocol
 
-from kvserve.multimodal.inputs import MultiModalFeatureSpec
+from kvserve.protocol.mm_inputs import MultiModalFeatureSpec
 
 
 class EncoderRequest(Protocol):

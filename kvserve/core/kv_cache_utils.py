@@ -71,12 +71,16 @@ def hash_block_tokens(
     return BlockHash(hashlib.sha256(payload).digest())
 
 
-def generate_block_hash_extra_keys(request: Request, block_index: int) -> tuple[Any, ...] | None:
-    """What besides the tokens decides a block's KV (multimodal keys go here later).
+def generate_block_hash_extra_keys(
+    request: Request, block_index: int, block_size: int = 0
+) -> tuple[Any, ...] | None:
+    """What besides the tokens decides a block's KV.
 
     The cache salt only needs to enter the first block: every later hash chains from it.
     The LoRA adapter's id enters every block, as in vLLM: the same tokens through another
-    adapter are other keys and values, so adapters never share blocks.
+    adapter are other keys and values, so adapters never share blocks. Each multimodal
+    item a block overlaps enters as its content hash and its offset from the block's
+    start: the placeholder tokens of two images are equal, their KV is not.
     """
     keys: list[Any] = []
     if block_index == 0 and request.cache_salt:
@@ -84,6 +88,12 @@ def generate_block_hash_extra_keys(request: Request, block_index: int) -> tuple[
     lora = request.lora_request
     if lora is not None:
         keys.append(("lora", lora.lora_int_id))
+    if request.mm_features:
+        assert block_size > 0, "multimodal block keys need the block size"
+        start = block_index * block_size
+        for feature in request.mm_features:
+            if feature.mm_position.overlaps(start, start + block_size):
+                keys.append((feature.identifier, feature.mm_position.offset - start))
     return tuple(keys) if keys else None
 
 
@@ -104,7 +114,7 @@ def get_block_content(request: Request, block_index: int, block_size: int) -> Bl
     return BlockContent(
         parent,
         tuple(request.all_token_ids[start : start + block_size]),
-        generate_block_hash_extra_keys(request, block_index),
+        generate_block_hash_extra_keys(request, block_index, block_size),
     )
 
 
@@ -120,7 +130,7 @@ def get_request_block_hasher(block_size: int, seed: int) -> Callable[[Request], 
         while (index + 1) * block_size <= len(token_ids):
             block = token_ids[index * block_size : (index + 1) * block_size]
             parent = hash_block_tokens(
-                parent, block, generate_block_hash_extra_keys(request, index)
+                parent, block, generate_block_hash_extra_keys(request, index, block_size)
             )
             new_hashes.append(parent)
             index += 1

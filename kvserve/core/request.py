@@ -10,6 +10,7 @@ from typing import Any
 from kvserve.lora.request import LoRARequest
 from kvserve.pooling_params import PoolingParams
 from kvserve.protocol.engine_core import EngineCoreRequest, FinishReason
+from kvserve.protocol.mm_inputs import MultiModalFeatureSpec
 from kvserve.sampling_params import SamplingParams
 from kvserve.structured_output.request import StructuredOutputRequest
 
@@ -63,6 +64,7 @@ class Request:
         kv_transfer_params: dict[str, Any] | None = None,
         pooling_params: PoolingParams | None = None,
         lora_request: LoRARequest | None = None,
+        mm_features: list[MultiModalFeatureSpec] | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
@@ -75,6 +77,8 @@ class Request:
         self.pooling_params = pooling_params
         # Set before the block hasher runs: the adapter id is part of every block hash.
         self.lora_request = lora_request
+        # Likewise the multimodal items: their hashes key the blocks they fall in.
+        self.mm_features: list[MultiModalFeatureSpec] = mm_features or []
 
         self.status = RequestStatus.WAITING
         self.structured_output_request: StructuredOutputRequest | None = None
@@ -120,6 +124,7 @@ class Request:
             kv_transfer_params=request.kv_transfer_params,
             pooling_params=request.pooling_params,
             lora_request=request.lora_request,
+            mm_features=request.mm_features,
         )
 
     def update_block_hashes(self) -> None:

@@ -27,6 +27,7 @@ from kvserve.config import (
     StructuredOutputsConfig,
     _dataclass_from_json,
 )
+from kvserve.engine.mm_args import MultiModalArgs, add_mm_cli_args
 from kvserve.engine.vllm_compat_args import VllmCompatArgs
 from kvserve.pooling_params import PoolerConfig
 from kvserve.transformers_utils.local_model import locate_model
@@ -54,7 +55,7 @@ def _model_registrations() -> tuple[tuple[str, str], ...]:
 
 
 @dataclass
-class EngineArgs(VllmCompatArgs):
+class EngineArgs(MultiModalArgs, VllmCompatArgs):
     """vLLM's engine arguments: those kvserve gives a meaning here are the fields below;
     the ones it accepts without use come from VllmCompatArgs (docs/vllm_compat.md)."""
 
@@ -251,6 +252,7 @@ class EngineArgs(VllmCompatArgs):
                 if self.enable_lora
                 else None
             ),
+            multimodal_config=self._multimodal_config(),
         )
 
     def _structured_outputs_config(self) -> StructuredOutputsConfig:
@@ -448,6 +450,7 @@ class EngineArgs(VllmCompatArgs):
         parser.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters")
         parser.add_argument("--max-loras", type=int, default=1, help="adapters in one batch")
         parser.add_argument("--max-lora-rank", type=int, default=16)
+        add_mm_cli_args(parser)
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:

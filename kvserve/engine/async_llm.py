@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import AsyncGenerator, Iterable
@@ -76,6 +77,8 @@ class AsyncLLM(EngineClient):
         self._closed = False
         self._output_handler: asyncio.Task[None] | None = None
         self._stats_logger_task: asyncio.Task[None] | None = None
+        # Orders the sends of requests with images (the processor cache's protocol).
+        self._mm_send_lock = asyncio.Lock()
 
     def _init_front_end(self) -> None:
         config = self.config
@@ -87,6 +90,7 @@ class AsyncLLM(EngineClient):
             config.scheduler_config,
             config.structured_outputs_config.backend,
             config.lora_config,
+            config.multimodal_config,
         )
         self.output_processor = OutputProcessor(self.tokenizer, log_stats=self.log_stats)
 
@@ -129,7 +133,8 @@ class AsyncLLM(EngineClient):
         if self.errored:
             raise self.dead_error
         self._ensure_output_handler()
-        request, prompt_text = self.input_processor.process_inputs(
+        process = functools.partial(
+            self.input_processor.process_inputs,
             request_id,
             prompt,
             params,
@@ -138,6 +143,11 @@ class AsyncLLM(EngineClient):
             cache_salt=cache_salt,
             lora_request=lora_request,
         )
+        if isinstance(prompt, dict) and prompt.get("multi_modal_data"):
+            # Image processing takes tens of ms: off the event loop, so streams go on.
+            request, prompt_text = await asyncio.to_thread(process)
+        else:
+            request, prompt_text = process()
         queue = RequestOutputCollector(request.sampling_params.output_kind)
         if not isinstance(params, SamplingParams) or params.n == 1:
             await self._add_core_request(request, prompt_text, None, 0, queue)
@@ -164,7 +174,13 @@ class AsyncLLM(EngineClient):
         self.request_stats.add_request(
             request.request_id, request.arrival_time, len(request.prompt_token_ids)
         )
-        await self.engine_core.add_request_async(request)
+        if not request.mm_features:
+            await self.engine_core.add_request_async(request)
+            return
+        # The core's mirror of the processor cache replays the commits in the order the
+        # requests arrive: commit and send as one, one request at a time.
+        async with self._mm_send_lock:
+            await self.engine_core.add_request_async(self.input_processor.commit_mm(request))
 
     async def generate(
         self,

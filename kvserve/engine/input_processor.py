@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 import jinja2
 import msgspec
 
-from kvserve.config import LoRAConfig, ModelConfig, SchedulerConfig
+from kvserve.config import LoRAConfig, ModelConfig, MultiModalConfig, SchedulerConfig
 from kvserve.inputs import PromptType
 from kvserve.lora.peft_config import read_peft_config
 from kvserve.lora.request import LoRARequest
@@ -21,6 +21,8 @@ if TYPE_CHECKING:
     # Annotations only: transformers loads when a tokenizer is built, not on import.
     from transformers import PreTrainedTokenizerBase
 
+    from kvserve.engine.mm_input import MultiModalInputs
+
 
 class InputProcessor:
     def __init__(
@@ -30,8 +32,17 @@ class InputProcessor:
         scheduler_config: SchedulerConfig | None = None,
         structured_outputs_backend: str = "auto",
         lora_config: LoRAConfig | None = None,
+        mm_config: MultiModalConfig | None = None,
     ) -> None:
         self.model_config = model_config
+        # Images (kvserve/engine/mm_input.py); None for text-only models.
+        self.mm_inputs: MultiModalInputs | None = None
+        if model_config.arch.multimodal is not None:
+            from kvserve.engine.mm_input import MultiModalInputs
+
+            self.mm_inputs = MultiModalInputs(
+                model_config, mm_config or MultiModalConfig(), scheduler_config
+            )
         self.structured_outputs_backend = structured_outputs_backend
         self.lora_config = lora_config
         self.tokenizer = tokenizer
@@ -73,7 +84,16 @@ class InputProcessor:
             )
         self._validate_lora(lora_request)
         pooling_params = self._pooling_params(params)
-        prompt_text, prompt_token_ids = self._tokenize(prompt)
+        mm_features = None
+        prompt_text: str | None
+        if isinstance(prompt, Mapping) and prompt.get("multi_modal_data"):
+            if self.mm_inputs is None:
+                raise ValueError(
+                    f"multi_modal_data: {self.model_config.arch.architecture} is a text-only model"
+                )
+            prompt_text, prompt_token_ids, mm_features = self.mm_inputs.process(prompt)
+        else:
+            prompt_text, prompt_token_ids = self._tokenize(prompt)
         self._validate_prompt(prompt_token_ids)
         if pooling_params is not None:
             # Nothing is sampled: the scheduler ends the request when its prompt is done.
@@ -91,8 +111,19 @@ class InputProcessor:
             kv_transfer_params=(params.extra_args or {}).get("kv_transfer_params"),
             pooling_params=pooling_params,
             lora_request=lora_request,
+            mm_features=mm_features,
         )
         return request, prompt_text
+
+    def commit_mm(self, request: EngineCoreRequest) -> EngineCoreRequest:
+        """The request as it is sent: its images the processor cache holds go as their
+        hash alone. Call it right before the send and only then (the engine core's mirror
+        of the cache moves with each request it receives, so must this one)."""
+        if not request.mm_features or self.mm_inputs is None:
+            return request
+        return msgspec.structs.replace(
+            request, mm_features=self.mm_inputs.commit(request.mm_features)
+        )
 
     def _pooling_params(self, params: SamplingParams | PoolingParams) -> PoolingParams | None:
         """The request's PoolingParams; the runner decides which kind of params it takes."""
@@ -132,8 +163,6 @@ class InputProcessor:
             text: str | None = prompt
             ids = None
         elif isinstance(prompt, Mapping):
-            if prompt.get("multi_modal_data"):
-                raise ValueError("multi_modal_data is not supported yet")
             text = prompt.get("prompt")
             ids = prompt.get("prompt_token_ids")
             if text is not None and not isinstance(text, str):
@@ -298,7 +327,14 @@ def _normalize_messages(messages: Any) -> list[dict[str, Any]]:
         if "content" not in msg and not msg.get("tool_calls"):
             raise ValueError(f"messages[{i}] is missing 'content'")
         content = msg.get("content")
-        if isinstance(content, list):
+        if isinstance(content, list) and any(
+            isinstance(p, Mapping) and p.get("type") == "image" for p in content
+        ):
+            # Image parts stay parts: the template places the model's image marker.
+            content = [
+                p if isinstance(p, Mapping) else {"type": "text", "text": p} for p in content
+            ]
+        elif isinstance(content, list):
             content = _join_text_parts(content, i)
         elif content is None and not msg.get("tool_calls"):
             raise ValueError(f"messages[{i}].content is None (only allowed with tool_calls)")

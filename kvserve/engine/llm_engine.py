@@ -65,6 +65,7 @@ class LLMEngine:
             config.scheduler_config,
             config.structured_outputs_config.backend,
             config.lora_config,
+            config.multimodal_config,
         )
         self.output_processor = OutputProcessor(self.tokenizer, log_stats=self.log_stats)
 
@@ -103,7 +104,7 @@ class LLMEngine:
                 )
         if not isinstance(params, SamplingParams) or n == 1:
             self.output_processor.add_request(request, prompt_text)
-            self.engine_core.add_request(request)
+            self.engine_core.add_request(self.input_processor.commit_mm(request))
             return
         # n > 1: n child requests with the same prompt, so the prefix cache shares its blocks.
         parent = ParentRequest(request_id, request.sampling_params)
@@ -113,7 +114,7 @@ class LLMEngine:
                 request, request_id=child_id, sampling_params=child_params
             )
             self.output_processor.add_request(child, prompt_text, parent, index)
-            self.engine_core.add_request(child)
+            self.engine_core.add_request(self.input_processor.commit_mm(child))
 
     def abort_request(self, request_ids: str | list[str]) -> None:
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)

@@ -11,6 +11,7 @@ from tqdm.auto import tqdm
 from kvserve.beam_search import BeamSearchOutput
 from kvserve.config import DEFAULT_MODEL
 from kvserve.engine.arg_utils import EngineArgs
+from kvserve.engine.chat_media import extract_chat_images, has_image_parts, media_policy
 from kvserve.engine.input_processor import apply_chat_template
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.entrypoints.llm_beam_search import run_beam_search
@@ -193,21 +194,34 @@ class LLM:
             list[ChatMessages],
             [messages] if not messages or isinstance(messages[0], dict) else list(messages),
         )
-        prompts: list[PromptType] = [
-            apply_chat_template(
+        token_prompts: list[PromptType] = []
+        policy = media_policy(self.llm_engine.config.multimodal_config)
+        for conversation in conversations:
+            images: list[object] = []
+            if has_image_parts(conversation):
+                conversation, images = extract_chat_images(list(conversation), policy)
+            text = apply_chat_template(
                 self.get_tokenizer(),
                 conversation,
                 chat_template=chat_template,
                 add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message,
             )
-            for conversation in conversations
-        ]
-        # The template already holds any BOS/special tokens: encode it without adding more.
-        token_prompts: list[PromptType] = [
-            {"prompt_token_ids": self.get_tokenizer().encode(p, add_special_tokens=False)}
-            for p in prompts
-        ]
+            # The template already holds any BOS/special tokens: encode it without adding more.
+            if images:
+                token_prompts.append(
+                    cast(
+                        PromptType,
+                        {
+                            "prompt": text,
+                            "multi_modal_data": {"image": images},
+                            "add_special_tokens": False,
+                        },
+                    )
+                )
+            else:
+                ids = self.get_tokenizer().encode(text, add_special_tokens=False)
+                token_prompts.append({"prompt_token_ids": ids})
         return self.generate(token_prompts, sampling_params, use_tqdm=use_tqdm)
 
     def reset_prefix_cache(self) -> bool:

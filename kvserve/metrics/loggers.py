@@ -10,6 +10,7 @@ from typing import ClassVar
 import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from kvserve.metrics.multimodal import MultiModalProm
 from kvserve.metrics.spec_decode import SpecDecodingLogging, SpecDecodingProm
 from kvserve.metrics.stats import IterationStats
 from kvserve.protocol.engine_core import STEP_PHASES, SchedulerStats, StepTimes
@@ -211,6 +212,8 @@ class PrometheusStatLogger(StatLoggerBase):
         ]
         self.spec_decoding = SpecDecodingProm(reg, PREFIX, model_name)
         self._collectors += self.spec_decoding.collectors
+        self.multimodal = MultiModalProm(reg, PREFIX, model_name)
+        self._collectors += self.multimodal.collectors
         # The scheduler reports preemptions as a running total; the counter takes deltas.
         self._last_num_preemptions = 0
         # KV connector totals (tier hits, bytes, ...): counters made as metrics first appear.
@@ -237,6 +240,8 @@ class PrometheusStatLogger(StatLoggerBase):
                 self._record_step_times(scheduler_stats.step_times)
             if scheduler_stats.spec_decoding_stats is not None:
                 self.spec_decoding.record(scheduler_stats.spec_decoding_stats)
+            if scheduler_stats.mm_stats is not None:
+                self.multimodal.record(scheduler_stats.mm_stats)
         if iteration_stats is None:
             return
         if iteration_stats.output_processing_time:

@@ -9,6 +9,7 @@ import msgspec
 
 from kvserve.lora.request import LoRARequest
 from kvserve.pooling_params import PoolingParams
+from kvserve.protocol.mm_inputs import MultiModalFeatureSpec
 from kvserve.sampling_params import SamplingParams
 
 
@@ -34,6 +35,9 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, kw_
     # A pooling request (returns a vector, samples nothing) / the LoRA adapter it runs with.
     pooling_params: PoolingParams | None = None
     lora_request: LoRARequest | None = None
+    # Images etc. in prompt order; an item the core's processor cache holds comes
+    # without its data (kvserve/multimodal/processor_cache.py).
+    mm_features: list[MultiModalFeatureSpec] | None = None
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, kw_only=True):
@@ -108,6 +112,24 @@ class SpecDecodingStats(msgspec.Struct, omit_defaults=True, kw_only=True):
         return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
 
 
+class MultiModalStats(msgspec.Struct, omit_defaults=True, kw_only=True):
+    """Running totals of the engine core's multimodal caches since it started.
+
+    An encoder cache query is an item a prompt chunk needed; a hit found its output
+    cached (another request's, or its own from an earlier chunk). Vision tower runs count
+    images encoded; the encoder cache connector's loads are images it did not encode.
+    Processor cache hits are items that crossed the socket as their hash alone (counted
+    by the core's mirror of the front end's cache, which sees the same hits)."""
+
+    processor_cache_queries: int = 0
+    processor_cache_hits: int = 0
+    encoder_cache_queries: int = 0
+    encoder_cache_hits: int = 0
+    vision_tower_runs: int = 0
+    ec_connector_loads: int = 0
+    ec_connector_saves: int = 0
+
+
 class SchedulerStats(msgspec.Struct, omit_defaults=True, kw_only=True):
     num_running_reqs: int = 0
     num_waiting_reqs: int = 0
@@ -121,6 +143,7 @@ class SchedulerStats(msgspec.Struct, omit_defaults=True, kw_only=True):
     kv_connector_stats: dict[str, dict[str, float]] | None = None
     step_times: StepTimes | None = None
     spec_decoding_stats: SpecDecodingStats | None = None
+    mm_stats: MultiModalStats | None = None
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, kw_only=True):

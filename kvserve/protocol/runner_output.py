@@ -48,6 +48,15 @@ class RunnerStepTimes:
 
 
 @dataclass
+class EncoderRunStats:
+    """One step's encoder work on the worker (multimodal models)."""
+
+    vision_tower_runs: int = 0
+    ec_connector_loads: int = 0
+    ec_connector_saves: int = 0
+
+
+@dataclass
 class ModelRunnerOutput:
     req_ids: list[str]
     req_id_to_index: dict[str, int]
@@ -71,6 +80,7 @@ class ModelRunnerOutput:
     pooler_output: dict[str, list[float]] = field(default_factory=dict)
     # None for a step without a forward (EMPTY_MODEL_RUNNER_OUTPUT is shared: never set it).
     step_times: RunnerStepTimes | None = None
+    encoder_stats: EncoderRunStats | None = None
 
 
 EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[])

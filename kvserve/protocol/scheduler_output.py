@@ -9,6 +9,7 @@ import numpy as np
 
 from kvserve.lora.request import LoRARequest
 from kvserve.pooling_params import PoolingParams
+from kvserve.protocol.mm_inputs import MultiModalFeatureSpec
 from kvserve.sampling_params import SamplingParams
 
 
@@ -25,6 +26,7 @@ class NewRequestData:
     output_token_ids: list[int] = field(default_factory=list)
     pooling_params: PoolingParams | None = None
     lora_request: LoRARequest | None = None
+    mm_features: list[MultiModalFeatureSpec] = field(default_factory=list)
 
 
 @dataclass
@@ -61,6 +63,10 @@ class SchedulerOutput:
     # req_id -> the draft tokens computed for it in this step (speculative decoding); they
     # are the last len(...) of its num_scheduled_tokens. Absent: no drafts.
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    # req_id -> indices of its mm_features whose encoder runs in this step.
+    scheduled_encoder_inputs: dict[str, list[int]] = field(default_factory=dict)
+    # Encoder outputs the scheduler's encoder cache evicted: workers drop them.
+    free_encoder_mm_hashes: list[str] = field(default_factory=list)
 
     @classmethod
     def empty(cls) -> SchedulerOutput:

@@ -38,6 +38,24 @@ _GEMMA3_SLIDING_PATTERN = 6
 
 
 @dataclass(frozen=True)
+class MultiModalArch:
+    """What a vision-language checkpoint adds to its text model (Gemma 3 VLMs).
+
+    ``vision_config``: the vision tower's HF config dict; ``bidirectional_items``: image
+    tokens attend to each other both ways, so an image is computed in one step;
+    ``max_tokens_per_item``: the longest placeholder range an image can take (Pan-and-Scan
+    crops included), which sizes the encoder cache."""
+
+    vision_config: dict[str, Any]
+    mm_tokens_per_image: int
+    image_token_id: int
+    boi_token_id: int
+    eoi_token_id: int
+    bidirectional_items: bool
+    max_tokens_per_item: int
+
+
+@dataclass(frozen=True)
 class ArchConfig:
     """Architecture hyper-parameters. ``rope_scaling`` uses HF keys (``rope_type``,
     ``factor``, ...) and is None for plain RoPE; GGUF llama-3 files, which store
@@ -83,6 +101,8 @@ class ArchConfig:
     qk_norm: bool = False
     # BERT's token type (segment) embeddings; 0 for models without them.
     type_vocab_size: int = 0
+    # Vision-language models: the vision side (None for text-only models).
+    multimodal: MultiModalArch | None = None
 
     @property
     def is_encoder_only(self) -> bool:
@@ -296,6 +316,14 @@ def _from_hf_dir(model_dir: Path) -> ArchConfig:
     # Whether kvserve has a model for it is the model registry's question (an
     # out-of-tree model may be registered under any name).
     arch = str(architectures[0])
+    multimodal = None
+    if arch in _VLM_ARCHITECTURES:
+        multimodal = _gemma3_multimodal(cfg)
+        # The text numbers are the language model's.
+        text = cfg["text_config"]
+        # HF ties the head by the top-level flag; the text config's may be a default.
+        tie = cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", True))
+        cfg = {**cfg, **text, "tie_word_embeddings": tie}
     gen_path = model_dir / "generation_config.json"
     gen_eos = _read_json(gen_path).get("eos_token_id") if gen_path.is_file() else None
     try:
@@ -323,6 +351,7 @@ def _from_hf_dir(model_dir: Path) -> ArchConfig:
             eos_token_ids=_eos_ids(cfg.get("eos_token_id"), gen_eos),
             **_hf_attention_variants(arch, cfg, num_layers),
             **family_fields(arch, cfg),
+            multimodal=multimodal,
         )
     except (KeyError, TypeError, ValueError) as e:
         raise ValueError(f"invalid model config {config_path}: {e!r}") from e
@@ -334,7 +363,7 @@ def _optional_float(value: Any) -> float | None:
 
 def _hf_attention_variants(arch: str, cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:
     """Per-layer attention kinds and Gemma's scalars from a config.json."""
-    if arch == "Gemma3ForCausalLM":
+    if arch in ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"):
         return _gemma3_variants(cfg, num_layers)
     if arch == "Llama4ForCausalLM":
         return _llama4_variants(cfg, num_layers)
@@ -343,6 +372,30 @@ def _hf_attention_variants(arch: str, cfg: dict[str, Any], num_layers: int) -> d
     use_window = cfg.get("use_sliding_window", arch != "Qwen2ForCausalLM")
     window = cfg.get("sliding_window") if use_window else None
     return {"sliding_window": None if window is None else int(window)}
+
+
+_VLM_ARCHITECTURES = ("Gemma3ForConditionalGeneration",)
+# Gemma 3's Pan-and-Scan: at most this many crops beside the image itself, each framed
+# by a few text tokens (HF's Gemma3Processor.replace_image_token).
+_GEMMA3_MAX_CROPS = 4
+_GEMMA3_CROP_TEXT_TOKENS = 32
+
+
+def _gemma3_multimodal(cfg: dict[str, Any]) -> MultiModalArch:
+    if not isinstance(cfg.get("text_config"), dict) or not isinstance(
+        cfg.get("vision_config"), dict
+    ):
+        raise ValueError("a Gemma 3 VLM config needs text_config and vision_config")
+    tokens = int(cfg.get("mm_tokens_per_image", 256))
+    return MultiModalArch(
+        vision_config=dict(cfg["vision_config"]),
+        mm_tokens_per_image=tokens,
+        image_token_id=int(cfg.get("image_token_index", cfg.get("image_token_id", 262144))),
+        boi_token_id=int(cfg.get("boi_token_index", cfg.get("boi_token_id", 255999))),
+        eoi_token_id=int(cfg.get("eoi_token_index", cfg.get("eoi_token_id", 256000))),
+        bidirectional_items=True,
+        max_tokens_per_item=(tokens + _GEMMA3_CROP_TEXT_TOKENS) * (1 + _GEMMA3_MAX_CROPS),
+    )
 
 
 def _bert_variants(cfg: dict[str, Any]) -> dict[str, Any]:

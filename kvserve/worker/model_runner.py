@@ -34,6 +34,7 @@ from kvserve.sample.sampling_batch import SamplingBatch
 from kvserve.sample.spec_decode_metadata import SpecDecodeMetadata
 from kvserve.sampling_params import SamplingType
 from kvserve.structured_output.utils import apply_grammar_bitmask
+from kvserve.worker.encoder_runner_mixin import EncoderRunnerMixin
 from kvserve.worker.input_batch import InputBatch
 from kvserve.worker.input_preparation import InputPreparer, StepInputs
 from kvserve.worker.kv_cache_specs import make_kv_cache_spec, zeroed_tensor
@@ -66,7 +67,7 @@ class ExecuteModelState:
     spec_metadata: SpecDecodeMetadata | None = None
 
 
-class ModelRunner(KVConnectorModelRunnerMixin, SpecDecodeModelRunnerMixin):
+class ModelRunner(KVConnectorModelRunnerMixin, SpecDecodeModelRunnerMixin, EncoderRunnerMixin):
     def __init__(self, config: EngineConfig, device: torch.device | str) -> None:
         self.config = config
         self.device = torch.device(device)
@@ -107,6 +108,8 @@ class ModelRunner(KVConnectorModelRunnerMixin, SpecDecodeModelRunnerMixin):
         self.init_spec_decode()
         # enable_lora: the adapters' slots and the wrapped projections (after load_model).
         self.lora_manager: LoRAModelManager | None = None
+        # Multimodal models: the encoder cache and the merge of image embeddings.
+        self.init_encoder_runner(config)
 
     # ---- setup ---------------------------------------------------------------------------
 
@@ -223,6 +226,7 @@ class ModelRunner(KVConnectorModelRunnerMixin, SpecDecodeModelRunnerMixin):
             eos_token_id=self.eos_token_id,
             pooling_params=new.pooling_params,
             lora_request=new.lora_request,
+            mm_features=list(new.mm_features),
         )
 
     def _update_states(self, scheduler_output: SchedulerOutput) -> None:
@@ -303,6 +307,8 @@ class ModelRunner(KVConnectorModelRunnerMixin, SpecDecodeModelRunnerMixin):
     def execute_model(self, scheduler_output: SchedulerOutput) -> None:
         start = time.perf_counter()
         self._update_states(scheduler_output)
+        if self.is_multimodal:
+            self.execute_mm_encoder(scheduler_output)
         assert self.input_batch is not None
         if scheduler_output.total_num_scheduled_tokens == 0 or self.input_batch.num_reqs == 0:
             # Connector transfers still progress (and get reported) in a step without tokens.
@@ -324,6 +330,10 @@ class ModelRunner(KVConnectorModelRunnerMixin, SpecDecodeModelRunnerMixin):
         spec_metadata = self.spec_decode_metadata(scheduler_output, inputs)
         self.split_spec_rows(scheduler_output, inputs)
         attn_metadata = self._build_attn_metadata(inputs)
+        mm_kwargs: dict[str, Any] = {}
+        if self.is_multimodal:
+            self.add_mm_bidirectional_masks(inputs, attn_metadata)
+            mm_kwargs["inputs_embeds"] = self.mm_inputs_embeds(inputs)
         if self.lora_manager is not None:
             rows = self.input_batch.requests[: self.input_batch.num_reqs]
             self.lora_manager.set_active_loras(
@@ -335,7 +345,7 @@ class ModelRunner(KVConnectorModelRunnerMixin, SpecDecodeModelRunnerMixin):
             set_forward_context(attn_metadata, kv_connector=self.kv_connector),
             self.kv_connector_step(scheduler_output) as kv_output,
         ):
-            hidden_states = self.model(inputs.input_ids, inputs.positions)
+            hidden_states = self.model(inputs.input_ids, inputs.positions, **mm_kwargs)
         logits = None
         num_sample = len(inputs.sample_rows)
         pooler_output: dict[str, list[float]] = {}
@@ -444,6 +454,7 @@ class ModelRunner(KVConnectorModelRunnerMixin, SpecDecodeModelRunnerMixin):
             spec_token_ids=self.propose_draft_token_ids(sample_rows, num_computed_before),
             pooler_output=state.pooler_output,
         )
+        output.encoder_stats = self.take_encoder_stats()
         output.step_times = RunnerStepTimes(
             state.prepare_time, state.forward_time, time.perf_counter() - start
         )

@@ -8,6 +8,7 @@ import torch
 
 from kvserve.lora.request import LoRARequest
 from kvserve.pooling_params import PoolingParams
+from kvserve.protocol.mm_inputs import MultiModalFeatureSpec
 from kvserve.sampling_params import SamplingParams
 
 
@@ -32,6 +33,8 @@ class CachedRequestState:
     prompt_logprobs_done: bool = False
     pooling_params: PoolingParams | None = None
     lora_request: LoRARequest | None = None
+    # Its images (with their pixel values), for the encoder runner.
+    mm_features: list[MultiModalFeatureSpec] = field(default_factory=list)
 
     @property
     def num_prompt_tokens(self) -> int:

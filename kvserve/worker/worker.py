@@ -78,6 +78,8 @@ class Worker(WorkerBase):
             raise RuntimeError(f"worker {self.rank} has no model loaded")
 
     def shutdown(self) -> None:
+        if self._model_runner is not None:
+            self._model_runner.shutdown_encoder_runner()
         self._model_runner = None
         gc.collect()
         if self.device is not None and self.device.type == "cuda":

@@ -4,9 +4,12 @@ overlap, and a msgpack round trip (they cross the front end / engine core socket
 from __future__ import annotations
 
 import msgspec
+import numpy as np
 import pytest
+import torch
 
 from kvserve.multimodal import MultiModalFeatureSpec, PlaceholderRange
+from kvserve.multimodal.inputs import TensorData
 
 
 def test_placeholder_range() -> None:
@@ -23,11 +26,20 @@ def test_placeholder_range() -> None:
 
 
 def test_feature_spec_round_trips_as_msgpack() -> None:
+    pixels = np.arange(2 * 3 * 4 * 4, dtype=np.float32).reshape(2, 3, 4, 4)
     spec = MultiModalFeatureSpec(
         modality="image",
         identifier="ab" * 32,
         mm_position=PlaceholderRange(offset=3, length=2),
-        data={"pixel_values_shape": [1, 3, 8, 8]},
+        data={"pixel_values": TensorData.from_array(pixels)},
     )
     wire = msgspec.msgpack.encode(spec)
-    assert msgspec.msgpack.decode(wire, type=MultiModalFeatureSpec) == spec
+    back = msgspec.msgpack.decode(wire, type=MultiModalFeatureSpec)
+    assert back == spec and back.data is not None
+    np.testing.assert_array_equal(back.data["pixel_values"].to_numpy(), pixels)
+    assert spec.data_nbytes == pixels.nbytes
+    # torch tensors go the same way (bytes, never pickle)
+    t = TensorData.from_array(torch.from_numpy(pixels))
+    assert t == spec.data["pixel_values"]
+    with pytest.raises(ValueError, match="Python objects"):
+        TensorData.from_array(np.array([object()]))

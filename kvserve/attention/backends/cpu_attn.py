@@ -59,6 +59,9 @@ class PrefillChunk:
     causal_mask: torch.Tensor  # bool [query_len, seq_len]: True = may attend
     # Masks of windowed/chunked layers, made by the first layer of each kind.
     masks: dict[MaskKey, torch.Tensor] = field(default_factory=dict)
+    # Keys past the causal cut a query also sees [query_len, seq_len], OR-ed into every
+    # layer's mask: a VLM's image tokens see their whole image (Gemma 3). None: causal.
+    extra_visible: torch.Tensor | None = None
 
     def mask_for(self, key: MaskKey) -> torch.Tensor:
         if key not in self.masks:
@@ -304,6 +307,8 @@ class CPUAttentionImpl(AttentionImpl):
         mask: torch.Tensor | None = c.causal_mask if key is None else c.mask_for(key)
         if not self.causal:
             mask = torch.ones_like(c.causal_mask)  # encoder-only: the whole prompt, both ways
+        elif c.extra_visible is not None:
+            mask = (c.causal_mask if key is None else c.mask_for(key)) | c.extra_visible
         elif key is None and q.shape[0] == c.seq_len and self.logits_soft_cap is None:
             mask = None  # nothing cached before the chunk: plain causal attention
         # 4-D inputs: SDPA's fused CPU (flash) kernel takes those, masks and GQA included;

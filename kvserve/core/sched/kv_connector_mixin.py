@@ -76,6 +76,10 @@ class SchedulerKVConnectorMixin:
         """External tokens beyond the local hits, and whether they load asynchronously."""
         if self.connector is None or not request.use_prefix_cache_reads:
             return 0, False
+        if request.mm_features:
+            # External tiers key KV by tokens alone; an image's placeholders are the same
+            # tokens for every image, so a multimodal request never loads from them.
+            return 0, False
         if request.request_id in self._async_load_done:
             return 0, False  # loaded already (maybe partly, after a load error): compute the rest
         num_external, load_async = self.connector.get_num_new_matched_tokens(

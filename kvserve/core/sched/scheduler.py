@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from kvserve.core.block_pool import require_integrity
 from kvserve.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
 from kvserve.core.request import Request, RequestStatus
+from kvserve.core.sched.encoder_mixin import SchedulerEncoderMixin
 from kvserve.core.sched.interface import SchedulerInterface
 from kvserve.core.sched.isolation import SchedulerIsolationMixin
 from kvserve.core.sched.kv_connector_mixin import SchedulerKVConnectorMixin
@@ -42,6 +43,7 @@ class Scheduler(
     SchedulerKVConnectorMixin,
     SchedulerStructuredOutputMixin,
     SchedulerSpecDecodeMixin,
+    SchedulerEncoderMixin,
     SchedulerInterface,
 ):
     def __init__(
@@ -88,6 +90,8 @@ class Scheduler(
         self._init_isolation()
         # Drafts per request and their acceptance totals (spec_decode_mixin.py).
         self._init_spec_decode(config)
+        # Encoder budget and cache of multimodal models (encoder_mixin.py).
+        self._init_encoder(config)
 
     # --- requests in and out ------------------------------------------------------
 
@@ -100,6 +104,7 @@ class Scheduler(
                 f"request {request.request_id} has no block hashes: create it with "
                 "block_hasher=get_request_block_hasher(block_size, seed)"
             )
+        self.check_mm_request(request)
         self.requests[request.request_id] = request
         self.waiting.add_request(request)
 
@@ -145,6 +150,7 @@ class Scheduler(
         delay_free, kv_transfer_params = self._connector_finished(request)
         if not delay_free:
             self.kv_cache_manager.free(request)
+        self._free_encoder(request)
         self.finished_req_ids.add(request.request_id)
         del self.requests[request.request_id]
         if self._suspects:
@@ -182,6 +188,8 @@ class Scheduler(
         scheduled_resumed: list[Request] = []
         preempted: list[Request] = []
         scheduled_spec_decode_tokens: dict[str, list[int]] = {}
+        encoder_budget = self.max_num_encoder_input_tokens
+        scheduled_encoder_inputs: dict[str, list[int]] = {}
 
         # RUNNING first: a waiting request never takes budget or blocks from a running one.
         req_index = 0
@@ -192,6 +200,9 @@ class Scheduler(
                 continue
             num_new_tokens = self._cap_new_tokens(
                 request.num_tokens_with_spec - request.num_computed_tokens, token_budget
+            )
+            encoder_inputs, num_new_tokens, new_encoder_budget = self._try_schedule_encoder_inputs(
+                request, request.num_computed_tokens, num_new_tokens, encoder_budget
             )
             if num_new_tokens <= 0:
                 req_index += 1
@@ -209,6 +220,7 @@ class Scheduler(
                     token_budget += num_scheduled_tokens.pop(victim.request_id)
                     req_to_new_blocks.pop(victim.request_id)
                     scheduled_spec_decode_tokens.pop(victim.request_id, None)
+                    scheduled_encoder_inputs.pop(victim.request_id, None)
                     req_index -= 1
                 self._preempt(victim)
                 preempted.append(victim)
@@ -220,6 +232,11 @@ class Scheduler(
             req_to_new_blocks[request.request_id] = new_blocks
             num_scheduled_tokens[request.request_id] = num_new_tokens
             token_budget -= num_new_tokens
+            if encoder_inputs:
+                scheduled_encoder_inputs[request.request_id] = self._allocate_encoder_inputs(
+                    request, encoder_inputs
+                )
+                encoder_budget = new_encoder_budget
             spec_tokens = self._scheduled_spec_tokens(request, num_new_tokens)
             if spec_tokens:
                 scheduled_spec_decode_tokens[request.request_id] = spec_tokens
@@ -276,6 +293,15 @@ class Scheduler(
                 skipped.prepend_request(self.waiting.pop_request())
                 continue
             num_new_tokens = self._cap_new_tokens(num_new_tokens, token_budget)
+            encoder_inputs, new_encoder_budget = [], encoder_budget
+            if not load_async:
+                encoder_inputs, num_new_tokens, new_encoder_budget = (
+                    self._try_schedule_encoder_inputs(
+                        request, num_computed_tokens + num_external, num_new_tokens, encoder_budget
+                    )
+                )
+                if num_new_tokens <= 0:
+                    break  # its next image needs a step with more budget
             new_blocks = self.kv_cache_manager.allocate_slots(
                 request,
                 num_new_tokens,
@@ -312,6 +338,11 @@ class Scheduler(
             )
             num_scheduled_tokens[request.request_id] = num_new_tokens
             token_budget -= num_new_tokens
+            if encoder_inputs:
+                scheduled_encoder_inputs[request.request_id] = self._allocate_encoder_inputs(
+                    request, encoder_inputs
+                )
+                encoder_budget = new_encoder_budget
         if skipped:
             self.waiting.prepend_requests(skipped)
         if probe is not None and not num_scheduled_tokens:
@@ -335,6 +366,7 @@ class Scheduler(
                 output_token_ids=list(r.output_token_ids),
                 pooling_params=r.pooling_params,
                 lora_request=r.lora_request,
+                mm_features=r.mm_features,
             )
             for r in scheduled_new
         ]
@@ -350,6 +382,8 @@ class Scheduler(
             finished_req_ids=self.finished_req_ids,
             preempted_req_ids={r.request_id for r in preempted},
             scheduled_spec_decode_tokens=scheduled_spec_decode_tokens,
+            scheduled_encoder_inputs=scheduled_encoder_inputs,
+            free_encoder_mm_hashes=self._take_freed_encoder_hashes(),
         )
         if self.connector is not None:
             # Before num_computed_tokens advances: the connector plans from the step's start.
@@ -378,6 +412,7 @@ class Scheduler(
     def _preempt(self, request: Request) -> None:
         # Recompute: drop the KV (its full blocks stay cached), start over from the waiting queue.
         self.kv_cache_manager.free(request)
+        self._free_encoder(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.spec_token_ids = []
@@ -408,6 +443,7 @@ class Scheduler(
         )
         self._update_from_kv_xfer_finished(model_runner_output)
         self._cache_sync_loaded()
+        self._record_encoder_output(model_runner_output)
         outputs: list[EngineCoreOutput] = []
         stopped: set[str] = set()
         probe = self._probe if self._suspects else None
@@ -432,6 +468,7 @@ class Scheduler(
                 if probe is not None and request_id in probe:
                     passed.append(request_id)
             is_stopped = False
+            self._free_computed_encoder_inputs(request)
             pooled = model_runner_output.pooler_output.get(request_id)
             if pooled is not None:  # a pooling request is done once its prompt is
                 new_token_ids = []  # and samples nothing
@@ -506,6 +543,7 @@ class Scheduler(
             num_preemptions=self.num_preemptions,
             kv_connector_stats=self.connector.get_kv_connector_stats() if self.connector else None,
             spec_decoding_stats=self._spec_decoding_stats_snapshot(),
+            mm_stats=self._mm_stats_snapshot(),
         )
 
     def check_integrity(self) -> None:
@@ -545,6 +583,8 @@ class Scheduler(
             )
         self._check_isolation_integrity()
         manager.check_integrity()
+        if self.encoder_cache_manager is not None:
+            self.encoder_cache_manager.check_integrity()
 
     def shutdown(self) -> None:
         if self.connector is not None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
@@ -9,6 +10,7 @@ from typing import Any
 
 from fastapi import Request
 
+from kvserve.engine.chat_media import extract_chat_images, has_image_parts, media_policy
 from kvserve.engine.input_processor import apply_chat_template
 from kvserve.engine.protocol import EngineClient
 from kvserve.entrypoints.openai.protocol import (
@@ -84,8 +86,17 @@ class OpenAIServingChat(OpenAIServing):
         model = self.models.resolve(request.model)
         tools = ChatToolHandler(request, self.tool_parser, self.enable_auto_tool_choice)
         add_generation_prompt = request.add_generation_prompt and not request.continue_final_message
+        messages = messages_for_template(request.messages)
+        images: list[object] = []
+        if has_image_parts(messages):
+            # Loading and decoding run off the event loop; a bad image is the client's 400.
+            policy = media_policy(self.engine_client.config.multimodal_config)
+            try:
+                messages, images = await asyncio.to_thread(extract_chat_images, messages, policy)
+            except ValueError as exc:
+                raise OpenAIServingError(str(exc), param="messages") from None
         text, prompt_ids = await self.render_prompt(
-            messages_for_template(request.messages),
+            messages,
             add_generation_prompt,
             request.continue_final_message,
             request.chat_template,
@@ -105,9 +116,13 @@ class OpenAIServingChat(OpenAIServing):
         except ValueError as exc:
             raise self.bad_request(exc) from None
         base_id = self.request_id(raw_request, request.request_id, "chatcmpl")
+        prompt: Any = {"prompt_token_ids": prompt_ids, "prompt": text}
+        if images:  # the engine expands the image markers (and counts the tokens again)
+            prompt = {"prompt": text, "multi_modal_data": {"image": images}}
+            prompt["add_special_tokens"] = False
         merged = merge_async_iterators(
             self.generate(
-                {"prompt_token_ids": prompt_ids, "prompt": text},
+                prompt,
                 params,
                 base_id,
                 request.priority,
@@ -123,7 +138,9 @@ class OpenAIServingChat(OpenAIServing):
         except Exception as exc:
             await merged.aclose()
             raise self.engine_error(exc) from None
-        return self._stream(request, merged, first, len(prompt_ids), model, response_id, tools)
+        # The engine's prompt (with images, their expanded placeholders) is the one counted.
+        num_prompt = len(first[1].prompt_token_ids or prompt_ids)
+        return self._stream(request, merged, first, num_prompt, model, response_id, tools)
 
     async def _full(
         self,
@@ -165,7 +182,9 @@ class OpenAIServingChat(OpenAIServing):
             id=response_id,
             model=model,
             choices=choices,
-            usage=UsageInfo.of(prompt_tokens, completion_tokens),
+            usage=UsageInfo.of(
+                len(final.prompt_token_ids or []) or prompt_tokens, completion_tokens
+            ),
             kv_transfer_params=final.kv_transfer_params,
         )
 

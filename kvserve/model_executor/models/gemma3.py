@@ -141,8 +141,18 @@ class Gemma3Model(nn.Module):
         )
         self.norm = GemmaRMSNorm(arch.hidden_size, arch.rms_norm_eps)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden_states = self.embed_tokens.forward(input_ids) * self.embed_scale
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens.forward(input_ids) * self.embed_scale
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        inputs_embeds: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """``inputs_embeds``: the step's embeddings (scaled text embeddings with image
+        embeddings merged in, Gemma3ForConditionalGeneration) instead of ``input_ids``'."""
+        hidden_states = self.embed_input_ids(input_ids) if inputs_embeds is None else inputs_embeds
         for layer in self.layers:
             hidden_states = layer.forward(positions, hidden_states)
         return self.norm.forward(hidden_states)

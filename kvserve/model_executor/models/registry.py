@@ -28,6 +28,7 @@ _IN_TREE: dict[str, str] = {
     "Qwen2ForCausalLM": f"{_PKG}.qwen2:Qwen2ForCausalLM",
     "MistralForCausalLM": f"{_PKG}.mistral:MistralForCausalLM",
     "Gemma3ForCausalLM": f"{_PKG}.gemma3:Gemma3ForCausalLM",
+    "Gemma3ForConditionalGeneration": f"{_PKG}.gemma3_mm:Gemma3ForConditionalGeneration",
     "Llama4ForCausalLM": f"{_PKG}.llama4:Llama4ForCausalLM",
     "MixtralForCausalLM": f"{_PKG}.mixtral:MixtralForCausalLM",
     "Qwen3ForCausalLM": f"{_PKG}.qwen3:Qwen3ForCausalLM",

@@ -1,0 +1,168 @@
+"""The scheduler's side of multimodal models: encoder work under an encoder compute budget
+beside the token budget, encoder outputs in the EncoderCacheManager (vLLM's
+``_try_schedule_encoder_inputs``).
+
+A request's prompt chunk [num_computed, num_computed + num_new) needs the encoder output
+of every item whose placeholder range it overlaps and that is not in the KV cache yet. An
+output the cache holds (the same image in another request, or in an earlier chunk of
+this one) is shared; otherwise the item's encoder runs in this step if the step's
+encoder budget and the cache have room, else the chunk stops before the item.
+
+Models whose image tokens attend to each other both ways (Gemma 3) cannot compute part
+of an image: a chunk that would end inside one stops at the image's start instead, and a
+chunk that starts inside one (after a prefix-cache hit) must reach its end or waits for a
+step with enough budget. Other models may cut an image anywhere; its output stays cached
+until the chunk that computes its last position.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import msgspec
+
+from kvserve.core.encoder_cache_manager import EncoderCacheManager
+from kvserve.multimodal.processor_cache import ProcessorCache
+from kvserve.protocol.engine_core import MultiModalStats
+
+if TYPE_CHECKING:
+    from kvserve.config import EngineConfig
+    from kvserve.core.request import Request
+    from kvserve.protocol.runner_output import ModelRunnerOutput
+
+
+class SchedulerEncoderMixin:
+    max_num_scheduled_tokens: int
+
+    def _init_encoder(self, config: EngineConfig) -> None:
+        mm_arch = config.model_config.arch.multimodal
+        self.mm_split_items = mm_arch is None or not mm_arch.bidirectional_items
+        self.encoder_cache_manager: EncoderCacheManager | None = None
+        self.max_num_encoder_input_tokens = 0
+        self.mm_stats: MultiModalStats | None = None
+        # (request, item) pairs counted as encoder cache queries: once each, however many
+        # steps a request waits before it runs.
+        self._mm_counted: set[tuple[str, int]] = set()
+        # The mirror of the front end's processor cache (EngineCore.add_request fills
+        # each request's items from it).
+        self.mm_processor_cache: ProcessorCache | None = None
+        if mm_arch is None:
+            return
+        self.mm_processor_cache = ProcessorCache(config.multimodal_config.processor_cache_bytes)
+        size = config.multimodal_config.encoder_cache_size or max(
+            self.max_num_scheduled_tokens, mm_arch.max_tokens_per_item
+        )
+        self.max_num_encoder_input_tokens = size
+        self.encoder_cache_manager = EncoderCacheManager(size)
+        self.mm_stats = MultiModalStats()
+
+    def check_mm_request(self, request: Request) -> None:
+        """Raises ValueError for items the scheduler could never fit (add_request)."""
+        if not request.mm_features:
+            return
+        if self.encoder_cache_manager is None:
+            raise ValueError("this model takes no multimodal input (mm_features given)")
+        for i, feature in enumerate(request.mm_features):
+            length = feature.mm_position.length
+            if length > self.max_num_encoder_input_tokens:
+                raise ValueError(
+                    f"multimodal item {i} spans {length} tokens, more than the encoder cache "
+                    f"({self.max_num_encoder_input_tokens})"
+                )
+            if not self.mm_split_items and length > self.max_num_scheduled_tokens:
+                raise ValueError(
+                    f"image {i} spans {length} tokens, more than max_num_batched_tokens "
+                    f"({self.max_num_scheduled_tokens}); this model computes an image in one step"
+                )
+
+    def _try_schedule_encoder_inputs(
+        self, request: Request, num_computed: int, num_new: int, encoder_budget: int
+    ) -> tuple[list[int], int, int]:
+        """Returns (items whose encoder runs this step, the possibly shortened num_new,
+        the encoder budget left)."""
+        manager = self.encoder_cache_manager
+        if manager is None or not request.mm_features or num_new <= 0:
+            return [], num_new, encoder_budget
+        to_schedule: list[int] = []
+        num_embeds = 0
+        for i, feature in enumerate(request.mm_features):
+            start, length = feature.mm_position.offset, feature.mm_position.length
+            end = num_computed + num_new
+            if start >= end:
+                break  # this and later items lie beyond the chunk
+            if start + length <= num_computed:
+                continue  # already in the KV cache
+            if not self.mm_split_items and end < start + length:
+                # The chunk would end inside a bidirectional image: stop before it.
+                num_new = max(start - num_computed, 0)
+                break
+            if manager.check_and_update_cache(request, i):
+                self._count_query(request, i, hit=True)
+                continue
+            if not manager.can_allocate(request, i, encoder_budget, num_embeds):
+                num_new = max(start - num_computed, 0)
+                break
+            self._count_query(request, i, hit=False)
+            num_embeds += length
+            encoder_budget -= length
+            to_schedule.append(i)
+        return to_schedule, num_new, encoder_budget
+
+    def _count_query(self, request: Request, input_id: int, hit: bool) -> None:
+        key = (request.request_id, input_id)
+        if self.mm_stats is None or key in self._mm_counted:
+            return
+        self._mm_counted.add(key)
+        self.mm_stats.encoder_cache_queries += 1
+        self.mm_stats.encoder_cache_hits += hit
+
+    def _allocate_encoder_inputs(self, request: Request, input_ids: list[int]) -> list[int]:
+        """Reserves the scheduled items' cache space once the request is scheduled; an
+        item that appears twice in the request is encoded once."""
+        manager = self.encoder_cache_manager
+        assert manager is not None
+        scheduled = []
+        for i in input_ids:
+            if manager.check_and_update_cache(request, i):
+                continue  # an earlier item of this request had the same hash
+            manager.allocate(request, i)
+            scheduled.append(i)
+        return scheduled
+
+    def _free_computed_encoder_inputs(self, request: Request) -> None:
+        """Drops the request's hold on outputs whose whole range is in the KV cache now."""
+        manager = self.encoder_cache_manager
+        if manager is None or not request.mm_features:
+            return
+        for i in sorted(manager.get_cached_input_ids(request)):
+            position = request.mm_features[i].mm_position
+            if position.offset + position.length <= request.num_computed_tokens:
+                manager.free_encoder_input(request, i)
+
+    def _free_encoder(self, request: Request) -> None:
+        if self.encoder_cache_manager is not None and request.mm_features:
+            self.encoder_cache_manager.free(request)
+            # A preempted request asks again when it resumes (its outputs may be gone).
+            for i in range(len(request.mm_features)):
+                self._mm_counted.discard((request.request_id, i))
+
+    def _take_freed_encoder_hashes(self) -> list[str]:
+        if self.encoder_cache_manager is None:
+            return []
+        return self.encoder_cache_manager.get_freed_mm_hashes()
+
+    def _mm_stats_snapshot(self) -> MultiModalStats | None:
+        if self.mm_stats is None:
+            return None
+        stats = msgspec.structs.replace(self.mm_stats)
+        if self.mm_processor_cache is not None:
+            stats.processor_cache_queries = self.mm_processor_cache.queries
+            stats.processor_cache_hits = self.mm_processor_cache.hits
+        return stats
+
+    def _record_encoder_output(self, output: ModelRunnerOutput) -> None:
+        runs = output.encoder_stats
+        if runs is not None and self.mm_stats is not None:
+            self.mm_stats.vision_tower_runs += runs.vision_tower_runs
+            self.mm_stats.ec_connector_loads += runs.ec_connector_loads
+            self.mm_stats.ec_connector_saves += runs.ec_connector_saves

@@ -1,0 +1,1 @@
+"""Encoder cache transfer between engine instances (vLLM's ec_transfer)."""
