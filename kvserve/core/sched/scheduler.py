@@ -9,18 +9,18 @@ hits) while budget, max_num_seqs and free blocks last.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from kvserve.core.block_pool import require_integrity
 from kvserve.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
 from kvserve.core.request import Request, RequestStatus
 from kvserve.core.sched.encoder_mixin import SchedulerEncoderMixin
+from kvserve.core.sched.finishing import SchedulerFinishingMixin
 from kvserve.core.sched.interface import SchedulerInterface
 from kvserve.core.sched.isolation import SchedulerIsolationMixin
 from kvserve.core.sched.kv_connector_mixin import SchedulerKVConnectorMixin
 from kvserve.core.sched.request_queue import SchedulingPolicy, create_request_queue
 from kvserve.core.sched.spec_decode_mixin import SchedulerSpecDecodeMixin
+from kvserve.core.sched.stats_mixin import SchedulerStatsMixin
 from kvserve.core.sched.structured_output_mixin import SchedulerStructuredOutputMixin
 from kvserve.core.sched.utils import (
     check_stop,
@@ -28,7 +28,7 @@ from kvserve.core.sched.utils import (
     make_engine_core_output,
 )
 from kvserve.distributed.kv_events import KVCacheEvent
-from kvserve.protocol.engine_core import EngineCoreOutput, EngineCoreOutputs, SchedulerStats
+from kvserve.protocol.engine_core import EngineCoreOutput, EngineCoreOutputs
 from kvserve.protocol.scheduler_output import NewRequestData, SchedulerOutput
 
 if TYPE_CHECKING:
@@ -44,6 +44,8 @@ class Scheduler(
     SchedulerStructuredOutputMixin,
     SchedulerSpecDecodeMixin,
     SchedulerEncoderMixin,
+    SchedulerFinishingMixin,
+    SchedulerStatsMixin,
     SchedulerInterface,
 ):
     def __init__(
@@ -107,68 +109,6 @@ class Scheduler(
         self.check_mm_request(request)
         self.requests[request.request_id] = request
         self.waiting.add_request(request)
-
-    def finish_requests(
-        self, request_ids: str | Iterable[str], finished_status: RequestStatus
-    ) -> None:
-        assert RequestStatus.is_finished(finished_status)
-        ids = (request_ids,) if isinstance(request_ids, str) else request_ids
-        finished_running: set[str] = set()
-        finished_waiting: list[Request] = []
-        for request_id in ids:
-            request = self.requests.get(request_id)
-            if request is None or request.is_finished():
-                continue
-            if request.status == RequestStatus.RUNNING:
-                finished_running.add(request_id)
-            else:
-                finished_waiting.append(request)
-            request.status = finished_status
-            self._free_request(request)
-        if finished_running:
-            self.running = [r for r in self.running if r.request_id not in finished_running]
-        if finished_waiting:
-            self.waiting.remove_requests(finished_waiting)
-
-    def fail_requests(self, request_ids: Iterable[str], message: str) -> list[EngineCoreOutput]:
-        """Ends the unfinished ones among ``request_ids`` with finish reason "error" and
-        frees their blocks; returns their final outputs (carrying ``message``)."""
-        failed = [r for rid in request_ids if (r := self.requests.get(rid)) and not r.is_finished()]
-        running = {r.request_id for r in failed if r.status == RequestStatus.RUNNING}
-        waiting = [r for r in failed if r.request_id not in running]
-        if running:
-            self.running = [r for r in self.running if r.request_id not in running]
-        if waiting:
-            self.waiting.remove_requests(waiting)
-        for request in failed:
-            self._finish_with_error(request, message)
-        outputs, self._pending_outputs = self._pending_outputs, []
-        return outputs
-
-    def _free_request(self, request: Request) -> dict[str, Any] | None:
-        """Frees its blocks (unless the KV connector still sends); returns kv_transfer_params."""
-        delay_free, kv_transfer_params = self._connector_finished(request)
-        if not delay_free:
-            self.kv_cache_manager.free(request)
-        self._free_encoder(request)
-        self.finished_req_ids.add(request.request_id)
-        del self.requests[request.request_id]
-        if self._suspects:
-            self._forget_suspect(request.request_id)
-        return kv_transfer_params
-
-    def _finish_with_error(self, request: Request, message: str) -> None:
-        request.status = RequestStatus.FINISHED_ERROR
-        request.error = message
-        output = EngineCoreOutput(
-            request_id=request.request_id,
-            new_token_ids=[],
-            finish_reason=request.get_finished_reason(),
-            error=message,
-            num_cached_tokens=max(request.num_cached_tokens, 0),
-        )
-        self._pending_outputs.append(output)
-        output.kv_transfer_params = self._free_request(request)
 
     # --- schedule -----------------------------------------------------------------
 
@@ -528,63 +468,6 @@ class Scheduler(
 
     def take_kv_events(self) -> list[KVCacheEvent]:
         return self.kv_cache_manager.take_events()
-
-    def make_stats(self) -> SchedulerStats | None:
-        if not self.log_stats:
-            return None
-        prefix = self.kv_cache_manager.make_prefix_cache_stats()
-        return SchedulerStats(
-            num_running_reqs=len(self.running),
-            num_waiting_reqs=len(self.waiting),
-            kv_cache_usage=self.kv_cache_manager.usage,
-            kv_cache_blocks_in_use=self.kv_cache_manager.num_blocks_in_use,
-            prefix_cache_queries=prefix.queries if prefix else 0,
-            prefix_cache_hits=prefix.hits if prefix else 0,
-            num_preemptions=self.num_preemptions,
-            kv_connector_stats=self.connector.get_kv_connector_stats() if self.connector else None,
-            spec_decoding_stats=self._spec_decoding_stats_snapshot(),
-            mm_stats=self._mm_stats_snapshot(),
-        )
-
-    def check_integrity(self) -> None:
-        """Raises AssertionError if the queues, requests and KV cache disagree (tests, debug).
-
-        Call it between steps (after update_from_output): every live request is in exactly
-        one of running/waiting, only running requests (and those a KV connector still loads
-        into or sends from) hold blocks, and each running request's blocks hold its
-        computed tokens. Then the KV cache manager checks its tables against the pool.
-        """
-        running_ids = [r.request_id for r in self.running]
-        waiting_ids = [r.request_id for r in self.waiting]
-        require_integrity(len(set(running_ids)) == len(running_ids), "a request runs twice")
-        require_integrity(len(set(waiting_ids)) == len(waiting_ids), "a request waits twice")
-        require_integrity(
-            sorted(running_ids + waiting_ids) == sorted(self.requests),
-            "requests != running + waiting",
-        )
-        require_integrity(len(self.running) <= self.max_num_running_reqs, "too many running")
-        for request in self.running:
-            require_integrity(request.status == RequestStatus.RUNNING, f"{request} in running")
-        for request in self.waiting:
-            require_integrity(
-                request.status != RequestStatus.RUNNING and not request.is_finished(),
-                f"{request} in waiting",
-            )
-        may_hold = {*running_ids, *self._async_loads, *self._async_load_done, *self._delayed_free}
-        manager = self.kv_cache_manager
-        for group_blocks in (m.req_to_blocks for m in manager.coordinator.single_type_managers):
-            holders = {rid for rid, blocks in group_blocks.items() if blocks}
-            require_integrity(holders <= may_hold, f"{holders - may_hold} hold blocks idly")
-        for request in self.running:
-            num_slots = len(manager.get_block_ids(request.request_id)[0]) * self.block_size
-            require_integrity(
-                request.num_computed_tokens <= min(num_slots, request.num_tokens),
-                f"{request} computed {request.num_computed_tokens} tokens in {num_slots} slots",
-            )
-        self._check_isolation_integrity()
-        manager.check_integrity()
-        if self.encoder_cache_manager is not None:
-            self.encoder_cache_manager.check_integrity()
 
     def shutdown(self) -> None:
         if self.connector is not None:
