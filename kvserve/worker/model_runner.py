@@ -24,21 +24,20 @@ from kvserve.protocol.kv_cache_interface import KVCacheConfig, KVCacheSpec
 from kvserve.protocol.runner_output import (
     EMPTY_MODEL_RUNNER_OUTPUT,
     LogprobsLists,
-    LogprobsTensors,
     ModelRunnerOutput,
     RunnerStepTimes,
 )
 from kvserve.protocol.scheduler_output import GrammarOutput, NewRequestData, SchedulerOutput
-from kvserve.sample.sampler import Sampler, compute_prompt_logprobs
+from kvserve.sample.sampler import Sampler
 from kvserve.sample.sampling_batch import SamplingBatch
 from kvserve.sample.spec_decode_metadata import SpecDecodeMetadata
 from kvserve.sampling_params import SamplingType
-from kvserve.structured_output.utils import apply_grammar_bitmask
 from kvserve.worker.encoder_runner_mixin import EncoderRunnerMixin
 from kvserve.worker.input_batch import InputBatch
 from kvserve.worker.input_preparation import InputPreparer, StepInputs
 from kvserve.worker.kv_cache_specs import make_kv_cache_spec, zeroed_tensor
 from kvserve.worker.kv_connector_model_runner_mixin import KVConnectorModelRunnerMixin
+from kvserve.worker.logits_runner_mixin import LogitsRunnerMixin
 from kvserve.worker.prompt_pooler import PromptPooler
 from kvserve.worker.request_state import CachedRequestState
 from kvserve.worker.spec_decode_runner import SpecDecodeModelRunnerMixin
@@ -67,7 +66,9 @@ class ExecuteModelState:
     spec_metadata: SpecDecodeMetadata | None = None
 
 
-class ModelRunner(KVConnectorModelRunnerMixin, SpecDecodeModelRunnerMixin, EncoderRunnerMixin):
+class ModelRunner(
+    KVConnectorModelRunnerMixin, SpecDecodeModelRunnerMixin, EncoderRunnerMixin, LogitsRunnerMixin
+):
     def __init__(self, config: EngineConfig, device: torch.device | str) -> None:
         self.config = config
         self.device = torch.device(device)
@@ -459,75 +460,3 @@ class ModelRunner(KVConnectorModelRunnerMixin, SpecDecodeModelRunnerMixin, Encod
             state.prepare_time, state.forward_time, time.perf_counter() - start
         )
         return self.attach_kv_connector_output(output, state.kv_connector_output)
-
-    def _apply_grammar_bitmask(
-        self,
-        logits: torch.Tensor,
-        sample_rows: np.ndarray,
-        grammar_output: GrammarOutput,
-        first_logits_row: np.ndarray | None = None,
-    ) -> None:
-        """Masks the constrained requests' logits rows to the tokens their grammars allow.
-        Row i of logits is the request in batch row sample_rows[i], or with drafts in the
-        step row first_logits_row[i] (a constrained request has no drafts: one row)."""
-        assert self.input_batch is not None
-        starts = range(len(sample_rows)) if first_logits_row is None else first_logits_row.tolist()
-        logits_row_of = {
-            int(row): int(s) for row, s in zip(sample_rows.tolist(), starts, strict=False)
-        }
-        index = self.input_batch.req_id_to_index
-        # The scheduler lists exactly the sampling rows; a request missing here is a bug
-        # upstream and fails the step (KeyError) rather than sampling unconstrained.
-        # A request with drafts has consecutive rows: its positions in order.
-        seen: dict[str, int] = {}
-        rows = []
-        for r in grammar_output.structured_output_request_ids:
-            rows.append(logits_row_of[index[r]] + seen.get(r, 0))
-            seen[r] = seen.get(r, 0) + 1
-        apply_grammar_bitmask(logits, rows, grammar_output.grammar_bitmask)
-
-    @staticmethod
-    def _logprobs_by_row(
-        tensors: LogprobsTensors, sample_rows: np.ndarray, num_reqs: int
-    ) -> LogprobsLists:
-        """Spread the sampling rows' logprobs over all batch rows (others hold zeros)."""
-        if len(sample_rows) == num_reqs:
-            return tensors.tolists()
-        idx = torch.from_numpy(sample_rows).to(tensors.logprobs.device)
-
-        def spread(t: torch.Tensor) -> torch.Tensor:
-            full = t.new_zeros((num_reqs, *t.shape[1:]))
-            return full.index_copy_(0, idx, t)
-
-        return LogprobsTensors(*(spread(t) for t in tensors)).tolists()
-
-    def _prompt_logprobs(self, state: ExecuteModelState) -> dict[str, LogprobsTensors | None]:
-        """Prompt logprobs of the positions computed this step: the logits at position p
-        score prompt token p+1, so a request's final chunk stops at its last prompt token."""
-        if state.hidden_states is None or state.inputs is None:
-            return {}
-        batch = self.input_batch
-        assert batch is not None
-        inputs = state.inputs
-        result: dict[str, LogprobsTensors | None] = {}
-        for row, request in enumerate(batch.requests):
-            if request is None or request.num_prompt_logprobs is None:
-                continue
-            num_logprobs = request.num_prompt_logprobs
-            if num_logprobs == -1:
-                num_logprobs = self.vocab_size
-            start = int(batch.num_computed_tokens_cpu[row])
-            num_prompt = request.num_prompt_tokens
-            end = min(start + int(inputs.num_scheduled_tokens[row]), num_prompt - 1)
-            if end > start:
-                offset = int(inputs.query_start_loc_np[row])
-                hidden = state.hidden_states[offset : offset + end - start]
-                targets = torch.from_numpy(batch.token_ids_cpu[row, start + 1 : end + 1])
-                logits = self.model.compute_logits(hidden)
-                tensors = compute_prompt_logprobs(
-                    logits, targets.to(logits.device, torch.int64), num_logprobs
-                )
-                result[request.req_id] = LogprobsTensors(*(t.cpu() for t in tensors))
-            if start + int(inputs.num_scheduled_tokens[row]) >= num_prompt:
-                request.prompt_logprobs_done = True
-        return result
