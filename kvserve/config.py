@@ -228,8 +228,13 @@ class ParallelConfig:
             raise ValueError("tensor_parallel_size and pipeline_parallel_size must be >= 1")
         if self.distributed_executor_backend is None:
             self.distributed_executor_backend = "uni" if self.world_size == 1 else "mp"
-        if self.world_size > 1:
-            raise ValueError("tensor/pipeline parallelism is not supported yet (size must be 1)")
+        if self.pipeline_parallel_size > 1:
+            raise ValueError("pipeline_parallel_size > 1 is not supported yet")
+        if self.world_size > 1 and self.distributed_executor_backend == "uni":
+            raise ValueError(
+                f"distributed_executor_backend='uni' runs one worker, but tensor_parallel_size"
+                f" x pipeline_parallel_size = {self.world_size}: use 'mp'"
+            )
 
     @property
     def world_size(self) -> int:

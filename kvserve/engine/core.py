@@ -16,7 +16,7 @@ from kvserve.core.request import Request, RequestStatus
 from kvserve.core.sched.scheduler import Scheduler
 from kvserve.distributed.kv_events import KVEvent, KVEventBatch
 from kvserve.distributed.kv_events_publisher import EventPublisherFactory
-from kvserve.executor.abstract import Executor
+from kvserve.executor.abstract import Executor, ExecutorFailedError
 from kvserve.protocol.engine_core import (
     EngineCoreOutputs,
     EngineCoreRequest,
@@ -172,6 +172,8 @@ class EngineCore:
             model_output = self.model_executor.sample_tokens(grammar_output)
             executed = time.perf_counter()
             outputs = self.scheduler.update_from_output(scheduler_output, model_output)
+        except ExecutorFailedError:
+            raise  # a worker is gone: no request is to blame and no retry can succeed
         except Exception as e:
             return self._fail_step(scheduler_output, e), True
         updated = time.perf_counter()

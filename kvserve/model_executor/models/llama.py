@@ -184,6 +184,8 @@ class LlamaForCausalLM(nn.Module):
         ".up_proj.": (".gate_up_proj.", 1),
     }
     decoder_layer_cls: ClassVar[type[LlamaDecoderLayer]] = LlamaDecoderLayer
+    # Read from each class's own body: a subclass with other layers must opt in itself.
+    supports_tensor_parallel: ClassVar[bool] = True
 
     @staticmethod
     def attention_biases(arch: ArchConfig) -> tuple[bool, bool]:
