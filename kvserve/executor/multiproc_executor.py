@@ -256,7 +256,7 @@ class MultiprocExecutor(Executor):
                 )
                 call.future.set_exception(error)
                 return
-            if len(reply.result):
+            if reply.has_result:
                 try:
                     call.results[reply.rank] = wire.decode(reply.result, call.return_type)
                 except (msgspec.DecodeError, msgspec.ValidationError) as e:

@@ -44,6 +44,7 @@ def serve(worker: Worker, rank: int, request_socket: Any, reply_socket: Any) -> 
             result = _call(worker, message)
             if message.reply_rank is None or message.reply_rank == rank:
                 reply.result = msgspec.Raw(wire.encode(result))
+                reply.has_result = True
         except Exception as e:
             logger.exception("worker %d: %s failed", rank, message.method)
             reply.error = f"{type(e).__name__}: {e}"

@@ -163,11 +163,15 @@ class RPCShutdown(msgspec.Struct, array_like=True, tag="shutdown"):
     pass
 
 
+NO_RESULT = msgspec.Raw(msgspec.msgpack.encode(None))
+
+
 class RPCReply(msgspec.Struct, array_like=True):
     call_id: int
     rank: int
-    # The encoded result (empty: none sent, e.g. from a rank that was not asked).
-    result: msgspec.Raw = msgspec.field(default_factory=msgspec.Raw)
+    # The encoded result; None from a rank that was not asked for it.
+    result: msgspec.Raw = msgspec.field(default_factory=lambda: NO_RESULT)
+    has_result: bool = False
     error: str | None = None
 
 
