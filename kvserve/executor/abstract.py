@@ -66,6 +66,15 @@ class Executor(ABC):
         one-element list). ``non_block``: a Future of that list instead. ``timeout``
         (seconds): TimeoutError when the workers have not answered by then."""
 
+    def failure_fd(self) -> int | None:
+        """A file descriptor that becomes readable when a worker is lost, for an event
+        loop to wait on beside its sockets (None: workers live in this process)."""
+        return None
+
+    def check_failed(self) -> None:
+        """Raises ExecutorFailedError once a worker is lost (never, in-process)."""
+        return None
+
     def initialize_from_config(self, kv_cache_config: KVCacheConfig) -> None:
         self.collective_rpc("initialize_from_config", args=(kv_cache_config,))
 

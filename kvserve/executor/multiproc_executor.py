@@ -68,6 +68,8 @@ class _Resources:
     tmpdir: str = ""
     wake_w: int = -1
     wake_r: int = -1
+    failed_r: int = -1  # readable once a worker is lost (MultiprocExecutor.failure_fd)
+    failed_w: int = -1
     thread: threading.Thread | None = None
     closed: bool = False
 
@@ -84,8 +86,8 @@ class _Resources:
         for sock in self.sockets:
             sock.close(linger=0)
         self.ctx.term()
-        os.close(self.wake_r)
-        os.close(self.wake_w)
+        for fd in (self.wake_r, self.wake_w, self.failed_r, self.failed_w):
+            os.close(fd)
         shutil.rmtree(self.tmpdir, ignore_errors=True)
 
 
@@ -119,6 +121,20 @@ def _worker_threads(num_threads: int) -> Iterator[None]:
                 os.environ["OMP_NUM_THREADS"] = saved
 
 
+@contextmanager
+def _children_allowed() -> Iterator[None]:
+    """The engine core runs as a daemon process (so it never outlives its client), and
+    multiprocessing refuses daemons children. Ours are daemons too, watched by their
+    parent and killed at shutdown, so the rule's concern (orphans) is handled here."""
+    config = multiprocessing.current_process()._config  # type: ignore[attr-defined]
+    was_daemon = config.get("daemon", False)
+    config["daemon"] = False
+    try:
+        yield
+    finally:
+        config["daemon"] = was_daemon
+
+
 class MultiprocExecutor(Executor):
     def _init_executor(self) -> None:
         self.world_size = self.config.parallel_config.world_size
@@ -129,11 +145,14 @@ class MultiprocExecutor(Executor):
         self._step_future: Future[list[Any]] | None = None
         self._reply_decoder = msgspec.msgpack.Decoder(wire.RPCReply)
         wake_r, wake_w = os.pipe()
+        failed_r, failed_w = os.pipe()
         self.resources = _Resources(
             zmq.Context(),
             tmpdir=tempfile.mkdtemp(prefix="kvserve-mp-"),
             wake_r=wake_r,
             wake_w=wake_w,
+            failed_r=failed_r,
+            failed_w=failed_w,
         )
         self._finalizer = weakref.finalize(self, self.resources)
         try:
@@ -177,7 +196,7 @@ class MultiprocExecutor(Executor):
                 name=f"Worker{rank}",
                 daemon=True,
             )
-            with _worker_threads(threads):
+            with _worker_threads(threads), _children_allowed():
                 proc.start()
             writer.close()
             res.procs.append(proc)
@@ -270,6 +289,7 @@ class MultiprocExecutor(Executor):
     def _fail(self, message: str) -> None:
         logger.error("MultiprocExecutor: %s; stopping the other workers", message)
         self.failure = message
+        os.write(self.resources.failed_w, b"x")
         with self._lock:
             pending, self._pending = self._pending, {}
         for call in pending.values():
@@ -355,9 +375,15 @@ class MultiprocExecutor(Executor):
         assert isinstance(output, ModelRunnerOutput)
         return output
 
-    def check_health(self) -> None:
+    def failure_fd(self) -> int | None:
+        return self.resources.failed_r
+
+    def check_failed(self) -> None:
         if self.failure is not None:
             raise ExecutorFailedError(self.failure)
+
+    def check_health(self) -> None:
+        self.check_failed()
         super().check_health()
 
     def shutdown(self) -> None:

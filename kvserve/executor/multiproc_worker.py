@@ -24,6 +24,8 @@ from kvserve.worker.worker import Worker
 
 logger = logging.getLogger(__name__)
 
+PARENT_CHECK_MS = 1000
+
 
 def _call(worker: Worker, request: wire.RPCRequest) -> Any:
     fn = wire.rpc_target(request.method, worker)
@@ -35,7 +37,14 @@ def _call(worker: Worker, request: wire.RPCRequest) -> Any:
 
 def serve(worker: Worker, rank: int, request_socket: Any, reply_socket: Any) -> None:
     decoder = msgspec.msgpack.Decoder(wire.WorkerInput)
+    parent = os.getppid()
     while True:
+        # Wake up now and then to notice a parent killed without a goodbye (SIGKILL).
+        if not request_socket.poll(PARENT_CHECK_MS):
+            if os.getppid() != parent:
+                logger.error("worker %d: the engine process is gone; exiting", rank)
+                return
+            continue
         message = decoder.decode(request_socket.recv(copy=False).buffer)
         if isinstance(message, wire.RPCShutdown):
             return
