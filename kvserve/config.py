@@ -523,6 +523,9 @@ class EngineConfig:
             self.speculative_config.resolve_draft_model(self.model_config)
         context_len = self.model_config.max_model_len
         assert context_len is not None
+        if self.parallel_config.world_size > 1 and self.kv_transfer_config is not None:
+            # Each rank holds its own heads: stores would need per-rank keys (not yet).
+            raise ValueError("kv_transfer_config is not supported with tensor parallelism yet")
         if self.model_config.is_pooling:
             self._configure_pooling(context_len)
         self.scheduler_config.max_model_len = context_len

@@ -358,8 +358,6 @@ class MultiprocExecutor(Executor):
     # ---- a step: the forward on every rank, the sampled tokens from rank 0 -------------
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> None:
-        if scheduler_output.kv_connector_metadata is not None:
-            raise NotImplementedError("KV connectors do not run under the mp executor yet")
         self._step_future = self.collective_rpc(
             "execute_model", args=(scheduler_output,), non_block=True, unique_reply_rank=0
         )

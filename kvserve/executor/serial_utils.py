@@ -24,6 +24,7 @@ import msgspec
 import numpy as np
 import torch
 
+from kvserve.protocol.scheduler_output import KVConnectorMetadata, SchedulerOutput
 from kvserve.worker.worker import Worker
 
 _EXT_NDARRAY = 1
@@ -40,6 +41,8 @@ _header_decoder = msgspec.msgpack.Decoder(ArrayHeader)
 
 
 def _pack(array: np.ndarray) -> bytes:
+    if array.dtype.hasobject:  # its bytes would be this process's pointers
+        raise TypeError("object arrays do not cross processes")
     header = _header_encoder.encode(ArrayHeader(array.dtype.str, list(array.shape)))
     return len(header).to_bytes(4, "little") + header + np.ascontiguousarray(array).tobytes()
 
@@ -76,17 +79,60 @@ def ext_hook(code: int, data: memoryview) -> Any:
 
 
 def dec_hook(typ: type, obj: Any) -> Any:
+    if isinstance(typ, type) and issubclass(typ, KVConnectorMetadata) and isinstance(obj, list):
+        return _metadata_from_frame(typ, obj)
     # Tensors and arrays were rebuilt by ext_hook already; anything else is refused.
     if isinstance(obj, typ):
         return obj
     raise TypeError(f"expected {getattr(typ, '__name__', typ)}, got {type(obj).__name__}")
 
 
+# ---- KV connector metadata: each connector's own dataclass, named on the wire ------------
+
+
+class ConnectorMetadataFrame(msgspec.Struct, array_like=True):
+    """A KVConnectorMetadata subclass ("module:QualName") and its fields; nested metadata
+    (MultiConnector's children) are frames too."""
+
+    cls: str
+    fields: dict[str, Any]
+
+
+def _to_frame(value: Any) -> Any:
+    if isinstance(value, KVConnectorMetadata):
+        if not dataclasses.is_dataclass(value):
+            raise TypeError(f"{type(value).__name__} must be a dataclass to cross processes")
+        cls = type(value)
+        return ConnectorMetadataFrame(
+            f"{cls.__module__}:{cls.__qualname__}",
+            {f.name: _to_frame(getattr(value, f.name)) for f in dataclasses.fields(value)},
+        )
+    if isinstance(value, list | tuple) and any(isinstance(v, KVConnectorMetadata) for v in value):
+        return [_to_frame(v) for v in value]
+    return value
+
+
+def _metadata_from_frame(expected: type, frame: list[Any]) -> KVConnectorMetadata:
+    path, fields = frame
+    cls = resolve_function(path) if isinstance(path, str) else None
+    if not (isinstance(cls, type) and issubclass(cls, expected) and dataclasses.is_dataclass(cls)):
+        raise TypeError(f"{path!r} is not a {expected.__name__} dataclass")
+    return msgspec.convert(fields, cls, dec_hook=dec_hook)  # type: ignore[no-any-return]
+
+
+def _for_wire(obj: Any) -> Any:
+    """The metadata a SchedulerOutput carries, as a frame (a copy: the engine's own
+    object is left alone)."""
+    if isinstance(obj, SchedulerOutput) and obj.kv_connector_metadata is not None:
+        return dataclasses.replace(obj, kv_connector_metadata=_to_frame(obj.kv_connector_metadata))
+    return obj
+
+
 encoder = msgspec.msgpack.Encoder(enc_hook=enc_hook)
 
 
 def encode(obj: Any) -> bytes:
-    return encoder.encode(obj)
+    return encoder.encode(_for_wire(obj))
 
 
 def decode(data: bytes | memoryview, typ: Any = Any) -> Any:

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import gguf
+import msgspec
 import pytest
 import torch
 from gguf import GGMLQuantizationType
@@ -203,6 +204,42 @@ def test_collective_rpc_across_processes(tp2: LLM) -> None:
         executor.collective_rpc(rpc_functions.scaled, args=(["x"],), timeout=30)
     # The engine still serves.
     assert len(_greedy(tp2)) == len(PROMPTS)
+
+
+def test_every_frame_between_the_processes_is_msgpack(tp2: LLM) -> None:
+    """Frames on the executor's real sockets during a generation and RPCs, recorded as
+    they pass: each one decodes as plain msgpack (no pickle anywhere)."""
+    executor = _executor(tp2)
+    frames: list[bytes] = []
+    originals = [sock.send for sock in executor.request_sockets]
+    reply_recv = executor.reply_socket.recv
+
+    def recording_send(send: Any) -> Any:
+        def record(data: Any, *args: Any, **kwargs: Any) -> Any:
+            frames.append(bytes(data))
+            return send(data, *args, **kwargs)
+
+        return record
+
+    def recording_recv(*args: Any, **kwargs: Any) -> Any:
+        frame = reply_recv(*args, **kwargs)
+        frames.append(bytes(frame.buffer) if hasattr(frame, "buffer") else bytes(frame))
+        return frame
+
+    for sock, send in zip(executor.request_sockets, originals, strict=True):
+        sock.send = recording_send(send)  # type: ignore[method-assign]
+    executor.reply_socket.recv = recording_recv  # type: ignore[method-assign]
+    try:
+        _greedy(tp2)
+        executor.collective_rpc(rpc_functions.whoami)
+    finally:
+        for sock, send in zip(executor.request_sockets, originals, strict=True):
+            sock.send = send  # type: ignore[method-assign]
+        executor.reply_socket.recv = reply_recv  # type: ignore[method-assign]
+    assert len(frames) > 2 * MAX_TOKENS
+    for frame in frames:
+        assert not frame.startswith(b"\x80"), "a pickle protocol header"
+        msgspec.msgpack.decode(frame)  # raises unless the frame is msgpack
 
 
 def test_killed_worker_fails_the_engine_fast(checkpoints: dict[str, Any]) -> None:

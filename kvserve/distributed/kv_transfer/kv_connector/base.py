@@ -27,6 +27,9 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
+# Defined beside SchedulerOutput, which carries it across processes; connectors import it here.
+from kvserve.protocol.scheduler_output import KVConnectorMetadata as KVConnectorMetadata
+
 if TYPE_CHECKING:
     import torch
 
@@ -39,10 +42,6 @@ if TYPE_CHECKING:
 class KVConnectorRole(enum.IntEnum):
     SCHEDULER = 0
     WORKER = 1
-
-
-class KVConnectorMetadata:
-    """What the scheduler side tells the worker side for one step; subclass it."""
 
 
 @dataclass
