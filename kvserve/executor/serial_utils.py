@@ -117,7 +117,7 @@ def _metadata_from_frame(expected: type, frame: list[Any]) -> KVConnectorMetadat
     cls = resolve_function(path) if isinstance(path, str) else None
     if not (isinstance(cls, type) and issubclass(cls, expected) and dataclasses.is_dataclass(cls)):
         raise TypeError(f"{path!r} is not a {expected.__name__} dataclass")
-    return msgspec.convert(fields, cls, dec_hook=dec_hook)  # type: ignore[no-any-return]
+    return typing.cast("KVConnectorMetadata", msgspec.convert(fields, cls, dec_hook=dec_hook))
 
 
 def _for_wire(obj: Any) -> Any:
