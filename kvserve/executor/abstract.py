@@ -38,10 +38,9 @@ class Executor(ABC):
 
             return MultiprocExecutor
         if backend == "ray":
-            raise NotImplementedError(
-                f"distributed_executor_backend={backend!r} is not implemented yet; "
-                "use 'uni' (a single worker in this process)"
-            )
+            from kvserve.executor.ray_executor import RayDistributedExecutor
+
+            return RayDistributedExecutor
         raise ValueError(f"unknown distributed_executor_backend {backend!r}")
 
     @abstractmethod

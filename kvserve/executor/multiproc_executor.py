@@ -138,14 +138,9 @@ def _children_allowed() -> Iterator[None]:
 class MultiprocExecutor(Executor):
     def _init_executor(self) -> None:
         self.world_size = self.config.parallel_config.world_size
-        self.failure: str | None = None
-        self._call_ids = itertools.count()
-        self._pending: dict[int, _Call] = {}
-        self._lock = threading.Lock()
-        self._step_future: Future[list[Any]] | None = None
-        self._reply_decoder = msgspec.msgpack.Decoder(wire.RPCReply)
+        self._init_call_state()
         wake_r, wake_w = os.pipe()
-        failed_r, failed_w = os.pipe()
+        failed_r, failed_w = self._failure_pipe
         self.resources = _Resources(
             zmq.Context(),
             tmpdir=tempfile.mkdtemp(prefix="kvserve-mp-"),
@@ -160,6 +155,16 @@ class MultiprocExecutor(Executor):
         except BaseException:
             self._finalizer()
             raise
+
+    def _init_call_state(self) -> None:
+        self.failure: str | None = None
+        self._call_ids = itertools.count()
+        self._pending: dict[int, _Call] = {}
+        self._lock = threading.Lock()
+        self._step_future: Future[list[Any]] | None = None
+        self._reply_decoder = msgspec.msgpack.Decoder(wire.RPCReply)
+        # Readable once a worker is lost: failure_fd(), for the engine core's poller.
+        self._failure_pipe = os.pipe()
 
     def _start_workers(self) -> None:
         res = self.resources
@@ -287,15 +292,22 @@ class MultiprocExecutor(Executor):
                 call.future.set_result([call.results[r] for r in sorted(call.expected)])
 
     def _fail(self, message: str) -> None:
-        logger.error("MultiprocExecutor: %s; stopping the other workers", message)
+        logger.error("%s: %s; stopping the other workers", type(self).__name__, message)
         self.failure = message
-        os.write(self.resources.failed_w, b"x")
+        os.write(self._failure_pipe[1], b"x")
         with self._lock:
             pending, self._pending = self._pending, {}
         for call in pending.values():
             call.future.set_exception(ExecutorFailedError(message))
         # The survivors are blocked in a collective with the dead rank: nothing to save.
+        self._kill_workers()
+
+    def _kill_workers(self) -> None:
         kill(self.resources.procs)
+
+    def _send(self, frame: bytes, call_id: int) -> None:
+        for sock in self.request_sockets:
+            sock.send(frame, copy=False)
 
     # ---- calls ---------------------------------------------------------------------------
 
@@ -321,7 +333,7 @@ class MultiprocExecutor(Executor):
     ) -> Any:
         if self.failure is not None:
             raise ExecutorFailedError(self.failure)
-        if self.resources.closed:
+        if self._is_closed():
             raise ExecutorFailedError("the executor has been shut down")
         name = self._method_name(method)
         return_type = wire.rpc_return_type(wire.rpc_target(name))
@@ -339,8 +351,7 @@ class MultiprocExecutor(Executor):
         future: Future[list[Any]] = Future()
         with self._lock:
             self._pending[call_id] = _Call(future, expected, return_type, name)
-        for sock in self.request_sockets:
-            sock.send(frame, copy=False)
+        self._send(frame, call_id)
         if non_block:
             return future
         return self._result(future, call_id, name, timeout)
@@ -373,8 +384,11 @@ class MultiprocExecutor(Executor):
         assert isinstance(output, ModelRunnerOutput)
         return output
 
+    def _is_closed(self) -> bool:
+        return self.resources.closed
+
     def failure_fd(self) -> int | None:
-        return self.resources.failed_r
+        return self._failure_pipe[0]
 
     def check_failed(self) -> None:
         if self.failure is not None:

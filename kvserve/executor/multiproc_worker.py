@@ -35,6 +35,21 @@ def _call(worker: Worker, request: wire.RPCRequest) -> Any:
     return fn(worker, *args, **kwargs)
 
 
+def call_worker(worker: Worker, rank: int, request: wire.RPCRequest) -> wire.RPCReply:
+    """Runs one call; its reply (with the result only where this rank is asked for it,
+    with the error from any rank)."""
+    reply = wire.RPCReply(request.call_id, rank)
+    try:
+        result = _call(worker, request)
+        if request.reply_rank is None or request.reply_rank == rank:
+            reply.result = msgspec.Raw(wire.encode(result))
+            reply.has_result = True
+    except Exception as e:
+        logger.exception("worker %d: %s failed", rank, request.method)
+        reply.error = f"{type(e).__name__}: {e}"
+    return reply
+
+
 def serve(worker: Worker, rank: int, request_socket: Any, reply_socket: Any) -> None:
     decoder = msgspec.msgpack.Decoder(wire.WorkerInput)
     parent = os.getppid()
@@ -48,16 +63,9 @@ def serve(worker: Worker, rank: int, request_socket: Any, reply_socket: Any) -> 
         message = decoder.decode(request_socket.recv(copy=False).buffer)
         if isinstance(message, wire.RPCShutdown):
             return
-        reply = wire.RPCReply(message.call_id, rank)
-        try:
-            result = _call(worker, message)
-            if message.reply_rank is None or message.reply_rank == rank:
-                reply.result = msgspec.Raw(wire.encode(result))
-                reply.has_result = True
-        except Exception as e:
-            logger.exception("worker %d: %s failed", rank, message.method)
-            reply.error = f"{type(e).__name__}: {e}"
-        if message.reply_rank is None or message.reply_rank == rank or reply.error:
+        reply = call_worker(worker, rank, message)
+        # Ranks not asked stay silent unless they failed (a step costs one reply).
+        if reply.has_result or reply.error is not None or message.reply_rank is None:
             reply_socket.send(wire.encode(reply))
 
 
