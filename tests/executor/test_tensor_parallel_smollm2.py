@@ -58,3 +58,14 @@ def test_tp3_matches_tp1_and_transformers(
             assert rank_shapes["qkv_proj"][0] == [3 * 64 + 2 * 64, 576]
         else:
             assert rank_shapes["o_proj"] == [None, "float32"]
+
+
+def test_tp3_gguf_int8_matches_tp1_gguf_int8(
+    llm_factory: Callable[..., Any], prompts: list[list[int]]
+) -> None:
+    """The lossy int8-activation path: row-parallel layers split each row on block
+    boundaries, so every rank quantizes the same 32-value groups TP=1 does."""
+    tp1 = _greedy(llm_factory(quantization="gguf_int8"), prompts[:2])
+    assert (
+        _greedy(llm_factory(tensor_parallel_size=3, quantization="gguf_int8"), prompts[:2]) == tp1
+    )
