@@ -17,15 +17,12 @@ import itertools
 import logging
 import multiprocessing
 import os
-import shutil
-import socket
 import tempfile
 import threading
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from multiprocessing.connection import wait
 from multiprocessing.process import BaseProcess
@@ -36,10 +33,17 @@ import zmq
 
 from kvserve.executor import serial_utils as wire
 from kvserve.executor.abstract import Executor, ExecutorFailedError
+from kvserve.executor.multiproc_launch import (
+    WorkerResources,
+    children_allowed,
+    free_port,
+    kill,
+    worker_threads,
+)
 from kvserve.executor.multiproc_worker import run_worker
 from kvserve.protocol.runner_output import ModelRunnerOutput
 from kvserve.protocol.scheduler_output import GrammarOutput, SchedulerOutput
-from kvserve.utils.threads import child_thread_environment, usable_cores
+from kvserve.utils.threads import usable_cores
 
 logger = logging.getLogger(__name__)
 
@@ -58,90 +62,13 @@ class _Call:
     results: dict[int, Any] = field(default_factory=dict)
 
 
-@dataclass
-class _Resources:
-    """What shutdown releases; a weakref.finalize target, so it holds no executor."""
-
-    ctx: zmq.Context[Any]
-    sockets: list[zmq.Socket[Any]] = field(default_factory=list)
-    procs: list[BaseProcess] = field(default_factory=list)
-    tmpdir: str = ""
-    wake_w: int = -1
-    wake_r: int = -1
-    failed_r: int = -1  # readable once a worker is lost (MultiprocExecutor.failure_fd)
-    failed_w: int = -1
-    thread: threading.Thread | None = None
-    closed: bool = False
-
-    def __call__(self) -> None:
-        if self.closed:
-            return
-        self.closed = True
-        if self.thread is not None:
-            os.write(self.wake_w, b"x")
-            self.thread.join(5)
-        for proc in self.procs:
-            proc.join(2)
-        kill(self.procs)
-        for sock in self.sockets:
-            sock.close(linger=0)
-        self.ctx.term()
-        for fd in (self.wake_r, self.wake_w, self.failed_r, self.failed_w):
-            os.close(fd)
-        shutil.rmtree(self.tmpdir, ignore_errors=True)
-
-
-def kill(procs: list[BaseProcess]) -> None:
-    for proc in procs:
-        if proc.is_alive():
-            proc.terminate()
-    for proc in procs:
-        proc.join(3)
-        if proc.is_alive():
-            proc.kill()
-            proc.join(1)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-@contextmanager
-def _worker_threads(num_threads: int) -> Iterator[None]:
-    """Spawned workers load OpenMP with this rank's share of the cores."""
-    with child_thread_environment():
-        saved = os.environ.get("OMP_NUM_THREADS")
-        os.environ["OMP_NUM_THREADS"] = str(num_threads)
-        try:
-            yield
-        finally:
-            if saved is not None:
-                os.environ["OMP_NUM_THREADS"] = saved
-
-
-@contextmanager
-def _children_allowed() -> Iterator[None]:
-    """The engine core runs as a daemon process (so it never outlives its client), and
-    multiprocessing refuses daemons children. Ours are daemons too, watched by their
-    parent and killed at shutdown, so the rule's concern (orphans) is handled here."""
-    config = multiprocessing.current_process()._config  # type: ignore[attr-defined]
-    was_daemon = config.get("daemon", False)
-    config["daemon"] = False
-    try:
-        yield
-    finally:
-        config["daemon"] = was_daemon
-
-
 class MultiprocExecutor(Executor):
     def _init_executor(self) -> None:
         self.world_size = self.config.parallel_config.world_size
         self._init_call_state()
         wake_r, wake_w = os.pipe()
         failed_r, failed_w = self._failure_pipe
-        self.resources = _Resources(
+        self.resources = WorkerResources(
             zmq.Context(),
             tmpdir=tempfile.mkdtemp(prefix="kvserve-mp-"),
             wake_r=wake_r,
@@ -173,7 +100,7 @@ class MultiprocExecutor(Executor):
         self.reply_socket.bind(reply_address)
         res.sockets.append(self.reply_socket)
         self.request_sockets: list[zmq.Socket[Any]] = []
-        init_method = f"tcp://127.0.0.1:{_free_port()}"
+        init_method = f"tcp://127.0.0.1:{free_port()}"
         threads = max(1, usable_cores() // self.world_size)
         mp_ctx = multiprocessing.get_context("spawn")
         readers = []
@@ -201,7 +128,7 @@ class MultiprocExecutor(Executor):
                 name=f"Worker{rank}",
                 daemon=True,
             )
-            with _worker_threads(threads), _children_allowed():
+            with worker_threads(threads), children_allowed():
                 proc.start()
             writer.close()
             res.procs.append(proc)

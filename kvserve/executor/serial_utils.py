@@ -192,11 +192,6 @@ def rpc_return_type(fn: Callable[..., Any]) -> Any:
     return _hints(fn).get("return", Any)
 
 
-def is_wire_safe(obj: Any) -> bool:
-    """Whether ``obj`` can be encoded (used to refuse callables before sending)."""
-    return not (callable(obj) and not dataclasses.is_dataclass(obj))
-
-
 class RPCRequest(msgspec.Struct, array_like=True, tag="call"):
     call_id: int
     method: str  # a Worker method name or an importable "module:function"
