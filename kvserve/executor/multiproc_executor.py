@@ -48,7 +48,7 @@ from kvserve.utils.threads import usable_cores
 logger = logging.getLogger(__name__)
 
 STARTUP_TIMEOUT_S = float(os.environ.get("KVSERVE_WORKER_STARTUP_TIMEOUT", "600"))
-_STARTUP_ERRORS: dict[str, type[Exception]] = {
+STARTUP_ERRORS: dict[str, type[Exception]] = {
     t.__name__: t for t in (ValueError, TypeError, NotImplementedError, FileNotFoundError)
 }
 
@@ -156,7 +156,7 @@ class MultiprocExecutor(Executor):
             raise RuntimeError(f"worker {rank} exited during startup (exit code {proc.exitcode})")
         ready = wire.decode(data, wire.ReadyMessage)
         if ready.error is not None:
-            raise _STARTUP_ERRORS.get(ready.error_type or "", RuntimeError)(
+            raise STARTUP_ERRORS.get(ready.error_type or "", RuntimeError)(
                 f"worker {rank}: {ready.error}"
             )
 

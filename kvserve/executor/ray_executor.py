@@ -29,7 +29,7 @@ import msgspec
 
 from kvserve.config import EngineConfig
 from kvserve.executor import serial_utils as wire
-from kvserve.executor.multiproc_executor import MultiprocExecutor
+from kvserve.executor.multiproc_executor import STARTUP_ERRORS, MultiprocExecutor
 from kvserve.executor.multiproc_worker import call_worker
 from kvserve.utils.threads import usable_cores
 
@@ -95,7 +95,9 @@ class RayDistributedExecutor(MultiprocExecutor):
         self._init_call_state()
         self._closed = False
         self.actors: list[Any] = []
-        if not ray.is_initialized():
+        # A Ray instance this executor started ends with it; a joined cluster stays up.
+        self._owns_ray = not ray.is_initialized()
+        if self._owns_ray:
             ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False)
         bundles = [{"CPU": 1.0} for _ in range(self.world_size)]
         self.placement_group = placement_group(bundles, strategy="PACK")
@@ -120,9 +122,8 @@ class RayDistributedExecutor(MultiprocExecutor):
             message = wire.decode(data, wire.ReadyMessage)
             if message.error is not None:
                 self.shutdown()
-                raise RuntimeError(
-                    f"ray worker {message.rank}: {message.error_type}: {message.error}"
-                )
+                error_cls = STARTUP_ERRORS.get(message.error_type or "", RuntimeError)
+                raise error_cls(f"worker {message.rank}: {message.error}")
         self._watches = {
             a.watch.options(concurrency_group="watch").remote(): rank
             for rank, a in enumerate(self.actors)
@@ -184,6 +185,9 @@ class RayDistributedExecutor(MultiprocExecutor):
             except Exception:
                 logger.warning("ray workers did not stop cleanly", exc_info=True)
         self._kill_workers()
-        remove_placement_group(self.placement_group)
+        if getattr(self, "placement_group", None) is not None:
+            remove_placement_group(self.placement_group)
         for fd in self._failure_pipe:
             os.close(fd)
+        if self._owns_ray:
+            ray.shutdown()

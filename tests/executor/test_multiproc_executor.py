@@ -154,3 +154,12 @@ def test_killed_worker_fails_the_engine_fast(checkpoints: dict[str, Any]) -> Non
     finally:
         llm.llm_engine.shutdown()
     assert not any(p.is_alive() for p in _executor(llm).resources.procs)
+
+
+def test_a_tp_size_the_model_cannot_split_is_a_clear_error(checkpoints: dict[str, Any]) -> None:
+    start = time.monotonic()
+    with pytest.raises(
+        ValueError, match="tensor_parallel_size=3 does not divide num_attention_heads=4"
+    ):
+        tp_llm(checkpoints["hf"][0], 3)
+    assert time.monotonic() - start < 120
