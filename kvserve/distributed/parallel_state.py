@@ -312,6 +312,20 @@ def get_tensor_model_parallel_world_size() -> int:
     return get_tp_group().world_size
 
 
+def get_pp_layer_range(num_layers: int) -> tuple[int, int]:
+    """``[start, end)`` of the decoder layers this pipeline stage runs: an even split,
+    the first ``num_layers % pp`` stages taking one more."""
+    pp = get_pp_group()
+    if num_layers < pp.world_size:
+        raise ValueError(
+            f"pipeline_parallel_size={pp.world_size} exceeds num_hidden_layers={num_layers}"
+        )
+    base, extra = divmod(num_layers, pp.world_size)
+    rank = pp.rank_in_group
+    start = rank * base + min(rank, extra)
+    return start, start + base + (1 if rank < extra else 0)
+
+
 def tensor_model_parallel_all_reduce(tensor: torch.Tensor) -> torch.Tensor:
     return get_tp_group().all_reduce(tensor)
 

@@ -25,6 +25,7 @@ from kvserve.protocol.engine_core import (
 )
 from kvserve.protocol.kv_cache_interface import (
     KVCacheConfig,
+    KVCacheSpec,
     build_kv_cache_config,
     kv_bytes_per_token,
     max_tokens_per_request,
@@ -91,7 +92,9 @@ class EngineCore:
 
     def _initialize_kv_caches(self) -> KVCacheConfig:
         start = time.perf_counter()
-        specs = self.model_executor.get_kv_cache_specs()[0]
+        specs: dict[str, KVCacheSpec] = {}
+        for worker_specs in self.model_executor.get_kv_cache_specs():
+            specs.update(worker_specs)  # pipeline stages each report their own layers
         cache = self.config.cache_config
         kv_cache_config = build_kv_cache_config(
             specs, cache.kv_cache_memory, cache.num_blocks_override

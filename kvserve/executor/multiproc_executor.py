@@ -41,6 +41,7 @@ from kvserve.executor.multiproc_launch import (
     worker_threads,
 )
 from kvserve.executor.multiproc_worker import run_worker
+from kvserve.protocol.kv_cache_interface import KVCacheConfig, KVCacheSpec
 from kvserve.protocol.runner_output import ModelRunnerOutput
 from kvserve.protocol.scheduler_output import GrammarOutput, SchedulerOutput
 from kvserve.utils.threads import usable_cores
@@ -292,6 +293,17 @@ class MultiprocExecutor(Executor):
             with self._lock:
                 self._pending.pop(call_id, None)
             raise TimeoutError(f"collective_rpc {name!r}: no answer within {timeout} s") from None
+
+    # ---- KV cache set-up: specs travel with their attention type ---------------------
+
+    def get_kv_cache_specs(self) -> list[dict[str, KVCacheSpec]]:
+        per_rank = self.collective_rpc(wire.kv_cache_spec_frames)
+        return [{n: wire.spec_from_frame(f) for n, f in specs.items()} for specs in per_rank]
+
+    def initialize_from_config(self, kv_cache_config: KVCacheConfig) -> None:
+        self.collective_rpc(
+            wire.initialize_from_config_frame, args=(wire.KVCacheConfigFrame.of(kv_cache_config),)
+        )
 
     # ---- a step: the forward on every rank, the sampled tokens from rank 0 -------------
 

@@ -24,6 +24,17 @@ import msgspec
 import numpy as np
 import torch
 
+from kvserve.protocol.kv_cache_interface import (
+    ChunkedLocalAttentionSpec,
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    KVCacheSpec,
+    KVCacheTensor,
+    MLAAttentionSpec,
+    SinkFullAttentionSpec,
+    SlidingWindowSpec,
+)
 from kvserve.protocol.scheduler_output import KVConnectorMetadata, SchedulerOutput
 from kvserve.worker.worker import Worker
 
@@ -137,6 +148,65 @@ def encode(obj: Any) -> bytes:
 
 def decode(data: bytes | memoryview, typ: Any = Any) -> Any:
     return msgspec.msgpack.decode(data, type=typ, dec_hook=dec_hook, ext_hook=ext_hook)
+
+
+# ---- KV cache specs: a subclass per attention type, named on the wire ---------------------
+
+# msgspec decodes a dataclass field as the declared class: a SlidingWindowSpec declared as
+# KVCacheSpec would arrive as a plain FullAttentionSpec. Specs travel with their kind.
+SPEC_KINDS: dict[str, type[FullAttentionSpec]] = {
+    cls.kind: cls
+    for cls in (
+        FullAttentionSpec, SlidingWindowSpec, ChunkedLocalAttentionSpec,
+        SinkFullAttentionSpec, MLAAttentionSpec,
+    )
+}  # fmt: skip
+
+
+class SpecFrame(msgspec.Struct, array_like=True):
+    kind: str
+    fields: dict[str, Any]
+
+
+def spec_to_frame(spec: KVCacheSpec) -> SpecFrame:
+    return SpecFrame(spec.kind, dataclasses.asdict(spec))
+
+
+def spec_from_frame(frame: SpecFrame) -> KVCacheSpec:
+    if frame.kind not in SPEC_KINDS:
+        raise ValueError(f"unknown KV cache spec kind {frame.kind!r}")
+    return msgspec.convert(frame.fields, SPEC_KINDS[frame.kind])
+
+
+class KVCacheConfigFrame(msgspec.Struct, array_like=True):
+    num_blocks: int
+    groups: list[tuple[list[str], SpecFrame]]
+    tensors: list[list[str]]
+
+    @classmethod
+    def of(cls, config: KVCacheConfig) -> KVCacheConfigFrame:
+        return cls(
+            config.num_blocks,
+            [(g.layer_names, spec_to_frame(g.kv_cache_spec)) for g in config.kv_cache_groups],
+            [t.shared_by for t in config.kv_cache_tensors],
+        )
+
+    def config(self) -> KVCacheConfig:
+        return KVCacheConfig(
+            self.num_blocks,
+            [KVCacheGroupSpec(names, spec_from_frame(spec)) for names, spec in self.groups],
+            [KVCacheTensor(shared_by) for shared_by in self.tensors],
+        )
+
+
+def kv_cache_spec_frames(worker: Worker) -> dict[str, SpecFrame]:
+    """Worker side of Executor.get_kv_cache_specs across processes."""
+    return {name: spec_to_frame(spec) for name, spec in worker.get_kv_cache_spec().items()}
+
+
+def initialize_from_config_frame(worker: Worker, frame: KVCacheConfigFrame) -> None:
+    """Worker side of Executor.initialize_from_config across processes."""
+    worker.initialize_from_config(frame.config())
 
 
 # ---- what an RPC carries ------------------------------------------------------------------

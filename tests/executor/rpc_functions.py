@@ -42,3 +42,9 @@ def block_shapes(worker: Worker) -> dict[str, list[object]]:
         out[name] = [bw.shape, bw.qtype.name] if bw is not None else [None, "float32"]
     out["heads"] = [layer.self_attn.attn.num_heads, layer.self_attn.attn.num_kv_heads]
     return out
+
+
+def own_layers(worker: Worker) -> list[int]:
+    """Indices of the decoder layers this rank holds attention caches for."""
+    caches = worker.model_runner.kv_caches
+    return sorted({int(name.split(".layers.")[1].split(".")[0]) for name in caches})

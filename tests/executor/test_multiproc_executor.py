@@ -163,3 +163,23 @@ def test_a_tp_size_the_model_cannot_split_is_a_clear_error(checkpoints: dict[str
     ):
         tp_llm(checkpoints["hf"][0], 3)
     assert time.monotonic() - start < 120
+
+
+@pytest.mark.parametrize(
+    ("kind", "tp", "pp"), [("hf", 1, 2), ("gguf", 2, 2)], ids=["pp2-float32", "tp2xpp2-gguf"]
+)
+def test_pipeline_stages_match_transformers(
+    checkpoints: dict[str, Any], kind: str, tp: int, pp: int
+) -> None:
+    """Each stage runs one of the two layers (and holds its KV cache only); the hidden
+    states and residual cross between stages, the last stage's logits reach every rank."""
+    path, reference = checkpoints[kind]
+    quantization = {"quantization": "gguf"} if kind == "gguf" else {}
+    llm = tp_llm(path, tp, pipeline_parallel_size=pp, **quantization)
+    try:
+        assert greedy(llm) == [hf_greedy(reference, p) for p in PROMPTS]
+        layers = _executor(llm).collective_rpc("tests.executor.rpc_functions:own_layers")
+        assert layers == [[0]] * tp + [[1]] * tp  # rank = pp_rank * tp + tp_rank
+        assert_no_leak(llm)
+    finally:
+        llm.llm_engine.shutdown()

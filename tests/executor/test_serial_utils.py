@@ -122,6 +122,38 @@ def test_runner_and_grammar_outputs_carry_tensors_as_raw_bytes() -> None:
     assert torch.equal(wire.decode(wire.encode(bf16), torch.Tensor), bf16)
 
 
+def test_kv_cache_specs_keep_their_attention_type() -> None:
+    from kvserve.protocol.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        KVCacheTensor,
+        SinkFullAttentionSpec,
+        SlidingWindowSpec,
+    )
+
+    full = FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=64)
+    window = SlidingWindowSpec(block_size=16, num_kv_heads=1, head_size=64, sliding_window=512)
+    sink = SinkFullAttentionSpec(
+        block_size=16, num_kv_heads=1, head_size=64, sliding_window=64, sink_len=4
+    )
+    frames = {n: wire.spec_to_frame(s) for n, s in {"a": full, "b": window, "c": sink}.items()}
+    decoded = wire.decode(wire.encode(frames), dict[str, wire.SpecFrame])
+    assert {n: wire.spec_from_frame(f) for n, f in decoded.items()} == {
+        "a": full,
+        "b": window,
+        "c": sink,
+    }
+    config = KVCacheConfig(
+        7, [KVCacheGroupSpec(["a"], full), KVCacheGroupSpec(["b"], window)],
+        [KVCacheTensor(["a", "b"])],
+    )  # fmt: skip
+    frame = wire.encode(wire.KVCacheConfigFrame.of(config))
+    assert wire.decode(frame, wire.KVCacheConfigFrame).config() == config
+    # Plain dataclass decoding would have lost the subclass: the frames exist for that.
+    assert type(wire.decode(wire.encode(window), FullAttentionSpec)) is FullAttentionSpec
+
+
 def test_untyped_or_foreign_payloads_are_refused() -> None:
     with pytest.raises(NotImplementedError, match="no kvserve wire encoding"):
         wire.encode(object())

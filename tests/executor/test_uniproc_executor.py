@@ -55,9 +55,10 @@ def test_get_class_by_backend(config: EngineConfig) -> None:
             ParallelConfig(tensor_parallel_size=tp, distributed_executor_backend=backend),  # type: ignore[arg-type]
         )
 
+    from kvserve.executor.ray_executor import RayDistributedExecutor
+
     assert Executor.get_class(with_backend("mp")) is MultiprocExecutor
-    with pytest.raises(NotImplementedError, match="ray"):
-        Executor.get_class(with_backend("ray"))
+    assert Executor.get_class(with_backend("ray")) is RayDistributedExecutor
     # More than one rank defaults to processes; 'uni' cannot hold them.
     assert ParallelConfig(tensor_parallel_size=2).distributed_executor_backend == "mp"
     with pytest.raises(ValueError, match="'uni' runs one worker"):

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvserve.distributed.parallel_state import get_tp_group
+from kvserve.distributed.parallel_state import get_pp_group, get_tp_group
 from kvserve.model_executor.layers.linear import ShardRange, get_tp_rank_size
 
 if TYPE_CHECKING:
@@ -74,6 +74,18 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """``[N, hidden] -> [N, vocab]`` float32 logits."""
+        pp = get_pp_group()
+        if pp.world_size > 1:
+            # The last pipeline stage computes them and every stage gets them, so every
+            # rank samples the same tokens and keeps the same batch state.
+            if pp.is_last_rank:
+                logits = self._logits(hidden_states)
+            else:
+                logits = torch.empty(hidden_states.shape[0], self.num_embeddings)
+            return pp.broadcast(logits, src=pp.world_size - 1)
+        return self._logits(hidden_states)
+
+    def _logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         if self.quant_weight is not None:
             logits = self.quant_weight.linear(hidden_states.float())
         else:

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from kvserve.distributed.parallel_state import get_tp_group
+from kvserve.distributed.parallel_state import get_pp_group, get_tp_group
 from kvserve.model_executor.layers.quantization import attach_gguf_blocks, quantize_model
 from kvserve.model_executor.model_loader.gguf_loader import iterate_gguf_weights
 from kvserve.model_executor.model_loader.hf_loader import iterate_safetensors_weights
@@ -39,6 +39,12 @@ def get_model(
     ``quantization``, its linear layers then switch to GGUF block weights."""
     model_cls = get_model_cls(arch.architecture)
     tp_size = get_tp_group().world_size
+    pp_size = get_pp_group().world_size
+    if pp_size > 1 and not model_cls.__dict__.get("supports_pipeline_parallel", False):
+        raise ValueError(
+            f"{arch.architecture} does not support pipeline parallelism yet "
+            f"(pipeline_parallel_size={pp_size})"
+        )
     # Only families whose every layer shards (and that tests compare with TP=1) say so.
     if tp_size > 1 and not model_cls.__dict__.get("supports_tensor_parallel", False):
         raise ValueError(
