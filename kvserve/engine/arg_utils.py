@@ -308,8 +308,9 @@ class EngineArgs(VllmCompatArgs):
             help="split each layer across this many worker ranks (docs/distributed.md)",
         )  # fmt: skip
         parser.add_argument(
-            "--pipeline-parallel-size", "-pp", type=int, default=1, help="1 only (not built yet)"
-        )
+            "--pipeline-parallel-size", "-pp", type=int, default=1,
+            help="split the decoder layers into this many stages (Llama; docs/distributed.md)",
+        )  # fmt: skip
         parser.add_argument(
             "--distributed-executor-backend", default=None, choices=["uni", "mp", "ray"],
             help="uni: one worker in the engine process; mp: a process per rank (the "
