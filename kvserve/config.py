@@ -228,8 +228,11 @@ class ParallelConfig:
             raise ValueError("tensor_parallel_size and pipeline_parallel_size must be >= 1")
         if self.distributed_executor_backend is None:
             self.distributed_executor_backend = "uni" if self.world_size == 1 else "mp"
-        if self.world_size > 1:
-            raise ValueError("tensor/pipeline parallelism is not supported yet (size must be 1)")
+        if self.world_size > 1 and self.distributed_executor_backend == "uni":
+            raise ValueError(
+                f"distributed_executor_backend='uni' runs one worker, but tensor_parallel_size"
+                f" x pipeline_parallel_size = {self.world_size}: use 'mp'"
+            )
 
     @property
     def world_size(self) -> int:
@@ -578,6 +581,11 @@ class EngineConfig:
             self.speculative_config.resolve_draft_model(self.model_config)
         context_len = self.model_config.max_model_len
         assert context_len is not None
+        if self.parallel_config.pipeline_parallel_size > 1 and self.speculative_config:
+            raise ValueError("speculative decoding is not supported with pipeline parallelism")
+        if self.parallel_config.world_size > 1 and self.kv_transfer_config is not None:
+            # Each rank holds its own heads: stores would need per-rank keys (not yet).
+            raise ValueError("kv_transfer_config is not supported with tensor parallelism yet")
         if self.model_config.is_pooling:
             self._configure_pooling(context_len)
         self.scheduler_config.max_model_len = context_len

@@ -13,8 +13,13 @@ from pathlib import Path
 import kvserve
 
 FORBIDDEN_MODULES = {"pickle", "cPickle", "_pickle", "dill", "cloudpickle", "joblib", "shelve"}
-# pyzmq's and multiprocessing's object transports pickle under the hood.
-FORBIDDEN_METHODS = {"recv_pyobj", "send_pyobj", "recv_serialized", "send_serialized"}
+# pyzmq's and multiprocessing's object transports pickle under the hood, and so do
+# torch.distributed's object collectives (parallel_state sends msgpack headers instead).
+FORBIDDEN_METHODS = {
+    "recv_pyobj", "send_pyobj", "recv_serialized", "send_serialized",
+    "broadcast_object_list", "all_gather_object", "gather_object", "scatter_object_list",
+    "send_object_list", "recv_object_list",
+}  # fmt: skip
 PACKAGE = Path(kvserve.__file__).parent
 FILES = sorted(PACKAGE.rglob("*.py"))
 
@@ -74,6 +79,8 @@ def test_the_check_catches_each_way_to_unpickle() -> None:
         "sock.recv_pyobj()",
         "torch.load(path)",
         "numpy.load(path, allow_pickle=True)",
+        "dist.broadcast_object_list(objs, src=0)",
+        "torch.distributed.recv_object_list(objs)",
     ]
     for source in samples:
         assert _violations(ast.parse(source)), source

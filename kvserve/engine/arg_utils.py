@@ -305,11 +305,19 @@ class EngineArgs(MultiModalArgs, VllmCompatArgs):
             "--dtype", default="float32", choices=["auto", "float32", "float"],
             help="weights and activations compute in float32",
         )  # fmt: skip
-        parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
-        parser.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
         parser.add_argument(
-            "--distributed-executor-backend", default=None, choices=["uni", "mp", "ray"]
-        )
+            "--tensor-parallel-size", "-tp", type=int, default=1,
+            help="split each layer across this many worker ranks (docs/distributed.md)",
+        )  # fmt: skip
+        parser.add_argument(
+            "--pipeline-parallel-size", "-pp", type=int, default=1,
+            help="split the decoder layers into this many stages (Llama; docs/distributed.md)",
+        )  # fmt: skip
+        parser.add_argument(
+            "--distributed-executor-backend", default=None, choices=["uni", "mp", "ray"],
+            help="uni: one worker in the engine process; mp: a process per rank (the "
+            "default for several); ray: a Ray actor per rank, on one node or several",
+        )  # fmt: skip
         parser.add_argument(
             "--prefix-caching-hash-seed", type=int, default=0,
             help="seed of the block hash; every engine sharing a KV store must use the same",

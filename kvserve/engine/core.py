@@ -16,7 +16,7 @@ from kvserve.core.request import Request, RequestStatus
 from kvserve.core.sched.scheduler import Scheduler
 from kvserve.distributed.kv_events import KVEvent, KVEventBatch
 from kvserve.distributed.kv_events_publisher import EventPublisherFactory
-from kvserve.executor.abstract import Executor
+from kvserve.executor.abstract import Executor, ExecutorFailedError
 from kvserve.protocol.engine_core import (
     EngineCoreOutputs,
     EngineCoreRequest,
@@ -25,6 +25,7 @@ from kvserve.protocol.engine_core import (
 )
 from kvserve.protocol.kv_cache_interface import (
     KVCacheConfig,
+    KVCacheSpec,
     build_kv_cache_config,
     kv_bytes_per_token,
     max_tokens_per_request,
@@ -91,7 +92,9 @@ class EngineCore:
 
     def _initialize_kv_caches(self) -> KVCacheConfig:
         start = time.perf_counter()
-        specs = self.model_executor.get_kv_cache_specs()[0]
+        specs: dict[str, KVCacheSpec] = {}
+        for worker_specs in self.model_executor.get_kv_cache_specs():
+            specs.update(worker_specs)  # pipeline stages each report their own layers
         cache = self.config.cache_config
         kv_cache_config = build_kv_cache_config(
             specs, cache.kv_cache_memory, cache.num_blocks_override
@@ -180,6 +183,8 @@ class EngineCore:
             model_output = self.model_executor.sample_tokens(grammar_output)
             executed = time.perf_counter()
             outputs = self.scheduler.update_from_output(scheduler_output, model_output)
+        except ExecutorFailedError:
+            raise  # a worker is gone: no request is to blame and no retry can succeed
         except Exception as e:
             return self._fail_step(scheduler_output, e), True
         updated = time.perf_counter()

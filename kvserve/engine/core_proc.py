@@ -132,6 +132,10 @@ class EngineCoreProc:
         self.parent_sentinel = parent.sentinel if parent is not None else None
         if self.parent_sentinel is not None:
             self.poller.register(self.parent_sentinel, zmq.POLLIN)
+        # Worker processes (mp executor): a lost one ends the core at once, even when idle.
+        self.executor_failure_fd = self.engine_core.model_executor.failure_fd()
+        if self.executor_failure_fd is not None:
+            self.poller.register(self.executor_failure_fd, zmq.POLLIN)
         # Prefix-cache counts consumed by an out-of-band get_stats, owed to the stream.
         self._carried_queries = 0
         self._carried_hits = 0
@@ -161,6 +165,8 @@ class EngineCoreProc:
             if self.parent_sentinel is not None and self.parent_sentinel in events:
                 logger.info("front-end process exited; engine core shutting down")
                 return
+            if self.executor_failure_fd is not None and self.executor_failure_fd in events:
+                self.engine_core.model_executor.check_failed()
             changed = self._process_input_socket()
             if self.scheduler.has_requests():
                 step_start = time.time()

@@ -12,6 +12,11 @@ from kvserve.protocol.runner_output import ModelRunnerOutput
 from kvserve.protocol.scheduler_output import GrammarOutput, SchedulerOutput
 
 
+class ExecutorFailedError(RuntimeError):
+    """A worker is gone (its process died, its actor failed): the executor cannot run
+    another step, and the engine must fail at once instead of retrying the step."""
+
+
 class Executor(ABC):
     """Fans every call out to all workers with ``collective_rpc``; the driver worker's
     (rank 0) answer is the one the engine uses."""
@@ -28,11 +33,14 @@ class Executor(ABC):
             from kvserve.executor.uniproc_executor import UniProcExecutor
 
             return UniProcExecutor
-        if backend in ("mp", "ray"):
-            raise NotImplementedError(
-                f"distributed_executor_backend={backend!r} is not implemented yet; "
-                "use 'uni' (a single worker in this process)"
-            )
+        if backend == "mp":
+            from kvserve.executor.multiproc_executor import MultiprocExecutor
+
+            return MultiprocExecutor
+        if backend == "ray":
+            from kvserve.executor.ray_executor import RayDistributedExecutor
+
+            return RayDistributedExecutor
         raise ValueError(f"unknown distributed_executor_backend {backend!r}")
 
     @abstractmethod
@@ -46,9 +54,25 @@ class Executor(ABC):
         timeout: float | None = None,
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
-    ) -> list[Any]:
-        """Call ``method`` on every worker (a callable gets the worker as its first
-        argument) and return the results in rank order."""
+        non_block: bool = False,
+        unique_reply_rank: int | None = None,
+    ) -> Any:
+        """Call ``method`` on every worker and return the results in rank order.
+
+        ``method``: a worker method's name, or a function taking the worker as its
+        first argument (across processes: an importable one, or its ``module:function``
+        path). ``unique_reply_rank``: only that rank's result is returned (still a
+        one-element list). ``non_block``: a Future of that list instead. ``timeout``
+        (seconds): TimeoutError when the workers have not answered by then."""
+
+    def failure_fd(self) -> int | None:
+        """A file descriptor that becomes readable when a worker is lost, for an event
+        loop to wait on beside its sockets (None: workers live in this process)."""
+        return None
+
+    def check_failed(self) -> None:
+        """Raises ExecutorFailedError once a worker is lost (never, in-process)."""
+        return None
 
     def initialize_from_config(self, kv_cache_config: KVCacheConfig) -> None:
         self.collective_rpc("initialize_from_config", args=(kv_cache_config,))

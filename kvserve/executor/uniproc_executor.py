@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from concurrent.futures import Future
 from typing import Any
 
 from kvserve.executor.abstract import Executor
+from kvserve.executor.serial_utils import resolve_function
 from kvserve.worker.worker import Worker
 
 
@@ -22,12 +24,22 @@ class UniProcExecutor(Executor):
         timeout: float | None = None,
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
-    ) -> list[Any]:
+        non_block: bool = False,
+        unique_reply_rank: int | None = None,
+    ) -> Any:
         # In-process calls cannot be interrupted, so `timeout` has nothing to bound.
         kwargs = kwargs or {}
-        if isinstance(method, str):
-            return [getattr(self.driver_worker, method)(*args, **kwargs)]
-        return [method(self.driver_worker, *args, **kwargs)]
+        if not non_block:
+            if isinstance(method, str) and ":" not in method:  # every engine step's path
+                return [getattr(self.driver_worker, method)(*args, **kwargs)]
+            fn = resolve_function(method) if isinstance(method, str) else method
+            return [fn(self.driver_worker, *args, **kwargs)]
+        future: Future[list[Any]] = Future()
+        try:
+            future.set_result(self.collective_rpc(method, timeout, args, kwargs))
+        except Exception as e:
+            future.set_exception(e)
+        return future
 
     def shutdown(self) -> None:
         if not self._shut_down:

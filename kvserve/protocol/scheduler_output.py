@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 
@@ -11,6 +10,12 @@ from kvserve.lora.request import LoRARequest
 from kvserve.pooling_params import PoolingParams
 from kvserve.protocol.mm_inputs import MultiModalFeatureSpec
 from kvserve.sampling_params import SamplingParams
+
+
+class KVConnectorMetadata:
+    """What a KV connector's scheduler side tells its worker side for one step; each
+    connector subclasses it as a dataclass of plain fields, so it crosses processes as
+    msgpack (the executor's wire format names the subclass and sends its fields)."""
 
 
 @dataclass
@@ -59,7 +64,7 @@ class SchedulerOutput:
     finished_req_ids: set[str] = field(default_factory=set)
     # Preempted in this step: workers drop them from the batch, keep their state.
     preempted_req_ids: set[str] = field(default_factory=set)
-    kv_connector_metadata: Any = None
+    kv_connector_metadata: KVConnectorMetadata | None = None
     # req_id -> the draft tokens computed for it in this step (speculative decoding); they
     # are the last len(...) of its num_scheduled_tokens. Absent: no drafts.
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)

@@ -170,7 +170,11 @@ class ModelRunner(
         layers = self._attention_layers()
         self.kv_caches, self.attn_builders, self.layer_to_group = {}, [], {}
         for tensor in kv_cache_config.get_kv_cache_tensors():
-            first = layers[tensor.shared_by[0]]
+            # A pipeline stage allocates only the tensors of its own layers.
+            shared_by = [name for name in tensor.shared_by if name in layers]
+            if not shared_by:
+                continue
+            first = layers[shared_by[0]]
             shape = first.backend.get_kv_cache_shape(
                 kv_cache_config.num_blocks,
                 kv_cache_config.block_size,
@@ -178,7 +182,7 @@ class ModelRunner(
                 first.head_size,
             )
             memory = zeroed_tensor(shape, self.kv_cache_dtype, self.device)
-            for name in tensor.shared_by:
+            for name in shared_by:
                 layer = layers[name]
                 own = layer.backend.get_kv_cache_shape(
                     kv_cache_config.num_blocks,
@@ -192,7 +196,8 @@ class ModelRunner(
             spec = group.kv_cache_spec
             for name in group.layer_names:
                 self.layer_to_group[name] = group_id
-            backend = layers[group.layer_names[0]].backend
+            local = [name for name in group.layer_names if name in layers] or list(layers)
+            backend = layers[local[0]].backend
             self.attn_builders.append(backend.get_builder_cls()(spec.block_size, self.device))
         bind_kv_cache(self.model, self.kv_caches)
         if self.drafter is not None:

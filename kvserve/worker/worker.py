@@ -7,6 +7,10 @@ import gc
 import torch
 
 from kvserve.config import EngineConfig
+from kvserve.distributed.parallel_state import (
+    destroy_distributed_environment,
+    init_worker_distributed_environment,
+)
 from kvserve.model_executor.models.registry import ModelRegistry
 from kvserve.protocol.kv_cache_interface import KVCacheConfig, KVCacheSpec
 from kvserve.protocol.runner_output import ModelRunnerOutput
@@ -46,6 +50,10 @@ class Worker(WorkerBase):
             torch.cuda.manual_seed_all(self.config.model_config.seed)
         else:
             self.device = torch.device(device_type)
+        if self.config.parallel_config.world_size > 1:
+            init_worker_distributed_environment(
+                self.config.parallel_config, self.rank, self.distributed_init_method, self.device
+            )
         self._model_runner = ModelRunner(self.config, self.device)
 
     def load_model(self) -> None:
@@ -81,6 +89,8 @@ class Worker(WorkerBase):
         if self._model_runner is not None:
             self._model_runner.shutdown_encoder_runner()
         self._model_runner = None
+        if self.config.parallel_config.world_size > 1:
+            destroy_distributed_environment()
         gc.collect()
         if self.device is not None and self.device.type == "cuda":
             torch.cuda.empty_cache()

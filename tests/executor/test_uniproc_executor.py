@@ -43,16 +43,26 @@ def config(tmp_path_factory: pytest.TempPathFactory) -> EngineConfig:
 
 
 def test_get_class_by_backend(config: EngineConfig) -> None:
+    from kvserve.executor.multiproc_executor import MultiprocExecutor
+
     assert Executor.get_class(config) is UniProcExecutor
-    for backend in ("mp", "ray"):
-        other = EngineConfig(
+
+    def with_backend(backend: str, tp: int = 1) -> EngineConfig:
+        return EngineConfig(
             config.model_config,
             config.cache_config,
             config.scheduler_config,
-            ParallelConfig(distributed_executor_backend=backend),  # type: ignore[arg-type]
+            ParallelConfig(tensor_parallel_size=tp, distributed_executor_backend=backend),  # type: ignore[arg-type]
         )
-        with pytest.raises(NotImplementedError, match=backend):
-            Executor.get_class(other)
+
+    from kvserve.executor.ray_executor import RayDistributedExecutor
+
+    assert Executor.get_class(with_backend("mp")) is MultiprocExecutor
+    assert Executor.get_class(with_backend("ray")) is RayDistributedExecutor
+    # More than one rank defaults to processes; 'uni' cannot hold them.
+    assert ParallelConfig(tensor_parallel_size=2).distributed_executor_backend == "mp"
+    with pytest.raises(ValueError, match="'uni' runs one worker"):
+        with_backend("uni", tp=2)
 
 
 def test_uniproc_executor_runs_a_step(config: EngineConfig) -> None:

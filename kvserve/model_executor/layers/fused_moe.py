@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvserve.distributed.parallel_state import get_tp_group
 from kvserve.model_executor.layers.linear import divide, get_tp_rank_size
 from kvserve.transformers_utils.arch_families import MoEConfig
 
@@ -139,8 +140,8 @@ class FusedMoE(nn.Module):
     ) -> torch.Tensor:
         weights, ids = select_experts(router_logits, self.config, correction_bias)
         out = fused_experts(hidden_states, self.w13_weight, self.w2_weight, weights, ids)
-        # tp_size > 1: all-reduce `out` across the TP group here (each rank holds a slice
-        # of every expert's intermediate dim).
+        if self.tp_size > 1:  # each rank holds a slice of every expert's intermediate dim
+            out = get_tp_group().all_reduce(out)
         return out
 
     def extra_repr(self) -> str:

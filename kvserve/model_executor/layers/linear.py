@@ -1,9 +1,9 @@
-"""Tensor-parallel-aware linear layers.
+"""Tensor-parallel linear layers.
 
-Each layer stores only its shard of the weight and knows how to cut that shard out of
-the full checkpoint tensor (``weight_loader``). With ``tp_size == 1`` the shard is the
-whole tensor, but the slicing math is the real one, so turning on TP later only
-needs the collectives (marked where they go) and ``get_tp_rank_size``.
+Each layer stores only its shard of the weight and knows where that shard lies in the
+full checkpoint tensor (``shard_range``): ``weight_loader`` cuts float32 weights with it,
+and the GGUF block path (quantization.attach_gguf_blocks) cuts the file's blocks with
+it. With ``tp_size == 1`` the shard is the whole tensor and no collective runs.
 """
 
 from __future__ import annotations
@@ -14,17 +14,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvserve.distributed.parallel_state import get_tp_group
+
 if TYPE_CHECKING:
     from kvserve.model_executor.layers.quantization import BlockWeight
 
+# (dim, start, size): where this rank's shard lies in the full checkpoint tensor.
+ShardRange = tuple[int, int, int]
+
 
 def get_tp_rank_size() -> tuple[int, int]:
-    """(tp_rank, tp_size) of this process.
-
-    Tensor parallelism is not wired yet: this returns (0, 1) until
-    ``kvserve.distributed.parallel_state`` provides the real group.
-    """
-    return 0, 1
+    """(tp_rank, tp_size) of this process: (0, 1) unless parallel_state set up TP."""
+    group = get_tp_group()
+    return group.rank_in_group, group.world_size
 
 
 def divide(numerator: int, denominator: int) -> int:
@@ -51,6 +53,11 @@ class LinearBase(nn.Module):
         self.tp_rank, self.tp_size = get_tp_rank_size()
         # Set by quantize_model (--quantization): the weight as GGUF blocks.
         self.quant_weight: BlockWeight | None = None
+
+    def shard_range(self, param_dim: int, shard_id: str | int | None = None) -> ShardRange | None:
+        """Where this rank's part of the checkpoint tensor (``param_dim``: 2 for the
+        weight, 1 for the bias; ``shard_id`` for a fused layer's part) lies; None: all."""
+        return None
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self.quant_weight is not None:
@@ -82,10 +89,12 @@ class ColumnParallelLinear(LinearBase):
                 self.weight_loader,
             )
 
+    def shard_range(self, param_dim: int, shard_id: str | int | None = None) -> ShardRange | None:
+        size = self.output_size_per_partition
+        return 0, self.tp_rank * size, size
+
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
-        size = param.shape[0]
-        shard = loaded.narrow(0, self.tp_rank * size, size)
-        _copy(param, shard)
+        _copy(param, _narrow(loaded, self.shard_range(param.dim())))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # With TP the output stays sharded; the following RowParallelLinear reduces.
@@ -102,13 +111,17 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         self.output_sizes = list(output_sizes)
         super().__init__(input_size, sum(output_sizes), bias, prefix)
 
+    def shard_range(self, param_dim: int, shard_id: str | int | None = None) -> ShardRange | None:
+        assert isinstance(shard_id, int)
+        size = divide(self.output_sizes[shard_id], self.tp_size)
+        return 0, self.tp_rank * size, size
+
     def weight_loader(  # type: ignore[override]
         self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int
     ) -> None:
         offset = divide(sum(self.output_sizes[:shard_id]), self.tp_size)
         size = divide(self.output_sizes[shard_id], self.tp_size)
-        shard = loaded.narrow(0, self.tp_rank * size, size)
-        _copy(param.data.narrow(0, offset, size), shard)
+        _copy(param.data.narrow(0, offset, size), _narrow(loaded, self.shard_range(1, shard_id)))
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -146,18 +159,21 @@ class QKVParallelLinear(ColumnParallelLinear):
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_size
 
+    def shard_range(self, param_dim: int, shard_id: str | int | None = None) -> ShardRange | None:
+        if shard_id == "q":
+            return 0, self.tp_rank * self.q_size, self.q_size
+        if shard_id in ("k", "v"):
+            # Replicated KV heads: ranks r*replicas .. (r+1)*replicas-1 share head r.
+            return 0, (self.tp_rank // self.kv_replicas) * self.kv_size, self.kv_size
+        raise ValueError(f"unknown qkv shard id {shard_id!r}")
+
     def weight_loader(  # type: ignore[override]
         self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str
     ) -> None:
-        if shard_id == "q":
-            offset, size, shard_rank = 0, self.q_size, self.tp_rank
-        elif shard_id in ("k", "v"):
-            offset = self.q_size + (self.kv_size if shard_id == "v" else 0)
-            size, shard_rank = self.kv_size, self.tp_rank // self.kv_replicas
-        else:
-            raise ValueError(f"unknown qkv shard id {shard_id!r}")
-        shard = loaded.narrow(0, shard_rank * size, size)
-        _copy(param.data.narrow(0, offset, size), shard)
+        offset = {"q": 0, "k": self.q_size, "v": self.q_size + self.kv_size}.get(shard_id, 0)
+        where = self.shard_range(param.dim(), shard_id)
+        assert where is not None
+        _copy(param.data.narrow(0, offset, where[2]), _narrow(loaded, where))
 
 
 class RowParallelLinear(LinearBase):
@@ -181,16 +197,19 @@ class RowParallelLinear(LinearBase):
                 nn.Parameter(torch.empty(output_size), requires_grad=False), self.weight_loader
             )
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
-        if param.dim() == 1:  # the bias is replicated, not sharded
-            _copy(param, loaded)
-            return
+    def shard_range(self, param_dim: int, shard_id: str | int | None = None) -> ShardRange | None:
+        if param_dim == 1:  # the bias is replicated, not sharded
+            return None
         size = self.input_size_per_partition
-        _copy(param, loaded.narrow(1, self.tp_rank * size, size))
+        return 1, self.tp_rank * size, size
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        _copy(param, _narrow(loaded, self.shard_range(param.dim())))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self._matmul(x)
-        # tp_size > 1: all-reduce `out` across the TP group here.
+        if self.tp_size > 1:  # each rank holds a partial sum over its input columns
+            out = get_tp_group().all_reduce(out)
         if self.bias is not None:
             out = out + self.bias
         return out
@@ -216,6 +235,10 @@ class ReplicatedLinear(LinearBase):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self._matmul(x)
         return out if self.bias is None else out + self.bias
+
+
+def _narrow(loaded: torch.Tensor, where: ShardRange | None) -> torch.Tensor:
+    return loaded if where is None else loaded.narrow(*where)
 
 
 def _copy_param(param: nn.Parameter, loaded: torch.Tensor) -> None:

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
 from torch import nn
@@ -200,6 +200,40 @@ def _gguf_block_names(
     return shard_names
 
 
+def _fused_shard_ids(model: nn.Module) -> dict[str, list[str | int]]:
+    """Fused module leaf name -> the shard id of each checkpoint part, in order."""
+    ids: dict[str, list[str | int]] = {}
+    for param_part, shard_id in getattr(model, "stacked_params", {}).values():
+        ids.setdefault(param_part.strip("."), []).append(shard_id)
+    return ids
+
+
+def _rank_blocks(
+    module: Any, raw: np.ndarray, qtype: GGMLQuantizationType, shard_id: str | int | None
+) -> np.ndarray | None:
+    """This TP rank's part of a ``[rows, row bytes]`` block tensor: a run of rows for a
+    column-parallel layer (padded with zero blocks to a vocab partition), a run of whole
+    blocks of each row for a row-parallel one. None where the rank's columns do not start
+    and end on block boundaries (that layer then stays float32)."""
+    where = module.shard_range(2, shard_id) if module.tp_size > 1 else None
+    if where is None:
+        return raw
+    dim, start, size = where
+    if dim == 0:
+        rows = raw[start : start + size]
+        want = module.weight.shape[0] if hasattr(module, "num_embeddings_per_partition") else size
+        if rows.shape[0] < want:  # the last vocab partition's padding rows are zero
+            pad = np.zeros((want - rows.shape[0], raw.shape[1]), dtype=raw.dtype)
+            rows = np.concatenate([rows, pad])
+        return rows
+    block, type_size = GGML_QUANT_SIZES[qtype]
+    if start % block or size % block:
+        return None
+    return np.ascontiguousarray(
+        raw[:, start // block * type_size : (start + size) // block * type_size]
+    )
+
+
 def _gguf_blocks_for(
     name: str, blocks: dict[str, BlockWeight], stacked: dict[str, list[str]], tied: bool
 ) -> BlockWeight | None:
@@ -326,6 +360,7 @@ def attach_gguf_blocks(
         if qtype in SUPPORTED_TYPES
     }
     stacked = _fused_shards(model)
+    shard_ids = _fused_shard_ids(model)
     prepared: dict[str, torch.Tensor] = {}
     kept: list[str] = []
     checks: list[CheckedWeight] = []
@@ -333,28 +368,41 @@ def attach_gguf_blocks(
         weight: torch.Tensor = module.weight
         tied = name.endswith("lm_head") and arch.tie_word_embeddings
         names = _gguf_block_names(name, raws, stacked, tied)
-        if names is None:
+        # This rank's part of each tensor (all of it without tensor parallelism).
+        ids = shard_ids.get(name.rpartition(".")[2], [None]) if names and len(names) > 1 else [None]
+        parts = (
+            None
+            if names is None
+            else [
+                _rank_blocks(module, raws[n][1], raws[n][0], i)
+                for n, i in zip(names, ids, strict=True)
+            ]
+        )
+        if names is None or parts is None or any(p is None for p in parts):
             kept.append(name)
             continue
-        qtypes = {raws[n][0] for n in names}
+        local = {n: (raws[n][0], p) for n, p in zip(names, parts, strict=True) if p is not None}
+        qtypes = {local[n][0] for n in names}
         if len(qtypes) == 1:
             # Fused shards are joined as file bytes, with numpy: torch's parallel copies of
             # small tensors cost more than they move when the cores are busy.
             raw = (
-                raws[names[0]][1]
+                local[names[0]][1]
                 if len(names) == 1
-                else np.concatenate([raws[n][1] for n in names])
+                else np.concatenate([local[n][1] for n in names])
             )
             bw = BlockWeight.from_raw(raw, next(iter(qtypes)))
             checks.append((name, raw, next(iter(qtypes)), bw))
         else:  # e.g. Gemma's Q5_0 q/k beside a Q8_0 v: one kernel type once repacked
-            shards = [BlockWeight.from_raw(raws[n][1], raws[n][0]) for n in names]
-            checks += [(n, raws[n][1], raws[n][0], w) for n, w in zip(names, shards, strict=True)]
+            shards = [BlockWeight.from_raw(local[n][1], local[n][0]) for n in names]
+            checks += [(n, local[n][1], local[n][0], w) for n, w in zip(names, shards, strict=True)]
             bw = concat_rows(shards)
         if bw.shape != tuple(weight.shape):
             raise RuntimeError(f"{name}: GGUF blocks {bw.shape} for a {tuple(weight.shape)} weight")
-        if tied:  # the embedding's own parameter, filled by load_weights
-            prepared[names[0]] = bw.dequantize()
+        if tied:  # the embedding's own parameter (the whole table), filled by load_weights
+            whole = raws[names[0]]
+            full = bw if module.tp_size == 1 else BlockWeight.from_raw(whole[1], whole[0])
+            prepared[names[0]] = full.dequantize()
         else:
             placeholder = nn.Parameter(torch.empty(0, device=weight.device), requires_grad=False)
             placeholder.weight_loader = _kept_as_blocks  # type: ignore[attr-defined]

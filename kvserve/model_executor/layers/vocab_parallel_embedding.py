@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvserve.model_executor.layers.linear import get_tp_rank_size
+from kvserve.distributed.parallel_state import get_pp_group, get_tp_group
+from kvserve.model_executor.layers.linear import ShardRange, get_tp_rank_size
 
 if TYPE_CHECKING:
     from kvserve.model_executor.layers.quantization import BlockWeight
@@ -32,6 +33,11 @@ class VocabParallelEmbedding(nn.Module):
         )
         self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
 
+    def shard_range(self, param_dim: int = 2, shard_id: object = None) -> ShardRange:
+        """This rank's rows of the full table (fewer than the partition on the last
+        rank when the vocabulary does not divide: the rest is zero padding)."""
+        return 0, self.vocab_start, self.vocab_end - self.vocab_start
+
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         if loaded.shape[1] != self.embedding_dim or loaded.shape[0] != self.num_embeddings:
             raise ValueError(
@@ -50,8 +56,8 @@ class VocabParallelEmbedding(nn.Module):
         outside = (input_ids < self.vocab_start) | (input_ids >= self.vocab_end)
         out = F.embedding(local.masked_fill(outside, 0), self.weight)
         out = out.masked_fill(outside.unsqueeze(-1), 0.0)
-        # tp_size > 1: all-reduce `out` across the TP group here.
-        return out
+        # Exactly one rank holds each token's row: the sum is that row.
+        return get_tp_group().all_reduce(out)
 
     def extra_repr(self) -> str:
         return f"vocab={self.num_embeddings}, dim={self.embedding_dim}, tp={self.tp_rank}/{self.tp_size}"
@@ -68,11 +74,25 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """``[N, hidden] -> [N, vocab]`` float32 logits."""
+        pp = get_pp_group()
+        if pp.world_size > 1:
+            # The last pipeline stage computes them and every stage gets them, so every
+            # rank samples the same tokens and keeps the same batch state.
+            if pp.is_last_rank:
+                logits = self._logits(hidden_states)
+            else:
+                logits = torch.empty(hidden_states.shape[0], self.num_embeddings)
+            return pp.broadcast(logits, src=pp.world_size - 1)
+        return self._logits(hidden_states)
+
+    def _logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         if self.quant_weight is not None:
             logits = self.quant_weight.linear(hidden_states.float())
         else:
             logits = F.linear(hidden_states, self.weight).float()
-        # tp_size > 1: all-gather the per-rank vocab slices here.
+        if self.tp_size > 1:
+            # Every rank samples from the whole row, so each keeps the same batch state.
+            logits = get_tp_group().all_gather(logits, dim=-1)
         return logits[..., : self.num_embeddings]
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:

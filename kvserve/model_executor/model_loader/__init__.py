@@ -8,6 +8,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
+from kvserve.distributed.parallel_state import get_pp_group, get_tp_group
 from kvserve.model_executor.layers.quantization import attach_gguf_blocks, quantize_model
 from kvserve.model_executor.model_loader.gguf_loader import iterate_gguf_weights
 from kvserve.model_executor.model_loader.hf_loader import iterate_safetensors_weights
@@ -37,6 +38,32 @@ def get_model(
     allocated there, not moved) and load the checkpoint into it, in eval mode; with
     ``quantization``, its linear layers then switch to GGUF block weights."""
     model_cls = get_model_cls(arch.architecture)
+    tp_size = get_tp_group().world_size
+    pp_size = get_pp_group().world_size
+    if pp_size > 1 and not model_cls.__dict__.get("supports_pipeline_parallel", False):
+        raise ValueError(
+            f"{arch.architecture} does not support pipeline parallelism yet "
+            f"(pipeline_parallel_size={pp_size})"
+        )
+    # Only families whose every layer shards (and that tests compare with TP=1) say so.
+    if tp_size > 1 and not model_cls.__dict__.get("supports_tensor_parallel", False):
+        raise ValueError(
+            f"{arch.architecture} does not support tensor parallelism yet "
+            f"(tensor_parallel_size={tp_size})"
+        )
+    if tp_size > 1:
+        for what, count in (
+            ("num_attention_heads", arch.num_attention_heads),
+            ("intermediate_size", arch.intermediate_size),
+        ):
+            if count % tp_size:
+                raise ValueError(f"tensor_parallel_size={tp_size} does not divide {what}={count}")
+        kv = arch.num_key_value_heads
+        if kv % tp_size and tp_size % kv:
+            raise ValueError(
+                f"tensor_parallel_size={tp_size} and num_key_value_heads={kv}: one must "
+                "divide the other"
+            )
     # Constructing under the device context also makes Attention pick the backend
     # for that device.
     with torch.device(device), _default_dtype(dtype):

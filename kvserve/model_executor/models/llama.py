@@ -12,6 +12,7 @@ hooks on these modules.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from typing import Any, ClassVar
 
@@ -19,6 +20,7 @@ import torch
 from torch import nn
 
 from kvserve.attention.layer import Attention
+from kvserve.distributed.parallel_state import get_pp_group, get_pp_layer_range
 from kvserve.model_executor.layers.activation import SiluAndMul
 from kvserve.model_executor.layers.layernorm import RMSNorm
 from kvserve.model_executor.layers.linear import (
@@ -143,8 +145,13 @@ class LlamaModel(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(
             arch.vocab_size, arch.hidden_size, prefix=f"{prefix}.embed_tokens"
         )
+        # A pipeline stage builds only its own layers (all of them without PP).
+        self.pp = get_pp_group()
+        self.start_layer, self.end_layer = get_pp_layer_range(arch.num_hidden_layers)
         self.layers = nn.ModuleList(
             layer_cls(arch, qkv_bias, o_bias, prefix=f"{prefix}.layers.{i}", layer_idx=i)
+            if self.start_layer <= i < self.end_layer
+            else nn.Identity()
             for i in range(arch.num_hidden_layers)
         )
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
@@ -152,11 +159,13 @@ class LlamaModel(nn.Module):
         # modules (tests compare the two). It implements Llama's own layers only.
         self.decode_stack: LlamaDecodeStack | None = (
             LlamaDecodeStack(list(self.layers))  # type: ignore[arg-type]
-            if layer_cls is LlamaDecoderLayer
+            if layer_cls is LlamaDecoderLayer and self.pp.world_size == 1
             else None
         )
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        if self.pp.world_size > 1:
+            return self._forward_stage(input_ids, positions)
         hidden_states = self.embed_tokens.forward(input_ids)
         stack = self.decode_stack
         stacked = stack.forward(hidden_states, positions) if stack is not None else None
@@ -168,6 +177,36 @@ class LlamaModel(nn.Module):
             hidden_states, residual = layer.forward(positions, hidden_states, residual)
         hidden_states, _ = self.norm.forward(hidden_states, residual)
         return hidden_states
+
+    def _forward_stage(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """One pipeline stage: the previous stage's hidden states and residual in, this
+        stage's layers, the next stage's inputs out (the last stage returns the normed
+        states; the others their own output, which only keeps shapes for the runner)."""
+        pp = self.pp
+        residual: torch.Tensor | None = None
+        if pp.is_first_rank:
+            hidden_states = self.embed_tokens.forward(input_ids)
+        else:
+            received = pp.recv_tensor_dict()
+            hidden_states, residual = received["hidden_states"], received.get("residual")
+        for layer in self.layers[self.start_layer : self.end_layer]:
+            hidden_states, residual = layer.forward(positions, hidden_states, residual)
+        if not pp.is_last_rank:
+            sent = {"hidden_states": hidden_states}
+            if residual is not None:
+                sent["residual"] = residual
+            pp.send_tensor_dict(sent)
+            return hidden_states
+        hidden_states, _ = self.norm.forward(hidden_states, residual)
+        return hidden_states
+
+
+_LAYER_INDEX = re.compile(r"\.layers\.(\d+)\.")
+
+
+def _layer_index(name: str) -> int | None:
+    match = _LAYER_INDEX.search(name)
+    return int(match.group(1)) if match else None
 
 
 def _join(prefix: str, name: str) -> str:
@@ -184,6 +223,9 @@ class LlamaForCausalLM(nn.Module):
         ".up_proj.": (".gate_up_proj.", 1),
     }
     decoder_layer_cls: ClassVar[type[LlamaDecoderLayer]] = LlamaDecoderLayer
+    # Read from each class's own body: a subclass with other layers must opt in itself.
+    supports_tensor_parallel: ClassVar[bool] = True
+    supports_pipeline_parallel: ClassVar[bool] = True
 
     @staticmethod
     def attention_biases(arch: ArchConfig) -> tuple[bool, bool]:
@@ -214,4 +256,8 @@ class LlamaForCausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load HF-named tensors; returns the parameter names that were filled and
         raises if any parameter was left unset."""
+        model = self.model
+        local = range(model.start_layer, model.end_layer)
+        if len(local) < self.arch.num_hidden_layers:  # other pipeline stages' layers
+            weights = ((n, w) for n, w in weights if _layer_index(n) in (None, *local))
         return load_hf_weights(self, weights, self.stacked_params, self.arch.tie_word_embeddings)

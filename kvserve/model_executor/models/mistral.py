@@ -7,4 +7,4 @@ from kvserve.model_executor.models.llama import LlamaForCausalLM
 
 
 class MistralForCausalLM(LlamaForCausalLM):
-    pass
+    supports_tensor_parallel = True  # Llama's layers

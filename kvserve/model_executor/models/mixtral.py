@@ -22,6 +22,7 @@ class MixtralDecoderLayer(LlamaDecoderLayer):
 
 
 class MixtralForCausalLM(LlamaForCausalLM):
+    supports_tensor_parallel = True  # experts split on their intermediate dim
     decoder_layer_cls = MixtralDecoderLayer
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:

@@ -7,6 +7,8 @@ from kvserve.transformers_utils.arch_config import ArchConfig
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):
+    supports_tensor_parallel = True  # Llama's layers, with q/k/v biases
+
     @staticmethod
     def attention_biases(arch: ArchConfig) -> tuple[bool, bool]:
         return True, False

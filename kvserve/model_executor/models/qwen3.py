@@ -47,8 +47,9 @@ class Qwen3DecoderLayer(LlamaDecoderLayer):
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
+    supports_tensor_parallel = True  # Llama's layers with per-head q/k norms
     decoder_layer_cls = Qwen3DecoderLayer
 
 
 class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
-    pass
+    supports_tensor_parallel = True  # experts split on their intermediate dim

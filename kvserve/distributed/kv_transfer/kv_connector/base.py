@@ -27,6 +27,9 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
+# Defined beside SchedulerOutput, which carries it across processes; connectors import it here.
+from kvserve.protocol.scheduler_output import KVConnectorMetadata as KVConnectorMetadata
+
 if TYPE_CHECKING:
     import torch
 
@@ -44,10 +47,6 @@ KV_LOAD_FAILURE_PREFIX = "KV connector failed to load external KV"
 class KVConnectorRole(enum.IntEnum):
     SCHEDULER = 0
     WORKER = 1
-
-
-class KVConnectorMetadata:
-    """What the scheduler side tells the worker side for one step; subclass it."""
 
 
 @dataclass

@@ -1,0 +1,50 @@
+"""Functions that tests run inside worker processes through collective_rpc, by object or
+by their ``module:function`` path (workers import this module themselves)."""
+
+from __future__ import annotations
+
+import os
+import time
+
+from kvserve.distributed.parallel_state import get_tp_group
+from kvserve.worker.worker import Worker
+
+
+def whoami(worker: Worker) -> tuple[int, int, int]:
+    """(rank, TP group size, pid) of the worker that runs it."""
+    return worker.rank, get_tp_group().world_size, os.getpid()
+
+
+def scaled(worker: Worker, values: list[int], scale: float = 1.0) -> list[float]:
+    return [v * scale + worker.rank for v in values]
+
+
+def nap(worker: Worker, seconds: float) -> int:
+    time.sleep(seconds)
+    return worker.rank
+
+
+def block_shapes(worker: Worker) -> dict[str, list[object]]:
+    """Layer 0's projections and the LM head: [block weight shape, GGUF type] on this
+    rank, plus its attention's [query heads, KV heads]."""
+    model = worker.model_runner.model
+    layer = model.model.layers[0]
+    modules = {
+        "qkv_proj": layer.self_attn.qkv_proj,
+        "o_proj": layer.self_attn.o_proj,
+        "gate_up_proj": layer.mlp.gate_up_proj,
+        "down_proj": layer.mlp.down_proj,
+        "lm_head": model.lm_head,
+    }
+    out: dict[str, list[object]] = {}
+    for name, module in modules.items():
+        bw = module.quant_weight
+        out[name] = [bw.shape, bw.qtype.name] if bw is not None else [None, "float32"]
+    out["heads"] = [layer.self_attn.attn.num_heads, layer.self_attn.attn.num_kv_heads]
+    return out
+
+
+def own_layers(worker: Worker) -> list[int]:
+    """Indices of the decoder layers this rank holds attention caches for."""
+    caches = worker.model_runner.kv_caches
+    return sorted({int(name.split(".layers.")[1].split(".")[0]) for name in caches})

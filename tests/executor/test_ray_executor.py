@@ -1,0 +1,67 @@
+"""RayDistributedExecutor with TP=2 on the tiny random Llama with one (replicated) KV
+head: transformers' greedy tokens on a local Ray instance and on a two-node
+``ray.cluster_utils.Cluster`` with one rank per node; a killed actor fails the engine fast."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from kvserve.executor.abstract import ExecutorFailedError
+from tests.executor.tiny_llama import PROMPTS, greedy, hf_greedy, tp_llm
+
+ray = pytest.importorskip("ray", reason="the Ray executor needs `pip install ray` (extra: ray)")
+
+
+def test_tp2_on_a_local_ray_instance_matches_transformers(checkpoints: dict[str, Any]) -> None:
+    """No cluster joined: the executor starts a local Ray instance itself."""
+    assert not ray.is_initialized()
+    path, hf = checkpoints["hf"]
+    llm = tp_llm(path, 2, distributed_executor_backend="ray")
+    try:
+        assert greedy(llm) == [hf_greedy(hf, p) for p in PROMPTS]
+        assert ray.is_initialized() and len(ray.nodes()) == 1
+    finally:
+        llm.llm_engine.shutdown()
+    assert not ray.is_initialized()  # the instance it started ended with it
+
+
+@pytest.fixture(scope="module")
+def two_node_cluster() -> Iterator[Any]:
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+    cluster.add_node(num_cpus=1)
+    ray.init(address=cluster.address, include_dashboard=False)
+    yield cluster
+    ray.shutdown()
+    cluster.shutdown()
+
+
+def node_and_pid(worker: Any) -> tuple[str, int]:
+    return ray.get_runtime_context().get_node_id(), os.getpid()
+
+
+def test_tp2_on_two_ray_nodes_matches_transformers(
+    two_node_cluster: Any, checkpoints: dict[str, Any]
+) -> None:
+    path, hf = checkpoints["hf"]
+    llm = tp_llm(path, 2, distributed_executor_backend="ray")
+    try:
+        assert greedy(llm) == [hf_greedy(hf, p) for p in PROMPTS]
+        executor = llm.llm_engine.engine_core.engine_core.model_executor
+        placed = executor.collective_rpc("tests.executor.test_ray_executor:node_and_pid")
+        nodes = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+        assert len(nodes) == 2 and {node for node, _ in placed} == nodes  # one rank each
+        os.kill(placed[1][1], signal.SIGKILL)
+        start = time.monotonic()
+        with pytest.raises(ExecutorFailedError, match=r"worker 1 \(Ray actor\) died"):
+            greedy(llm)
+        assert time.monotonic() - start < 15
+    finally:
+        llm.llm_engine.shutdown()
