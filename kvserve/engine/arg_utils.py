@@ -25,7 +25,7 @@ from kvserve.config import (
     SchedulerConfig,
     SpeculativeConfig,
     StructuredOutputsConfig,
-    _dataclass_from_json,
+    dataclass_from_json,
 )
 from kvserve.engine.mm_args import MultiModalArgs, add_mm_cli_args
 from kvserve.engine.vllm_compat_args import VllmCompatArgs
@@ -153,7 +153,7 @@ class EngineArgs(MultiModalArgs, VllmCompatArgs):
         value = self.pooler_config
         if value is None or isinstance(value, PoolerConfig):
             return value
-        return _dataclass_from_json(PoolerConfig, value, "pooler_config")
+        return dataclass_from_json(PoolerConfig, value, "pooler_config")
 
     def _transfer_config(self) -> KVTransferConfig | None:
         transfer = (

@@ -103,9 +103,10 @@ class RayDistributedExecutor(MultiprocExecutor):
         self.placement_group = placement_group(bundles, strategy="PACK")
         ray.get(self.placement_group.ready(), timeout=300)
         threads = max(1, usable_cores() // self.world_size)
-        actor_cls = ray.remote(num_cpus=1, concurrency_groups={"watch": 1, "calls": 1})(
-            RayWorkerActor
-        )
+        # Ray's stubs type remote() for functions; actors also take concurrency groups.
+        actor_cls = ray.remote(  # type: ignore[call-overload]
+            num_cpus=1, concurrency_groups={"watch": 1, "calls": 1}
+        )(RayWorkerActor)
         self.actors = [
             actor_cls.options(  # type: ignore[attr-defined]
                 scheduling_strategy=PlacementGroupSchedulingStrategy(

@@ -1,0 +1,141 @@
+"""How the engine runs: KV cache, scheduler budgets, parallel layout and device."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from kvserve.config.model import KV_CACHE_DTYPES, GiB
+
+
+@dataclass
+class CacheConfig:
+    block_size: int = 16
+    # Bytes for the paged KV cache of all layers together.
+    kv_cache_memory: int = 1 * GiB
+    enable_prefix_caching: bool = True
+    # Seed of the block hash, so every process and machine agrees on block keys.
+    prefix_caching_hash_seed: int = 0
+    num_blocks_override: int | None = None
+    # Element type of the paged KV cache (vLLM's --kv-cache-dtype). "auto" is the model's
+    # dtype; float16 / bfloat16 halve the cache's bytes (decode attention at long contexts
+    # is bound by reading them) at the cost of rounding the stored keys and values.
+    cache_dtype: str = "auto"
+    # StreamingLLM (0 = off): full-attention layers keep the first attention_sinks tokens
+    # and a window of max_model_len - attention_sinks recent ones, so a sequence may grow
+    # past max_model_len, up to sink_max_seq_len (default 8x max_model_len).
+    attention_sinks: int = 0
+    sink_max_seq_len: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.attention_sinks < 0:
+            raise ValueError(f"attention_sinks must be >= 0, got {self.attention_sinks}")
+        if self.sink_max_seq_len is not None and not self.attention_sinks:
+            raise ValueError("sink_max_seq_len needs attention_sinks > 0")
+        if self.cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.cache_dtype!r}"
+            )
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two >= 1, got {self.block_size}")
+        if self.kv_cache_memory <= 0:
+            raise ValueError(f"kv_cache_memory must be positive bytes, got {self.kv_cache_memory}")
+        if self.num_blocks_override is not None and self.num_blocks_override < 2:
+            raise ValueError(
+                f"num_blocks_override must be at least 2, got {self.num_blocks_override}"
+            )
+
+    def kv_dtype(self, model_dtype: str) -> str:
+        """The cache's element type by name ("auto": the model's)."""
+        return model_dtype if self.cache_dtype == "auto" else self.cache_dtype
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 128
+    max_model_len: int = 8192
+    enable_chunked_prefill: bool = True
+    # A prefill longer than this is chunked even when the budget could take it (0 = off).
+    long_prefill_token_threshold: int = 0
+    policy: Literal["fcfs", "priority"] = "fcfs"
+
+    def __post_init__(self) -> None:
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(
+                f"max_num_batched_tokens must be at least 1, got {self.max_num_batched_tokens}"
+            )
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}")
+        if self.policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling policy must be 'fcfs' or 'priority', got {self.policy!r}")
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError("long_prefill_token_threshold must be >= 0")
+
+    def verify_against_model_len(self) -> None:
+        """Called once max_model_len is known from the model."""
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least "
+                f"max_model_len ({self.max_model_len}) when chunked prefill is disabled"
+            )
+
+
+@dataclass
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    distributed_executor_backend: Literal["uni", "mp", "ray"] | None = None
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1 or self.pipeline_parallel_size < 1:
+            raise ValueError("tensor_parallel_size and pipeline_parallel_size must be >= 1")
+        if self.distributed_executor_backend is None:
+            self.distributed_executor_backend = "uni" if self.world_size == 1 else "mp"
+        if self.world_size > 1 and self.distributed_executor_backend == "uni":
+            raise ValueError(
+                f"distributed_executor_backend='uni' runs one worker, but tensor_parallel_size"
+                f" x pipeline_parallel_size = {self.world_size}: use 'mp'"
+            )
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+
+def _cuda_available() -> bool:
+    """torch.cuda.is_available(), without importing torch (seconds) where the installed
+    build has no GPU backend: the front end builds this config before it spawns the
+    engine core, and must not pay for torch there."""
+    import importlib.util
+    import re
+    import sys
+
+    spec = importlib.util.find_spec("torch") if "torch" not in sys.modules else None
+    if spec is not None and spec.submodule_search_locations:
+        try:
+            with open(f"{spec.submodule_search_locations[0]}/version.py", encoding="utf-8") as f:
+                version = f.read()
+        except OSError:
+            version = ""
+        # A CPU-only build writes `cuda: Optional[str] = None` and the same for hip.
+        gpu_free = r"^{}\s*(:[^=]*)?=\s*None\s*$"
+        if all(re.search(gpu_free.format(key), version, re.M) for key in ("cuda", "hip")):
+            return False
+    import torch
+
+    return torch.cuda.is_available()
+
+
+@dataclass
+class DeviceConfig:
+    device: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.device == "auto":
+            self.device = "cuda" if _cuda_available() else "cpu"
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"device must be 'cpu', 'cuda' or 'auto', got {self.device!r}")
+
+
+# Frozen (hence hashable): an engine's event stream is fixed once it starts.
