@@ -30,10 +30,11 @@ from typing import Any
 
 import httpx
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 
 from kvserve.entrypoints.disagg.metrics import ProxyMetrics
 from kvserve.entrypoints.disagg.pool import Instance, Pool
+from kvserve.entrypoints.front_door import build_front_door_app, openai_error
 
 logger = logging.getLogger(__name__)
 
@@ -49,13 +50,6 @@ def disaggregates(body: dict[str, Any]) -> bool:
     prompt = body.get("prompt")
     batch = isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], (str, list))
     return not body.get("use_beam_search") and not batch
-
-
-def _error(status: int, message: str, kind: str = "ServiceUnavailableError") -> JSONResponse:
-    return JSONResponse(
-        {"error": {"message": message, "type": kind, "param": None, "code": status}},
-        status_code=status,
-    )
 
 
 class DisaggProxy:
@@ -104,7 +98,11 @@ class DisaggProxy:
                 prefiller.in_flight -= 1
         else:
             self.metrics.errors.labels("prefill").inc()
-            return None, _error(503, "no prefill instance answered: " + "; ".join(failures)), ""
+            return (
+                None,
+                openai_error(503, "no prefill instance answered: " + "; ".join(failures)),
+                "",
+            )
         prefiller.served += 1
         self.metrics.requests.labels("prefill", prefiller.url).inc()
         self.metrics.stage_seconds.labels("prefill").observe(time.perf_counter() - start)
@@ -119,14 +117,14 @@ class DisaggProxy:
             return params, None, prefiller.url
         return None, None, prefiller.url
 
-    async def handle(self, request: Request, path: str) -> Response:
+    async def forward(self, request: Request, path: str) -> Response:
         start = time.perf_counter()
         try:
             body = await request.json()
         except ValueError:
-            return _error(400, "the request body is not JSON", "BadRequestError")
+            return openai_error(400, "the request body is not JSON", "BadRequestError")
         if not isinstance(body, dict):
-            return _error(400, "the request body must be a JSON object", "BadRequestError")
+            return openai_error(400, "the request body must be a JSON object", "BadRequestError")
         headers = {k: v for k, v in request.headers.items() if k.lower() == "authorization"}
         decoder = self.decode.pick()
         decoder.in_flight += 1  # held from now: concurrent requests spread over decoders
@@ -161,7 +159,7 @@ class DisaggProxy:
             decoder.failed_at = time.monotonic()
             self.metrics.errors.labels("decode").inc()
             release()
-            return _error(503, f"decode instance {decoder.url} failed: {exc!r}")
+            return openai_error(503, f"decode instance {decoder.url} failed: {exc!r}")
         except BaseException:
             release()
             raise
@@ -206,7 +204,19 @@ class DisaggProxy:
             await upstream.aclose()
             release()
 
-    async def healthy(self) -> bool:
+    async def models(self) -> Response:
+        for instance in self.decode.instances:
+            try:
+                answer = await self.client.get(f"{instance.url}/v1/models")
+            except httpx.TransportError:
+                continue
+            return Response(answer.content, answer.status_code, media_type="application/json")
+        return openai_error(503, "no decode instance answers")
+
+    def metrics_text(self) -> bytes:
+        return self.metrics.text()
+
+    async def is_healthy(self) -> bool:
         """Whether at least one prefiller and one decoder answer /health."""
 
         async def any_up(pool: Pool) -> bool:
@@ -224,41 +234,13 @@ class DisaggProxy:
 
 def build_app(proxy: DisaggProxy) -> FastAPI:
     @asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+    async def running() -> AsyncIterator[None]:
         try:
             yield
         finally:
             await proxy.client.aclose()
 
-    app = FastAPI(lifespan=lifespan)
-
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        return await proxy.handle(request, "/v1/completions")
-
-    @app.post("/v1/chat/completions")
-    async def chat(request: Request) -> Response:
-        return await proxy.handle(request, "/v1/chat/completions")
-
-    @app.get("/v1/models")
-    async def models() -> Response:
-        for instance in proxy.decode.instances:
-            try:
-                answer = await proxy.client.get(f"{instance.url}/v1/models")
-            except httpx.TransportError:
-                continue
-            return Response(answer.content, answer.status_code, media_type="application/json")
-        return _error(503, "no decode instance answers")
-
-    @app.get("/health")
-    async def health() -> Response:
-        return Response(status_code=200 if await proxy.healthy() else 503)
-
-    @app.get("/metrics")
-    async def metrics() -> Response:
-        return Response(proxy.metrics.text(), media_type="text/plain; version=0.0.4")
-
-    return app
+    return build_front_door_app(proxy, running)
 
 
 def add_proxy_arguments(parser: argparse.ArgumentParser) -> None:

@@ -27,8 +27,9 @@ from typing import Any
 
 import httpx
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 
+from kvserve.entrypoints.front_door import build_front_door_app, openai_error
 from kvserve.entrypoints.router.backends import Backend, EventFollowers
 from kvserve.entrypoints.router.prefix_index import PrefixIndex
 
@@ -36,13 +37,6 @@ logger = logging.getLogger(__name__)
 
 POLICIES = ("prefix", "round_robin")
 HEALTH_INTERVAL_S = 1.0
-
-
-def _error(status: int, message: str, kind: str = "ServiceUnavailableError") -> JSONResponse:
-    return JSONResponse(
-        {"error": {"message": message, "type": kind, "param": None, "code": status}},
-        status_code=status,
-    )
 
 
 class Router:
@@ -115,9 +109,9 @@ class Router:
         try:
             body = await request.json()
         except ValueError:
-            return _error(400, "the request body is not JSON", "BadRequestError")
+            return openai_error(400, "the request body is not JSON", "BadRequestError")
         if not isinstance(body, dict):
-            return _error(400, "the request body must be a JSON object", "BadRequestError")
+            return openai_error(400, "the request body must be a JSON object", "BadRequestError")
         tokens = await self.tokenize(path, body) if self.policy == "prefix" else None
         headers = {k: v for k, v in request.headers.items() if k.lower() == "authorization"}
         # An instance that cannot be reached has not seen the request: try the next.
@@ -135,7 +129,7 @@ class Router:
                 backend.in_flight -= 1
                 self.mark_down(backend, repr(exc))
         else:
-            return _error(503, "no kvserve instance is available")
+            return openai_error(503, "no kvserve instance is available")
         backend.routed += 1
         released = False
 
@@ -186,6 +180,19 @@ class Router:
                     self.mark_down(backend, "/health failed")
             await asyncio.sleep(HEALTH_INTERVAL_S)
 
+    async def models(self) -> Response:
+        for backend in self.healthy():
+            try:
+                answer = await self.client.get(f"{backend.url}/v1/models")
+            except httpx.TransportError as exc:
+                self.mark_down(backend, repr(exc))
+                continue
+            return Response(answer.content, answer.status_code, media_type="application/json")
+        return openai_error(503, "no kvserve instance is available")
+
+    async def is_healthy(self) -> bool:
+        return bool(self.healthy())
+
     def metrics_text(self) -> str:
         lines = [
             "# TYPE kvserve_router_requests_total counter",
@@ -211,7 +218,7 @@ class Router:
 
 def build_app(router: Router) -> FastAPI:
     @asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+    async def running() -> AsyncIterator[None]:
         router.followers.start()
         health = asyncio.create_task(router.health_loop())
         try:
@@ -221,36 +228,7 @@ def build_app(router: Router) -> FastAPI:
             router.followers.stop()
             await router.client.aclose()
 
-    app = FastAPI(lifespan=lifespan)
-
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        return await router.forward(request, "/v1/completions")
-
-    @app.post("/v1/chat/completions")
-    async def chat(request: Request) -> Response:
-        return await router.forward(request, "/v1/chat/completions")
-
-    @app.get("/v1/models")
-    async def models() -> Response:
-        for backend in router.healthy():
-            try:
-                answer = await router.client.get(f"{backend.url}/v1/models")
-            except httpx.TransportError as exc:
-                router.mark_down(backend, repr(exc))
-                continue
-            return Response(answer.content, answer.status_code, media_type="application/json")
-        return _error(503, "no kvserve instance is available")
-
-    @app.get("/health")
-    async def health() -> Response:
-        return Response(status_code=200 if router.healthy() else 503)
-
-    @app.get("/metrics")
-    async def metrics() -> Response:
-        return Response(router.metrics_text(), media_type="text/plain; version=0.0.4")
-
-    return app
+    return build_front_door_app(router, running)
 
 
 def add_router_parser(sub: Any) -> None:
