@@ -33,6 +33,7 @@ from kvserve.benchmarks.kvcache import free_port
 from kvserve.benchmarks.soak_clients import ClientPlan, SoakTally, run_client
 from kvserve.benchmarks.soak_monitor import RssSampler
 from kvserve.benchmarks.step_times import scrape_step_times
+from kvserve.utils.health import wait_until_healthy
 
 LOOPBACK_HOSTS = {"127.0.0.1", "localhost", "::1"}
 MAX_DURATION_S = 4 * 3600.0
@@ -191,14 +192,8 @@ def start_server(
             env={**os.environ, "TOKENIZERS_PARALLELISM": "false"},
         )
     base_url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline and proc.poll() is None:
-        try:
-            if httpx.get(base_url + "/health", timeout=2).status_code == 200:
-                return proc, base_url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
+    if wait_until_healthy(base_url, proc, time.monotonic() + timeout_s, interval_s=0.5):
+        return proc, base_url
     proc.terminate()
     proc.wait(timeout=60)
     raise RuntimeError(

@@ -24,10 +24,9 @@ import sys
 import time
 from typing import Any
 
-import httpx
-
 from kvserve.entrypoints.disagg.pool import Instance
 from kvserve.entrypoints.disagg.proxy import DisaggProxy, build_app
+from kvserve.utils.health import wait_until_healthy
 
 logger = logging.getLogger(__name__)
 
@@ -78,17 +77,10 @@ class Child:
         self.proc = subprocess.Popen(command, start_new_session=True)
 
     def wait_healthy(self, deadline: float) -> None:
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(
-                    f"the {self.name} exited during startup ({self.proc.returncode})"
-                )
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
+        if wait_until_healthy(self.url, self.proc, deadline, interval_s=0.5):
+            return
+        if self.proc.poll() is not None:
+            raise RuntimeError(f"the {self.name} exited during startup ({self.proc.returncode})")
         raise RuntimeError(f"the {self.name} did not become healthy in {STARTUP_TIMEOUT_S}s")
 
     def stop(self) -> None:

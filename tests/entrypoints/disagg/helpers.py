@@ -16,6 +16,7 @@ import httpx
 import openai
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvserve.utils.health import wait_until_healthy
 from tests.entrypoints.openai.utils import SERVER_ARGS, _free_port
 
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
@@ -54,16 +55,10 @@ class Process:
         return str(self.log.read())[-5000:]
 
     def wait_healthy(self, timeout: float = 400.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited during startup:\n{self.output()}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.3)
+        if wait_until_healthy(self.url, self.proc, time.monotonic() + timeout):
+            return
+        if self.proc.poll() is not None:
+            raise RuntimeError(f"{self.name} exited during startup:\n{self.output()}")
         raise RuntimeError(f"{self.name} did not become healthy:\n{self.output()}")
 
     def client(self) -> openai.OpenAI:

@@ -23,6 +23,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvserve.utils.health import wait_until_healthy
 from tests.entrypoints.openai.utils import SERVER_ARGS, _free_port
 
 pytestmark = pytest.mark.slow
@@ -34,16 +35,10 @@ TOPICS = ["ocean tides", "volcanoes", "honey bees", "glaciers", "the printing pr
 def _wait_healthy(
     url: str, proc: subprocess.Popen[bytes], log: object, timeout: float = 300
 ) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{url} exited during startup:\n{_tail(log)}")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
+    if wait_until_healthy(url, proc, time.monotonic() + timeout):
+        return
+    if proc.poll() is not None:
+        raise RuntimeError(f"{url} exited during startup:\n{_tail(log)}")
     raise RuntimeError(f"{url} did not become healthy:\n{_tail(log)}")
 
 
