@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-import gc
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
+
+from tests.engine_cache import EngineCache, engine_cache
 
 # Gemma 3 270M's engine and HF reference, shared session-wide by the tests that use them.
 pytest_plugins = ["tests.gemma3_fixtures"]
@@ -28,34 +29,20 @@ def pytest_configure(config: pytest.Config) -> None:
 TEST_KV_CACHE_MEMORY = 128 << 20
 
 
-def engine_cache(**defaults: Any) -> Iterator[Callable[..., Any]]:
-    """A session's LLM builder: one engine per distinct configuration (defaults filled in),
-    all shut down at the end. Session fixtures yield from it."""
-    from kvserve.entrypoints.llm import LLM
-
-    cache: dict[tuple[tuple[str, Any], ...], LLM] = {}
-
-    def make(**kwargs: Any) -> LLM:
-        kwargs = {**defaults, **kwargs}
-        key = tuple(sorted(kwargs.items()))
-        if key not in cache:
-            cache[key] = LLM(**kwargs)
-        return cache[key]
-
-    yield make
-    for llm in cache.values():
-        llm.llm_engine.shutdown()
-    cache.clear()
-    gc.collect()
+@pytest.fixture(scope="module", autouse=True)
+def _release_module_engines() -> Iterator[None]:
+    yield
+    for cache in EngineCache.live:
+        cache.release()
 
 
 @pytest.fixture(scope="session")
-def llm_factory() -> Iterator[Callable[..., Any]]:
+def llm_factory() -> Iterator[EngineCache]:
     """Builds LLM instances for the real default model, one per distinct configuration."""
     yield from engine_cache(kv_cache_memory=TEST_KV_CACHE_MEMORY)
 
 
 @pytest.fixture(scope="session")
-def llm(llm_factory: Callable[..., Any]) -> Any:
+def llm(llm_factory: EngineCache) -> Any:
     """The default engine configuration (prefix caching on, chunked prefill on)."""
-    return llm_factory()
+    return llm_factory.pin()

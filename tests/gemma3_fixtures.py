@@ -9,12 +9,14 @@ once from transformers' own GGUF loader in float32.
 from __future__ import annotations
 
 import gc
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+
+from tests.engine_cache import EngineCache, engine_cache
 
 GEMMA3 = "gemma-3-270m"
 GEMMA3_MAX_TOKENS = 32
@@ -44,17 +46,15 @@ def _long_text(num_items: int) -> str:
 
 
 @pytest.fixture(scope="session")
-def gemma3_llm_factory() -> Iterator[Callable[..., Any]]:
-    """Builds LLMs for Gemma 3 270M, one per distinct configuration, kept for the session."""
-    from tests.conftest import engine_cache
-
+def gemma3_llm_factory() -> Iterator[EngineCache]:
+    """Builds LLMs for Gemma 3 270M, one per distinct configuration (see EngineCache)."""
     yield from engine_cache(model=GEMMA3, kv_cache_memory=GEMMA3_KV_CACHE_MEMORY)
 
 
 @pytest.fixture(scope="session")
-def gemma3_llm(gemma3_llm_factory: Callable[..., Any]) -> Any:
+def gemma3_llm(gemma3_llm_factory: EngineCache) -> Any:
     """Chunked prefill with a 64-token budget, so long prompts cross the window in steps."""
-    return gemma3_llm_factory(max_num_batched_tokens=64, enable_prefix_caching=True)
+    return gemma3_llm_factory.pin(max_num_batched_tokens=64, enable_prefix_caching=True)
 
 
 @pytest.fixture(scope="session")

@@ -12,7 +12,7 @@ import pytest
 from kvserve.entrypoints.llm import LLM
 from kvserve.sampling_params import SamplingParams
 from tests.prompts import all_prompt_ids
-from tests.reference import assert_no_leak, hf_reference
+from tests.reference import assert_near_greedy, assert_no_leak, hf_reference
 
 MAX_TOKENS = 16
 
@@ -60,12 +60,13 @@ def test_tp3_matches_tp1_and_transformers(
             assert rank_shapes["o_proj"] == [None, "float32"]
 
 
-def test_tp3_gguf_int8_matches_tp1_gguf_int8(
-    llm_factory: Callable[..., Any], prompts: list[list[int]]
+def test_tp3_gguf_int8_stays_near_greedy(
+    llm_factory: Callable[..., Any], prompts: list[list[int]], expected: list[list[int]]
 ) -> None:
     """The lossy int8-activation path: row-parallel layers split each row on block
-    boundaries, so every rank quantizes the same 32-value groups TP=1 does."""
-    tp1 = _greedy(llm_factory(quantization="gguf_int8"), prompts[:2])
-    assert (
-        _greedy(llm_factory(tensor_parallel_size=3, quantization="gguf_int8"), prompts[:2]) == tp1
-    )
+    boundaries, so every rank quantizes the same 32-value groups TP=1 does; only the
+    order of the float sums differs (the all-reduce adds three partials), which can flip
+    a near tie, so the check is the one the TP=1 int8 path passes."""
+    tp3 = llm_factory(tensor_parallel_size=3, quantization="gguf_int8")
+    assert_near_greedy(tp3, prompts[:2], expected[:2], _greedy(tp3, prompts[:2]))
+    assert_no_leak(tp3)

@@ -1,4 +1,4 @@
-"""Session fixtures: one shared server process and the model's tokenizer."""
+"""This package's fixtures: one shared server process and the model's tokenizer."""
 
 from __future__ import annotations
 
@@ -13,8 +13,10 @@ import pytest
 from tests.entrypoints.openai.utils import RemoteServer
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def server() -> Iterator[RemoteServer]:
+    # Package scope: the server (and its engine core) exits once the last test here ran,
+    # rather than holding its memory through the rest of the suite.
     remote = RemoteServer()
     yield remote
     # The shutdown contract, checked on the way out: SIGTERM stops admitting, lets an
