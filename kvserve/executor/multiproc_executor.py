@@ -69,10 +69,7 @@ class _Call:
 
 class MultiprocExecutor(Executor):
     def _init_executor(self) -> None:
-        parallel = self.config.parallel_config
-        self.world_size = parallel.world_size
-        # Rank 0 of the last pipeline stage's TP group: it samples and replies.
-        self.output_rank = (parallel.pipeline_parallel_size - 1) * parallel.tensor_parallel_size
+        self.world_size = self.config.parallel_config.world_size
         self._init_call_state()
         wake_r, wake_w = os.pipe()
         failed_r, failed_w = self._failure_pipe
@@ -313,6 +310,12 @@ class MultiprocExecutor(Executor):
         )
 
     # ---- a step: the forward on every rank, the sampled tokens from the output rank ----
+
+    @property
+    def output_rank(self) -> int:
+        """Rank 0 of the last pipeline stage's TP group: it samples and replies."""
+        parallel = self.config.parallel_config
+        return (parallel.pipeline_parallel_size - 1) * parallel.tensor_parallel_size
 
     @property
     def max_concurrent_batches(self) -> int:
