@@ -8,9 +8,10 @@ in the machine's load hits both alike; the tokens of the two must be identical. 
 ``--model`` the model is a random float32 Llama built with transformers (its size set by
 the flags), so no download is needed.
 
-The default batch is prefill-heavy (16 prompts of 256 tokens, 4 new tokens each): every
+The default batch is prefill-heavy (64 prompts of 256 tokens, 4 new tokens each): every
 micro-batch then has as many tokens as the single batch would (the token budget splits
-the prompts either way), so the figures differ by the overlap alone. Decode steps split
+the prompts either way), so the figures differ by the overlap alone, and there are
+enough micro-batches for the pipeline to stay full between its fill and its drain. Decode steps split
 into smaller micro-batches, and on a CPU a decode step of half the rows costs nearly as
 much as the whole (the weights are read either way); raise --max-tokens to see that side.
 """
@@ -33,10 +34,10 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         "--model", dest="bench_model", default=None, help="HF directory or GGUF file (Llama)"
     )
     parser.add_argument("--pipeline-parallel-size", "-pp", type=int, default=2)
-    parser.add_argument("--num-prompts", type=int, default=16)
+    parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--prompt-len", type=int, default=256)
     parser.add_argument("--max-tokens", type=int, default=4, help="new tokens per prompt")
-    parser.add_argument("--rounds", type=int, default=3, help="timed rounds per engine")
+    parser.add_argument("--rounds", type=int, default=2, help="timed rounds per engine")
     parser.add_argument("--hidden-size", type=int, default=512, help="random model only")
     parser.add_argument("--num-layers", type=int, default=8, help="random model only")
     parser.add_argument("--vocab-size", type=int, default=8000, help="random model only")
