@@ -1,4 +1,4 @@
-"""`kvserve bench serve|throughput|kvcache|peers|quantization|soak|startup|cascade|moe|kv-transfer`: wires the benchmarks into the kvserve command."""
+"""`kvserve bench serve|throughput|kvcache|peers|quantization|soak|startup|cascade|moe|kv-transfer|pipeline`: wires the benchmarks into the kvserve command."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from kvserve.benchmarks import (
     kvcache,
     moe,
     peers,
+    pipeline,
     quant_accuracy,
     serve,
     soak,
@@ -55,4 +56,7 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     experts = sub.add_parser("moe", help="FusedMoE vs a per-expert loop vs HF's MoE block")
     moe.add_cli_args(experts)
     experts.set_defaults(func=moe.main)
+    stages = sub.add_parser("pipeline", help="PP throughput with the batch queue vs without")
+    pipeline.add_cli_args(stages)
+    stages.set_defaults(func=pipeline.main)
     return bench

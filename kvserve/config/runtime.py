@@ -86,10 +86,15 @@ class ParallelConfig:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     distributed_executor_backend: Literal["uni", "mp", "ray"] | None = None
+    # Pipeline parallelism: keep up to pipeline_parallel_size micro-batches in flight so
+    # the stages overlap (the engine core's batch queue); False runs one step at a time.
+    batch_queue: bool = True
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1 or self.pipeline_parallel_size < 1:
             raise ValueError("tensor_parallel_size and pipeline_parallel_size must be >= 1")
+        if not isinstance(self.batch_queue, bool):
+            raise ValueError(f"batch_queue must be a bool, got {self.batch_queue!r}")
         if self.distributed_executor_backend is None:
             self.distributed_executor_backend = "uni" if self.world_size == 1 else "mp"
         if self.world_size > 1 and self.distributed_executor_backend == "uni":

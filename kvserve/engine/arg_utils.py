@@ -86,6 +86,8 @@ class EngineArgs(MultiModalArgs, VllmCompatArgs):
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     distributed_executor_backend: Literal["uni", "mp", "ray"] | None = None
+    # Pipeline parallelism: several micro-batches in flight (False: one step at a time).
+    batch_queue: bool = True
     # A KVEventsConfig, a dict of its fields, or the JSON text of --kv-events-config.
     kv_events_config: KVEventsConfig | dict[str, Any] | str | None = None
     # A KVTransferConfig, a dict of its fields, or the JSON text of --kv-transfer-config.
@@ -233,6 +235,7 @@ class EngineArgs(MultiModalArgs, VllmCompatArgs):
                 tensor_parallel_size=self.tensor_parallel_size,
                 pipeline_parallel_size=self.pipeline_parallel_size,
                 distributed_executor_backend=self.distributed_executor_backend,
+                batch_queue=self.batch_queue,
             ),
             device_config=device_config,
             kv_events_config=(
@@ -312,6 +315,11 @@ class EngineArgs(MultiModalArgs, VllmCompatArgs):
         parser.add_argument(
             "--pipeline-parallel-size", "-pp", type=int, default=1,
             help="split the decoder layers into this many stages (Llama; docs/distributed.md)",
+        )  # fmt: skip
+        parser.add_argument(
+            "--no-batch-queue", dest="batch_queue", action="store_false",
+            help="with -pp: run one micro-batch at a time instead of keeping one per stage "
+            "in flight (the stages then take turns; for comparison)",
         )  # fmt: skip
         parser.add_argument(
             "--distributed-executor-backend", default=None, choices=["uni", "mp", "ray"],

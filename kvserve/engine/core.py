@@ -16,6 +16,7 @@ from kvserve.core.request import Request, RequestStatus
 from kvserve.core.sched.scheduler import Scheduler
 from kvserve.distributed.kv_events import KVEvent, KVEventBatch
 from kvserve.distributed.kv_events_publisher import EventPublisherFactory
+from kvserve.engine.batch_queue import EngineCoreBatchQueueMixin
 from kvserve.executor.abstract import Executor, ExecutorFailedError
 from kvserve.protocol.engine_core import (
     EngineCoreOutputs,
@@ -43,7 +44,7 @@ logger = logging.getLogger(__name__)
 MAX_UNATTRIBUTED_STEP_FAILURES = 3
 
 
-class EngineCore:
+class EngineCore(EngineCoreBatchQueueMixin):
     def __init__(
         self,
         config: EngineConfig,
@@ -73,7 +74,10 @@ class EngineCore:
             log_stats=log_stats,
             enable_kv_cache_events=enable_kv_cache_events,
             structured_output_manager=self.structured_output_manager,
+            max_concurrent_batches=self.model_executor.max_concurrent_batches,
         )
+        # Pipeline parallelism: micro-batches in flight at once (engine/batch_queue.py).
+        self._init_batch_queue(self.model_executor.max_concurrent_batches)
         self.kv_event_publisher = EventPublisherFactory.create(events_config)
         cache = config.cache_config
         self.block_hasher = (
@@ -169,7 +173,10 @@ class EngineCore:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
 
     def step(self) -> tuple[EngineCoreOutputs, bool]:
-        """One scheduling step. Returns the outputs and whether the model ran."""
+        """One scheduling step. Returns the outputs and whether the model ran (with the
+        batch queue: whether a micro-batch was sent)."""
+        if self.batch_queue is not None:
+            return self.step_with_batch_queue()
         if not self.scheduler.has_requests():
             return EngineCoreOutputs(timestamp=time.monotonic()), False
         start = time.perf_counter()

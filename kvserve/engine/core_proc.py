@@ -159,7 +159,7 @@ class EngineCoreProc:
 
     def run_busy_loop(self) -> None:
         while True:
-            busy = self.scheduler.has_requests()
+            busy = self.engine_core.has_work()
             # Block (no spin) when idle; when busy only peek, so the step is not delayed.
             events = dict(self.poller.poll(0 if busy else None))
             if self.parent_sentinel is not None and self.parent_sentinel in events:
@@ -168,7 +168,7 @@ class EngineCoreProc:
             if self.executor_failure_fd is not None and self.executor_failure_fd in events:
                 self.engine_core.model_executor.check_failed()
             changed = self._process_input_socket()
-            if self.scheduler.has_requests():
+            if self.engine_core.has_work():
                 step_start = time.time()
                 outputs, _ = self.engine_core.step()
                 self._send_outputs(outputs, self._newly_scheduled(step_start))

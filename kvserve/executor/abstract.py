@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from typing import Any
+from concurrent.futures import Future
+from typing import Any, Literal, overload
 
 from kvserve.config import EngineConfig
 from kvserve.protocol.kv_cache_interface import KVCacheConfig, KVCacheSpec
@@ -80,16 +81,44 @@ class Executor(ABC):
     def get_kv_cache_specs(self) -> list[dict[str, KVCacheSpec]]:
         return self.collective_rpc("get_kv_cache_spec")
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> None:
-        self.collective_rpc("execute_model", args=(scheduler_output,))
+    @property
+    def max_concurrent_batches(self) -> int:
+        """Micro-batches the engine core may keep in flight (its batch queue): one
+        here; the number of pipeline stages where workers run in their own processes."""
+        return 1
 
-    def sample_tokens(self, grammar_output: GrammarOutput | None = None) -> ModelRunnerOutput:
+    def execute_model(
+        self, scheduler_output: SchedulerOutput, non_block: bool = False
+    ) -> Future[Any] | None:
+        """The forward on every rank. ``non_block``: a Future that fails if it did
+        (sample_tokens' Future fails too, so the batch queue need only wait on that)."""
+        self.collective_rpc("execute_model", args=(scheduler_output,))
+        return _done(None) if non_block else None
+
+    @overload
+    def sample_tokens(
+        self, grammar_output: GrammarOutput | None = None, non_block: Literal[False] = False
+    ) -> ModelRunnerOutput: ...
+    @overload
+    def sample_tokens(
+        self, grammar_output: GrammarOutput | None, non_block: Literal[True]
+    ) -> Future[ModelRunnerOutput]: ...
+    def sample_tokens(
+        self, grammar_output: GrammarOutput | None = None, non_block: bool = False
+    ) -> ModelRunnerOutput | Future[ModelRunnerOutput]:
+        """The sampled tokens of the step execute_model ran (``non_block``: a Future)."""
         output = self.collective_rpc("sample_tokens", args=(grammar_output,))[0]
         assert isinstance(output, ModelRunnerOutput)
-        return output
+        return _done(output) if non_block else output
 
     def check_health(self) -> None:
         self.collective_rpc("check_health")
 
     def shutdown(self) -> None:
         self.collective_rpc("shutdown")
+
+
+def _done(value: Any) -> Future[Any]:
+    future: Future[Any] = Future()
+    future.set_result(value)
+    return future

@@ -8,7 +8,11 @@ the rank and exit code, and the surviving workers (blocked in a collective with 
 one) are killed, so the engine never waits on a rank that will not answer.
 
 A step is two calls: ``execute_model`` (no reply awaited) then ``sample_tokens``, whose
-reply comes from rank 0 alone; an error on any rank fails the step.
+reply comes from the output rank alone (the first rank of the last pipeline stage, which
+samples); an error on any rank fails the step. Each worker serves its calls in order, so
+with pipeline parallelism the engine core may send the next micro-batch's calls before
+the last stage has answered (``max_concurrent_batches``): the first stage, done with its
+layers, starts on them while the last stage still runs the previous batch.
 """
 
 from __future__ import annotations
@@ -21,12 +25,12 @@ import tempfile
 import threading
 import weakref
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from multiprocessing.connection import wait
 from multiprocessing.process import BaseProcess
-from typing import Any
+from typing import Any, Literal, overload
 
 import msgspec
 import zmq
@@ -305,23 +309,51 @@ class MultiprocExecutor(Executor):
             wire.initialize_from_config_frame, args=(wire.KVCacheConfigFrame.of(kv_cache_config),)
         )
 
-    # ---- a step: the forward on every rank, the sampled tokens from rank 0 -------------
+    # ---- a step: the forward on every rank, the sampled tokens from the output rank ----
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> None:
-        self._step_future = self.collective_rpc(
-            "execute_model", args=(scheduler_output,), non_block=True, unique_reply_rank=0
+    @property
+    def output_rank(self) -> int:
+        """Rank 0 of the last pipeline stage's TP group: it samples and replies."""
+        parallel = self.config.parallel_config
+        return (parallel.pipeline_parallel_size - 1) * parallel.tensor_parallel_size
+
+    @property
+    def max_concurrent_batches(self) -> int:
+        parallel = self.config.parallel_config
+        return parallel.pipeline_parallel_size if parallel.batch_queue else 1
+
+    def execute_model(
+        self, scheduler_output: SchedulerOutput, non_block: bool = False
+    ) -> Future[Any] | None:
+        future: Future[list[Any]] = self.collective_rpc(
+            "execute_model",
+            args=(scheduler_output,),
+            non_block=True,
+            unique_reply_rank=self.output_rank,
         )
+        self._step_future = future  # sample_tokens' result waits on it
+        return future if non_block else None
 
-    def sample_tokens(self, grammar_output: GrammarOutput | None = None) -> ModelRunnerOutput:
-        future = self.collective_rpc(
-            "sample_tokens", args=(grammar_output,), non_block=True, unique_reply_rank=0
+    @overload
+    def sample_tokens(
+        self, grammar_output: GrammarOutput | None = None, non_block: Literal[False] = False
+    ) -> ModelRunnerOutput: ...
+    @overload
+    def sample_tokens(
+        self, grammar_output: GrammarOutput | None, non_block: Literal[True]
+    ) -> Future[ModelRunnerOutput]: ...
+    def sample_tokens(
+        self, grammar_output: GrammarOutput | None = None, non_block: bool = False
+    ) -> ModelRunnerOutput | Future[ModelRunnerOutput]:
+        sample: Future[list[Any]] = self.collective_rpc(
+            "sample_tokens",
+            args=(grammar_output,),
+            non_block=True,
+            unique_reply_rank=self.output_rank,
         )
         step, self._step_future = self._step_future, None
-        if step is not None:
-            step.result()
-        output = future.result()[0]
-        assert isinstance(output, ModelRunnerOutput)
-        return output
+        result = _step_result(step, sample)
+        return result if non_block else result.result()
 
     def _is_closed(self) -> bool:
         return self.resources.closed
@@ -346,3 +378,31 @@ class MultiprocExecutor(Executor):
             for sock in self.request_sockets:
                 sock.send(frame)
         self._finalizer()
+
+
+def _step_result(
+    step: Future[list[Any]] | None, sample: Future[list[Any]]
+) -> Future[ModelRunnerOutput]:
+    """The step's output, or the first error of its two calls: a rank whose forward
+    failed fails the step at once, while later stages may still wait for its tensors."""
+    result: Future[ModelRunnerOutput] = Future()
+
+    def settle(done: Future[list[Any]]) -> None:
+        error = done.exception()
+        if error is None and done is step:
+            return  # the forward went through: the sampled tokens will follow
+        output = done.result()[0] if error is None else None
+        if error is None and not isinstance(output, ModelRunnerOutput):
+            error = TypeError(f"sample_tokens returned {type(output).__name__}")
+        try:
+            if error is not None:
+                result.set_exception(error)
+            else:
+                result.set_result(output)  # type: ignore[arg-type]
+        except InvalidStateError:
+            pass  # settled by the other call already
+
+    if step is not None:
+        step.add_done_callback(settle)
+    sample.add_done_callback(settle)
+    return result

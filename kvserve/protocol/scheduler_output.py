@@ -45,6 +45,9 @@ class CachedRequestData:
     new_block_ids: list[tuple[list[int], ...] | None] = field(default_factory=list)
     num_computed_tokens: list[int] = field(default_factory=list)
     num_output_tokens: list[int] = field(default_factory=list)
+    # Pipeline parallelism only (else empty): the tokens each request computes this step.
+    # Only the last stage samples, so the others learn the sampled tokens from here.
+    new_token_ids: list[list[int]] = field(default_factory=list)
 
     @property
     def num_reqs(self) -> int:

@@ -17,6 +17,7 @@ from kvserve.attention.backends.abstract import AttentionMetadataBuilder
 from kvserve.attention.layer import Attention, bind_kv_cache, get_attention_layers
 from kvserve.config import EngineConfig
 from kvserve.distributed.kv_transfer.kv_connector.base import KVConnectorOutput
+from kvserve.distributed.parallel_state import get_pp_group
 from kvserve.forward_context import set_forward_context
 from kvserve.model_executor.lora.model_manager import LoRAModelManager
 from kvserve.model_executor.model_loader import get_model
@@ -85,6 +86,9 @@ class ModelRunner(
         eos_ids = model_config.arch.eos_token_ids
         self.eos_token_id: int | None = eos_ids[0] if eos_ids else None
         self.pin_memory = self.device.type == "cuda" and torch.cuda.is_available()
+        # Pipeline parallelism: only the last stage computes logits and samples; the
+        # others learn the sampled tokens from the scheduler (CachedRequestData).
+        self.is_last_stage = get_pp_group().is_last_rank
         self.thread_governor = StepThreadGovernor.for_process()
         self.thread_governor.enabled &= self.device.type == "cpu"
 
@@ -271,6 +275,8 @@ class ModelRunner(
                     ids.extend(new_ids)
             row = batch.req_id_to_index.get(req_id)
             num_output = cached.num_output_tokens[i]
+            if not self.is_last_stage:
+                row = self._take_new_token_ids(state, cached.new_token_ids[i], row)
             if len(state.output_token_ids) > num_output:
                 # The scheduler dropped a token sampled over KV whose load failed: forget
                 # it and rebuild the row from the state (del keeps the shared list object).
@@ -291,6 +297,24 @@ class ModelRunner(
             batch.add_request(state)
         batch.condense()
         self.write_spec_tokens(scheduler_output)
+
+    def _take_new_token_ids(
+        self, state: CachedRequestState, token_ids: list[int], row: int | None
+    ) -> int | None:
+        """An earlier pipeline stage: appends the tokens the last stage sampled, which
+        end the step's scheduled tokens (vLLM's rule); returns the request's row."""
+        num_new = state.num_computed_tokens + len(token_ids) - state.num_tokens
+        if num_new <= 0:
+            return row
+        new = token_ids[-num_new:]
+        state.output_token_ids.extend(new)
+        if row is not None:
+            batch = self.input_batch
+            assert batch is not None
+            rows = np.array([row])
+            for token in new:
+                batch.append_token_ids(rows, np.array([token], dtype=np.int32))
+        return row
 
     # ---- per step: forward ----------------------------------------------------------------
 
@@ -355,7 +379,9 @@ class ModelRunner(
         logits = None
         num_sample = len(inputs.sample_rows)
         pooler_output: dict[str, list[float]] = {}
-        if self.prompt_pooler is not None:
+        if not self.is_last_stage:
+            pass  # an earlier pipeline stage: its output went to the next stage
+        elif self.prompt_pooler is not None:
             pooler_output = self.prompt_pooler.pool_step(hidden_states, self.input_batch, inputs)
         elif spec_metadata is not None:
             logits = self.model.compute_logits(hidden_states[spec_metadata.logits_indices])
@@ -371,7 +397,9 @@ class ModelRunner(
             torch.cuda.synchronize(self.device)
         forward_end = time.perf_counter()
         self.thread_governor.end()
-        keep_hidden = hidden_states if self._wants_prompt_logprobs() else None
+        keep_hidden = (
+            hidden_states if self.is_last_stage and self._wants_prompt_logprobs() else None
+        )
         self.execute_model_state = ExecuteModelState(
             scheduler_output,
             inputs,
@@ -392,6 +420,8 @@ class ModelRunner(
         state, self.execute_model_state = self.execute_model_state, None
         if state is None:
             raise RuntimeError("sample_tokens() called without a preceding execute_model()")
+        if not self.is_last_stage:
+            return EMPTY_MODEL_RUNNER_OUTPUT  # the last stage samples and replies
         if state.inputs is None:
             if state.kv_connector_output is None or state.kv_connector_output.is_empty():
                 return EMPTY_MODEL_RUNNER_OUTPUT

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from kvserve.config import CacheConfig
+from kvserve.config import CacheConfig, ParallelConfig
 from kvserve.engine.arg_utils import EngineArgs
 from kvserve.engine.input_processor import InputProcessor
 from kvserve.engine.vllm_compat_args import IGNORED_ARGS, VllmCompatArgs
@@ -122,6 +122,11 @@ def test_every_engine_argument_is_a_flag() -> None:
     assert {f.name for f in dataclasses.fields(EngineArgs)} - dests == aliases
     args = parse(["-tp", "1", "--dtype", "auto", "--kv-cache-memory-bytes", "32M"])
     assert args.tensor_parallel_size == 1 and args.kv_cache_memory == "32M"
+    # The batch queue is on unless turned off (it matters with -pp only).
+    assert args.batch_queue is True
+    assert parse(["-pp", "2", "--no-batch-queue"]).batch_queue is False
+    with pytest.raises(ValueError, match="batch_queue must be a bool"):
+        ParallelConfig(batch_queue="off")  # type: ignore[arg-type]
 
 
 def test_download_dir_and_revision_pick_a_cached_snapshot(tmp_path: Path) -> None:

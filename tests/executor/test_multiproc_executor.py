@@ -17,6 +17,7 @@ import pytest
 from kvserve.entrypoints.llm import LLM
 from kvserve.executor.abstract import ExecutorFailedError
 from kvserve.executor.multiproc_executor import MultiprocExecutor
+from kvserve.sampling_params import SamplingParams
 from tests.executor import rpc_functions
 from tests.executor.tiny_llama import MAX_TOKENS, PROMPTS, greedy, hf_greedy, tp_llm
 from tests.reference import assert_no_leak
@@ -172,14 +173,47 @@ def test_pipeline_stages_match_transformers(
     checkpoints: dict[str, Any], kind: str, tp: int, pp: int
 ) -> None:
     """Each stage runs one of the two layers (and holds its KV cache only); the hidden
-    states and residual cross between stages, the last stage's logits reach every rank."""
+    states and residual cross between stages, the last stage samples. The batch queue
+    (on by default) keeps two micro-batches in flight, and a request aborted while its
+    micro-batch is in flight leaves the others' tokens, the scheduler and the KV cache
+    intact."""
     path, reference = checkpoints[kind]
     quantization = {"quantization": "gguf"} if kind == "gguf" else {}
     llm = tp_llm(path, tp, pipeline_parallel_size=pp, **quantization)
+    expected = [hf_greedy(reference, p) for p in PROMPTS]
     try:
-        assert greedy(llm) == [hf_greedy(reference, p) for p in PROMPTS]
+        assert greedy(llm) == expected
         layers = _executor(llm).collective_rpc("tests.executor.rpc_functions:own_layers")
         assert layers == [[0]] * tp + [[1]] * tp  # rank = pp_rank * tp + tp_rank
+        core = llm.llm_engine.engine_core.engine_core  # type: ignore[attr-defined]
+        assert core.max_batches_in_flight == pp
         assert_no_leak(llm)
+        _abort_in_flight(llm, expected)
     finally:
         llm.llm_engine.shutdown()
+
+
+def _abort_in_flight(llm: LLM, expected: list[list[int]]) -> None:
+    engine = llm.llm_engine
+    core = engine.engine_core.engine_core  # type: ignore[attr-defined]
+    scheduler = core.scheduler
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(f"r{i}", {"prompt_token_ids": prompt}, params)
+    engine.step()
+    engine.step()  # a micro-batch per stage: r0 and r1, then r2
+    newest = core.batch_queue[-1].scheduler_output.num_scheduled_tokens
+    assert list(newest) == ["r2"] and "r2" in scheduler.in_flight
+    engine.abort_request("r2")
+    scheduler.check_integrity()
+    done: dict[str, list[int]] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = list(out.outputs[0].token_ids)
+        scheduler.check_integrity()
+    assert done == {"r0": expected[0], "r1": expected[1]}
+    while core.has_work():  # the aborted request's micro-batch comes back
+        core.step()
+    assert not scheduler.in_flight
+    assert_no_leak(llm)

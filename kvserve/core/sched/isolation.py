@@ -59,6 +59,7 @@ class SchedulerIsolationMixin:
 
         def _finish_with_error(self, request: Request, message: str) -> None: ...
         def _preempt(self, request: Request) -> None: ...
+        def _release_in_flight(self, scheduler_output: SchedulerOutput) -> None: ...
 
     def _init_isolation(self) -> None:
         # Insertion-ordered set of the requests still under suspicion.
@@ -82,6 +83,7 @@ class SchedulerIsolationMixin:
     ) -> list[EngineCoreOutput]:
         """Blames a lone request, or turns the step's requests into suspects; returns the
         outputs of requests this ended (the culprit's, carrying ``message``)."""
+        self._release_in_flight(scheduler_output)
         self._undo_partial_update(scheduler_output, message)
         failed = [
             r

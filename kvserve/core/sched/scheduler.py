@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from kvserve.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
 from kvserve.core.request import Request, RequestStatus
+from kvserve.core.sched.batch_queue_mixin import SchedulerBatchQueueMixin
 from kvserve.core.sched.encoder_mixin import SchedulerEncoderMixin
 from kvserve.core.sched.finishing import SchedulerFinishingMixin
 from kvserve.core.sched.interface import SchedulerInterface
@@ -39,6 +40,7 @@ if TYPE_CHECKING:
 
 
 class Scheduler(
+    SchedulerBatchQueueMixin,
     SchedulerIsolationMixin,
     SchedulerKVConnectorMixin,
     SchedulerStructuredOutputMixin,
@@ -55,6 +57,7 @@ class Scheduler(
         log_stats: bool = True,
         enable_kv_cache_events: bool = False,
         structured_output_manager: StructuredOutputManager | None = None,
+        max_concurrent_batches: int = 1,
     ) -> None:
         sched = config.scheduler_config
         self.max_num_running_reqs = sched.max_num_seqs
@@ -94,6 +97,10 @@ class Scheduler(
         self._init_spec_decode(config)
         # Encoder budget and cache of multimodal models (encoder_mixin.py).
         self._init_encoder(config)
+        # Micro-batches in flight at once (the engine's batch queue; batch_queue_mixin.py).
+        self._init_batch_queue(
+            max_concurrent_batches, config.parallel_config.pipeline_parallel_size
+        )
 
     # --- requests in and out ------------------------------------------------------
 
@@ -130,12 +137,19 @@ class Scheduler(
         scheduled_spec_decode_tokens: dict[str, list[int]] = {}
         encoder_budget = self.max_num_encoder_input_tokens
         scheduled_encoder_inputs: dict[str, list[int]] = {}
+        max_reqs = self._batch_request_cap()
 
         # RUNNING first: a waiting request never takes budget or blocks from a running one.
         req_index = 0
-        while req_index < len(self.running) and token_budget > 0:
+        while (
+            req_index < len(self.running)
+            and token_budget > 0
+            and len(num_scheduled_tokens) < max_reqs
+        ):
             request = self.running[req_index]
-            if probe is not None and request.request_id not in probe:
+            if self._is_in_flight(request) or (
+                probe is not None and request.request_id not in probe
+            ):
                 req_index += 1
                 continue
             num_new_tokens = self._cap_new_tokens(
@@ -187,8 +201,12 @@ class Scheduler(
         while not preempted and self.waiting and token_budget > 0:
             if len(self.running) >= self.max_num_running_reqs:
                 break
+            if len(num_scheduled_tokens) >= max_reqs:
+                break
             request = self.waiting.peek_request()
-            if probe is not None and request.request_id not in probe:
+            if self._is_in_flight(request) or (
+                probe is not None and request.request_id not in probe
+            ):
                 skipped.add_request(self.waiting.pop_request())
                 continue
             if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
@@ -311,7 +329,10 @@ class Scheduler(
             for r in scheduled_new
         ]
         cached_reqs_data = make_cached_request_data(
-            scheduled_running, scheduled_resumed, req_to_new_blocks
+            scheduled_running,
+            scheduled_resumed,
+            req_to_new_blocks,
+            num_scheduled_tokens if self.send_new_token_ids else None,
         )
         scheduler_output = SchedulerOutput(
             scheduled_new_reqs=new_reqs_data,
@@ -334,6 +355,7 @@ class Scheduler(
         # The tokens count as computed once scheduled; update_from_output adds samples.
         for request_id, n in num_scheduled_tokens.items():
             self.requests[request_id].num_computed_tokens += n
+        self._mark_in_flight(scheduler_output)
         return scheduler_output
 
     def _cap_new_tokens(self, num_new_tokens: int, token_budget: int) -> int:
@@ -377,6 +399,7 @@ class Scheduler(
     def update_from_output(
         self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
     ) -> EngineCoreOutputs:
+        self._release_in_flight(scheduler_output)
         # KV connector results first: a failed load voids (or, policy "fail", ends) a request.
         dropped = self._handle_invalid_blocks(
             scheduler_output, model_runner_output.invalid_block_ids

@@ -39,9 +39,16 @@ def check_stop(request: Request, max_model_len: int) -> bool:
 
 
 def make_cached_request_data(
-    running: list[Request], resumed: list[Request], req_to_new_blocks: dict[str, KVCacheBlocks]
+    running: list[Request],
+    resumed: list[Request],
+    req_to_new_blocks: dict[str, KVCacheBlocks],
+    num_scheduled_tokens: dict[str, int] | None = None,
 ) -> CachedRequestData:
-    """Diffs for requests the workers hold: appended blocks, or the whole table on resume."""
+    """Diffs for requests the workers hold: appended blocks, or the whole table on resume.
+
+    ``num_scheduled_tokens`` (pipeline parallelism): also send the tokens each request
+    computes in this step, sampled ones included, which only the last stage has seen.
+    """
     data = CachedRequestData()
     flags = [False] * len(running) + [True] * len(resumed)
     for request, is_resumed in zip([*running, *resumed], flags, strict=True):
@@ -51,6 +58,10 @@ def make_cached_request_data(
         data.new_block_ids.append(None if new_blocks.is_empty() else new_blocks.get_block_ids())
         data.num_computed_tokens.append(request.num_computed_tokens)
         data.num_output_tokens.append(request.num_output_tokens)
+        if num_scheduled_tokens is not None:
+            start = request.num_computed_tokens  # not yet advanced by this step
+            end = start + num_scheduled_tokens[request.request_id]
+            data.new_token_ids.append(request.all_token_ids[start:end])
     return data
 
 

@@ -74,15 +74,11 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """``[N, hidden] -> [N, vocab]`` float32 logits."""
-        pp = get_pp_group()
-        if pp.world_size > 1:
-            # The last pipeline stage computes them and every stage gets them, so every
-            # rank samples the same tokens and keeps the same batch state.
-            if pp.is_last_rank:
-                logits = self._logits(hidden_states)
-            else:
-                logits = torch.empty(hidden_states.shape[0], self.num_embeddings)
-            return pp.broadcast(logits, src=pp.world_size - 1)
+        if not get_pp_group().is_last_rank:
+            # Only the last pipeline stage has the final hidden states; it samples and the
+            # scheduler sends the tokens to the others, which never wait for it (so they
+            # can run the next micro-batch meanwhile).
+            raise RuntimeError("compute_logits() runs on the last pipeline stage only")
         return self._logits(hidden_states)
 
     def _logits(self, hidden_states: torch.Tensor) -> torch.Tensor:

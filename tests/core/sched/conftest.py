@@ -38,6 +38,7 @@ def make_driver(model_config: ModelConfig) -> Iterator[Callable[..., Driver]]:
         max_model_len: int = 256,
         enable_prefix_caching: bool = True,
         speculative_config: SpeculativeConfig | None = None,
+        max_concurrent_batches: int = 1,
         **scheduler_kwargs: Any,
     ) -> Driver:
         mc = copy.copy(model_config)
@@ -56,7 +57,10 @@ def make_driver(model_config: ModelConfig) -> Iterator[Callable[..., Driver]]:
         )
         spec = FullAttentionSpec(block_size=BS, num_kv_heads=1, head_size=8)
         kv_config = KVCacheConfig(num_blocks, [KVCacheGroupSpec(["layers.0.attn"], spec)])
-        drivers.append(Driver(Scheduler(config, kv_config, log_stats=True)))
+        scheduler = Scheduler(
+            config, kv_config, log_stats=True, max_concurrent_batches=max_concurrent_batches
+        )
+        drivers.append(Driver(scheduler))
         return drivers[-1]
 
     yield make

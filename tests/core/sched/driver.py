@@ -42,8 +42,7 @@ class Driver:
         """One step. It fails, as a model step that raises does, if it runs one of the ids
         in fail_if, or if fail_if (a predicate on the step's ids) says so."""
         sched = self.scheduler
-        out = sched.schedule()
-        self._apply_diffs(out)
+        out = self.schedule()
         scheduled = set(out.num_scheduled_tokens)
         if fail_if(scheduled) if callable(fail_if) else fail_if & scheduled:
             failed = sched.isolate_failed_step(out, "RuntimeError: the step failed")
@@ -51,6 +50,19 @@ class Driver:
             self._record(engine_outputs)
             sched.check_integrity()
             return out, engine_outputs
+        return out, self.update(out, tokens, **runner)
+
+    def schedule(self) -> SchedulerOutput:
+        """A step's schedule, its diffs applied to the block tables as the workers would."""
+        out = self.scheduler.schedule()
+        self._apply_diffs(out)
+        return out
+
+    def update(
+        self, out: SchedulerOutput, tokens: dict[str, int] | None = None, **runner: Any
+    ) -> EngineCoreOutputs:
+        """The output of the step ``out`` (sampled for every request that caught up)."""
+        sched = self.scheduler
         req_ids = list(out.num_scheduled_tokens)
         sampled = [
             [(tokens or {}).get(rid, TOKEN)]
@@ -67,7 +79,7 @@ class Driver:
         engine_outputs = sched.update_from_output(out, runner_output)
         self._record(engine_outputs)
         sched.check_integrity()
-        return out, engine_outputs
+        return engine_outputs
 
     def _record(self, engine_outputs: EngineCoreOutputs) -> None:
         for output in engine_outputs.outputs:

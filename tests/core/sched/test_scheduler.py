@@ -9,7 +9,7 @@ import torch
 
 from kvserve.core.request import Request, RequestStatus
 from kvserve.protocol.engine_core import FinishReason
-from kvserve.protocol.runner_output import LogprobsLists, LogprobsTensors
+from kvserve.protocol.runner_output import LogprobsLists, LogprobsTensors, ModelRunnerOutput
 from tests.core.sched.driver import EOS, TOKEN, Driver
 
 MakeRequest = Callable[..., Request]
@@ -122,6 +122,37 @@ def test_preemption_and_resumption_fcfs(
     assert d.tokens("a") == [TOKEN] * 4 and d.tokens("b") == [TOKEN] * 4
     stats = d.scheduler.make_stats()
     assert stats is not None and stats.num_preemptions == 1
+
+
+def test_batch_queue_never_runs_a_request_in_two_batches(
+    make_driver: Callable[..., Driver], make_request: MakeRequest
+) -> None:
+    """Two micro-batches in flight: each takes its share of the requests, one in flight is
+    never scheduled again, and one preempted in flight does not take its batch's token."""
+    d = make_driver(num_blocks=5, max_concurrent_batches=2)  # 4 usable blocks
+    sched = d.scheduler
+    d.add(
+        make_request(7, request_id="a", max_tokens=4),
+        make_request(list(range(50, 57)), request_id="b", max_tokens=4),
+    )
+    first, second = d.schedule(), d.schedule()
+    assert list(first.num_scheduled_tokens) == ["a"] and list(second.num_scheduled_tokens) == ["b"]
+    assert d.schedule().total_num_scheduled_tokens == 0  # both in flight
+    assert sched.in_flight == {"a", "b"}
+    sched.check_integrity()
+    d.update(first)
+    d.update(d.schedule())  # a has 9 tokens: its next one needs a 3rd block
+    third = d.schedule()  # so b, still in flight, is preempted
+    assert third.preempted_req_ids == {"b"} and list(third.num_scheduled_tokens) == ["a"]
+    assert d.schedule().total_num_scheduled_tokens == 0  # b waits for its batch
+    # The token b's batch sampled (its prompt was done) is dropped: b recomputes it.
+    sampled = ModelRunnerOutput(req_ids=["b"], req_id_to_index={"b": 0}, sampled_token_ids=[[9]])
+    assert not sched.update_from_output(second, sampled).outputs
+    assert sched.in_flight == {"a"}
+    sched.check_integrity()
+    d.update(third)
+    d.run()
+    assert d.tokens("a") == [TOKEN] * 4 and d.tokens("b") == [TOKEN] * 4
 
 
 def test_priority_preemption_picks_the_least_urgent(
