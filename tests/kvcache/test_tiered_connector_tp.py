@@ -28,31 +28,38 @@ HIT = DOC_TOKENS // 256 * 256  # two whole chunks
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0)
 
 
-def _engine_run(url: str, ids: list[int]) -> tuple[list[int], int, dict[str, Any]]:
-    """One engine (a fresh engine core and TP worker processes): tokens, cached tokens
-    and the connector's exported stats; shut down before returning."""
+def _engine_run(
+    url: str, ids: list[int], **extra: Any
+) -> tuple[list[int], int, dict[str, Any], list[Any]]:
+    """One engine (a fresh engine core and TP worker processes): tokens, cached tokens,
+    the connector's exported stats and each rank's tier_shard; shut down before
+    returning."""
     llm = LLM(
         tensor_parallel_size=TP,
         distributed_executor_backend="mp",
         kv_cache_memory=TEST_KV_CACHE_MEMORY,
         kv_transfer_config={
             "kv_connector": "TieredCacheConnector",
-            "kv_connector_extra_config": {"remote_url": url, "local_cpu": False},
+            "kv_connector_extra_config": {"remote_url": url, "local_cpu": False, **extra},
         },
     )
     try:
         out = llm.generate({"prompt_token_ids": ids}, GREEDY, use_tqdm=False)[0]
         connector = llm.llm_engine.engine_core.engine_core.scheduler.connector
         stats = connector.get_kv_connector_stats()
+        executor = llm.llm_engine.engine_core.engine_core.model_executor
+        shards = executor.collective_rpc("tests.executor.rpc_functions:tier_shard")
     finally:
         llm.llm_engine.shutdown()
-    return list(out.outputs[0].token_ids), out.num_cached_tokens or 0, stats
+    return list(out.outputs[0].token_ids), out.num_cached_tokens or 0, stats, shards
 
 
 def test_tp3_engines_share_sharded_kv_through_redis(llm: Any, redis_server: RedisServer) -> None:
     ids = make_document_ids(llm.get_tokenizer(), DOC_TOKENS, seed=31)
-    tokens_a, cached_a, _ = _engine_run(redis_server.url, ids)
+    tokens_a, cached_a, _, shards = _engine_run(redis_server.url, ids)
     assert cached_a == 0
+    # (worker_id, KV heads per chunk, pins left): one of SmolLM2's 3 KV heads per rank.
+    assert shards == [(rank, 1, 0) for rank in range(TP)]
     keys = [
         CacheEngineKey.from_string(k.decode().removeprefix(VALUE_PREFIX))
         for k in redis.Redis(port=redis_server.port).keys(VALUE_PREFIX + "*")
@@ -61,7 +68,11 @@ def test_tp3_engines_share_sharded_kv_through_redis(llm: Any, redis_server: Redi
     assert sorted((k.world_size, k.worker_id) for k in keys) == sorted(
         (TP, rank) for rank in range(TP) for _ in range(HIT // 256)
     )
-    tokens_b, cached_b, stats = _engine_run(redis_server.url, ids)
+    # Engine B loads asynchronously: the ranks agree on when every shard is in.
+    tokens_b, cached_b, stats, shards = _engine_run(
+        redis_server.url, ids, enable_async_loading=True
+    )
+    assert shards == [(rank, 1, 0) for rank in range(TP)]  # every rank's pins released
     assert cached_b == HIT
     assert stats["lookup_tokens"]["hit"] == HIT
     assert stats["tier_hits"]["redis"] == TP * HIT // 256  # each rank loaded its shards
