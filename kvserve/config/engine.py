@@ -35,9 +35,6 @@ class EngineConfig:
         assert context_len is not None
         if self.parallel_config.pipeline_parallel_size > 1 and self.speculative_config:
             raise ValueError("speculative decoding is not supported with pipeline parallelism")
-        if self.parallel_config.world_size > 1 and self.kv_transfer_config is not None:
-            # Each rank holds its own heads: stores would need per-rank keys (not yet).
-            raise ValueError("kv_transfer_config is not supported with tensor parallelism yet")
         if self.model_config.is_pooling:
             self._configure_pooling(context_len)
         self.scheduler_config.max_model_len = context_len

@@ -54,6 +54,11 @@ class EngineCore(EngineCoreBatchQueueMixin):
         self.config = config
         log_thread_settings("engine core")
         executor_class = executor_class or Executor.get_class(config)
+        if config.kv_transfer_config is not None and config.parallel_config.world_size > 1:
+            from kvserve.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+            # Before any worker starts: a connector that cannot serve the ranks says so.
+            KVConnectorFactory.check_parallel_config(config)
         with startup_phase("model load", executor=executor_class.__name__):
             self.model_executor = executor_class(config)
         self.kv_cache_config = self._initialize_kv_caches()

@@ -46,6 +46,13 @@ class KVConnectorModelRunnerMixin:
         )
         self.kv_connector.register_kv_caches(kv_caches)
 
+    def shutdown_kv_connector(self) -> None:
+        """The worker side's threads, sockets and queued writes end with the worker (the
+        tiered cache's CacheEngine lives here, not in the scheduler)."""
+        if self.kv_connector is not None:
+            self.kv_connector.shutdown()
+            self.kv_connector = None
+
     @contextmanager
     def kv_connector_step(self, scheduler_output: SchedulerOutput) -> Iterator[KVConnectorOutput]:
         """Wraps one forward; enter it inside set_forward_context. The yielded output is

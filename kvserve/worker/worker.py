@@ -88,6 +88,7 @@ class Worker(WorkerBase):
     def shutdown(self) -> None:
         if self._model_runner is not None:
             self._model_runner.shutdown_encoder_runner()
+            self._model_runner.shutdown_kv_connector()
         self._model_runner = None
         if self.config.parallel_config.world_size > 1:
             destroy_distributed_environment()

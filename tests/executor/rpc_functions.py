@@ -48,3 +48,12 @@ def own_layers(worker: Worker) -> list[int]:
     """Indices of the decoder layers this rank holds attention caches for."""
     caches = worker.model_runner.kv_caches
     return sorted({int(name.split(".layers.")[1].split(".")[0]) for name in caches})
+
+
+def tier_shard(worker: Worker) -> tuple[int, int, int]:
+    """(worker_id, KV heads of a stored chunk, pinned lookups) of this rank's tiered-cache
+    CacheEngine."""
+    connector = worker.model_runner.kv_connector
+    engine = connector.engine  # type: ignore[union-attr]
+    heads = connector._kv_caches[0][0].shape[3]  # type: ignore[union-attr]
+    return engine.metadata.worker_id, heads, engine.num_pinned_lookups()

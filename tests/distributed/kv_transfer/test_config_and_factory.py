@@ -111,3 +111,30 @@ def test_factory_resolves_registered_and_user_connectors() -> None:
 def test_factory_errors_name_the_problem(fields: dict[str, str], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         KVConnectorFactory.get_connector_class(KVTransferConfig(**fields))
+
+
+@pytest.mark.parametrize(
+    ("connector", "parallel", "message"),
+    [
+        ("SharedStorageConnector", {"tensor_parallel_size": 3}, "does not support tensor_para"),
+        ("TieredCacheConnector", {"pipeline_parallel_size": 2}, "pipeline_parallel_size > 1"),
+        (
+            "TieredCacheConnector",
+            {"tensor_parallel_size": 3, "distributed_executor_backend": "ray"},
+            "distributed_executor_backend 'mp'",
+        ),
+        ("TieredCacheConnector", {"tensor_parallel_size": 3}, None),
+    ],
+)
+def test_connectors_say_whether_they_serve_several_ranks(
+    connector: str, parallel: dict[str, object], message: str | None
+) -> None:
+    """Checked in the engine core before any worker starts; TieredCacheConnector serves
+    tensor parallelism (each rank its own shard), the others refuse it by name."""
+    transfer = json.dumps({"kv_connector": connector})
+    config = EngineArgs(kv_transfer_config=transfer, **parallel).create_engine_config()  # type: ignore[arg-type]
+    if message is None:
+        KVConnectorFactory.check_parallel_config(config)
+        return
+    with pytest.raises(ValueError, match=message):
+        KVConnectorFactory.check_parallel_config(config)

@@ -68,7 +68,16 @@ class KVConnectorFactory:
         if transfer is None or not transfer.is_kv_transfer_instance:
             raise ValueError("create_connector needs a kv_transfer_config with kv_connector set")
         connector_cls = cls.get_connector_class(transfer)
+        connector_cls.check_parallel_config(config)
         return connector_cls(config, role, kv_cache_config)
+
+    @classmethod
+    def check_parallel_config(cls, config: EngineConfig) -> None:
+        """Raises ValueError, before any worker starts, when the configured connector
+        cannot run with config's tensor / pipeline parallelism."""
+        transfer = config.kv_transfer_config
+        if transfer is not None and transfer.is_kv_transfer_instance:
+            cls.get_connector_class(transfer).check_parallel_config(config)
 
 
 _CONNECTORS = "kvserve.distributed.kv_transfer.kv_connector.connectors"

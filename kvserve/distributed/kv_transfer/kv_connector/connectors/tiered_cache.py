@@ -1,73 +1,57 @@
 """TieredCacheConnector: the engine's paged KV cache in front of the kvcache tier.
 
-Scheduler side: a waiting request's tokens are looked up in the tier (CacheEngine.lookup,
-pinning the chunks under the request id); the hit, cut to leave the last prompt token to
+Roles: the worker side on each rank owns a CacheEngine keyed worker_id = its TP rank,
+and stores and loads only its own shard (its KV heads). The scheduler side owns none: it
+asks every rank's lookup service (kvcache.lookup, ZMQ) and a prefix counts as far as the
+rank holding the least of it. TP=1 takes the same path, with one rank to ask.
+
+Scheduler side: a waiting request's tokens are looked up on every rank (pinning the
+chunks there under the request id); the hit, cut to leave the last prompt token to
 compute and rounded down to whole blocks, is what the request loads. As prefill (and, with
 save_decode_cache, decode) completes whole chunks, they are planned for saving; a short last
 prompt chunk only with save_unfull_chunk. Pins are released when the load runs, when no load
-is planned, and in request_finished (whatever happened before).
+is planned, and in request_finished (whatever happened before): the scheduler sends
+those releases to the workers in the next step's metadata.
 
-Worker side: the tier's KV shape is [num_layers, 2, num_tokens, kv_heads, head_size]; this
-connector gathers it from, and scatters it into, the paged caches ([2, num_blocks,
-block_size, kv_heads, head_size] per layer) through token slots, each layer through the
-block table of its KV cache group. Sliding-window groups are served when the window is
-wider than a chunk: a chunk is saved in the step that completes it, before any of its
-blocks leaves the window; chunks whose blocks a window already dropped (a local prefix
-hit holds null blocks there) are not saved. Loads run in start_load_kv,
-or in a background thread with enable_async_loading (the request waits in
-WAITING_FOR_REMOTE_KVS until get_finished reports it). Saves run in wait_for_save. Tokens
-a load could not bring back are reported as load errors: the scheduler recomputes them.
+Worker side (tiered_cache_worker.py): loads in start_load_kv (or a background thread with
+enable_async_loading), saves in wait_for_save, each rank its own KV heads; under TP the
+ranks agree on how far every rank loaded.
 """
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+
+import msgspec
 
 from kvserve.distributed.kv_transfer.kv_connector.base import (
     ConnectorBlocks,
     ConnectorRequest,
     KVConnectorBase_V1,
     KVConnectorMetadata,
+    KVConnectorOutput,
     KVConnectorRole,
+)
+from kvserve.distributed.kv_transfer.kv_connector.connectors.tiered_cache_worker import (
+    TieredCacheConnectorMetadata,
+    TieredCacheWorker,
+    TransferSpec,
 )
 from kvserve.distributed.kv_transfer.kv_connector.utils import (
     check_connector_layout,
     follow_scheduled_blocks,
     layer_to_group,
 )
-from kvserve.kvcache.builder import CacheEngineBuilder
 from kvserve.kvcache.config import load_cache_engine_config
-from kvserve.kvcache.key import CacheEngineMetadata
+from kvserve.kvcache.lookup import EngineStats, LookupClient, lookup_address
 
 if TYPE_CHECKING:
-    import torch
-
     from kvserve.config import EngineConfig
-    from kvserve.forward_context import ForwardContext
     from kvserve.protocol.kv_cache_interface import KVCacheConfig
     from kvserve.protocol.scheduler_output import SchedulerOutput
 
-logger = logging.getLogger(__name__)
-
-
-@dataclass
-class TransferSpec:
-    req_id: str
-    token_ids: list[int]  # the prefix the chunk keys are computed over
-    start: int  # tokens [start, end) move between the tier and the blocks
-    end: int
-    block_ids: list[list[int]]  # per group, the request's blocks covering tokens [0, end)
-    tags: tuple[tuple[str, str], ...] = ()
-
-
-@dataclass
-class TieredCacheConnectorMetadata(KVConnectorMetadata):
-    loads: list[TransferSpec] = field(default_factory=list)
-    saves: list[TransferSpec] = field(default_factory=list)
+__all__ = ["TieredCacheConnector", "TieredCacheConnectorMetadata", "TransferSpec"]
 
 
 @dataclass
@@ -81,7 +65,19 @@ def _tags(cache_salt: str | None) -> tuple[tuple[str, str], ...]:
     return () if cache_salt is None else (("salt", cache_salt),)
 
 
-class TieredCacheConnector(KVConnectorBase_V1):
+class TieredCacheConnector(TieredCacheWorker, KVConnectorBase_V1):
+    @classmethod
+    def check_parallel_config(cls, config: EngineConfig) -> None:
+        parallel = config.parallel_config
+        if parallel.pipeline_parallel_size > 1:
+            raise ValueError("TieredCacheConnector does not support pipeline_parallel_size > 1 yet")
+        if parallel.world_size > 1 and parallel.distributed_executor_backend == "ray":
+            # The lookup service is reached over ipc sockets: every rank on this machine.
+            raise ValueError(
+                "TieredCacheConnector with tensor_parallel_size > 1 needs "
+                "distributed_executor_backend 'mp' (its lookup service is local to the machine)"
+            )
+
     def __init__(
         self,
         config: EngineConfig,
@@ -110,26 +106,26 @@ class TieredCacheConnector(KVConnectorBase_V1):
             if getattr(group.kv_cache_spec, "sliding_window", None) in windows
         ]
         self._layer_group = layer_to_group(kv_cache_config)
-        metadata = CacheEngineMetadata(
-            model_name=config.model_config.resolved.name,
-            world_size=config.parallel_config.world_size,
-            worker_id=0,
-            kv_dtype=config.cache_config.kv_dtype(config.model_config.dtype),
-        )
+        self.world_size = config.parallel_config.world_size
         self._instance_id = f"{self.kv_transfer_config.engine_id}"
-        self.engine = CacheEngineBuilder.get_or_create(
-            self._instance_id, self.cache_config, metadata
-        )
         self.async_loading = self.cache_config.enable_async_loading
+        self._lookup_client: LookupClient | None = None
+        if role == KVConnectorRole.WORKER:
+            self._init_worker(config, self.cache_config)
+        else:
+            # The CacheEngines live with the workers: ask every rank's lookup service.
+            self._lookup_client = LookupClient(
+                [lookup_address(self._instance_id, rank) for rank in range(self.world_size)]
+            )
         # Scheduler side.
         self._lookups: dict[str, tuple[int, int]] = {}  # req_id -> (tier hit, usable tokens)
         self._tracked: dict[str, _Tracked] = {}
         self._pending_loads: list[TransferSpec] = []
-        # Worker side: (cache, KV cache group) per layer in model order.
-        self._kv_caches: list[tuple[torch.Tensor, int]] = []
-        self._loader: ThreadPoolExecutor | None = None
-        self._async_loads: dict[str, Future[set[int]]] = {}
-        self._load_errors: set[int] = set()
+        self._pinned: set[str] = set()  # looked up: some rank may hold pins for it
+        self._releases: list[str] = []
+        self._lookup_tokens = {"query": 0.0, "hit": 0.0}
+        self._rank_stats: list[EngineStats] = []
+        self._stats_stale = 1  # stats calls that must ask the ranks again
 
     # ---- scheduler side --------------------------------------------------------------------
 
@@ -140,13 +136,18 @@ class TieredCacheConnector(KVConnectorBase_V1):
         if not self.kv_transfer_config.is_kv_consumer:
             return 0, False
         tokens = request.all_token_ids
-        hit = self.engine.lookup(tokens, request.request_id, _tags(request.cache_salt))
+        assert self._lookup_client is not None
+        hit = self._lookup_client.lookup(tokens, request.request_id, _tags(request.cache_salt))
+        self._pinned.add(request.request_id)
+        self._lookup_tokens["query"] += len(tokens)
+        self._lookup_tokens["hit"] += hit
+        self._stats_stale = 2
         # A full hit still recomputes the last token (its logits pick the next token), and
         # the scheduler takes whole blocks.
         usable = min(hit, len(tokens) - 1) // self.block_size * self.block_size
         self._lookups[request.request_id] = (hit, usable)
         if usable <= num_computed_tokens:
-            self.engine.release(request.request_id)
+            self._release(request.request_id)
             return 0, False
         return usable - num_computed_tokens, self.async_loading
 
@@ -157,8 +158,9 @@ class TieredCacheConnector(KVConnectorBase_V1):
         hit, usable = self._lookups.pop(request.request_id, (0, 0))
         self._tracked[request.request_id] = _Tracked(request, block_ids, hit)
         if num_external_tokens <= 0:
-            self.engine.release(request.request_id)
+            self._release(request.request_id)
             return
+        self._pinned.discard(request.request_id)  # each rank's retrieve releases its pins
         start = usable - num_external_tokens
         self._pending_loads.append(
             TransferSpec(
@@ -172,8 +174,8 @@ class TieredCacheConnector(KVConnectorBase_V1):
         )
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        meta = TieredCacheConnectorMetadata(loads=self._pending_loads)
-        self._pending_loads = []
+        meta = TieredCacheConnectorMetadata(loads=self._pending_loads, releases=self._releases)
+        self._pending_loads, self._releases = [], []
         scheduled = follow_scheduled_blocks(scheduler_output, self._tracked)
         if self.kv_transfer_config.is_kv_producer:
             for req_id, computed in scheduled:
@@ -182,7 +184,14 @@ class TieredCacheConnector(KVConnectorBase_V1):
                 )
                 if spec is not None:
                     meta.saves.append(spec)
+        if meta.loads or meta.saves:
+            self._stats_stale = 2  # this step and the next change the tiers' counters
         return meta
+
+    def _release(self, req_id: str) -> None:
+        if req_id in self._pinned:
+            self._pinned.discard(req_id)
+            self._releases.append(req_id)
 
     def _plan_save(self, req_id: str, computed_after: int) -> TransferSpec | None:
         """The chunks whose KV is complete once this step ran and that were not saved yet."""
@@ -216,129 +225,37 @@ class TieredCacheConnector(KVConnectorBase_V1):
         self, request: ConnectorRequest, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
         # Whatever happened (aborted before loading, load failed), the pins go now.
-        self.engine.release(request.request_id)
+        self._release(request.request_id)
         self._tracked.pop(request.request_id, None)
         self._lookups.pop(request.request_id, None)
         return False, None
 
-    # ---- worker side -----------------------------------------------------------------------
-
-    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        # Layer order is the model's (dict order), the same in every process.
-        self._kv_caches = [
-            (cache, self._layer_group.get(name, 0)) for name, cache in kv_caches.items()
-        ]
-
-    def _block_runs(
-        self, block_ids: list[int], lo: int, hi: int
-    ) -> Iterator[tuple[int, int, int, int]]:
-        """(block id, first slot, end slot, offset from lo) of each block holding tokens
-        [lo, hi). Copying block by block is plain memcpy; index_put over token slots is
-        some 50x slower on CPU."""
-        bs = self.block_size
-        for b in range(lo // bs, -(-hi // bs)):
-            first, end = max(lo, b * bs), min(hi, (b + 1) * bs)
-            yield block_ids[b], first - b * bs, end - b * bs, first - lo
-
-    def _load(self, spec: TransferSpec) -> set[int]:
-        """Writes tokens [start, end) from the tier into the blocks; returns the block ids
-        it could not fill (empty on success). Never raises."""
-        loaded = spec.start
-        try:
-            result = self.engine.retrieve(
-                spec.token_ids, spec.end, lookup_id=spec.req_id, tags=spec.tags, start=spec.start
-            )
-            for chunk_start, chunk_end, kv in result.chunks:
-                lo, hi = max(chunk_start, spec.start), min(chunk_end, spec.end)
-                if hi <= lo:
-                    continue
-                part = kv.narrow(2, lo - chunk_start, hi - lo)
-                runs = [list(self._block_runs(ids, lo, hi)) for ids in spec.block_ids]
-                for layer, (cache, group) in enumerate(self._kv_caches):
-                    src = part[layer]
-                    for block, s0, s1, off in runs[group]:
-                        cache[:, block, s0:s1].copy_(src[:, off : off + s1 - s0])
-                loaded = hi
-        except Exception:  # a failed load is recomputed, never a crashed step
-            logger.exception("KV tier load for %s failed", spec.req_id)
-            self.engine.release(spec.req_id)
-        if loaded >= spec.end:
-            return set()
-        logger.warning(
-            "KV tier load for %s stopped at token %d of %d", spec.req_id, loaded, spec.end
-        )
-        first_bad = loaded // self.block_size
-        return {block for ids in spec.block_ids for block in ids[first_bad:]}
-
-    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        meta = self._get_connector_metadata()
-        assert isinstance(meta, TieredCacheConnectorMetadata)
-        for spec in meta.loads:
-            if self.async_loading:
-                if self._loader is None:
-                    self._loader = ThreadPoolExecutor(1, thread_name_prefix="kvcache-load")
-                self._async_loads[spec.req_id] = self._loader.submit(self._load, spec)
-            else:
-                self._load_errors |= self._load(spec)
-
-    def wait_for_layer_load(self, layer_name: str) -> None:
-        return None  # loads complete in start_load_kv (or asynchronously, before scheduling)
-
-    def save_kv_layer(
-        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
-    ) -> None:
-        return None  # saved whole in wait_for_save, once every layer holds this step's KV
-
-    def wait_for_save(self) -> None:
-        meta = self._get_connector_metadata()
-        assert isinstance(meta, TieredCacheConnectorMetadata)
-        import torch
-
-        for spec in meta.saves:
-            try:
-                first = self._kv_caches[0][0]
-                kv = torch.empty(
-                    (len(self._kv_caches), 2, spec.end - spec.start, *first.shape[3:]),
-                    dtype=first.dtype,
-                )
-                runs = [list(self._block_runs(ids, spec.start, spec.end)) for ids in spec.block_ids]
-                for layer, (cache, group) in enumerate(self._kv_caches):
-                    for block, s0, s1, off in runs[group]:
-                        kv[layer, :, off : off + s1 - s0].copy_(cache[:, block, s0:s1])
-                self.engine.store(spec.token_ids, kv, spec.start, spec.tags)
-            except Exception:  # a failed save loses a cache entry, never a request
-                logger.exception("KV tier save for %s failed", spec.req_id)
-
-    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        done = {req_id for req_id, fut in self._async_loads.items() if fut.done()}
-        for req_id in done:
-            self._load_errors |= self._async_loads.pop(req_id).result()
-        return None, (done or None)
-
-    def get_block_ids_with_load_errors(self) -> set[int]:
-        errors, self._load_errors = self._load_errors, set()
-        return errors
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        if connector_output.finished_recving:
+            self._stats_stale = 2
 
     def get_kv_connector_stats(self) -> dict[str, dict[str, float]]:
-        snap = self.engine.stats.snapshot()
+        # The tiers' counters live in the workers: ask them again only after steps that
+        # may have changed them (this runs once per step when stats are logged).
+        if self._stats_stale and self._lookup_client is not None:
+            self._rank_stats = self._lookup_client.stats()
+            self._stats_stale -= 1
         stats: dict[str, dict[str, float]] = {}
-        for tier, counts in snap["tiers"].items():
-            for metric, value in counts.items():
-                stats.setdefault(f"tier_{metric}", {})[tier] = value
-        for name in ("store_latency", "retrieve_latency"):
-            count, total = snap[name]
-            stats[f"{name}_seconds"] = {"count": count, "sum": total}
-        stats["lookup_tokens"] = {
-            "query": snap["lookup_query_tokens"],
-            "hit": snap["lookup_hit_tokens"],
-        }
+        for rank in self._rank_stats:  # summed over ranks: each stores its own shard
+            for tier, counts in rank.tiers.items():
+                for metric, value in msgspec.structs.asdict(counts).items():
+                    per_tier = stats.setdefault(f"tier_{metric}", {})
+                    per_tier[tier] = per_tier.get(tier, 0) + value
+            for name in ("store_latency", "retrieve_latency"):
+                count, total = getattr(rank, name)
+                agg = stats.setdefault(f"{name}_seconds", {"count": 0, "sum": 0.0})
+                agg["count"] += count
+                agg["sum"] += total
+        stats["lookup_tokens"] = dict(self._lookup_tokens)
         return stats
 
     def shutdown(self) -> None:
-        if self._loader is not None:
-            self._loader.shutdown(wait=True)
-            self._loader = None
-        # Queued disk writes land before the process may exit, even while the other side
-        # of this connector still holds the shared engine.
-        self.engine.flush(timeout=60)
-        CacheEngineBuilder.release(self._instance_id)
+        if self._lookup_client is not None:
+            self._lookup_client.close()
+            self._lookup_client = None
+        self._shutdown_worker()
