@@ -7,43 +7,36 @@ their own. The last user to release it closes it.
 
 from __future__ import annotations
 
-import threading
 from typing import ClassVar
 
 from kvserve.kvcache.cache_engine import CacheEngine
 from kvserve.kvcache.config import CacheEngineConfig
 from kvserve.kvcache.key import CacheEngineMetadata
+from kvserve.kvcache.shared import SharedByKey
 
 
 class CacheEngineBuilder:
-    _lock: ClassVar[threading.Lock] = threading.Lock()
-    _engines: ClassVar[dict[str, tuple[CacheEngine, int]]] = {}
+    _shared: ClassVar[SharedByKey[CacheEngine]] = SharedByKey(CacheEngine.close)
 
     @classmethod
     def get_or_create(
         cls, instance_id: str, config: CacheEngineConfig, metadata: CacheEngineMetadata
     ) -> CacheEngine:
-        with cls._lock:
-            found = cls._engines.get(instance_id)
-            if found is not None:
-                engine, users = found
-                if engine.config != config or engine.metadata != metadata:
-                    raise ValueError(f"CacheEngine {instance_id!r} exists with another config")
-                cls._engines[instance_id] = (engine, users + 1)
-                return engine
-            engine = CacheEngine(config, metadata)
-            cls._engines[instance_id] = (engine, 1)
-            return engine
+        def same_config(engine: CacheEngine) -> None:
+            if engine.config != config or engine.metadata != metadata:
+                raise ValueError(f"CacheEngine {instance_id!r} exists with another config")
+
+        return cls._shared.acquire(instance_id, lambda: CacheEngine(config, metadata), same_config)
 
     @classmethod
     def release(cls, instance_id: str) -> None:
-        with cls._lock:
-            found = cls._engines.get(instance_id)
-            if found is None:
-                return
-            engine, users = found
-            if users > 1:
-                cls._engines[instance_id] = (engine, users - 1)
-                return
-            del cls._engines[instance_id]
-        engine.close()
+        cls._shared.release(instance_id)
+
+    @classmethod
+    def get(cls, instance_id: str) -> CacheEngine:
+        """The live engine of an instance id (KeyError if none)."""
+        return cls._shared.get(instance_id)
+
+    @classmethod
+    def live(cls) -> list[CacheEngine]:
+        return cls._shared.live()

@@ -29,6 +29,8 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import msgspec
 import zmq
 
+from kvserve.kvcache.shared import SharedByKey
+
 if TYPE_CHECKING:
     from kvserve.kvcache.cache_engine import CacheEngine
 
@@ -91,35 +93,19 @@ class LookupServer:
     One per address in a process: users that share a CacheEngine (connectors of one
     engine id) share its server through acquire / release."""
 
-    _lock: ClassVar[threading.Lock] = threading.Lock()
-    _servers: ClassVar[dict[str, tuple[LookupServer, int]]] = {}
+    _shared: ClassVar[SharedByKey[LookupServer]] = SharedByKey(lambda server: server.close())
 
     @classmethod
     def acquire(cls, engine: CacheEngine, address: str) -> LookupServer:
-        with cls._lock:
-            found = cls._servers.get(address)
-            if found is not None:
-                server, users = found
-                if server.engine is not engine:
-                    raise ValueError(f"lookup address {address} serves another CacheEngine")
-                cls._servers[address] = (server, users + 1)
-                return server
-            server = cls(engine, address)
-            cls._servers[address] = (server, 1)
-            return server
+        def same_engine(server: LookupServer) -> None:
+            if server.engine is not engine:
+                raise ValueError(f"lookup address {address} serves another CacheEngine")
+
+        return cls._shared.acquire(address, lambda: cls(engine, address), same_engine)
 
     @classmethod
     def release(cls, address: str) -> None:
-        with cls._lock:
-            found = cls._servers.get(address)
-            if found is None:
-                return
-            server, users = found
-            if users > 1:
-                cls._servers[address] = (server, users - 1)
-                return
-            del cls._servers[address]
-        server.close()
+        cls._shared.release(address)
 
     def __init__(self, engine: CacheEngine, address: str) -> None:
         self.engine = engine

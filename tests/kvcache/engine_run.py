@@ -42,7 +42,7 @@ def main() -> None:
         llm.get_tokenizer(), spec.get("num_tokens", 2000), spec.get("seed", 0)
     )
     params = SamplingParams(max_tokens=spec.get("max_tokens", 8), temperature=0.0)
-    (engine, _), *_ = CacheEngineBuilder._engines.values()
+    engine, *_ = CacheEngineBuilder.live()
     asks = []
     for i in range(spec.get("asks", 1)):
         if i:

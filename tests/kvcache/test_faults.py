@@ -71,7 +71,7 @@ def tiered_llm() -> Iterator[Callable[..., LLM]]:
 
 def _tier(llm: LLM, name: str) -> TierStats:
     engine_id = llm.llm_engine.config.kv_transfer_config.engine_id
-    return CacheEngineBuilder._engines[engine_id][0].stats.tier(name)
+    return CacheEngineBuilder.get(engine_id).stats.tier(name)
 
 
 def _generate(llm: LLM, docs: list[list[int]]) -> tuple[list[list[int]], list[int]]:
@@ -186,7 +186,7 @@ def test_corrupt_chunk_on_disk_is_never_served(
     llm = tiered_llm(local_disk=str(disk), local_cpu=False)
     assert _generate(llm, docs[:1])[0] == want[:1]
     engine_id = llm.llm_engine.config.kv_transfer_config.engine_id
-    CacheEngineBuilder._engines[engine_id][0].flush()
+    CacheEngineBuilder.get(engine_id).flush()
     files = sorted(disk.glob("*" + SUFFIX))
     assert len(files) == CHUNK_TOKENS // 256
     # Flip payload bytes in place (same size: only the checksum can tell).

@@ -42,7 +42,7 @@ def _ask(llm: Any, ids: list[int]) -> tuple[list[int], int]:
 def _cache_engine(llm: Any) -> Any:
     """The CacheEngine an in-process engine's connector shares (found by engine id)."""
     engine_id = llm.llm_engine.config.kv_transfer_config.engine_id
-    return CacheEngineBuilder._engines[engine_id][0]
+    return CacheEngineBuilder.get(engine_id)
 
 
 def _run_engine(extra: dict[str, Any], seed: int = 0) -> dict[str, Any]:

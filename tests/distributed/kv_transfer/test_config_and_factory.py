@@ -116,7 +116,9 @@ def test_factory_errors_name_the_problem(fields: dict[str, str], message: str) -
 @pytest.mark.parametrize(
     ("connector", "parallel", "message"),
     [
-        ("SharedStorageConnector", {"tensor_parallel_size": 3}, "does not support tensor_para"),
+        ("P2pZmqConnector", {"tensor_parallel_size": 3}, "does not support tensor_para"),
+        ("SharedStorageConnector", {"pipeline_parallel_size": 2}, "pipeline_parallel_size > 1"),
+        ("SharedStorageConnector", {"tensor_parallel_size": 3}, None),
         ("TieredCacheConnector", {"pipeline_parallel_size": 2}, "pipeline_parallel_size > 1"),
         (
             "TieredCacheConnector",
@@ -129,8 +131,9 @@ def test_factory_errors_name_the_problem(fields: dict[str, str], message: str) -
 def test_connectors_say_whether_they_serve_several_ranks(
     connector: str, parallel: dict[str, object], message: str | None
 ) -> None:
-    """Checked in the engine core before any worker starts; TieredCacheConnector serves
-    tensor parallelism (each rank its own shard), the others refuse it by name."""
+    """Checked in the engine core before any worker starts; TieredCacheConnector and
+    SharedStorageConnector serve tensor parallelism (each rank its own shard), the
+    others refuse it by name."""
     transfer = json.dumps({"kv_connector": connector})
     config = EngineArgs(kv_transfer_config=transfer, **parallel).create_engine_config()  # type: ignore[arg-type]
     if message is None:

@@ -98,7 +98,7 @@ class KVConnectorBase_V1(ABC):
                 f"kv_transfer_config.kv_connector {cls.__name__!r} does not support "
                 f"tensor_parallel_size {parallel.tensor_parallel_size} x "
                 f"pipeline_parallel_size {parallel.pipeline_parallel_size} yet "
-                "(TieredCacheConnector supports tensor parallelism)"
+                "(TieredCacheConnector and SharedStorageConnector support tensor parallelism)"
             )
 
     def __init__(

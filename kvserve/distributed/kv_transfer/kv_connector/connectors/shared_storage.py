@@ -10,6 +10,11 @@ part is no longer in place.
 model, block size and cache salt), so any engine process computes the same key for the
 same prefix, and the key of every block-aligned prefix comes out of one pass.
 
+Under tensor parallelism each rank holds its own KV heads and stores them in its own entry,
+``<key>.tp<rank>-of-<size>``; a prefix is stored once every rank's entry is, and a rank
+whose load fails makes every rank report the blocks (one all-reduce per loading step), so
+the scheduler recomputes them everywhere.
+
 A directory appears only complete: layers are written into a hidden temp directory and
 renamed into place by wait_for_save, so a reader in another process never sees half an
 entry. A later request whose tokens start with a stored prefix loads it (the longest one),
@@ -46,6 +51,7 @@ if TYPE_CHECKING:
     import torch
 
     from kvserve.config import EngineConfig
+    from kvserve.distributed.parallel_state import GroupCoordinator
     from kvserve.forward_context import ForwardContext
     from kvserve.protocol.kv_cache_interface import KVCacheConfig
     from kvserve.protocol.scheduler_output import SchedulerOutput
@@ -98,6 +104,13 @@ class _Tracked:
 
 
 class SharedStorageConnector(KVConnectorBase_V1):
+    @classmethod
+    def check_parallel_config(cls, config: EngineConfig) -> None:
+        if config.parallel_config.pipeline_parallel_size > 1:
+            raise ValueError(
+                "SharedStorageConnector does not support pipeline_parallel_size > 1 yet"
+            )
+
     def __init__(
         self,
         config: EngineConfig,
@@ -115,6 +128,14 @@ class SharedStorageConnector(KVConnectorBase_V1):
         self.root = os.path.abspath(str(path))
         os.makedirs(self.root, exist_ok=True)
         self.block_size = config.cache_config.block_size
+        self.tp_size = config.parallel_config.tensor_parallel_size
+        self._tp: GroupCoordinator | None = None
+        self.tp_rank = 0
+        if role == KVConnectorRole.WORKER and self.tp_size > 1:
+            from kvserve.distributed.parallel_state import get_tp_group
+
+            self._tp = get_tp_group()
+            self.tp_rank = self._tp.rank_in_group
         self._salt = f"{FORMAT}|{config.model_config.resolved.name}|{self.block_size}"
         # Scheduler side.
         self._lookups: dict[str, tuple[str, int]] = {}  # req_id -> (key, num tokens stored)
@@ -130,8 +151,16 @@ class SharedStorageConnector(KVConnectorBase_V1):
     def _request_salt(self, cache_salt: str | None) -> str:
         return self._salt if cache_salt is None else f"{self._salt}|{cache_salt}"
 
-    def _entry_dir(self, key: str) -> str:
-        return os.path.join(self.root, key)
+    def _entry_dir(self, key: str, rank: int | None = None) -> str:
+        """Where ``rank``'s part of an entry lives (this worker's rank by default)."""
+        if self.tp_size == 1:
+            return os.path.join(self.root, key)
+        rank = self.tp_rank if rank is None else rank
+        return os.path.join(self.root, f"{key}.tp{rank}-of-{self.tp_size}")
+
+    def _stored(self, key: str) -> bool:
+        """Whether every rank's part of the entry is in place."""
+        return all(os.path.isdir(self._entry_dir(key, rank)) for rank in range(self.tp_size))
 
     def _layer_file(self, entry_dir: str, layer_name: str) -> str:
         return os.path.join(entry_dir, layer_name.replace(os.sep, "_") + ".safetensors")
@@ -156,7 +185,7 @@ class SharedStorageConnector(KVConnectorBase_V1):
         )
         for num_blocks in range(max_blocks, num_computed_tokens // self.block_size, -1):
             key = keys[num_blocks - 1]
-            if os.path.isdir(self._entry_dir(key)):
+            if self._stored(key):
                 num_tokens = num_blocks * self.block_size
                 self._lookups[request.request_id] = (key, num_tokens)
                 return num_tokens - num_computed_tokens, False
@@ -213,7 +242,7 @@ class SharedStorageConnector(KVConnectorBase_V1):
                 self.block_size,
                 tracked.salt,
             )
-            if key not in saves and not os.path.isdir(self._entry_dir(key)):
+            if key not in saves and not self._stored(key):
                 saves[key] = SaveSpec(req_id, key, [ids[:num_blocks] for ids in tracked.block_ids])
         return list(saves.values())
 
@@ -308,8 +337,26 @@ class SharedStorageConnector(KVConnectorBase_V1):
         self._save_dirs = {}
 
     def get_block_ids_with_load_errors(self) -> set[int]:
+        if self._tp is not None and self._loads_to_do:
+            self._agree_on_failed_loads()
         errors, self._load_errors = self._load_errors, set()
         return errors
+
+    def _agree_on_failed_loads(self) -> None:
+        """A load that failed on any rank failed on all: the scheduler hears from one rank
+        only. Every rank follows the same metadata, so the all-reduce always matches."""
+        import torch
+
+        assert self._tp is not None
+        failed = torch.tensor(
+            [spec.req_id in self._failed_loads for spec in self._loads_to_do], dtype=torch.int64
+        )
+        self._tp.all_reduce(failed)
+        for spec, count in zip(self._loads_to_do, failed.tolist(), strict=True):
+            if count:
+                self._failed_loads.add(spec.req_id)
+                for group_ids in spec.block_ids:
+                    self._load_errors.update(group_ids)
 
     def shutdown(self) -> None:
         for temp_dir in self._save_dirs.values():
