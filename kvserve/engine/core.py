@@ -81,6 +81,8 @@ class EngineCore(EngineCoreBatchQueueMixin):
             structured_output_manager=self.structured_output_manager,
             max_concurrent_batches=self.model_executor.max_concurrent_batches,
         )
+        if self.scheduler.connector is not None:
+            self._exchange_connector_handshakes()
         # Pipeline parallelism: micro-batches in flight at once (engine/batch_queue.py).
         self._init_batch_queue(self.model_executor.max_concurrent_batches)
         self.kv_event_publisher = EventPublisherFactory.create(events_config)
@@ -98,6 +100,15 @@ class EngineCore(EngineCoreBatchQueueMixin):
         # long batched run). shutdown() hands it back.
         gc.collect()
         gc.freeze()
+
+    def _exchange_connector_handshakes(self) -> None:
+        """Tells the scheduler-side connector how to reach each rank's worker side (e.g.
+        a lookup service bound on a Ray node's address)."""
+        assert self.scheduler.connector is not None
+        replies = self.model_executor.collective_rpc("get_kv_connector_handshake_metadata")
+        metadata = {rank: reply for rank, reply in enumerate(replies) if reply}
+        if metadata:
+            self.scheduler.connector.set_xfer_handshake_metadata(metadata)
 
     def _initialize_kv_caches(self) -> KVCacheConfig:
         start = time.perf_counter()

@@ -96,29 +96,37 @@ class LookupServer:
     _shared: ClassVar[SharedByKey[LookupServer]] = SharedByKey(lambda server: server.close())
 
     @classmethod
-    def acquire(cls, engine: CacheEngine, address: str) -> LookupServer:
+    def acquire(cls, engine: CacheEngine, key: str, tcp_host: str | None = None) -> LookupServer:
+        """The server registered under ``key`` (its ipc address), started if none is.
+        ``tcp_host``: listen on a free TCP port of every interface instead and be reached
+        at that host (ranks on other machines: Ray nodes); ``address`` says where."""
+
         def same_engine(server: LookupServer) -> None:
             if server.engine is not engine:
-                raise ValueError(f"lookup address {address} serves another CacheEngine")
+                raise ValueError(f"lookup address {key} serves another CacheEngine")
 
-        return cls._shared.acquire(address, lambda: cls(engine, address), same_engine)
+        return cls._shared.acquire(key, lambda: cls(engine, key, tcp_host), same_engine)
 
     @classmethod
-    def release(cls, address: str) -> None:
-        cls._shared.release(address)
+    def release(cls, key: str) -> None:
+        cls._shared.release(key)
 
-    def __init__(self, engine: CacheEngine, address: str) -> None:
+    def __init__(self, engine: CacheEngine, key: str, tcp_host: str | None = None) -> None:
         self.engine = engine
-        self.address = address
-        path = address.removeprefix("ipc://")
-        if address.startswith("ipc://") and os.path.exists(path):
-            # Another live engine with the same engine_id would lose its lookups to us;
-            # a file left by a killed process is taken over.
-            logger.warning("lookup socket %s exists; taking it over", path)
         self._ctx = zmq.Context()
         self._socket = self._ctx.socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.LINGER, 0)
-        self._socket.bind(address)
+        if tcp_host is not None:
+            port = self._socket.bind_to_random_port("tcp://*")
+            self.address = f"tcp://{tcp_host}:{port}"
+        else:
+            path = key.removeprefix("ipc://")
+            if os.path.exists(path):
+                # Another live engine with the same engine_id would lose its lookups to
+                # us; a file left by a killed process is taken over.
+                logger.warning("lookup socket %s exists; taking it over", path)
+            self._socket.bind(key)
+            self.address = key
         self._wake_r, self._wake_w = os.pipe()
         self._thread = threading.Thread(target=self._serve, name="kv-lookup", daemon=True)
         self._thread.start()
@@ -171,6 +179,7 @@ class LookupClient:
 
     def __init__(self, addresses: list[str], timeout_s: float = LOOKUP_TIMEOUT_S) -> None:
         self.timeout_ms = int(timeout_s * 1000)
+        self.addresses = list(addresses)
         self._ctx = zmq.Context()
         self._sockets = []
         for address in addresses:

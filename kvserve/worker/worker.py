@@ -81,6 +81,10 @@ class Worker(WorkerBase):
     def sample_tokens(self, grammar_output: GrammarOutput | None = None) -> ModelRunnerOutput:
         return self.model_runner.sample_tokens(grammar_output)
 
+    def get_kv_connector_handshake_metadata(self) -> dict[str, str] | None:
+        connector = self.model_runner.kv_connector
+        return None if connector is None else connector.get_handshake_metadata()
+
     def check_health(self) -> None:
         if self._model_runner is None or self._model_runner.model is None:
             raise RuntimeError(f"worker {self.rank} has no model loaded")

@@ -13,7 +13,8 @@ from typing import Any
 import pytest
 
 from kvserve.executor.abstract import ExecutorFailedError
-from tests.executor.tiny_llama import PROMPTS, greedy, hf_greedy, tp_llm
+from kvserve.sampling_params import SamplingParams
+from tests.executor.tiny_llama import MAX_TOKENS, PROMPTS, greedy, hf_greedy, tp_llm
 
 ray = pytest.importorskip("ray", reason="the Ray executor needs `pip install ray` (extra: ray)")
 
@@ -63,5 +64,32 @@ def test_tp2_on_two_ray_nodes_matches_transformers(
         with pytest.raises(ExecutorFailedError, match=r"worker 1 \(Ray actor\) died"):
             greedy(llm)
         assert time.monotonic() - start < 15
+    finally:
+        llm.llm_engine.shutdown()
+
+
+def test_tiered_kv_cache_on_two_ray_nodes(
+    two_node_cluster: Any, checkpoints: dict[str, Any]
+) -> None:
+    """Each rank's lookup service listens on TCP at its node's address, announced to the
+    engine core through the connector handshake; a prefix the prefix cache forgot comes
+    back from every rank's CPU tier with transformers' tokens."""
+    path, hf = checkpoints["hf"]
+    tiered = {
+        "kv_connector": "TieredCacheConnector",
+        "kv_connector_extra_config": {"chunk_size": 4},
+    }
+    llm = tp_llm(path, 2, distributed_executor_backend="ray", kv_transfer_config=tiered)
+    try:
+        expected = [hf_greedy(hf, p) for p in PROMPTS]
+        assert greedy(llm) == expected
+        connector = llm.llm_engine.engine_core.engine_core.scheduler.connector
+        assert all(a.startswith("tcp://") for a in connector._lookup_client.addresses)
+        llm.reset_prefix_cache()
+        params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+        assert [list(o.outputs[0].token_ids) for o in outs] == expected
+        # Whole chunks of 4 short of the last token: 4, 8 and 0 of 6, 9 and 1 tokens.
+        assert [o.num_cached_tokens for o in outs] == [4, 8, 0]
     finally:
         llm.llm_engine.shutdown()

@@ -87,6 +87,17 @@ class ConnectorBlocks(Protocol):
 
 
 class KVConnectorBase_V1(ABC):
+    def get_handshake_metadata(self) -> dict[str, str] | None:
+        """Worker side: what the scheduler-side connector needs to reach this rank (an
+        address bound at start-up), or None. The engine core gathers it from every rank
+        once the workers are up (vLLM's handshake metadata)."""
+        return None
+
+    def set_xfer_handshake_metadata(self, metadata: dict[int, dict[str, str]]) -> None:
+        """Scheduler side: every rank's get_handshake_metadata, by rank (those that gave
+        any)."""
+        return None
+
     @classmethod
     def check_parallel_config(cls, config: EngineConfig) -> None:
         """Raises ValueError when this connector cannot run with config's parallelism.

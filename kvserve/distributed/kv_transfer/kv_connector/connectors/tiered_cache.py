@@ -71,12 +71,6 @@ class TieredCacheConnector(TieredCacheWorker, KVConnectorBase_V1):
         parallel = config.parallel_config
         if parallel.pipeline_parallel_size > 1:
             raise ValueError("TieredCacheConnector does not support pipeline_parallel_size > 1 yet")
-        if parallel.world_size > 1 and parallel.distributed_executor_backend == "ray":
-            # The lookup service is reached over ipc sockets: every rank on this machine.
-            raise ValueError(
-                "TieredCacheConnector with tensor_parallel_size > 1 needs "
-                "distributed_executor_backend 'mp' (its lookup service is local to the machine)"
-            )
 
     def __init__(
         self,
@@ -128,6 +122,18 @@ class TieredCacheConnector(TieredCacheWorker, KVConnectorBase_V1):
         self._stats_stale = 1  # stats calls that must ask the ranks again
 
     # ---- scheduler side --------------------------------------------------------------------
+
+    def set_xfer_handshake_metadata(self, metadata: dict[int, dict[str, str]]) -> None:
+        """Ranks that listen on TCP (Ray) say where; the others keep their ipc path."""
+        if self._lookup_client is None:
+            return
+        addresses = [
+            metadata.get(rank, {}).get("lookup_address", address)
+            for rank, address in enumerate(self._lookup_client.addresses)
+        ]
+        if addresses != self._lookup_client.addresses:
+            self._lookup_client.close()
+            self._lookup_client = LookupClient(addresses)
 
     def get_num_new_matched_tokens(
         self, request: ConnectorRequest, num_computed_tokens: int

@@ -90,7 +90,14 @@ class TieredCacheWorker:
         )
         self._engine = CacheEngineBuilder.get_or_create(self._instance_id, cache_config, metadata)
         self._lookup_address = lookup_address(self._instance_id, self._tp.rank_in_group)
-        self._lookup_server = LookupServer.acquire(self._engine, self._lookup_address)
+        # Ray may place ranks on other machines than the engine core: TCP on this node's
+        # address, announced through the handshake. Otherwise an ipc path both sides know.
+        tcp_host = None
+        if config.parallel_config.distributed_executor_backend == "ray":
+            import ray
+
+            tcp_host = ray.util.get_node_ip_address()
+        self._lookup_server = LookupServer.acquire(self._engine, self._lookup_address, tcp_host)
         # (cache, KV cache group) per layer in model order.
         self._kv_caches: list[tuple[torch.Tensor, int]] = []
         self._async_loads: dict[str, tuple[TransferSpec, Future[int]]] = {}
@@ -223,6 +230,12 @@ class TieredCacheWorker:
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
         return errors
+
+    def get_handshake_metadata(self) -> dict[str, str] | None:
+        server = self._lookup_server
+        if server is None or server.address == self._lookup_address:
+            return None  # the ipc path, which the scheduler side derives itself
+        return {"lookup_address": server.address}
 
     def _shutdown_worker(self) -> None:
         if self._loader is not None:
