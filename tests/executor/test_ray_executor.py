@@ -93,3 +93,22 @@ def test_tiered_kv_cache_on_two_ray_nodes(
         assert [o.num_cached_tokens for o in outs] == [4, 8, 0]
     finally:
         llm.llm_engine.shutdown()
+
+
+def test_pp2_stages_on_two_ray_nodes_keep_two_micro_batches_in_flight(
+    two_node_cluster: Any, checkpoints: dict[str, Any]
+) -> None:
+    """One pipeline stage per node, the intermediate tensors crossing between them; the
+    batch queue (on by default) keeps both stages busy."""
+    path, hf = checkpoints["hf"]
+    llm = tp_llm(path, 1, pipeline_parallel_size=2, distributed_executor_backend="ray")
+    try:
+        assert greedy(llm) == [hf_greedy(hf, p) for p in PROMPTS]
+        core = llm.llm_engine.engine_core.engine_core
+        assert core.max_batches_in_flight == 2
+        executor = core.model_executor
+        assert executor.collective_rpc("tests.executor.rpc_functions:own_layers") == [[0], [1]]
+        placed = executor.collective_rpc("tests.executor.test_ray_executor:node_and_pid")
+        assert len({node for node, _ in placed}) == 2
+    finally:
+        llm.llm_engine.shutdown()
