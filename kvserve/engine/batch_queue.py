@@ -17,8 +17,6 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import msgspec
-
 from kvserve.executor.abstract import ExecutorFailedError
 from kvserve.protocol.engine_core import EngineCoreOutputs, StepTimes
 
@@ -49,6 +47,9 @@ class EngineCoreBatchQueueMixin:
             self, scheduler_output: SchedulerOutput, error: Exception
         ) -> EngineCoreOutputs: ...
         def _publish_kv_events(self) -> None: ...
+        def _count_model_step(
+            self, model_output: ModelRunnerOutput, outputs: EngineCoreOutputs
+        ) -> None: ...
 
     def _init_batch_queue(self, max_concurrent_batches: int) -> None:
         self.batch_queue_size = max_concurrent_batches
@@ -114,18 +115,9 @@ class EngineCoreBatchQueueMixin:
             raise  # a worker is gone: no request is to blame and no retry can succeed
         except Exception as e:
             return self._fail_step(batch.scheduler_output, e)
-        times = self.step_times
-        if times is not None:
-            times.update += time.perf_counter() - started
-            runner = model_output.step_times
-            if runner is not None:
-                times.prepare_inputs += runner.prepare_inputs
-                times.forward += runner.forward
-                times.sample += runner.sample
-            times.num_steps += 1
-            if outputs.scheduler_stats is not None:
-                # A copy: in-process clients keep the message while the totals move on.
-                outputs.scheduler_stats.step_times = msgspec.structs.replace(times)
+        if self.step_times is not None:
+            self.step_times.update += time.perf_counter() - started
+            self._count_model_step(model_output, outputs)
         outputs.timestamp = time.monotonic()
         self._publish_kv_events()
         return outputs

@@ -31,6 +31,7 @@ from kvserve.protocol.kv_cache_interface import (
     kv_bytes_per_token,
     max_tokens_per_request,
 )
+from kvserve.protocol.runner_output import ModelRunnerOutput
 from kvserve.protocol.scheduler_output import SchedulerOutput
 from kvserve.structured_output.manager import StructuredOutputManager
 from kvserve.transformers_utils.tokenizer import get_tokenizer
@@ -217,17 +218,26 @@ class EngineCore(EngineCoreBatchQueueMixin):
         if times is not None:
             times.schedule += scheduled - start
             times.update += updated - executed
-            # The runner's own split of its part; the executor's glue counts as busy only.
-            runner = model_output.step_times
-            if runner is not None:
-                times.prepare_inputs += runner.prepare_inputs
-                times.forward += runner.forward
-                times.sample += runner.sample
             times.busy += time.perf_counter() - start
-            times.num_steps += 1
-            if outputs.scheduler_stats is not None:
-                outputs.scheduler_stats.step_times = msgspec.structs.replace(times)
+            self._count_model_step(model_output, outputs)
         return outputs, scheduler_output.total_num_scheduled_tokens > 0
+
+    def _count_model_step(
+        self, model_output: ModelRunnerOutput, outputs: EngineCoreOutputs
+    ) -> None:
+        """Adds a model step to the step-time totals and snapshots them into its stats."""
+        times = self.step_times
+        assert times is not None
+        # The runner's own split of its part; the executor's glue counts as busy only.
+        runner = model_output.step_times
+        if runner is not None:
+            times.prepare_inputs += runner.prepare_inputs
+            times.forward += runner.forward
+            times.sample += runner.sample
+        times.num_steps += 1
+        if outputs.scheduler_stats is not None:
+            # A copy: in-process clients keep the message while the totals move on.
+            outputs.scheduler_stats.step_times = msgspec.structs.replace(times)
 
     def _fail_step(self, scheduler_output: SchedulerOutput, error: Exception) -> EngineCoreOutputs:
         """Fails the request the step's failure is due to, alone; the others go on.
