@@ -57,3 +57,15 @@ def tier_shard(worker: Worker) -> tuple[int, int, int]:
     engine = connector.engine  # type: ignore[union-attr]
     heads = connector._kv_caches[0][0].shape[3]  # type: ignore[union-attr]
     return engine.metadata.worker_id, heads, engine.num_pinned_lookups()
+
+
+def p2p_rank_transfers(worker: Worker) -> dict[str, int]:
+    """This rank's P2pZmqConnector view: transfers it copied in and transfers that failed
+    here (each rank receives its own KV heads)."""
+    connector = worker.model_runner.kv_connector
+    return dict(connector.rank_transfers)  # type: ignore[union-attr]
+
+
+def own_kv_layers(worker: Worker) -> int:
+    """How many attention layers' caches this rank holds (its pipeline stage's)."""
+    return len(worker.model_runner.kv_caches)

@@ -116,10 +116,17 @@ def test_factory_errors_name_the_problem(fields: dict[str, str], message: str) -
 @pytest.mark.parametrize(
     ("connector", "parallel", "message"),
     [
-        ("P2pZmqConnector", {"tensor_parallel_size": 3}, "does not support tensor_para"),
-        ("SharedStorageConnector", {"pipeline_parallel_size": 2}, "pipeline_parallel_size > 1"),
+        ("P2pZmqConnector", {"tensor_parallel_size": 3}, None),
+        ("P2pZmqConnector", {"pipeline_parallel_size": 2}, "does not support pipeline_para"),
+        ("MultiConnector", {"tensor_parallel_size": 3}, "does not support tensor_para"),
+        ("SharedStorageConnector", {"pipeline_parallel_size": 2}, None),
         ("SharedStorageConnector", {"tensor_parallel_size": 3}, None),
-        ("TieredCacheConnector", {"pipeline_parallel_size": 2}, "pipeline_parallel_size > 1"),
+        (
+            "SharedStorageConnector",
+            {"tensor_parallel_size": 3, "pipeline_parallel_size": 2},
+            None,
+        ),
+        ("TieredCacheConnector", {"pipeline_parallel_size": 2}, None),
         (
             "TieredCacheConnector",
             {"tensor_parallel_size": 3, "distributed_executor_backend": "ray"},
@@ -132,8 +139,8 @@ def test_connectors_say_whether_they_serve_several_ranks(
     connector: str, parallel: dict[str, object], message: str | None
 ) -> None:
     """Checked in the engine core before any worker starts; TieredCacheConnector and
-    SharedStorageConnector serve tensor parallelism (each rank its own shard), the
-    others refuse it by name."""
+    SharedStorageConnector serve tensor and pipeline parallelism (each rank its own
+    shard), P2pZmqConnector tensor parallelism; the others refuse by name."""
     transfer = json.dumps({"kv_connector": connector})
     config = EngineArgs(kv_transfer_config=transfer, **parallel).create_engine_config()  # type: ignore[arg-type]
     if message is None:

@@ -104,6 +104,32 @@ def test_a_full_buffer_refuses_the_transfer(context: zmq.Context) -> None:
         receiver.close()
 
 
+def test_a_layer_from_another_tp_rank_is_refused(context: zmq.Context) -> None:
+    """Under TP each receiver holds its own rank's KV heads: rank 1 of 2 refuses KV that
+    rank 0 sent, or that a producer of another TP size sent."""
+    port = _port()
+    receiver = Receiver(f"tcp://127.0.0.1:{port}", 1 << 30, ttl_s=60, tp_rank=1, tp_size=2)
+    sender = PeerSender(context, f"tcp://127.0.0.1:{port}", timeout_s=5)
+    try:
+        t = _layers(1)[0]
+        for transfer_id, rank, size in (("t5", 0, 2), ("t6", 1, 4)):
+            header = _header(transfer_id, 0, 1, t)
+            header.tp_rank, header.tp_size = rank, size
+            sender.send_layer(f"req-{transfer_id}", header, t)
+            why = _wait(lambda transfer_id=transfer_id: receiver.take(transfer_id))
+            assert isinstance(why, str) and f"TP rank {rank} of tp_size {size}" in why
+        done: list[tuple[str, bool, int, float]] = []
+        _wait(lambda: done.extend(sender.take_done()) or len(done) == 2)
+        assert sorted((req_id, ok) for req_id, ok, _, _ in done) == [
+            ("req-t5", False),
+            ("req-t6", False),
+        ]
+        assert receiver.buffered_bytes == 0
+    finally:
+        sender.close()
+        receiver.close()
+
+
 def test_no_consumer_times_the_transfer_out(context: zmq.Context) -> None:
     sender = PeerSender(context, f"tcp://127.0.0.1:{_port()}", timeout_s=0.3)
     try:
@@ -136,7 +162,17 @@ def test_params() -> None:
     recv = parse_recv(
         {"do_remote_prefill": True, "transfer_id": "x", "num_tokens": 3, "prompt_hash": "p"}
     )
-    assert recv is not None and recv.num_tokens == 3
+    assert recv is not None and recv.num_tokens == 3 and recv.tp_size == 1  # missing: 1
+    recv = parse_recv(
+        {"do_remote_prefill": True, "transfer_id": "x", "num_tokens": 3, "prompt_hash": "p",
+         "tp_size": 3}
+    )  # fmt: skip
+    assert recv is not None and recv.tp_size == 3
+    with pytest.raises(ValueError, match="tp_size must be >= 1"):
+        check_params(
+            {"do_remote_prefill": True, "transfer_id": "x", "num_tokens": 3, "prompt_hash": "p",
+             "tp_size": 0}
+        )  # fmt: skip
     assert parse_send({"foo": 1}) is None and parse_recv(None) is None
     with pytest.raises(ValueError, match="remote_port must be in"):
         check_params({"do_remote_decode": True, "remote_host": "h", "remote_port": 0})

@@ -101,15 +101,16 @@ class KVConnectorBase_V1(ABC):
     @classmethod
     def check_parallel_config(cls, config: EngineConfig) -> None:
         """Raises ValueError when this connector cannot run with config's parallelism.
-        The default refuses more than one rank (each rank holds only its own KV heads);
-        a connector that serves tensor parallelism overrides it."""
+        The default refuses more than one rank (each rank holds only its own KV heads
+        of its own layers); a connector that serves several ranks overrides it."""
         parallel = config.parallel_config
         if parallel.world_size > 1:
             raise ValueError(
                 f"kv_transfer_config.kv_connector {cls.__name__!r} does not support "
                 f"tensor_parallel_size {parallel.tensor_parallel_size} x "
                 f"pipeline_parallel_size {parallel.pipeline_parallel_size} yet "
-                "(TieredCacheConnector and SharedStorageConnector support tensor parallelism)"
+                "(TieredCacheConnector and SharedStorageConnector support tensor and "
+                "pipeline parallelism, P2pZmqConnector tensor parallelism)"
             )
 
     def __init__(

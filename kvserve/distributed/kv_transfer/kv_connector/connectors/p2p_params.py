@@ -7,10 +7,16 @@ Prefill request (to a kv_producer), named by the proxy:
 Producer's answer (the prefill response's kv_transfer_params), given as is to a consumer:
     {"do_remote_prefill": true, "transfer_id": ..., "num_tokens": 52,
      "prompt_hash": "<sha256 of the first num_tokens prompt ids>", "kv_bytes": 1597440,
-     "remote_engine_id": <producer engine id>, "remote_host": ..., "remote_port": ...}
+     "remote_engine_id": <producer engine id>, "remote_host": ..., "remote_port": ...,
+     "tp_size": <producer's tensor_parallel_size>}
 Decode request (to a kv_consumer): the answer above. The consumer loads num_tokens tokens
 of KV (the prompt but its last token, whose logits the consumer computes) and checks
 prompt_hash against the request's own prompt so that KV never lands under other tokens.
+
+Under tensor parallelism each producer rank r sends its own KV heads to the consumer's
+rank r, which listens at remote_port + r; both sides must have the same TP size (a
+consumer refuses KV whose tp_size differs from its own, naming the field). A missing
+tp_size means 1.
 
 Pure Python: the scheduler side parses these.
 """
@@ -69,6 +75,7 @@ class RecvParams:
     transfer_id: str
     num_tokens: int
     prompt_hash: str
+    tp_size: int = 1  # the producer's: each of its ranks sent its own KV heads
 
 
 def parse_send(params: dict[str, Any] | None) -> SendParams | None:
@@ -90,10 +97,14 @@ def parse_recv(params: dict[str, Any] | None) -> RecvParams | None:
     num_tokens = _field(params, "num_tokens", int)
     if num_tokens < 0:
         raise ValueError(f"kv_transfer_params.num_tokens must be >= 0, got {num_tokens}")
+    tp_size = _field(params, "tp_size", int, required=False)
+    if tp_size is not None and tp_size < 1:
+        raise ValueError(f"kv_transfer_params.tp_size must be >= 1, got {tp_size}")
     return RecvParams(
         transfer_id=_field(params, "transfer_id", str),
         num_tokens=num_tokens,
         prompt_hash=_field(params, "prompt_hash", str),
+        tp_size=1 if tp_size is None else int(tp_size),
     )
 
 

@@ -11,6 +11,11 @@ Consumer: a Receiver thread owns a ROUTER socket bound at kv_host:kv_port and fi
 layers by transfer id until the decode request that claims them arrives (or buffer_ttl_s
 passes). Layers arrive before or after that request; a bounded buffer (max_buffer_bytes)
 refuses a transfer that does not fit rather than growing without limit.
+
+Under tensor parallelism every rank has its own sender and receiver: a producer rank sends
+only to the consumer rank with its TP rank, and each layer says which rank of which TP
+size sent it; a receiver refuses a transfer sent by another rank or TP size (its KV heads
+are not this rank's).
 """
 
 from __future__ import annotations
@@ -39,6 +44,8 @@ class LayerHeader(msgspec.Struct, tag="layer"):
     shape: list[int]  # [2 (K, V) or 1 (MLA), num_blocks, block_size, kv_heads, head_size]
     num_tokens: int  # prompt tokens the blocks hold
     prompt_hash: str
+    tp_rank: int = 0  # the sender's: its KV heads are those of this TP rank
+    tp_size: int = 1
 
 
 class Ack(msgspec.Struct, tag="ack"):
@@ -192,9 +199,13 @@ class Arrival:
 
 
 class Receiver:
-    def __init__(self, bind: str, max_buffer_bytes: int, ttl_s: float) -> None:
+    def __init__(
+        self, bind: str, max_buffer_bytes: int, ttl_s: float, tp_rank: int = 0, tp_size: int = 1
+    ) -> None:
         self.max_buffer_bytes = max_buffer_bytes
         self.ttl_s = ttl_s
+        self.tp_rank = tp_rank
+        self.tp_size = tp_size
         self._context = zmq.Context()
         self._socket = self._context.socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.LINGER, 0)
@@ -280,8 +291,15 @@ class Receiver:
                 )
                 arrival.first_at = arrival.created
                 self._arrivals[transfer_id] = arrival
-            if self._buffered + len(payload) > self.max_buffer_bytes:
+            why = ""
+            if (header.tp_rank, header.tp_size) != (self.tp_rank, self.tp_size):
+                why = (
+                    f"sent by TP rank {header.tp_rank} of tp_size {header.tp_size} to TP rank "
+                    f"{self.tp_rank} of tp_size {self.tp_size}: other KV heads"
+                )
+            elif self._buffered + len(payload) > self.max_buffer_bytes:
                 why = f"the receive buffer ({self.max_buffer_bytes} bytes) is full"
+            if why:
                 self._drop(transfer_id)
                 self._failed[transfer_id] = why
                 reply = Ack(transfer_id, False, why)

@@ -4,6 +4,12 @@ them, and copies arrived transfers into the blocks of the requests that wait for
 Loads land between steps (in get_finished, on the worker's own thread), so a request
 aborted while its KV is on the way drops its pending load, in the step that reports the
 abort, before its blocks can be written. Also the plans the scheduler side sends here.
+
+Under tensor parallelism each rank sends and receives its own KV heads (to and from the
+peer's same rank) and the ranks agree in get_finished, vLLM's KV output aggregation done
+as one collective: every rank holds the same pending sends and loads (they follow the same
+metadata), gathers every rank's state of each, and reports a request only once every rank
+has ended it; a load that failed on any rank fails on all.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ if TYPE_CHECKING:
         PeerSender,
         Receiver,
     )
+    from kvserve.distributed.parallel_state import GroupCoordinator
     from kvserve.forward_context import ForwardContext
 
 logger = logging.getLogger(__name__)
@@ -45,15 +52,24 @@ def _add_total(engine_id: str, metric: str, kind: str, value: float) -> None:
         totals[kind] = totals.get(kind, 0.0) + value
 
 
+# How a load ended on one rank, as gathered: None still on the way, True copied in, False failed.
+_LOAD_STATE = {None: 0, True: 1, False: 2}
+
+
 @dataclass
 class SaveSpec:
     req_id: str
     transfer_id: str
-    address: str
+    remote_host: str
+    remote_port: int  # the consumer's rank 0; rank r listens at remote_port + r
     block_ids: list[int]  # the blocks holding tokens [0, num_tokens)
     num_tokens: int
     prompt_hash: str
     stop_after_layers: int | None = None
+    stop_tp_rank: int | None = None  # fault injection on one rank only (None: all)
+
+    def address(self, tp_rank: int) -> str:
+        return f"tcp://{self.remote_host}:{self.remote_port + tp_rank}"
 
 
 @dataclass
@@ -85,7 +101,14 @@ class P2pWorkerSide:
 
         def _get_connector_metadata(self) -> KVConnectorMetadata: ...
 
-    def _init_worker_side(self, receiver: Receiver | None) -> None:
+    def _init_worker_side(self, receiver: Receiver | None, tp_rank: int, tp_size: int) -> None:
+        self._tp_rank = tp_rank
+        self._tp_size = tp_size
+        self._tp: GroupCoordinator | None = None
+        if tp_size > 1:
+            from kvserve.distributed.parallel_state import get_tp_group
+
+            self._tp = get_tp_group()
         self._kv_caches: dict[str, torch.Tensor] = {}
         self._layer_index: dict[str, int] = {}
         self._senders: dict[str, PeerSender] = {}
@@ -93,8 +116,12 @@ class P2pWorkerSide:
         self._in_flight: set[str] = set()  # requests with an unfinished transfer
         self._finished: set[str] = set()  # finished by the scheduler, blocks maybe sending
         self._recvs: dict[str, tuple[LoadSpec, float]] = {}  # req_id -> (spec, deadline)
+        # Loads this rank ended (True: copied in), until every rank has ended them.
+        self._recv_ended: dict[str, bool] = {}
         self._load_errors: set[int] = set()
         self._receiver = receiver
+        # This rank's own view: transfers it copied in or saw fail (tests read it per rank).
+        self.rank_transfers = {"received": 0, "failed": 0}
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self._kv_caches = dict(kv_caches)
@@ -128,7 +155,8 @@ class P2pWorkerSide:
 
         index = self._layer_index[layer_name]
         for save in meta.saves:
-            if save.stop_after_layers is not None and index >= save.stop_after_layers:
+            stops = save.stop_tp_rank is None or save.stop_tp_rank == self._tp_rank
+            if stops and save.stop_after_layers is not None and index >= save.stop_after_layers:
                 continue
             ids = torch.tensor(save.block_ids, dtype=torch.long, device=kv_layer.device)
             # A gathered copy: the send overlaps the next layers and reads no live block.
@@ -142,8 +170,10 @@ class P2pWorkerSide:
                 shape=list(blocks.shape),
                 num_tokens=save.num_tokens,
                 prompt_hash=save.prompt_hash,
+                tp_rank=self._tp_rank,
+                tp_size=self._tp_size,
             )
-            self._sender(save.address).send_layer(save.req_id, header, blocks)
+            self._sender(save.address(self._tp_rank)).send_layer(save.req_id, header, blocks)
 
     def _sender(self, address: str) -> PeerSender:
         sender = self._senders.get(address)
@@ -170,22 +200,59 @@ class P2pWorkerSide:
                 if ok:
                     _add_total(self.engine_id, "transfer_seconds", "sent", seconds)
         self._finished |= finished_req_ids
-        sending = {r for r in self._finished if r not in self._in_flight}
+        self._poll_recvs(finished_req_ids)
+        # The same lists on every rank (same metadata, same finished ids): one gather.
+        finished = sorted(self._finished)
+        loading = sorted(self._recvs)
+        local = [int(r not in self._in_flight) for r in finished]
+        local += [_LOAD_STATE[self._recv_ended.get(r)] for r in loading]
+        states = self._gather(local)
+        sending = {r for i, r in enumerate(finished) if min(s[i] for s in states)}
         self._finished -= sending
-        return sending or None, self._poll_recvs(finished_req_ids) or None
-
-    def _poll_recvs(self, finished_req_ids: set[str]) -> set[str]:
-        """Copies every arrived transfer into its blocks; returns the requests whose load
-        ended (well or not: failures are in the load errors)."""
-        receiver = self._receiver
         done: set[str] = set()
+        for i, req_id in enumerate(loading, start=len(finished)):
+            ended = [s[i] for s in states]
+            if 2 in ended:  # failed on some rank: on every rank, now
+                self._end_load(req_id, failed=True)
+            elif min(ended):
+                self._end_load(req_id, failed=False)
+            else:
+                continue
+            done.add(req_id)
+        return sending or None, done or None
+
+    def _gather(self, values: list[int]) -> list[list[int]]:
+        """Every TP rank's values, by rank (just this rank's without TP)."""
+        if self._tp is None or not values:
+            return [values]
+        import torch
+
+        gathered = self._tp.all_gather(torch.tensor(values, dtype=torch.int64), dim=0)
+        return gathered.view(self._tp_size, -1).tolist()
+
+    def _end_load(self, req_id: str, failed: bool) -> None:
+        """Every rank agreed this load ended: a failed one is recomputed from its blocks."""
+        spec, _ = self._recvs.pop(req_id)
+        if self._recv_ended.pop(req_id, None) is None and self._receiver is not None:
+            self._receiver.discard(spec.transfer_id)  # still on the way here: never needed
+        if failed:
+            _add_total(self.engine_id, "transfer_requests", "failed", 1.0)
+            self._load_errors.update(spec.block_ids[spec.start_block : spec.end_block])
+
+    def _poll_recvs(self, finished_req_ids: set[str]) -> None:
+        """Copies every arrived transfer into its blocks and notes, per request, how its
+        load ended on this rank (failures are logged here, reported once agreed)."""
+        receiver = self._receiver
         if receiver is None:
-            return done
+            return
         now = time.monotonic()
         for req_id, (spec, deadline) in list(self._recvs.items()):
             if req_id in finished_req_ids:  # aborted: its blocks may be someone else's now
                 receiver.discard(spec.transfer_id)
                 del self._recvs[req_id]
+                self._recv_ended.pop(req_id, None)
+                continue
+            if req_id in self._recv_ended:
                 continue
             arrival = receiver.take(spec.transfer_id)
             why: str | None = None
@@ -200,11 +267,8 @@ class P2pWorkerSide:
                 continue
             if why is not None:
                 logger.warning("KV load of transfer %s failed: %s", spec.transfer_id, why)
-                _add_total(self.engine_id, "transfer_requests", "failed", 1.0)
-                self._load_errors.update(spec.block_ids[spec.start_block : spec.end_block])
-            del self._recvs[req_id]
-            done.add(req_id)
-        return done
+            self.rank_transfers["failed" if why else "received"] += 1
+            self._recv_ended[req_id] = why is None
 
     def _copy_in(self, spec: LoadSpec, arrival: Any) -> str | None:
         """Writes the arrived layers into the request's blocks; the reason it could not."""

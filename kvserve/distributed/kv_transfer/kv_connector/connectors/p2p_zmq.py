@@ -14,9 +14,19 @@ computes just the last prompt token and decodes. KV that does not arrive within
 recv_timeout_s (a producer that died, a transfer refused) is reported as a load error: the
 scheduler recomputes the prompt or fails the request, per kv_load_failure_policy.
 
-One KV cache group of full attention, one worker (tensor parallel size 1). Per request,
-"fault_stop_after_layers": N makes the producer send only its first N layers (fault
-injection for tests: the consumer then sees a transfer that never completes).
+Tensor parallelism: producer and consumer have the same TP size; producer rank r sends its
+own KV heads to consumer rank r, listening at kv_port + r (the params carry the
+producer's tp_size; a consumer of another TP size refuses the transfer and computes the
+prompt). The scheduler hears from one rank only, so the ranks agree each step (one gloo
+all-gather, in steps with transfers pending) on which transfers every rank has ended:
+a request is finished_recving / finished_sending once it is on every rank, and a load
+that failed on any rank is a load error on all, recomputed everywhere. Pipeline
+parallelism is refused.
+
+One KV cache group of full attention. Per request, "fault_stop_after_layers": N makes the
+producer send only its first N layers, on every rank or only on TP rank
+"fault_tp_rank" (fault injection for tests: the consumer then sees a transfer that never
+completes).
 """
 
 from __future__ import annotations
@@ -73,10 +83,25 @@ class _Send:
     prompt_token_ids: list[int]
     block_ids: list[list[int]]
     stop_after_layers: int | None
+    stop_tp_rank: int | None  # the one rank that stops (None: every rank)
     spec: SaveSpec | None = None  # set once the save is planned
 
 
+def _int_or_none(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
 class P2pZmqConnector(P2pWorkerSide, KVConnectorBase_V1):
+    @classmethod
+    def check_parallel_config(cls, config: EngineConfig) -> None:
+        parallel = config.parallel_config
+        if parallel.pipeline_parallel_size > 1:
+            raise ValueError(
+                "kv_transfer_config.kv_connector 'P2pZmqConnector' does not support "
+                f"pipeline_parallel_size {parallel.pipeline_parallel_size} (tensor "
+                "parallelism only: each TP rank sends its KV heads to the consumer's same rank)"
+            )
+
     def __init__(
         self,
         config: EngineConfig,
@@ -85,8 +110,8 @@ class P2pZmqConnector(P2pWorkerSide, KVConnectorBase_V1):
     ) -> None:
         super().__init__(config, role, kv_cache_config)
         transfer = self.kv_transfer_config
-        if config.parallel_config.world_size != 1:
-            raise ValueError("P2pZmqConnector serves one worker (tensor parallel size 1)")
+        self.check_parallel_config(config)
+        self.tp_size = config.parallel_config.tensor_parallel_size
         groups = kv_cache_config.kv_cache_groups if kv_cache_config else []
         if len(groups) > 1 or any(not g.kv_cache_spec.attends_to_all for g in groups):
             raise ValueError("P2pZmqConnector serves one KV cache group of full attention")
@@ -117,19 +142,27 @@ class P2pZmqConnector(P2pWorkerSide, KVConnectorBase_V1):
         self._pending_loads: list[LoadSpec] = []
         self._pending_discards: list[str] = []
         self._stats: dict[str, dict[str, float]] = {}
-        # Worker side (p2p_worker.py); only a consumer's worker listens.
+        # Worker side (p2p_worker.py); only a consumer's worker listens, rank r at port + r.
         receiver = None
+        tp_rank = 0
+        if role == KVConnectorRole.WORKER and self.tp_size > 1:
+            from kvserve.distributed.parallel_state import get_tp_group
+
+            tp_rank = get_tp_group().rank_in_group
         if role == KVConnectorRole.WORKER and transfer.is_kv_consumer:
             from kvserve.distributed.kv_transfer.kv_connector.connectors.p2p_wire import (
                 Receiver,
             )
 
+            assert isinstance(port, int)
             receiver = Receiver(
-                f"tcp://{self.kv_host}:{self.kv_port}",
+                f"tcp://{self.kv_host}:{port + tp_rank}",
                 int(transfer.get_from_extra_config("max_buffer_bytes", 1 << 30)),
                 float(transfer.get_from_extra_config("buffer_ttl_s", 120.0)),
+                tp_rank,
+                self.tp_size,
             )
-        self._init_worker_side(receiver)
+        self._init_worker_side(receiver, tp_rank, self.tp_size)
 
     def _count(self, metric: str, kind: str, value: float = 1.0) -> None:
         totals = self._stats.setdefault(metric, {})
@@ -156,6 +189,17 @@ class P2pZmqConnector(P2pWorkerSide, KVConnectorBase_V1):
         if params is None:
             return 0, False
         if params.transfer_id in self._claimed:
+            return 0, False
+        if params.tp_size != self.tp_size:
+            logger.warning(
+                "request %s: kv_transfer_params.tp_size %d (the producer's "
+                "tensor_parallel_size) != this engine's tensor_parallel_size %d: its ranks "
+                "hold other KV heads; computing the prompt here",
+                req_id, params.tp_size, self.tp_size,
+            )  # fmt: skip
+            self._count("transfer_requests", "refused")
+            self._loaded.add(req_id)
+            self._pending_discards.append(params.transfer_id)
             return 0, False
         n = params.num_tokens
         prompt = request.prompt_token_ids
@@ -203,13 +247,15 @@ class P2pZmqConnector(P2pWorkerSide, KVConnectorBase_V1):
         if send is not None:
             params = request.kv_transfer_params or {}
             stop = params.get("fault_stop_after_layers")
+            stop_rank = params.get("fault_tp_rank")
             self._sends[req_id] = _Send(
                 send,
                 # Unique per request even when several share the params (a batch, n > 1).
                 f"{send.transfer_id or self.engine_id}-{req_id}-{uuid.uuid4().hex[:8]}",
                 list(request.prompt_token_ids),
                 block_ids,
-                stop if isinstance(stop, int) and not isinstance(stop, bool) else None,
+                _int_or_none(stop),
+                _int_or_none(stop_rank),
             )
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
@@ -228,11 +274,13 @@ class P2pZmqConnector(P2pWorkerSide, KVConnectorBase_V1):
             send.spec = SaveSpec(
                 req_id,
                 send.transfer_id,
-                send.params.address,
+                send.params.remote_host,
+                send.params.remote_port,
                 send.block_ids[0][: _cdiv(n, self.block_size)],
                 n,
                 prompt_hash(send.prompt_token_ids[:n]),
                 send.stop_after_layers,
+                send.stop_tp_rank,
             )
             meta.saves.append(send.spec)
         return meta
@@ -278,6 +326,7 @@ class P2pZmqConnector(P2pWorkerSide, KVConnectorBase_V1):
             "remote_engine_id": self.engine_id,
             "remote_host": send.params.remote_host,
             "remote_port": send.params.remote_port,
+            "tp_size": self.tp_size,
         }
 
     def get_kv_connector_stats(self) -> dict[str, dict[str, float]] | None:

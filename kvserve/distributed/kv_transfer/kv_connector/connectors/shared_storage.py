@@ -11,9 +11,11 @@ model, block size and cache salt), so any engine process computes the same key f
 same prefix, and the key of every block-aligned prefix comes out of one pass.
 
 Under tensor parallelism each rank holds its own KV heads and stores them in its own entry,
-``<key>.tp<rank>-of-<size>``; a prefix is stored once every rank's entry is, and a rank
-whose load fails makes every rank report the blocks (one all-reduce per loading step), so
-the scheduler recomputes them everywhere.
+``<key>.tp<rank>-of-<size>``; under pipeline parallelism each stage holds its own layers,
+``<key>.pp<stage>-of-<stages>`` (both: ``<key>.tp<r>-of-<n>.pp<s>-of-<m>``). A prefix is
+stored once every rank's entry is, and a rank whose load fails makes every rank report
+the blocks (one all-reduce over the whole world per loading step): the scheduler hears
+from one rank (the last stage's first TP rank) and recomputes them everywhere.
 
 A directory appears only complete: layers are written into a hidden temp directory and
 renamed into place by wait_for_save, so a reader in another process never sees half an
@@ -106,10 +108,7 @@ class _Tracked:
 class SharedStorageConnector(KVConnectorBase_V1):
     @classmethod
     def check_parallel_config(cls, config: EngineConfig) -> None:
-        if config.parallel_config.pipeline_parallel_size > 1:
-            raise ValueError(
-                "SharedStorageConnector does not support pipeline_parallel_size > 1 yet"
-            )
+        return None  # any TP x PP: each rank stores its own heads of its own layers
 
     def __init__(
         self,
@@ -128,14 +127,22 @@ class SharedStorageConnector(KVConnectorBase_V1):
         self.root = os.path.abspath(str(path))
         os.makedirs(self.root, exist_ok=True)
         self.block_size = config.cache_config.block_size
-        self.tp_size = config.parallel_config.tensor_parallel_size
-        self._tp: GroupCoordinator | None = None
-        self.tp_rank = 0
-        if role == KVConnectorRole.WORKER and self.tp_size > 1:
-            from kvserve.distributed.parallel_state import get_tp_group
+        parallel = config.parallel_config
+        self.tp_size = parallel.tensor_parallel_size
+        self.pp_size = parallel.pipeline_parallel_size
+        # The whole world agrees on failed loads: the scheduler hears from one rank only.
+        self._world: GroupCoordinator | None = None
+        self.tp_rank = self.pp_rank = 0
+        if role == KVConnectorRole.WORKER and parallel.world_size > 1:
+            from kvserve.distributed.parallel_state import (
+                get_pp_group,
+                get_tp_group,
+                get_world_group,
+            )
 
-            self._tp = get_tp_group()
-            self.tp_rank = self._tp.rank_in_group
+            self._world = get_world_group()
+            self.tp_rank = get_tp_group().rank_in_group
+            self.pp_rank = get_pp_group().rank_in_group
         self._salt = f"{FORMAT}|{config.model_config.resolved.name}|{self.block_size}"
         # Scheduler side.
         self._lookups: dict[str, tuple[str, int]] = {}  # req_id -> (key, num tokens stored)
@@ -151,16 +158,24 @@ class SharedStorageConnector(KVConnectorBase_V1):
     def _request_salt(self, cache_salt: str | None) -> str:
         return self._salt if cache_salt is None else f"{self._salt}|{cache_salt}"
 
-    def _entry_dir(self, key: str, rank: int | None = None) -> str:
-        """Where ``rank``'s part of an entry lives (this worker's rank by default)."""
-        if self.tp_size == 1:
-            return os.path.join(self.root, key)
-        rank = self.tp_rank if rank is None else rank
-        return os.path.join(self.root, f"{key}.tp{rank}-of-{self.tp_size}")
+    def _entry_dir(self, key: str, rank: tuple[int, int] | None = None) -> str:
+        """Where the (tp rank, pp stage) ``rank``'s part of an entry lives (this worker's
+        by default). One rank keeps the plain name, TP alone the TP-only one."""
+        tp_rank, pp_rank = (self.tp_rank, self.pp_rank) if rank is None else rank
+        name = key
+        if self.tp_size > 1:
+            name += f".tp{tp_rank}-of-{self.tp_size}"
+        if self.pp_size > 1:
+            name += f".pp{pp_rank}-of-{self.pp_size}"
+        return os.path.join(self.root, name)
 
     def _stored(self, key: str) -> bool:
         """Whether every rank's part of the entry is in place."""
-        return all(os.path.isdir(self._entry_dir(key, rank)) for rank in range(self.tp_size))
+        return all(
+            os.path.isdir(self._entry_dir(key, (tp_rank, pp_rank)))
+            for tp_rank in range(self.tp_size)
+            for pp_rank in range(self.pp_size)
+        )
 
     def _layer_file(self, entry_dir: str, layer_name: str) -> str:
         return os.path.join(entry_dir, layer_name.replace(os.sep, "_") + ".safetensors")
@@ -337,21 +352,22 @@ class SharedStorageConnector(KVConnectorBase_V1):
         self._save_dirs = {}
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        if self._tp is not None and self._loads_to_do:
+        if self._world is not None and self._loads_to_do:
             self._agree_on_failed_loads()
         errors, self._load_errors = self._load_errors, set()
         return errors
 
     def _agree_on_failed_loads(self) -> None:
         """A load that failed on any rank failed on all: the scheduler hears from one rank
-        only. Every rank follows the same metadata, so the all-reduce always matches."""
+        only. Every rank follows the same metadata (every stage runs the batches in the
+        same order, batch queue or not), so the all-reduce always matches."""
         import torch
 
-        assert self._tp is not None
+        assert self._world is not None
         failed = torch.tensor(
             [spec.req_id in self._failed_loads for spec in self._loads_to_do], dtype=torch.int64
         )
-        self._tp.all_reduce(failed)
+        self._world.all_reduce(failed)
         for spec, count in zip(self._loads_to_do, failed.tolist(), strict=True):
             if count:
                 self._failed_loads.add(spec.req_id)

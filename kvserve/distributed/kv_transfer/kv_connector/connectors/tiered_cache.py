@@ -1,7 +1,8 @@
 """TieredCacheConnector: the engine's paged KV cache in front of the kvcache tier.
 
-Roles: the worker side on each rank owns a CacheEngine keyed worker_id = its TP rank,
-and stores and loads only its own shard (its KV heads). The scheduler side owns none: it
+Roles: the worker side on each rank owns a CacheEngine keyed worker_id = its global rank
+(pp_stage * tp_size + tp_rank), and stores and loads only its own shard (its KV heads of
+its stage's layers). The scheduler side owns none: it
 asks every rank's lookup service (kvcache.lookup, ZMQ) and a prefix counts as far as the
 rank holding the least of it. TP=1 takes the same path, with one rank to ask.
 
@@ -14,8 +15,8 @@ is planned, and in request_finished (whatever happened before): the scheduler se
 those releases to the workers in the next step's metadata.
 
 Worker side (tiered_cache_worker.py): loads in start_load_kv (or a background thread with
-enable_async_loading), saves in wait_for_save, each rank its own KV heads; under TP the
-ranks agree on how far every rank loaded.
+enable_async_loading), saves in wait_for_save, each rank its own KV heads of its own
+layers; under TP and PP the whole world agrees on how far every rank loaded.
 """
 
 from __future__ import annotations
@@ -68,9 +69,7 @@ def _tags(cache_salt: str | None) -> tuple[tuple[str, str], ...]:
 class TieredCacheConnector(TieredCacheWorker, KVConnectorBase_V1):
     @classmethod
     def check_parallel_config(cls, config: EngineConfig) -> None:
-        parallel = config.parallel_config
-        if parallel.pipeline_parallel_size > 1:
-            raise ValueError("TieredCacheConnector does not support pipeline_parallel_size > 1 yet")
+        return None  # any TP x PP: each rank is its own worker_id
 
     def __init__(
         self,

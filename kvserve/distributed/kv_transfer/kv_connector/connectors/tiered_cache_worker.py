@@ -11,9 +11,10 @@ hit holds null blocks there) are not saved. Loads run in start_load_kv,
 or in a background thread with enable_async_loading (the request waits in
 WAITING_FOR_REMOTE_KVS until get_finished reports it). Saves run in wait_for_save. Tokens
 a load could not bring back are reported as load errors: the scheduler recomputes them.
-Under TP the ranks agree (a gloo all-gather, in steps that load) on how far every rank
-loaded and on which async loads every rank finished, so each reports the same thing and
-no rank computes on a head another rank failed to bring back.
+Under TP and PP all ranks agree (a gloo all-gather over the world, in steps that load)
+on how far every rank loaded and on which async loads every rank finished, so each
+reports the same thing and no rank computes on a head or layer another rank failed to
+bring back: the scheduler hears from the last stage's first TP rank only.
 """
 
 from __future__ import annotations
@@ -71,25 +72,29 @@ class TieredCacheWorker:
     _engine: CacheEngine | None = None
     _lookup_server: LookupServer | None = None
     _loader: ThreadPoolExecutor | None = None
+    _world: GroupCoordinator | None = None  # the whole world; None with one rank
 
     if TYPE_CHECKING:
 
         def _get_connector_metadata(self) -> KVConnectorMetadata: ...
 
     def _init_worker(self, config: EngineConfig, cache_config: CacheEngineConfig) -> None:
-        """This rank's CacheEngine (keys carry worker_id = its TP rank) and the lookup
-        service the scheduler asks."""
-        from kvserve.distributed.parallel_state import get_tp_group
+        """This rank's CacheEngine (keys carry worker_id = its global rank: TP ranks hold
+        other heads, PP stages other layers) and the lookup service the scheduler asks."""
+        from kvserve.distributed.parallel_state import get_world_group
 
-        self._tp: GroupCoordinator = get_tp_group()
+        rank = 0
+        if self.world_size > 1:
+            self._world = get_world_group()
+            rank = self._world.rank_in_group
         metadata = CacheEngineMetadata(
             model_name=config.model_config.resolved.name,
             world_size=self.world_size,
-            worker_id=self._tp.rank_in_group,
+            worker_id=rank,
             kv_dtype=config.cache_config.kv_dtype(config.model_config.dtype),
         )
         self._engine = CacheEngineBuilder.get_or_create(self._instance_id, cache_config, metadata)
-        self._lookup_address = lookup_address(self._instance_id, self._tp.rank_in_group)
+        self._lookup_address = lookup_address(self._instance_id, rank)
         # Ray may place ranks on other machines than the engine core: TCP on this node's
         # address, announced through the handshake. Otherwise an ipc path both sides know.
         tcp_host = None
@@ -162,14 +167,15 @@ class TieredCacheWorker:
         return {block for ids in spec.block_ids for block in ids[first_bad:]}
 
     def _agree(self, values: list[int]) -> list[int]:
-        """The minimum of each value over the TP ranks. Every rank calls it at the same
-        point with as many values (they follow the same metadata), so the collective
-        always matches up; one rank alone keeps its values."""
-        if self.world_size == 1 or not values:
+        """The minimum of each value over all ranks (TP and PP). Every rank calls it at the
+        same point with as many values (they follow the same metadata, and every stage
+        runs the batches in the same order, batch queue or not), so the collective always
+        matches up; one rank alone keeps its values."""
+        if self._world is None or not values:
             return values
         import torch
 
-        gathered = self._tp.all_gather(torch.tensor(values, dtype=torch.int64), dim=0)
+        gathered = self._world.all_gather(torch.tensor(values, dtype=torch.int64), dim=0)
         return [int(v) for v in gathered.view(self.world_size, -1).min(dim=0).values]
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
