@@ -13,6 +13,7 @@ consumer loads it, for instances that cannot reach each other.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -37,6 +38,27 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+# A consumer at TP=n listens on kv_port .. kv_port + n - 1 (one port per rank).
+MAX_KV_PORTS = 8
+
+
+def free_port_run(count: int = MAX_KV_PORTS) -> int:
+    """A port p with p .. p + count - 1 all free now (the consumer's ranks bind them)."""
+    for _ in range(100):
+        base = free_port()
+        if base + count > 65536:
+            continue
+        try:
+            with contextlib.ExitStack() as stack:
+                for port in range(base, base + count):
+                    s = stack.enter_context(socket.socket())
+                    s.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+    raise RuntimeError(f"found no {count} consecutive free ports")
 
 
 def connector_configs(kv_tier: str | None, kv_port: int) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -126,7 +148,7 @@ def disagg_main(args: argparse.Namespace) -> int:
 
     model = str(args.model or EngineArgs.model)
     extra = shlex.split(args.serve_args)
-    kv_port = free_port()
+    kv_port = free_port_run()
     producer_config, consumer_config = connector_configs(args.kv_tier, kv_port)
     children: list[Child] = []
     # SIGTERM during startup must still stop the children: make it an exception until

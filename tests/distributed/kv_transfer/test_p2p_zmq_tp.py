@@ -11,12 +11,12 @@ are refused by name; no KV block leaks on either side.
 from __future__ import annotations
 
 import random
-import socket
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
+from kvserve.entrypoints.disagg.launcher import free_port_run
 from kvserve.entrypoints.llm import LLM
 from kvserve.sampling_params import SamplingParams
 from tests.distributed.kv_transfer.helpers import core_of, drain
@@ -30,12 +30,6 @@ MAX_TOKENS = 6
 RECV_TIMEOUT_S = 3.0
 SEND_TIMEOUT_S = 3.0
 RANKS = "tests.executor.rpc_functions:p2p_rank_transfers"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture(scope="module")
@@ -53,9 +47,7 @@ def _engine(path: str, transfer: dict[str, Any]) -> LLM:
 
 @pytest.fixture(scope="module")
 def engines(tiny: tuple[str, Any]) -> Iterator[tuple[LLM, LLM, int]]:
-    port = _free_port()
-    while _free_port() == port + 1:  # rank 1 listens at port + 1
-        port = _free_port()
+    port = free_port_run(TP)  # rank r listens at port + r
     producer = _engine(tiny[0], {
         "kv_connector": "P2pZmqConnector", "kv_role": "kv_producer",
         "kv_connector_extra_config": {"send_timeout_s": SEND_TIMEOUT_S},
