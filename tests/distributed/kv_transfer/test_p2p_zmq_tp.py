@@ -95,6 +95,11 @@ def _rank_transfers(llm: LLM) -> list[dict[str, int]]:
     return list(core_of(llm).model_executor.collective_rpc(RANKS))
 
 
+def _consumer_failures(llm: LLM) -> float:
+    stats = core_of(llm).scheduler.connector.get_kv_connector_stats() or {}
+    return float(stats.get("transfer_requests", {}).get("failed", 0))
+
+
 def _settle(producer: LLM, consumer: LLM) -> None:
     drain(producer, timeout=SEND_TIMEOUT_S + 20)
     drain(consumer)
@@ -134,7 +139,7 @@ def test_a_transfer_lost_on_one_rank_is_recomputed_by_all(
 ) -> None:
     producer, consumer, port = engines
     ids = _prompt(3, tiny[1].config.vocab_size)
-    before = _rank_transfers(consumer)
+    before, failed = _rank_transfers(consumer), _consumer_failures(consumer)
     # Rank 1 sends only its first layer: its consumer rank never completes the transfer.
     params = _prefill(producer, ids, port, fault_stop_after_layers=1, fault_tp_rank=1)
     tokens, cached = _decode(consumer, ids, params)
@@ -143,4 +148,5 @@ def test_a_transfer_lost_on_one_rank_is_recomputed_by_all(
     after = _rank_transfers(consumer)
     assert [a["received"] - b["received"] for a, b in zip(after, before, strict=True)] == [1, 0]
     assert [a["failed"] - b["failed"] for a, b in zip(after, before, strict=True)] == [0, 1]
+    assert _consumer_failures(consumer) == failed + 1  # kv_connector_transfer_requests
     _settle(producer, consumer)

@@ -34,8 +34,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# The worker runs in the engine core's process (one worker): it leaves its totals (transfer
-# seconds, failed loads) here for the scheduler side's stats, per engine id.
+# A worker in the engine core's process (uniproc) leaves its totals (transfer seconds)
+# here for the scheduler side's stats, per engine id; workers of other processes (mp, TP)
+# keep theirs to themselves.
 _WORKER_TOTALS: dict[str, dict[str, dict[str, float]]] = {}
 _TOTALS_LOCK = threading.Lock()
 
@@ -235,8 +236,7 @@ class P2pWorkerSide:
         spec, _ = self._recvs.pop(req_id)
         if self._recv_ended.pop(req_id, None) is None and self._receiver is not None:
             self._receiver.discard(spec.transfer_id)  # still on the way here: never needed
-        if failed:
-            _add_total(self.engine_id, "transfer_requests", "failed", 1.0)
+        if failed:  # the scheduler side counts it (it sees the load errors)
             self._load_errors.update(spec.block_ids[spec.start_block : spec.end_block])
 
     def _poll_recvs(self, finished_req_ids: set[str]) -> None:

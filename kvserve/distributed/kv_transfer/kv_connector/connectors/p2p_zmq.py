@@ -135,6 +135,7 @@ class P2pZmqConnector(P2pWorkerSide, KVConnectorBase_V1):
         self._sends: dict[str, _Send] = {}
         self._recv_lookups: dict[str, RecvParams] = {}  # admitted-to-be, checked params
         self._loading: dict[str, LoadSpec] = {}
+        self._ended_loads: dict[str, LoadSpec] = {}  # ended while loading, until the output
         self._loaded: set[str] = set()  # loaded once: a preempted request recomputes
         # Transfers a request took (the latest ones): the n samples of one request carry
         # the same params, and only the first loads; the others compute the prompt.
@@ -287,13 +288,18 @@ class P2pZmqConnector(P2pWorkerSide, KVConnectorBase_V1):
 
     def update_connector_output(self, connector_output: Any) -> None:
         bad = connector_output.invalid_block_ids
+        # Loads of requests the scheduler just ended (policy "fail" ends one before this
+        # call, in the same output that reports its load's failure).
+        ended, self._ended_loads = self._ended_loads, {}
         for req_id in connector_output.finished_recving or ():
-            spec = self._loading.pop(req_id, None)
+            spec = self._loading.pop(req_id, None) or ended.get(req_id)
             if spec is None:
                 continue
             blocks = spec.block_ids[spec.start_block : spec.end_block]
             if bad and not bad.isdisjoint(blocks):
-                continue  # the worker counted it as failed
+                # Counted here, not by the workers: under TP they run in other processes.
+                self._count("transfer_requests", "failed")
+                continue
             self._count("transfer_requests", "received")
             self._count(
                 "transfer_tokens", "received", spec.num_tokens - spec.start_block * self.block_size
@@ -307,8 +313,9 @@ class P2pZmqConnector(P2pWorkerSide, KVConnectorBase_V1):
         self._recv_lookups.pop(req_id, None)
         self._loaded.discard(req_id)
         spec = self._loading.pop(req_id, None)
-        if spec is not None:  # finished (aborted) while its KV was on the way
+        if spec is not None:  # finished (aborted, failed) while its KV was on the way
             self._pending_discards.append(spec.transfer_id)
+            self._ended_loads[req_id] = spec
         send = self._sends.pop(req_id, None)
         if send is None or send.spec is None:
             return False, None
