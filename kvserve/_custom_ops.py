@@ -244,6 +244,11 @@ def block_linear(
     return torch.ops.kvserve.block_linear(x, qs, d, m, kind)
 
 
+def dense_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``x @ w.T`` for float32 CPU tensors: the GEMM of long inputs (csrc/block_gemm.cpp)."""
+    return torch.ops.kvserve.dense_linear(x, w)
+
+
 def block_linear_int8(
     x: torch.Tensor,
     qs: torch.Tensor,

@@ -2,6 +2,7 @@
 // (gguf_int8's integer paths: block_gemm_int8.cpp, block_gemm_vnni.cpp). Registered with
 // the other torch.ops.kvserve kernels (schemas in cpu_ops.cpp).
 
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/linear.h>
 #include <torch/library.h>
@@ -85,6 +86,30 @@ void sgemm_nt(int64_t nw, int64_t rows_x, int64_t K, const float* w, const float
   sgemm_("T", "N", &m, &n, &k, &one, w, &k, x, &k, &zero, out, &ld);
 }
 
+// oneDNN's matmul (torch's mkldnn::_linear_pointwise, taking w in its plain layout)
+// where torch has it, else at::linear (MKL). On an AMD EPYC (Zen 4) oneDNN's AVX-512
+// kernels multiply the layers' shapes at 1.2-1.4x MKL's rate from 256 rows on (one
+// thread), and a workload of long prompts ran 1.17x faster end to end, same tokens.
+at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& w) {
+  check_float(x, "x");
+  check_float(w, "w");
+  TORCH_CHECK(w.dim() == 2 && x.size(-1) == w.size(1), "x has ", x.size(-1),
+              " features, w's shape is ", w.sizes());
+  static const std::optional<c10::OperatorHandle> onednn =
+      c10::Dispatcher::singleton().findSchema({"mkldnn::_linear_pointwise", ""});
+  if (!onednn.has_value() || x.numel() == 0) return at::linear(x, w);
+  std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
+  out_shape.back() = w.size(0);
+  torch::jit::Stack stack{x.reshape({-1, x.size(-1)}).contiguous(),
+                          w.contiguous(),
+                          c10::IValue(),
+                          c10::IValue(std::string("none")),
+                          c10::IValue(c10::List<std::optional<at::Scalar>>()),
+                          c10::IValue()};
+  onednn->callBoxed(&stack);
+  return stack.back().toTensor().view(out_shape);
+}
+
 std::pair<at::Tensor, at::Tensor> linear_operands(const at::Tensor& x_in, const BlockWeight& w) {
   check_float(x_in, "x");
   TORCH_CHECK(x_in.size(-1) == w.cols, "x has ", x_in.size(-1), " features, weight ", w.cols);
@@ -123,10 +148,9 @@ at::Tensor block_linear(const at::Tensor& x_in, const at::Tensor& qs, const at::
 
   if (rows_x >= kDequantGemmRows && N * K <= kDequantGemmMaxWeights) {
     // Long prefill chunks: all of W dequantized into this thread's reused buffer (at most
-    // 64 MB), then the float32 engine's own multi-threaded GEMM on it: the same call as
-    // --quantization none, so the same result bit for bit. Dequantizing is one pass over
-    // W, against hundreds of FLOPs per weight in the GEMM at this many rows, where the
-    // tiles below would re-stream all of x once per tile.
+    // 64 MB), then a multi-threaded GEMM on it (dense_linear). Dequantizing is one pass
+    // over W, against hundreds of FLOPs per weight in the GEMM at this many rows, where
+    // the tiles below would re-stream all of x once per tile.
     thread_local at::Tensor scratch;
     if (!scratch.defined() || scratch.numel() < N * K)
       scratch = at::empty({N * K}, x.options());
@@ -135,7 +159,7 @@ at::Tensor block_linear(const at::Tensor& x_in, const at::Tensor& qs, const at::
     at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
       w.dequant_rows(begin, end, dp + begin * K);
     });
-    return at::linear(x_in, dense);
+    return dense_linear(x_in, dense);
   }
 
   // Larger inputs (prefill chunks, big batches): each thread dequantizes a tile of W
@@ -159,4 +183,5 @@ at::Tensor block_linear(const at::Tensor& x_in, const at::Tensor& qs, const at::
 TORCH_LIBRARY_IMPL(kvserve, CPU, m) {
   m.impl("dequantize_blocks", &kvserve_cpu::dequantize_blocks);
   m.impl("block_linear", &kvserve_cpu::block_linear);
+  m.impl("dense_linear", &kvserve_cpu::dense_linear);
 }

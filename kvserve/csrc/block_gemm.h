@@ -37,7 +37,14 @@ namespace kvserve_cpu {
 // In a 4-bit block, byte j holds weight j in its low nibble and weight j + 16 in its high.
 constexpr int64_t kBlock = 32;  // weights per block
 constexpr int64_t kPrefetchRows = 4;
-constexpr int64_t kGemvRows = 6;  // rows of x per float GEMV pass (gemv's largest R)
+// Rows of x per float GEMV pass (gemv's largest R): a pass converts each block's quants
+// once for all its rows. AVX-512's 32 registers hold 8 rows' accumulators (16) beside the
+// quants, so 7-8-row decode steps take one pass instead of two; AVX2's 16 hold 6.
+#ifdef __AVX512F__
+constexpr int64_t kGemvRows = 8;
+#else
+constexpr int64_t kGemvRows = 6;
+#endif
 
 // Kinds whose blocks carry a minimum (w = d * q + m).
 constexpr bool has_min(int64_t kind) { return kind == 1 || kind == 3; }
@@ -458,7 +465,13 @@ struct BlockWeight {
       case 3: return gemv_t<KIND, 3>(x, xsum, out, rows, begin, end);
       case 4: return gemv_t<KIND, 4>(x, xsum, out, rows, begin, end);
       case 5: return gemv_t<KIND, 5>(x, xsum, out, rows, begin, end);
+#ifdef __AVX512F__
+      case 6: return gemv_t<KIND, 6>(x, xsum, out, rows, begin, end);
+      case 7: return gemv_t<KIND, 7>(x, xsum, out, rows, begin, end);
+      default: return gemv_t<KIND, 8>(x, xsum, out, rows, begin, end);
+#else
       default: return gemv_t<KIND, 6>(x, xsum, out, rows, begin, end);
+#endif
     }
   }
 
@@ -479,6 +492,10 @@ BlockWeight block_weight(const at::Tensor& qs, const at::Tensor& d, const at::Te
 
 // x as contiguous [rows, K], and an uninitialized output shaped like x with N features.
 std::pair<at::Tensor, at::Tensor> linear_operands(const at::Tensor& x_in, const BlockWeight& w);
+
+// x @ w^T for a dense float32 w, multi-threaded: the float32 engine's GEMM for long
+// inputs, and the lossless block path's once it has dequantized W (block_gemm.cpp).
+at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& w);
 
 // block_gemm_vnni.cpp: gguf_int8's row-interleaved copy of the blocks (empty in builds
 // without AVX-512 VNNI), and its matmul for any number of rows of int8-quantized x

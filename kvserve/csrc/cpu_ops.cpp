@@ -184,6 +184,7 @@ TORCH_LIBRARY(kvserve, m) {
   m.def("silu_and_mul(Tensor(a!) out, Tensor x) -> ()");
   m.def("dequantize_blocks(Tensor qs, Tensor d, Tensor m, int kind) -> Tensor");
   m.def("block_linear(Tensor x, Tensor qs, Tensor d, Tensor m, int kind) -> Tensor");
+  m.def("dense_linear(Tensor x, Tensor w) -> Tensor");
   m.def(
       "block_linear_int8(Tensor x, Tensor qs, Tensor d, Tensor m, int kind, Tensor? packed=None) "
       "-> Tensor");

@@ -38,8 +38,8 @@ def test_dequantize_is_bit_exact_with_gguf(qtype: T) -> None:
     assert torch.equal(weight.dequantize(), reference)
 
 
-# 1-15 rows: the GEMV over cache-sized tiles, 6 rows of x at a time; 16-255: dequantized
-# tiles + BLAS; 256+: all of W dequantized, then torch's own GEMM.
+# 1-15 rows: the GEMV over cache-sized tiles, 6-8 rows of x at a time; 16-255: dequantized
+# tiles + BLAS; 256+: all of W dequantized, then the float32 engine's GEMM (dense_linear).
 @pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 13, 47, 48, 130, 255, 256, 300])
 @pytest.mark.parametrize("qtype", TYPES)
 def test_block_linear_matches_float32_matmul(qtype: T, rows: int) -> None:
@@ -48,8 +48,25 @@ def test_block_linear_matches_float32_matmul(qtype: T, rows: int) -> None:
     out = weight.linear(x)
     torch.testing.assert_close(out, F.linear(x, reference), rtol=1e-4, atol=1e-4)
     if rows >= 256:  # the float32 engine's very call: its result bit for bit
-        assert torch.equal(out, F.linear(x, reference))
+        assert torch.equal(out, ops.dense_linear(x, reference))
         assert torch.equal(weight.linear(x[:, None]), out[:, None])  # leading dims kept
+
+
+def test_float32_linear_takes_the_dense_gemm_for_long_inputs() -> None:
+    """A float32 layer multiplies long inputs as the lossless block path does once it has
+    dequantized its weight (so the two agree bit for bit on prefill chunks), shorter ones
+    with torch's linear; both are the float32 product."""
+    from kvserve.model_executor.layers.linear import DENSE_GEMM_ROWS, ColumnParallelLinear
+
+    layer = ColumnParallelLinear(192, 96)
+    layer.weight.data.copy_(torch.randn(96, 192))
+    for rows in (DENSE_GEMM_ROWS - 1, DENSE_GEMM_ROWS, 600):
+        x = torch.randn(rows, 192)
+        out = layer._matmul(x)
+        want = ops.dense_linear(x, layer.weight) if rows >= DENSE_GEMM_ROWS else None
+        assert torch.equal(out, want if want is not None else F.linear(x, layer.weight))
+        exact = x.double().matmul(layer.weight.double().T).float()
+        torch.testing.assert_close(out, exact, rtol=1e-4, atol=1e-4)
 
 
 def test_block_linear_keeps_leading_dims_and_rejects_wrong_width() -> None:

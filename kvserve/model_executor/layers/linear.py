@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvserve import _custom_ops as ops
 from kvserve.distributed.parallel_state import get_tp_group
 
 if TYPE_CHECKING:
@@ -21,6 +22,8 @@ if TYPE_CHECKING:
 
 # (dim, start, size): where this rank's shard lies in the full checkpoint tensor.
 ShardRange = tuple[int, int, int]
+# Inputs of this many rows on take ops.dense_linear (kDequantGemmRows in block_gemm.cpp).
+DENSE_GEMM_ROWS = 256
 
 
 def get_tp_rank_size() -> tuple[int, int]:
@@ -62,6 +65,10 @@ class LinearBase(nn.Module):
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self.quant_weight is not None:
             return self.quant_weight.linear(x)
+        # Long inputs (prefill chunks) take the GEMM the lossless block path takes once it
+        # has dequantized its weight, so both give the same bits there.
+        if x.numel() >= DENSE_GEMM_ROWS * x.shape[-1] and ops.use_for(x):
+            return ops.dense_linear(x, self.weight)
         return F.linear(x, self.weight)
 
     def extra_repr(self) -> str:
