@@ -86,10 +86,11 @@ void sgemm_nt(int64_t nw, int64_t rows_x, int64_t K, const float* w, const float
   sgemm_("T", "N", &m, &n, &k, &one, w, &k, x, &k, &zero, out, &ld);
 }
 
-// oneDNN's matmul (torch's mkldnn::_linear_pointwise, taking w in its plain layout)
-// where torch has it, else at::linear (MKL). On an AMD EPYC (Zen 4) oneDNN's AVX-512
-// kernels multiply the layers' shapes at 1.2-1.4x MKL's rate from 256 rows on (one
-// thread), and a workload of long prompts ran 1.17x faster end to end, same tokens.
+// From kDequantGemmRows rows on, oneDNN's matmul (torch's mkldnn::_linear_pointwise,
+// taking w in its plain layout) where torch has it; shorter inputs, and torch builds
+// without oneDNN, at::linear (MKL). On an AMD EPYC (Zen 4) oneDNN's AVX-512 kernels
+// multiply the layers' shapes at 1.2-1.4x MKL's rate from 256 rows on (one thread), and a
+// workload of long prompts ran 1.17x faster end to end, same tokens.
 at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& w) {
   check_float(x, "x");
   check_float(w, "w");
@@ -97,7 +98,8 @@ at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& w) {
               " features, w's shape is ", w.sizes());
   static const std::optional<c10::OperatorHandle> onednn =
       c10::Dispatcher::singleton().findSchema({"mkldnn::_linear_pointwise", ""});
-  if (!onednn.has_value() || x.numel() == 0) return at::linear(x, w);
+  const int64_t rows = x.size(-1) == 0 ? 0 : x.numel() / x.size(-1);
+  if (!onednn.has_value() || rows < kDequantGemmRows) return at::linear(x, w);
   std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
   out_shape.back() = w.size(0);
   torch::jit::Stack stack{x.reshape({-1, x.size(-1)}).contiguous(),

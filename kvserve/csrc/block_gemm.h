@@ -493,8 +493,9 @@ BlockWeight block_weight(const at::Tensor& qs, const at::Tensor& d, const at::Te
 // x as contiguous [rows, K], and an uninitialized output shaped like x with N features.
 std::pair<at::Tensor, at::Tensor> linear_operands(const at::Tensor& x_in, const BlockWeight& w);
 
-// x @ w^T for a dense float32 w, multi-threaded: the float32 engine's GEMM for long
-// inputs, and the lossless block path's once it has dequantized W (block_gemm.cpp).
+// x @ w^T for a dense float32 w, multi-threaded: every float32 layer's matmul (modules
+// and the C++ decode stack alike), and the lossless block path's for long inputs once it
+// has dequantized W, so the paths agree bit for bit (block_gemm.cpp).
 at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& w);
 
 // block_gemm_vnni.cpp: gguf_int8's row-interleaved copy of the blocks (empty in builds

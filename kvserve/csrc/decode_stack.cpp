@@ -30,7 +30,7 @@
 namespace kvserve_cpu {
 
 at::Tensor Projection::operator()(const at::Tensor& x) const {
-  at::Tensor y = kind < 0              ? at::linear(x, weight)
+  at::Tensor y = kind < 0              ? dense_linear(x, weight)
                  : int8_activations ? block_linear_int8(x, weight, d, m, kind, packed)
                                        : block_linear(x, weight, d, m, kind);
   return bias ? at::add(y, *bias) : y;

@@ -22,7 +22,8 @@ if TYPE_CHECKING:
 
 # (dim, start, size): where this rank's shard lies in the full checkpoint tensor.
 ShardRange = tuple[int, int, int]
-# Inputs of this many rows on take ops.dense_linear (kDequantGemmRows in block_gemm.cpp).
+# From this many rows on ops.dense_linear takes oneDNN (kDequantGemmRows in
+# block_gemm.cpp); below, it is F.linear, called here without a trip through the op.
 DENSE_GEMM_ROWS = 256
 
 
