@@ -70,10 +70,18 @@ at::Tensor dequantize_blocks(const at::Tensor& qs, const at::Tensor& d, const at
 
 // y = x @ W^T for x [M, K] float32 and W in blocks [N, K]. Weights cross the memory bus
 // as 4-8 bits per value on every path; decode-sized inputs never materialize them.
+//   < kDenseRows rows: the GEMV over cache-sized tiles of W, 6-8 rows of x at a time.
+//   >= kDenseRows: all of W dequantized, then the float32 engine's own GEMM (dense_linear,
+//     so the two paths agree bit for bit); an LM head too large for that takes
+//     dequantized tiles into single-threaded BLAS instead.
+// MKL's sgemm runs a third of its rate below 64 rows of x (Intel Xeon Ice Lake, the
+// layers' shapes, 2 threads: 22-38 GFLOP/s for 16-32 rows as dequantized tiles, 58-67 for
+// 32-48 rows on all of W, 135-140 from 64), while the GEMV holds 60-78 GFLOP/s at any
+// number of rows; decode batches of 16-63 requests were 2-3x slower on BLAS.
 constexpr int64_t kTileRows = 64;
-constexpr int64_t kBlasRows = 16;  // from here on: dequantized tiles + BLAS
+constexpr int64_t kDenseRows = 64;
 constexpr int64_t kBlasTileRows = 128;
-constexpr int64_t kDequantGemmRows = 256;  // from here on: all of W dequantized + torch's GEMM
+constexpr int64_t kOneDnnRows = 256;  // dense_linear: oneDNN from here on
 constexpr int64_t kDequantGemmMaxWeights = 16 << 20;  // layers, not a 100 MB LM head
 
 // Row-major out[M, ldc] (columns n0.. of it) = x[M, K] @ w[nw, K]^T, via column-major BLAS:
@@ -86,7 +94,7 @@ void sgemm_nt(int64_t nw, int64_t rows_x, int64_t K, const float* w, const float
   sgemm_("T", "N", &m, &n, &k, &one, w, &k, x, &k, &zero, out, &ld);
 }
 
-// From kDequantGemmRows rows on, oneDNN's matmul (torch's mkldnn::_linear_pointwise,
+// From kOneDnnRows rows on, oneDNN's matmul (torch's mkldnn::_linear_pointwise,
 // taking w in its plain layout) where torch has it; shorter inputs, and torch builds
 // without oneDNN, at::linear (MKL). On an AMD EPYC (Zen 4) oneDNN's AVX-512 kernels
 // multiply the layers' shapes at 1.2-1.4x MKL's rate from 256 rows on (one thread), and a
@@ -99,7 +107,7 @@ at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& w) {
   static const std::optional<c10::OperatorHandle> onednn =
       c10::Dispatcher::singleton().findSchema({"mkldnn::_linear_pointwise", ""});
   const int64_t rows = x.size(-1) == 0 ? 0 : x.numel() / x.size(-1);
-  if (!onednn.has_value() || rows < kDequantGemmRows) return at::linear(x, w);
+  if (!onednn.has_value() || rows < kOneDnnRows) return at::linear(x, w);
   std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
   out_shape.back() = w.size(0);
   torch::jit::Stack stack{x.reshape({-1, x.size(-1)}).contiguous(),
@@ -129,7 +137,7 @@ at::Tensor block_linear(const at::Tensor& x_in, const at::Tensor& qs, const at::
   float* op = out.data_ptr<float>();
   if (rows_x == 0) return out;
 
-  if (rows_x < kBlasRows) {
+  if (rows_x < kDenseRows) {
     // Tiles of W small enough to stay in cache while every group of x rows passes over
     // them; the quants are converted once per group, not once per row.
     std::vector<float> xsum(rows_x * nb);
@@ -148,11 +156,11 @@ at::Tensor block_linear(const at::Tensor& x_in, const at::Tensor& qs, const at::
     return out;
   }
 
-  if (rows_x >= kDequantGemmRows && N * K <= kDequantGemmMaxWeights) {
-    // Long prefill chunks: all of W dequantized into this thread's reused buffer (at most
-    // 64 MB), then a multi-threaded GEMM on it (dense_linear). Dequantizing is one pass
-    // over W, against hundreds of FLOPs per weight in the GEMM at this many rows, where
-    // the tiles below would re-stream all of x once per tile.
+  if (N * K <= kDequantGemmMaxWeights) {
+    // All of W dequantized into this thread's reused buffer (at most 64 MB), then a
+    // multi-threaded GEMM on it (dense_linear). Dequantizing is one pass over W, against
+    // 128+ FLOPs per weight in the GEMM at this many rows, and the GEMM on whole W ran
+    // 1.4-1.5x the rate of the tiles below at 96-160 rows (Ice Lake, as above).
     thread_local at::Tensor scratch;
     if (!scratch.defined() || scratch.numel() < N * K)
       scratch = at::empty({N * K}, x.options());
@@ -164,9 +172,9 @@ at::Tensor block_linear(const at::Tensor& x_in, const at::Tensor& qs, const at::
     return dense_linear(x_in, dense);
   }
 
-  // Larger inputs (prefill chunks, big batches): each thread dequantizes a tile of W
-  // into a cache-sized float32 buffer and multiplies it with single-threaded BLAS, so the
-  // GEMM runs at full speed while W is still read once, in its quantized form.
+  // A weight too large to dequantize whole (an LM head): each thread dequantizes a tile
+  // of W into a cache-sized float32 buffer and multiplies it with single-threaded BLAS,
+  // so W is still read once, in its quantized form.
   const int64_t num_tiles = (N + kBlasTileRows - 1) / kBlasTileRows;
   at::parallel_for(0, num_tiles, 1, [&](int64_t begin, int64_t end) {
     // Uninitialized: every element is written by dequant_rows before BLAS reads it.

@@ -49,7 +49,7 @@ void quantize_block_q8(const float* x, int8_t* q, float& d, float& s) {
 
 struct Int8Rows {
   int64_t rows, cols, nb;
-  std::vector<int8_t> q;  // [rows, cols]
+  CacheAligned<int8_t> q;  // [rows, cols]
   std::vector<float> d;   // [rows, nb]
   std::vector<float> s;   // [rows, nb]: d * sum of the block's quants
 

@@ -216,11 +216,9 @@ bool packed_linear_vnni(const at::Tensor& packed, int64_t kind, int64_t N, int64
   if (!kPackedVnni) return false;
   check_packed_vnni(packed, kind, N, K);
   const uint8_t* p = packed.data_ptr<uint8_t>();
-  std::vector<uint8_t> xu;
-  if (kind == 0) {  // x as unsigned bytes for vpdpbusd: q + 128
-    xu.resize(rows * K);
+  CacheAligned<uint8_t> xu(kind == 0 ? rows * K : 0);
+  if (kind == 0)  // x as unsigned bytes for vpdpbusd: q + 128
     unsigned_activations(xq, xu.data(), rows * K);
-  }
   // Threads split the weight's groups.
   at::parallel_for(0, packed_groups(N), 1, [&](int64_t begin, int64_t end) {
     packed_groups_vnni(p, kind, N, K, rows, xq, xu.data(), xd, xs, out, begin, end);

@@ -52,9 +52,9 @@ struct ProjectionView {
 // A thread's copy of what a projection needs of its input: x quantized (int8) or x's
 // per-block sums (float blocks).
 struct ThreadInput {
-  std::vector<int8_t> q;
-  std::vector<uint8_t> u;  // Q8_0 weights take x as unsigned bytes
-  std::vector<float> d, s, xsum;
+  CacheAligned<int8_t> q;
+  CacheAligned<uint8_t> u;  // Q8_0 weights take x as unsigned bytes
+  CacheAligned<float> d, s, xsum;
   ThreadInput(int64_t rows, int64_t max_k)
       : q(rows * max_k), u(rows * max_k), d(rows * max_k / kBlock), s(rows * max_k / kBlock),
         xsum(rows * max_k / kBlock) {}
@@ -174,7 +174,8 @@ std::tuple<at::Tensor, at::Tensor> fused_decode_step(
 #pragma omp parallel num_threads(threads_wanted)
   {
     const int tid = omp_get_thread_num(), threads = omp_get_num_threads();
-    std::vector<float> residual(hidden_ptr, hidden_ptr + T * H), x(T * H), act(T * inter);
+    CacheAligned<float> residual(T * H), x(T * H), act(T * inter);
+    std::copy(hidden_ptr, hidden_ptr + T * H, residual.data());
     ThreadInput in(T, max_k);
     for (int64_t r = 0; r < T; ++r)
       rms_norm_row(x.data() + r * H, hidden_ptr + r * H, views[0].input_norm, H, eps);
@@ -210,7 +211,7 @@ std::tuple<at::Tensor, at::Tensor> fused_decode_step(
       linear_share(l.down, act.data(), T, in, down_ptr, tid, threads);
 #pragma omp barrier
     }
-    if (tid == 0) std::copy(residual.begin(), residual.end(), residual_out.data_ptr<float>());
+    if (tid == 0) std::copy(residual.data(), residual.data() + T * H, residual_out.data_ptr<float>());
   }
   return {down, residual_out};
 }

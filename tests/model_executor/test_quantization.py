@@ -38,18 +38,30 @@ def test_dequantize_is_bit_exact_with_gguf(qtype: T) -> None:
     assert torch.equal(weight.dequantize(), reference)
 
 
-# 1-15 rows: the GEMV over cache-sized tiles, 6-8 rows of x at a time; 16-255: dequantized
-# tiles + BLAS; 256+: all of W dequantized, then the float32 engine's GEMM (dense_linear).
-@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 13, 47, 48, 130, 255, 256, 300])
+# 1-63 rows: the GEMV over cache-sized tiles, 6-8 rows of x at a time; 64+: all of W
+# dequantized, then the float32 engine's GEMM (dense_linear: MKL, oneDNN from 256 rows).
+DENSE_ROWS = 64
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 13, 16, 47, 63, 64, 130, 255, 256, 300])
 @pytest.mark.parametrize("qtype", TYPES)
 def test_block_linear_matches_float32_matmul(qtype: T, rows: int) -> None:
     weight, reference = _block_weight(qtype, 197, 1536, seed=rows)
     x = torch.randn(rows, 1536)
     out = weight.linear(x)
     torch.testing.assert_close(out, F.linear(x, reference), rtol=1e-4, atol=1e-4)
-    if rows >= 256:  # the float32 engine's very call: its result bit for bit
+    if rows >= DENSE_ROWS:  # the float32 engine's very call: its result bit for bit
         assert torch.equal(out, ops.dense_linear(x, reference))
         assert torch.equal(weight.linear(x[:, None]), out[:, None])  # leading dims kept
+
+
+def test_lm_head_sized_block_linear_takes_dequantized_tiles() -> None:
+    # Over 16M weights W is not dequantized whole: 64+ rows go through cache-sized
+    # dequantized tiles and single-threaded BLAS, below that the GEMV.
+    weight, reference = _block_weight(T.Q8_0, 8200, 2048, seed=3)
+    for rows in (DENSE_ROWS - 1, DENSE_ROWS + 6):
+        x = torch.randn(rows, 2048)
+        torch.testing.assert_close(weight.linear(x), F.linear(x, reference), rtol=1e-4, atol=1e-4)
 
 
 def test_float32_linear_takes_the_dense_gemm_for_long_inputs() -> None:

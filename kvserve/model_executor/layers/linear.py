@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 
 # (dim, start, size): where this rank's shard lies in the full checkpoint tensor.
 ShardRange = tuple[int, int, int]
-# From this many rows on ops.dense_linear takes oneDNN (kDequantGemmRows in
+# From this many rows on ops.dense_linear takes oneDNN (kOneDnnRows in
 # block_gemm.cpp); below, it is F.linear, called here without a trip through the op.
 DENSE_GEMM_ROWS = 256
 
