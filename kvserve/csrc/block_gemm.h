@@ -1,6 +1,6 @@
-// GGUF block weights shared by the block matmuls: the planes, their dequantization and
-// the float GEMV (block_gemm.cpp), used by the int8 paths too (block_gemm_int8.cpp,
-// block_gemm_vnni.cpp).
+// GGUF block weights shared by the block matmuls: the planes (kinds and loads in
+// block_quants.h), their dequantization and the float GEMV (block_gemm.cpp), used by the
+// int8 paths too (block_gemm_int8.cpp, block_gemm_vnni.cpp).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -14,28 +14,12 @@
 #include <xmmintrin.h>  // _mm_prefetch
 #endif
 
+#include "block_quants.h"
 #include "cpu_common.h"
 
 namespace kvserve_cpu {
 
-// ---- GGUF block weights ------------------------------------------------------------
-// Linear layers can keep llama.cpp's 32-weight blocks instead of float32 weights, split
-// into planes: qs (the quants), d (block scale) and m (block minimum, Q4_1 only), both
-// scales float16 as in the file (decode streams every byte of them per token: float32
-// scales would be 20% more traffic for Q4_1). Dequantization is the gguf package's own
-// expression on the exactly converted scales, so a dequantized block equals the float32
-// weight the model would otherwise load, bit for bit.
-//   kind 0, Q8_0: w = d * q, q int8;                 qs: int8  [N, K]
-//   kind 1, Q4_1: w = d * q + m, q in 0..15;         qs: uint8 [N, K/2]
-//   kind 2, Q4_0: w = d * (q - 8), q in 0..15;       qs: uint8 [N, K/2]
-//   kind 3, Q4_1 with float32 d and m (GGUF's Q4_K, repacked at load by
-//           model_executor/layers/gguf_repack.py: a Q4_K sub-block's d * sc and
-//           -dmin * min are exact in float32, not in float16); qs as Q4_1.
-//   kind 4, Q8_0's int8 qs with two float32 scales per block, one per 16 weights (GGUF's
-//           Q6_K, repacked at load: q - 32 in -32..31 and a sub-block's d * sc, exact in
-//           float32); d: float32 [N, K/16], no minimum.
-// In a 4-bit block, byte j holds weight j in its low nibble and weight j + 16 in its high.
-constexpr int64_t kBlock = 32;  // weights per block
+// ---- The float GEMV ------------------------------------------------------------------
 constexpr int64_t kPrefetchRows = 4;
 // Rows of x per float GEMV pass (gemv's largest R): a pass converts each block's quants
 // once for all its rows. AVX-512's 32 registers hold 8 rows' accumulators (16) beside the
@@ -45,158 +29,6 @@ constexpr int64_t kGemvRows = 8;
 #else
 constexpr int64_t kGemvRows = 6;
 #endif
-
-// Kinds whose blocks carry a minimum (w = d * q + m).
-constexpr bool has_min(int64_t kind) { return kind == 1 || kind == 3; }
-// Kinds with one int8 quant per byte (the others pack two 4-bit quants).
-constexpr bool byte_quants(int64_t kind) { return kind == 0 || kind == 4; }
-// Kinds whose scales are float32 (repacked k-quants) rather than the file's float16.
-constexpr bool float32_scales(int64_t kind) { return kind == 3 || kind == 4; }
-// Scales per 32-weight block: kind 4 scales each half of a block on its own.
-constexpr int64_t scales_per_block(int64_t kind) { return kind == 4 ? 2 : 1; }
-inline int64_t weight_cols(int64_t kind, int64_t qs_cols) {
-  return byte_quants(kind) ? qs_cols : qs_cols * 2;
-}
-
-// d_hi: the scale of weights 16-31 (kind 4; d itself for the other kinds).
-template <int KIND>
-inline void dequant_block(const uint8_t* __restrict qs, float d, float m, float d_hi,
-                          float* __restrict w) {
-  if constexpr (byte_quants(KIND)) {
-    const int8_t* q = reinterpret_cast<const int8_t*>(qs);
-#pragma omp simd
-    for (int i = 0; i < 16; ++i) w[i] = d * static_cast<float>(q[i]);
-#pragma omp simd
-    for (int i = 16; i < 32; ++i) w[i] = d_hi * static_cast<float>(q[i]);
-  } else {
-    int32_t lo[16], hi[16];
-#pragma omp simd
-    for (int j = 0; j < 16; ++j) {
-      lo[j] = qs[j] & 15;
-      hi[j] = qs[j] >> 4;
-    }
-    if constexpr (has_min(KIND)) {
-#pragma omp simd
-      for (int j = 0; j < 16; ++j) {
-        w[j] = d * static_cast<float>(lo[j]) + m;
-        w[j + 16] = d * static_cast<float>(hi[j]) + m;
-      }
-    } else {
-#pragma omp simd
-      for (int j = 0; j < 16; ++j) {
-        w[j] = d * static_cast<float>(lo[j] - 8);
-        w[j + 16] = d * static_cast<float>(hi[j] - 8);
-      }
-    }
-  }
-}
-
-#ifdef __AVX2__
-// The 32 quants of a block as four vectors of 8 floats (weights 0-7, 8-15, 16-23, 24-31).
-// A 4-bit block's 16 bytes are broadcast to both halves and spread one byte per 32-bit lane
-// by an in-lane byte shuffle: Zen 3 runs 4 of those per block where sign extension
-// (vpmovsxbd, 4 per block) and the shifts between them queued on its two shuffle pipes;
-// the GEMV is 1.28x faster that way (AMD EPYC Zen 3, same bits).
-template <int KIND>
-inline void load_quants(const uint8_t* qs, __m256 q[4]) {
-  if constexpr (byte_quants(KIND)) {
-    for (int i = 0; i < 4; ++i)
-      q[i] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(
-          reinterpret_cast<const __m128i*>(qs + 8 * i))));
-  } else {
-    const __m256i bytes =
-        _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)));
-    // Lane i of `first` holds byte i (weights i and i + 16), of `second` byte 8 + i.
-    const __m256i first = _mm256_shuffle_epi8(
-        bytes, _mm256_setr_epi8(0, -1, -1, -1, 1, -1, -1, -1, 2, -1, -1, -1, 3, -1, -1, -1, 4,
-                                -1, -1, -1, 5, -1, -1, -1, 6, -1, -1, -1, 7, -1, -1, -1));
-    const __m256i second = _mm256_shuffle_epi8(
-        bytes, _mm256_setr_epi8(8, -1, -1, -1, 9, -1, -1, -1, 10, -1, -1, -1, 11, -1, -1, -1,
-                                12, -1, -1, -1, 13, -1, -1, -1, 14, -1, -1, -1, 15, -1, -1, -1));
-    const __m256i mask = _mm256_set1_epi32(15);
-    __m256i v[4] = {_mm256_and_si256(first, mask), _mm256_and_si256(second, mask),
-                    _mm256_srli_epi32(first, 4), _mm256_srli_epi32(second, 4)};
-    for (int i = 0; i < 4; ++i) {
-      if constexpr (KIND == 2) v[i] = _mm256_sub_epi32(v[i], _mm256_set1_epi32(8));
-      q[i] = _mm256_cvtepi32_ps(v[i]);
-    }
-  }
-}
-
-#endif
-
-#ifdef __AVX512F__
-// A shuffle index that moves byte k of a 128-bit lane to the low byte of a 32-bit lane
-// and zeros the other three bytes.
-constexpr int byte_lane(int k) { return static_cast<int>(0xFFFFFF00u | static_cast<unsigned>(k)); }
-
-// The 32 quants of a block as two vectors of 16 floats (weights 0-15, 16-31): the float
-// GEMV's widest form, half the instructions per block of load_quants. kLookup: see below.
-template <int KIND, bool kLookup>
-inline void load_quants16(const uint8_t* qs, __m512 q[2]) {
-  if constexpr (byte_quants(KIND)) {
-    for (int i = 0; i < 2; ++i)
-      q[i] = _mm512_cvtepi32_ps(
-          _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + 16 * i))));
-  } else {
-#ifdef __AVX512BW__
-    // As load_quants: the 16 bytes broadcast to the four 128-bit lanes and spread one byte
-    // per 32-bit lane by one in-lane shuffle (byte i -> lane i: weights i and 16 + i), so
-    // no cross-lane sign extensions remain (1.2x on an Intel Xeon with AMX).
-    const __m512i spread = _mm512_shuffle_epi8(
-        _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs))),
-        _mm512_set_epi32(byte_lane(15), byte_lane(14), byte_lane(13), byte_lane(12),
-                         byte_lane(11), byte_lane(10), byte_lane(9), byte_lane(8),
-                         byte_lane(7), byte_lane(6), byte_lane(5), byte_lane(4),
-                         byte_lane(3), byte_lane(2), byte_lane(1), byte_lane(0)));
-    if constexpr (kLookup) {
-      // A nibble becomes its float by a table lookup: vpermps reads only the low 4 bits
-      // of each index, so no mask and no conversion, the same floats in 3 instructions
-      // instead of 5. It runs on the shuffle port, which a GEMV of many rows of x needs
-      // for its multiplies, so those keep the conversion (Intel Xeon Ice Lake: 1.2-1.4x
-      // for 1-4 rows, 0.93x for 5).
-      const __m512 values = KIND == 2 ? _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1,
-                                                       2, 3, 4, 5, 6, 7)
-                                      : _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11,
-                                                       12, 13, 14, 15);
-      q[0] = _mm512_permutexvar_ps(spread, values);
-      q[1] = _mm512_permutexvar_ps(_mm512_srli_epi32(spread, 4), values);
-      return;
-    }
-    __m512i lo = _mm512_and_si512(spread, _mm512_set1_epi32(15));
-    __m512i hi = _mm512_srli_epi32(spread, 4);
-    if constexpr (KIND == 2) {
-      lo = _mm512_sub_epi32(lo, _mm512_set1_epi32(8));
-      hi = _mm512_sub_epi32(hi, _mm512_set1_epi32(8));
-    }
-    q[0] = _mm512_cvtepi32_ps(lo);
-    q[1] = _mm512_cvtepi32_ps(hi);
-#else
-    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
-    const __m128i mask = _mm_set1_epi8(15);
-    __m128i lo = _mm_and_si128(bytes, mask);
-    __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), mask);
-    if constexpr (KIND == 2) {
-      lo = _mm_sub_epi8(lo, _mm_set1_epi8(8));
-      hi = _mm_sub_epi8(hi, _mm_set1_epi8(8));
-    }
-    q[0] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(lo));
-    q[1] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(hi));
-#endif
-  }
-}
-#endif
-
-inline int64_t block_bytes_of(int64_t kind) { return byte_quants(kind) ? 32 : 16; }
-
-// float16 -> float32, exact (F16C's vcvtph2ps where the CPU has it).
-inline float f16(uint16_t h) {
-#ifdef __F16C__
-  return _cvtsh_ss(h);
-#else
-  return c10::detail::fp16_ieee_to_fp32_value(h);
-#endif
-}
 
 // sums[i] = x[32 i] + ... + x[32 i + 31] for each of `blocks` blocks, added in order (the
 // float GEMV's Q4_1 minimum term; one order everywhere, so every caller agrees bit for bit).
@@ -372,8 +204,10 @@ struct BlockWeight {
   // vector of partial sums, and the minimum a per-block sum of x computed once per call.
   // With AVX-512, up to 4 rows of x take two outputs per pass (gemv_outputs): each
   // output's sums are one chain of dependent adds, and two chains side by side keep the
-  // FMA units busy where one waited on its own latency. An output's arithmetic is the same either way, so its value does not depend
-  // on its neighbours, on R or on how [begin, end) was split.
+  // FMA units busy where one waited on its own latency (with the table lookup of
+  // load_quants16: 1.3-2x for 1-4 rows, in cache, Intel Xeon Ice Lake). An output's
+  // arithmetic is the same either way, so its value does not depend on its neighbours,
+  // on R or on how [begin, end) was split.
   template <int KIND, int R>
   void gemv_t(const float* __restrict x, const float* __restrict xsum, float* __restrict out,
               int64_t ldo, int64_t begin, int64_t end) const {
