@@ -3,7 +3,7 @@
 // block_gemm.h.
 #pragma once
 
-#include <ATen/core/Tensor.h>
+#include <c10/util/Half.h>
 
 #include <cstdint>
 #if defined(__AVX2__) || defined(__F16C__)

@@ -20,13 +20,14 @@ namespace kvserve_cpu {
 // A heap array of n values starting on a cache line (std::vector's start only 16 bytes
 // apart): the GEMVs load their input 64 bytes at a time, and a load that straddles two
 // lines costs two (an 8-row float GEMV 1.5x slower from a vector's data on an Intel Xeon
-// Ice Lake). Contents start uninitialized.
+// Ice Lake). Contents start uninitialized; n = 0 allocates nothing (data() is null).
 template <typename T>
 class CacheAligned {
  public:
   explicit CacheAligned(int64_t n)
-      : data_(static_cast<T*>(std::aligned_alloc(64, (std::max<int64_t>(n, 1) * sizeof(T) + 63) / 64 * 64))) {
-    if (data_ == nullptr) throw std::bad_alloc();
+      : data_(n > 0 ? static_cast<T*>(std::aligned_alloc(64, (n * sizeof(T) + 63) / 64 * 64))
+                    : nullptr) {
+    if (n > 0 && data_ == nullptr) throw std::bad_alloc();
   }
   T* data() { return data_.get(); }
   const T* data() const { return data_.get(); }
