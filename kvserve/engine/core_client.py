@@ -79,6 +79,7 @@ class InprocClient(EngineCoreClient):
         from kvserve.engine.core import EngineCore
 
         self.engine_core: EngineCore = EngineCore(config, log_stats=log_stats)
+        self.engine_core.settle_heap()
 
     def add_request(self, request: EngineCoreRequest) -> None:
         self.engine_core.add_request(request)

@@ -281,20 +281,17 @@ class EngineCoreProc:
         output_address: str,
         ready_writer: Connection,
         log_level: int = logging.INFO,
-        spawned_at: float | None = None,
+        startup_phases: dict[str, float] | None = None,
     ) -> None:
-        """Target of the spawned process. Exit code 0 on SIGTERM/SIGINT, 1 on failure.
-        ``spawned_at`` (wall clock) is when the parent started it, for the start-up log."""
+        """The spawned process's life once its imports are done and it has its config
+        (core_launcher._core_main). Exit code 0 on SIGTERM/SIGINT, 1 on failure.
+        ``startup_phases`` (name -> seconds) are logged once logging is set up."""
         if not logging.getLogger().handlers:
             logging.basicConfig(
                 level=log_level, format="%(asctime)s %(levelname)s [EngineCore] %(message)s"
             )
-        if spawned_at is not None:
-            log_phase("engine core interpreter", time.time() - spawned_at)
-        imports_start = time.perf_counter()
-        import kvserve.engine.core  # noqa: F401  (torch and the model stack: timed apart)
-
-        log_phase("engine core imports", time.perf_counter() - imports_start)
+        for name, seconds in (startup_phases or {}).items():
+            log_phase(name, seconds)
 
         def _on_signal(signum: int, frame: Any) -> None:
             raise SystemExit(0)
@@ -315,6 +312,7 @@ class EngineCoreProc:
             raise SystemExit(1) from None
         ready_writer.send_bytes(encoder.encode(proc.ready_message()))
         ready_writer.close()
+        proc.engine_core.settle_heap()
         exit_code = 0
         try:
             proc.run_busy_loop()

@@ -1,17 +1,17 @@
 """Clients that run the EngineCore in a background process and talk to it over ZMQ.
 
 SyncMPClient (blocking, for LLMEngine) lives here; AsyncMPClient (asyncio, for AsyncLLM)
-in async_mp_client.py. Both build on MPClient: it binds the two sockets, spawns
-EngineCoreProc, waits for its handshake and watches its process sentinel, so a dead core
-fails every pending and later call with EngineDeadError instead of leaving the caller
-blocked on a socket nobody writes to.
+in async_mp_client.py. Both build on MPClient: it binds the two sockets, starts
+EngineCoreProc (core_launcher.py: `kvserve serve` spawns it before its config exists),
+waits for its handshake and watches its process sentinel, so a dead core fails every
+pending and later call with EngineDeadError instead of leaving the caller blocked on a
+socket nobody writes to.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
-import multiprocessing
 import os
 import queue
 import shutil
@@ -32,10 +32,10 @@ import zmq.asyncio
 
 from kvserve.config import EngineConfig
 from kvserve.engine.core_client import EngineCoreClient
+from kvserve.engine.core_launcher import claim_engine_core
 from kvserve.engine.core_proc import (
     AbortRequestsMessage,
     AddRequestMessage,
-    EngineCoreProc,
     HandshakeMessage,
     InputMessage,
     OutputMessage,
@@ -48,7 +48,6 @@ from kvserve.engine.core_proc import (
 from kvserve.engine.exceptions import EngineDeadError
 from kvserve.protocol.engine_core import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 from kvserve.utils.startup import log_phase
-from kvserve.utils.threads import child_thread_environment
 
 logger = logging.getLogger(__name__)
 
@@ -155,35 +154,22 @@ class MPClient(EngineCoreClient):
         timeout: float | None,
         while_starting: list[Callable[[], object]],
     ) -> BaseProcess:
-        mp_ctx = multiprocessing.get_context("spawn")
-        reader, writer = mp_ctx.Pipe(duplex=False)
-        # The config travels by multiprocessing's spawn (our own child); sockets carry msgpack.
-        proc = mp_ctx.Process(
-            target=EngineCoreProc.run_engine_core,
-            args=(
-                self.config,
-                input_address,
-                output_address,
-                writer,
-                logging.getLogger("kvserve").getEffectiveLevel(),
-                time.time(),
-            ),
-            name="EngineCore",
-            daemon=True,
-        )
+        startup = claim_engine_core()
+        proc = startup.proc
         self.resources.proc = proc
-        start = time.perf_counter()
-        # The child loads torch itself: OpenMP's settings must be in its environment.
-        with child_thread_environment():
-            proc.start()
-        writer.close()
+        startup.send_config(
+            self.config,
+            input_address,
+            output_address,
+            logging.getLogger("kvserve").getEffectiveLevel(),
+        )
         try:
             for step in while_starting:
                 step()
-            self.ready = _wait_for_handshake(reader, proc, timeout)
+            self.ready = _wait_for_handshake(startup.ready_reader, proc, timeout)
         finally:
-            reader.close()
-        log_phase("engine core process ready", time.perf_counter() - start, pid=proc.pid)
+            startup.ready_reader.close()
+        log_phase("engine core process ready", time.perf_counter() - startup.started, pid=proc.pid)
         logger.info(
             "EngineCore process %d ready: %d KV blocks of %d tokens",
             proc.pid,

@@ -11,15 +11,15 @@ import sys
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from kvserve.engine.arg_utils import EngineArgs
-from kvserve.outputs import RequestOutput
-from kvserve.sampling_params import RequestOutputKind, SamplingParams
+from kvserve.engine.core_launcher import discard_prestarted_core, prestart_engine_core
 from kvserve.utils.threads import configure_process_threads
 
 if TYPE_CHECKING:
     # The engine (torch) is imported inside the commands: OpenMP's settings must be in
     # the environment before torch loads, and `kvserve --help` should not pay for it.
+    # The rest too, down to the flags: `serve` spawns its engine core before them.
     from kvserve.engine.llm_engine import LLMEngine
+    from kvserve.sampling_params import SamplingParams
 
 
 def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
@@ -31,6 +31,8 @@ def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _sampling_params(args: argparse.Namespace) -> SamplingParams:
+    from kvserve.sampling_params import RequestOutputKind, SamplingParams
+
     return SamplingParams(
         max_tokens=args.max_tokens,
         temperature=args.temperature,
@@ -45,6 +47,8 @@ _request_ids = itertools.count()
 
 
 def _stream(engine: LLMEngine, prompt: Any, params: SamplingParams) -> Iterator[str]:
+    from kvserve.outputs import RequestOutput
+
     request_id = f"cli-{next(_request_ids)}"
     engine.add_request(request_id, prompt, params)
     while engine.has_unfinished_requests():
@@ -61,6 +65,7 @@ def _encode_chat(engine: LLMEngine, messages: list[dict[str, str]]) -> dict[str,
 
 
 def _make_engine(args: argparse.Namespace) -> LLMEngine:
+    from kvserve.engine.arg_utils import EngineArgs
     from kvserve.engine.llm_engine import LLMEngine
 
     return LLMEngine.from_engine_args(EngineArgs.from_cli_args(args))
@@ -109,6 +114,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The full parser, or with ``command`` one whose other lazy sub-commands are stubs."""
+    from kvserve.engine.arg_utils import EngineArgs
+
     parser = argparse.ArgumentParser(prog="kvserve", description=__doc__)
     parser.add_argument("--log-level", default="WARNING")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -201,17 +208,26 @@ def main(argv: list[str] | None = None) -> int:
     # in the environment the user gave, or the comparison measures our settings.
     if argv[:1] != ["bench"]:
         configure_process_threads()
-    args = build_parser(_command(argv)).parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
-    if getattr(args, "model", None) is None:
-        args.model = EngineArgs.model
+    command = _command(argv)
+    if command == "serve":
+        # The engine core's imports (torch, ~2 s) need no flags: they run while this
+        # process parses them and builds the config and the tokenizer.
+        prestart_engine_core()
     try:
+        args = build_parser(command).parse_args(argv)
+        logging.basicConfig(
+            level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+        )
+        if getattr(args, "model", None) is None:
+            from kvserve.engine.arg_utils import EngineArgs
+
+            args.model = EngineArgs.model
         return int(args.func(args))
     except ValueError as exc:
         print(f"kvserve: error: {exc}", file=sys.stderr)
         return 2
+    finally:
+        discard_prestarted_core()
 
 
 if __name__ == "__main__":

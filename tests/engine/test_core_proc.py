@@ -14,7 +14,9 @@ from pathlib import Path
 import msgspec
 import pytest
 
+from kvserve.engine import core_launcher
 from kvserve.engine.arg_utils import EngineArgs
+from kvserve.engine.core_launcher import prestart_engine_core
 from kvserve.engine.core_proc import (
     AbortRequestsMessage,
     AddRequestMessage,
@@ -107,8 +109,14 @@ def test_wire_is_typed_msgpack_never_pickle() -> None:
 
 @pytest.fixture(scope="module")
 def client() -> Iterator[SyncMPClient]:
+    # As `kvserve serve` starts it: the core spawned (and importing) before the config
+    # exists, then taken by the client instead of a new spawn.
+    prestart_engine_core()
+    prestarted = core_launcher._prestarted
+    assert prestarted is not None
     config = EngineArgs(kv_cache_memory=TEST_KV_CACHE_MEMORY).create_engine_config()
     client = SyncMPClient(config)
+    assert client.proc.pid == prestarted.proc.pid and core_launcher._prestarted is None
     yield client
     client.shutdown()
 
