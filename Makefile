@@ -28,6 +28,10 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 install: $(STAMP)
+	# kvserve's own bytecode, refreshed for changed sources: where the environment sets
+	# PYTHONDONTWRITEBYTECODE, every process (the server, its engine core, each test's)
+	# would otherwise compile the package again, ~0.5 s of each start.
+	$(PY) -m compileall -q kvserve
 
 serve: install
 	$(VENV)/bin/kvserve serve $(MODEL)
