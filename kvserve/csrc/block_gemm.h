@@ -289,7 +289,7 @@ struct BlockWeight {
       for (int64_t b = b0; b < b0 + count; ++b)
         for (int o = 0; o < NO; ++o) {
           __m256 q[4];
-          load_quants<KIND>(qs + (n + o) * row_bytes + b * bb, q);
+          load_quants<KIND, (R == 1)>(qs + (n + o) * row_bytes + b * bb, q);
           const __m256 sv = _mm256_broadcast_ss(scales[o] + (b - b0));
           for (int r = 0; r < R; ++r) {
             const float* xb = x + r * cols + b * kBlock;
