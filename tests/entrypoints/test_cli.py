@@ -112,3 +112,19 @@ def test_a_command_registers_in_full_and_still_lists_the_others() -> None:
 def _sub_help(parser: argparse.ArgumentParser, command: str) -> str:
     action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     return str(action.choices[command].format_help())
+
+
+def test_api_server_module_is_the_serve_command() -> None:
+    """vLLM's `python -m ...api_server` runs `kvserve serve` (its thread settings, its core
+    spawned early): the same flags, and a prestarted core that --help ends, not orphans."""
+
+    def help_text(*args: str) -> str:
+        result = subprocess.run(
+            [sys.executable, "-m", *args, "--help"], capture_output=True, text=True, timeout=120
+        )
+        assert result.returncode == 0, result.stderr
+        return result.stdout
+
+    module = help_text("kvserve.entrypoints.openai.api_server")
+    assert module == help_text("kvserve.entrypoints.cli", "serve")
+    assert "--max-model-len" in module

@@ -401,12 +401,11 @@ def run_server(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
-    # `python -m kvserve.entrypoints.openai.api_server [MODEL] [flags]`, as in vLLM.
+    # `python -m kvserve.entrypoints.openai.api_server [MODEL] [flags]`, as in vLLM: the
+    # `kvserve serve` command itself, so its thread settings and its engine core spawned
+    # before the flags are parsed hold here too.
     import sys
 
-    from kvserve.entrypoints.openai.cli_args import add_serve_args, serve_main
+    from kvserve.entrypoints.cli import main
 
-    logging.basicConfig(
-        level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
-    sys.exit(serve_main(add_serve_args(argparse.ArgumentParser()).parse_args()))
+    sys.exit(main(["serve", *sys.argv[1:]]))
