@@ -28,6 +28,7 @@ import torch
 
 from kvserve.protocol.runner_output import LogprobsTensors
 from kvserve.sample.metadata import SamplingMetadata
+from kvserve.sample.ops.greedy import greedy_tokens
 from kvserve.sample.ops.logprobs import gather_logprobs
 from kvserve.sample.ops.penalties import apply_metadata_penalties
 from kvserve.sample.ops.topk_topp import apply_top_k_top_p, random_sample
@@ -162,7 +163,7 @@ class RejectionSampler(torch.nn.Module):
 
 def _verify_plain_greedy(spec: SpecDecodeMetadata, logits: torch.Tensor) -> list[list[int]]:
     """All rows greedy and nothing rewrites the logits: one argmax over every position."""
-    target = logits.argmax(dim=-1).tolist()
+    target = greedy_tokens(logits).tolist()
     sampled: list[list[int]] = []
     for i, draft in enumerate(spec.draft_token_ids):
         start = int(spec.cu_num_logits[i])
@@ -185,7 +186,7 @@ def target_distribution(
         logits.clone(), metadata, _active(metadata.logitsprocs.non_argmax_invariant)
     )
     logits = apply_metadata_penalties(logits, metadata)
-    greedy = logits.argmax(dim=-1)
+    greedy = greedy_tokens(logits)
     if metadata.all_greedy:
         return greedy, None
     assert metadata.temperature is not None

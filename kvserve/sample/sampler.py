@@ -10,6 +10,7 @@ import torch
 from kvserve.protocol.runner_output import LogprobsTensors
 from kvserve.sample.logits_processor.interface import LogitsProcessor
 from kvserve.sample.metadata import SamplingMetadata
+from kvserve.sample.ops.greedy import greedy_tokens
 from kvserve.sample.ops.logprobs import compute_prompt_logprobs, gather_logprobs
 from kvserve.sample.ops.penalties import apply_metadata_penalties
 from kvserve.sample.ops.topk_topp import apply_top_k_top_p, random_sample
@@ -37,7 +38,7 @@ class Sampler(torch.nn.Module):
 
         procs = _active(metadata.logitsprocs.non_argmax_invariant)
         if metadata.all_greedy and metadata.no_penalties and not procs:
-            sampled = logits.argmax(dim=-1)
+            sampled = greedy_tokens(logits)
         else:
             logits = logits.clone()  # the steps below work in place
             logits = _apply_processors(logits, metadata, procs)
@@ -51,7 +52,7 @@ class Sampler(torch.nn.Module):
 
     def sample(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
         """Greedy rows get exactly the argmax of `logits`; random rows are sampled."""
-        greedy = None if metadata.all_random else logits.argmax(dim=-1)
+        greedy = None if metadata.all_random else greedy_tokens(logits)
         if metadata.all_greedy:
             assert greedy is not None
             return greedy
