@@ -116,7 +116,7 @@ def _sub_help(parser: argparse.ArgumentParser, command: str) -> str:
 
 def test_api_server_module_is_the_serve_command() -> None:
     """vLLM's `python -m ...api_server` runs `kvserve serve` (its thread settings, its core
-    spawned early): the same flags, and a prestarted core that --help ends, not orphans."""
+    spawned early): the same parser, the same flags."""
 
     def help_text(*args: str) -> str:
         result = subprocess.run(
