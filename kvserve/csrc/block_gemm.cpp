@@ -70,7 +70,7 @@ at::Tensor dequantize_blocks(const at::Tensor& qs, const at::Tensor& d, const at
 
 // y = x @ W^T for x [M, K] float32 and W in blocks [N, K]. Weights cross the memory bus
 // as 4-8 bits per value on every path; decode-sized inputs never materialize them.
-//   < kDenseRows rows: the GEMV over cache-sized tiles of W, 6-8 rows of x at a time.
+//   < kDenseRows rows: the GEMV over cache-sized tiles of W, 6-16 rows of x at a time.
 //   >= kDenseRows: all of W dequantized, then the float32 engine's own GEMM (dense_linear,
 //     so the two paths agree bit for bit); an LM head too large for that takes
 //     dequantized tiles into single-threaded BLAS instead.
@@ -142,13 +142,13 @@ at::Tensor block_linear(const at::Tensor& x_in, const at::Tensor& qs, const at::
     // them; the quants are converted once per group, not once per row.
     std::vector<float> xsum(rows_x * nb);
     block_sums(xp, rows_x * nb, xsum.data());
-    const int64_t num_tiles = (N + kTileRows - 1) / kTileRows;
+    const int64_t num_tiles = (N + kTileRows - 1) / kTileRows, pass_rows = w.gemv_pass_rows();
     at::parallel_for(0, num_tiles, 1, [&](int64_t begin, int64_t end) {
       const int64_t n_begin = begin * kTileRows, n_end = std::min(N, end * kTileRows);
       for (int64_t n0 = n_begin; n0 < n_end; n0 += kTileRows) {
         const int64_t n1 = std::min(n_end, n0 + kTileRows);
-        for (int64_t r0 = 0; r0 < rows_x; r0 += kGemvRows) {
-          w.gemv(std::min(kGemvRows, rows_x - r0), xp + r0 * K, xsum.data() + r0 * nb,
+        for (int64_t r0 = 0; r0 < rows_x; r0 += pass_rows) {
+          w.gemv(std::min(pass_rows, rows_x - r0), xp + r0 * K, xsum.data() + r0 * nb,
                  op + r0 * N, n0, n1);
         }
       }

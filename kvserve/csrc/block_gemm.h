@@ -5,6 +5,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <algorithm>
 #include <cstring>
 #include <utility>
 #if defined(__AVX2__) || defined(__F16C__)
@@ -21,11 +22,12 @@ namespace kvserve_cpu {
 
 // ---- The float GEMV ------------------------------------------------------------------
 constexpr int64_t kPrefetchRows = 4;
-// Rows of x per float GEMV pass (gemv's largest R): a pass converts each block's quants
-// once for all its rows. AVX-512's 32 registers hold 8 rows' accumulators (16) beside the
-// quants, so 7-8-row decode steps take one pass instead of two; AVX2's 16 hold 6.
+// Rows of x per float GEMV pass at most (gemv's largest R; BlockWeight::gemv_pass_rows):
+// a pass converts each block's quants once for all its rows. AVX-512's 32 registers hold
+// 16 rows' sums beside the weights (the minimum term joins them), so decode steps of up to
+// 16 requests take one pass; AVX2's 16 registers hold 6 rows' sums and minimum terms.
 #ifdef __AVX512F__
-constexpr int64_t kGemvRows = 8;
+constexpr int64_t kGemvRows = 16;
 #else
 constexpr int64_t kGemvRows = 6;
 #endif
@@ -200,19 +202,20 @@ struct BlockWeight {
   }
 
   // out[r * ldo + n] = sum_k x[r, k] * W[n, k] for n in [begin, end), R rows of x.
-  // Per block, sum_i (d q_i + m) x_i = d (q . x) + m sum(x): the scale multiplies one
-  // vector of partial sums, and the minimum a per-block sum of x computed once per call.
-  // With AVX-512, up to 4 rows of x take two outputs per pass (gemv_outputs): each
-  // output's sums are one chain of dependent adds, and two chains side by side keep the
-  // FMA units busy where one waited on its own latency (with the table lookup of
-  // load_quants16: 1.3-2x for 1-4 rows, in cache, Intel Xeon Ice Lake). An output's
+  // Per block, sum_i (d q_i + m) x_i = (d q) . x + m sum(x) (AVX2: d (q . x) + m sum(x)):
+  // the minimum multiplies a per-block sum of x computed once per call.
+  // With AVX-512, 1-4 rows of x take four outputs per pass and 5-8 rows two
+  // (gemv_outputs): each output's sums are one chain of dependent adds per row, and
+  // chains side by side keep the FMA units busy where one waited on its own latency (two
+  // outputs with the table lookup of load_weights16: 1.3-2x for 1-4 rows, in cache, Intel
+  // Xeon Ice Lake; four outputs and two for 5-8 rows: 1.05-1.1x more on Zen 5). An output's
   // arithmetic is the same either way, so its value does not depend on its neighbours,
   // on R or on how [begin, end) was split.
   template <int KIND, int R>
   void gemv_t(const float* __restrict x, const float* __restrict xsum, float* __restrict out,
               int64_t ldo, int64_t begin, int64_t end) const {
 #ifdef __AVX512F__
-    constexpr int kPair = R <= 4 ? 2 : 1;
+    constexpr int kPair = R <= 4 ? 4 : R <= 8 ? 2 : 1;
 #else  // AVX2's 16 registers do not hold two outputs' sums beside the quants
     constexpr int kPair = 1;
 #endif
@@ -228,11 +231,16 @@ struct BlockWeight {
     const int64_t nb = cols / kBlock, bb = block_bytes_of(KIND);
     for (int o = 0; o < NO; ++o) prefetch_row(n + o + kPrefetchRows);
 #if defined(__AVX512F__)
-    // As in the AVX2 branch: sixteen blocks' scales and minimums converted at once and
-    // the minimum term kept in a vector, instead of scalar conversions and a serial add.
-    __m512 acc[NO][R], min_acc[NO][R];
+    // A block's quants become its weights' d * q before any row touches them (exact in
+    // float32 for the file's float16 scales), so each row costs two multiply-adds per
+    // block instead of three (a multiply, then the scale applied to the partial sums);
+    // with the table lookup the scale multiplies the 16-entry table, one instruction. The
+    // minimum term joins a row's sums once per 16 blocks. One thread, in cache, against
+    // the scaled partial sums (AMD EPYC Zen 5): 1 row as fast, 4 rows 1.2x, 8 rows 1.3x,
+    // and 9-16 rows in one pass instead of two.
+    __m512 acc[NO][R];
     for (int o = 0; o < NO; ++o)
-      for (int r = 0; r < R; ++r) acc[o][r] = min_acc[o][r] = _mm512_setzero_ps();
+      for (int r = 0; r < R; ++r) acc[o][r] = _mm512_setzero_ps();
     for (int64_t b0 = 0; b0 < nb; b0 += 16) {
       const int64_t count = std::min<int64_t>(16, nb - b0);
       alignas(64) float scales[NO][16], scales_hi[NO][16];
@@ -241,38 +249,26 @@ struct BlockWeight {
         mins[o] = load_block_scales16<KIND>((n + o) * nb + b0, count, scales[o], scales_hi[o]);
       for (int64_t b = b0; b < b0 + count; ++b)
         for (int o = 0; o < NO; ++o) {
-          __m512 q[2];
-          load_quants16<KIND, (R <= 4)>(qs + (n + o) * row_bytes + b * bb, q);
-          const __m512 sv = _mm512_set1_ps(scales[o][b - b0]);
+          __m512 w[2];
+          const float d = scales[o][b - b0];
+          load_weights16<KIND, (R <= 4)>(qs + (n + o) * row_bytes + b * bb, d,
+                                         KIND == 4 ? scales_hi[o][b - b0] : d, w);
           for (int r = 0; r < R; ++r) {
             const float* xb = x + r * cols + b * kBlock;
-            if constexpr (KIND == 4) {  // a scale per half block
-              const __m512 hv = _mm512_set1_ps(scales_hi[o][b - b0]);
-              acc[o][r] =
-                  _mm512_fmadd_ps(sv, _mm512_mul_ps(q[0], _mm512_loadu_ps(xb)), acc[o][r]);
-              acc[o][r] =
-                  _mm512_fmadd_ps(hv, _mm512_mul_ps(q[1], _mm512_loadu_ps(xb + 16)), acc[o][r]);
-              continue;
-            }
-            __m512 qx = _mm512_mul_ps(q[0], _mm512_loadu_ps(xb));
-            qx = _mm512_fmadd_ps(q[1], _mm512_loadu_ps(xb + 16), qx);
-            acc[o][r] = _mm512_fmadd_ps(sv, qx, acc[o][r]);
+            acc[o][r] = _mm512_fmadd_ps(w[0], _mm512_loadu_ps(xb), acc[o][r]);
+            acc[o][r] = _mm512_fmadd_ps(w[1], _mm512_loadu_ps(xb + 16), acc[o][r]);
           }
         }
       if constexpr (has_min(KIND)) {
         const __mmask16 keep = static_cast<__mmask16>((1u << count) - 1);
         for (int r = 0; r < R; ++r) {
           const __m512 sums = _mm512_maskz_loadu_ps(keep, xsum + r * nb + b0);
-          for (int o = 0; o < NO; ++o)
-            min_acc[o][r] = _mm512_fmadd_ps(mins[o], sums, min_acc[o][r]);
+          for (int o = 0; o < NO; ++o) acc[o][r] = _mm512_fmadd_ps(mins[o], sums, acc[o][r]);
         }
       }
     }
-    // One horizontal sum per output: the minimum term joins the lanes before it.
     for (int o = 0; o < NO; ++o)
-      for (int r = 0; r < R; ++r)
-        out[r * ldo + n + o] = _mm512_reduce_add_ps(
-            has_min(KIND) ? _mm512_add_ps(acc[o][r], min_acc[o][r]) : acc[o][r]);
+      for (int r = 0; r < R; ++r) out[r * ldo + n + o] = _mm512_reduce_add_ps(acc[o][r]);
 #elif defined(__AVX2__)
     // Scales and minimums are converted eight blocks at a time and the minimum term
     // accumulates in a vector: one scalar float16 conversion per block and a serial
@@ -350,11 +346,29 @@ struct BlockWeight {
 #ifdef __AVX512F__
       case 6: return gemv_t<KIND, 6>(x, xsum, out, rows, begin, end);
       case 7: return gemv_t<KIND, 7>(x, xsum, out, rows, begin, end);
-      default: return gemv_t<KIND, 8>(x, xsum, out, rows, begin, end);
+      case 8: return gemv_t<KIND, 8>(x, xsum, out, rows, begin, end);
+      case 9: return gemv_t<KIND, 9>(x, xsum, out, rows, begin, end);
+      case 10: return gemv_t<KIND, 10>(x, xsum, out, rows, begin, end);
+      case 11: return gemv_t<KIND, 11>(x, xsum, out, rows, begin, end);
+      case 12: return gemv_t<KIND, 12>(x, xsum, out, rows, begin, end);
+      case 13: return gemv_t<KIND, 13>(x, xsum, out, rows, begin, end);
+      case 14: return gemv_t<KIND, 14>(x, xsum, out, rows, begin, end);
+      case 15: return gemv_t<KIND, 15>(x, xsum, out, rows, begin, end);
+      default: return gemv_t<KIND, 16>(x, xsum, out, rows, begin, end);
 #else
       default: return gemv_t<KIND, 6>(x, xsum, out, rows, begin, end);
 #endif
     }
+  }
+
+  // Rows of x per GEMV pass: kGemvRows while those rows fit in 40 KiB (each output's pass
+  // reads all of them, from L1), else at most 8 (what AVX-512 took before it took 16).
+  // 16 rows of a 1536-wide x (96 KiB) took 2.1x as long per row as 8 (AMD EPYC Zen 5,
+  // 48 KiB L1). Rows do not share arithmetic, so how they are split never changes a value.
+  int64_t gemv_pass_rows() const {
+    constexpr int64_t kFitBytes = 40 << 10;
+    const bool fits = kGemvRows * cols * int64_t{sizeof(float)} <= kFitBytes;
+    return fits ? kGemvRows : std::min<int64_t>(kGemvRows, 8);
   }
 
   // xsum: [rows_x, cols / 32] sums of x per block (used by Q4_1's minimum).

@@ -1,6 +1,6 @@
-// GGUF block kinds and the loads every block kernel shares: a block's quants as floats
-// (dequant_block, load_quants, load_quants16) and its float16 scales (f16). Included by
-// block_gemm.h.
+// GGUF block kinds and the loads every block kernel shares: a block's quants or weights
+// as floats (dequant_block, load_quants, load_quants16, load_weights16) and its float16
+// scales (f16). Included by block_gemm.h.
 #pragma once
 
 #include <c10/util/Half.h>
@@ -125,9 +125,23 @@ inline void load_quants(const uint8_t* qs, __m256 q[4]) {
 // and zeros the other three bytes.
 constexpr int byte_lane(int k) { return static_cast<int>(0xFFFFFF00u | static_cast<unsigned>(k)); }
 
+#ifdef __AVX512BW__
+// A 4-bit block's 16 bytes broadcast to the four 128-bit lanes and spread one byte per
+// 32-bit lane by one in-lane shuffle (byte i -> lane i: weights i and 16 + i), so no
+// cross-lane sign extensions remain (1.2x on an Intel Xeon with AMX).
+inline __m512i spread_nibble_bytes(const uint8_t* qs) {
+  return _mm512_shuffle_epi8(
+      _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs))),
+      _mm512_set_epi32(byte_lane(15), byte_lane(14), byte_lane(13), byte_lane(12),
+                       byte_lane(11), byte_lane(10), byte_lane(9), byte_lane(8), byte_lane(7),
+                       byte_lane(6), byte_lane(5), byte_lane(4), byte_lane(3), byte_lane(2),
+                       byte_lane(1), byte_lane(0)));
+}
+#endif
+
 // The 32 quants of a block as two vectors of 16 floats (weights 0-15, 16-31): the float
-// GEMV's widest form, half the instructions per block of load_quants. kLookup: see below.
-template <int KIND, bool kLookup>
+// GEMV's widest form, half the instructions per block of load_quants.
+template <int KIND>
 inline void load_quants16(const uint8_t* qs, __m512 q[2]) {
   if constexpr (byte_quants(KIND)) {
     for (int i = 0; i < 2; ++i)
@@ -135,29 +149,8 @@ inline void load_quants16(const uint8_t* qs, __m512 q[2]) {
           _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + 16 * i))));
   } else {
 #ifdef __AVX512BW__
-    // As load_quants: the 16 bytes broadcast to the four 128-bit lanes and spread one byte
-    // per 32-bit lane by one in-lane shuffle (byte i -> lane i: weights i and 16 + i), so
-    // no cross-lane sign extensions remain (1.2x on an Intel Xeon with AMX).
-    const __m512i spread = _mm512_shuffle_epi8(
-        _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs))),
-        _mm512_set_epi32(byte_lane(15), byte_lane(14), byte_lane(13), byte_lane(12),
-                         byte_lane(11), byte_lane(10), byte_lane(9), byte_lane(8),
-                         byte_lane(7), byte_lane(6), byte_lane(5), byte_lane(4),
-                         byte_lane(3), byte_lane(2), byte_lane(1), byte_lane(0)));
-    if constexpr (kLookup) {
-      // A nibble becomes its float by a table lookup: vpermps reads only the low 4 bits
-      // of each index, so no mask and no conversion, the same floats in 3 instructions
-      // instead of 5. It runs on the shuffle port, which a GEMV of many rows of x needs
-      // for its multiplies, so those keep the conversion (Intel Xeon Ice Lake: 1.2-1.4x
-      // for 1-4 rows, 0.93x for 5).
-      const __m512 values = KIND == 2 ? _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1,
-                                                       2, 3, 4, 5, 6, 7)
-                                      : _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11,
-                                                       12, 13, 14, 15);
-      q[0] = _mm512_permutexvar_ps(spread, values);
-      q[1] = _mm512_permutexvar_ps(_mm512_srli_epi32(spread, 4), values);
-      return;
-    }
+    // As load_quants, one byte per 32-bit lane (spread_nibble_bytes).
+    const __m512i spread = spread_nibble_bytes(qs);
     __m512i lo = _mm512_and_si512(spread, _mm512_set1_epi32(15));
     __m512i hi = _mm512_srli_epi32(spread, 4);
     if constexpr (KIND == 2) {
@@ -179,6 +172,35 @@ inline void load_quants16(const uint8_t* qs, __m512 q[2]) {
     q[1] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(hi));
 #endif
   }
+}
+
+// A block's 32 weights without their minimum, d * q (weights 0-15 scaled by d, 16-31 by
+// d_hi), as two vectors: exact for float16 scales (11 significant bits times a quant's 4
+// or 8); the lookup gives the same products as the conversion.
+// kLookup: a 4-bit block looks its quants up in a table already multiplied by d: vpermps
+// reads only the low 4 bits of each index, so no mask, no conversion and one multiply for
+// the table instead of two. It runs on the shuffle port, which a GEMV of many rows of x
+// needs for its multiplies, so those convert (Intel Xeon Ice Lake, the unscaled table:
+// 1.2-1.4x for 1-4 rows, 0.93x for 5).
+template <int KIND, bool kLookup>
+inline void load_weights16(const uint8_t* qs, float d, float d_hi, __m512 w[2]) {
+#ifdef __AVX512BW__
+  if constexpr (!byte_quants(KIND) && kLookup) {
+    const __m512 values = _mm512_mul_ps(
+        _mm512_set1_ps(d), KIND == 2 ? _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2,
+                                                      3, 4, 5, 6, 7)
+                                     : _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,
+                                                      13, 14, 15));
+    const __m512i spread = spread_nibble_bytes(qs);
+    w[0] = _mm512_permutexvar_ps(spread, values);
+    w[1] = _mm512_permutexvar_ps(_mm512_srli_epi32(spread, 4), values);
+    return;
+  }
+#endif
+  __m512 q[2];
+  load_quants16<KIND>(qs, q);
+  w[0] = _mm512_mul_ps(_mm512_set1_ps(d), q[0]);
+  w[1] = _mm512_mul_ps(_mm512_set1_ps(d_hi), q[1]);
 }
 #endif
 

@@ -78,8 +78,9 @@ void linear_share(const ProjectionView& w, const float* x, int64_t T, ThreadInpu
   } else if (n0 < n1) {
     block_sums(x, blocks, in.xsum.data());
     const int64_t nb = w.K / kBlock;
-    for (int64_t r0 = 0; r0 < T; r0 += kGemvRows)
-      w.blocks.gemv(std::min(kGemvRows, T - r0), x + r0 * w.K, in.xsum.data() + r0 * nb,
+    const int64_t pass_rows = w.blocks.gemv_pass_rows();
+    for (int64_t r0 = 0; r0 < T; r0 += pass_rows)
+      w.blocks.gemv(std::min(pass_rows, T - r0), x + r0 * w.K, in.xsum.data() + r0 * nb,
                     out + r0 * w.N, n0, n1);
   }
   if (w.bias == nullptr) return;
