@@ -52,6 +52,7 @@ class InputPreparer:
         self.seq_lens_cpu = _pinned(max_num_reqs, torch.int32, pin_memory)
         self.seq_lens_np = self.seq_lens_cpu.numpy()
         self.logits_indices_cpu = _pinned(max_num_reqs, torch.int64, pin_memory)
+        self.logits_indices_np = self.logits_indices_cpu.numpy()
 
         self.input_ids = torch.zeros(max_num_tokens, dtype=torch.int64, device=device)
         self.positions = torch.zeros(max_num_tokens, dtype=torch.int64, device=device)
@@ -94,7 +95,7 @@ class InputPreparer:
         # Partial prefill chunks stop short of the known tokens and do not sample.
         sample_rows = np.flatnonzero(seq_lens >= batch.num_tokens[:num_reqs])
         num_sample = len(sample_rows)
-        self.logits_indices_cpu[:num_sample] = torch.from_numpy(cu[sample_rows] - 1)
+        np.subtract(cu[sample_rows], 1, out=self.logits_indices_np[:num_sample])
 
         batch.block_table.compute_slot_mapping(req_indices, positions)
         batch.block_table.commit(num_reqs)

@@ -125,6 +125,14 @@ class CPUAttentionMetadata:
     cascade: CascadeMetadata | None = None
 
 
+def _any_negative(values: torch.Tensor) -> bool:
+    """Whether an index tensor holds a -1. On a CPU numpy answers in ~2 us, where torch's
+    compare, any and bool took ~50 us of a single-stream step (AMD EPYC Zen 5)."""
+    if values.device.type == "cpu":
+        return values.numel() > 0 and bool(values.numpy().min() < 0)
+    return bool((values < 0).any())
+
+
 class CPUAttentionMetadataBuilder(AttentionMetadataBuilder):
     def __init__(self, block_size: int, device: torch.device | str) -> None:
         super().__init__(block_size, device)
@@ -160,7 +168,7 @@ class CPUAttentionMetadataBuilder(AttentionMetadataBuilder):
 
         all_slots = common.slot_mapping[: common.num_actual_tokens].long()
         slot_mapping, token_indices = all_slots, None
-        if bool((all_slots < 0).any()):  # one sync per step, not per layer
+        if _any_negative(all_slots):  # one sync per step, not per layer
             token_indices = torch.nonzero(all_slots >= 0).flatten()
             slot_mapping = all_slots[token_indices]
 
