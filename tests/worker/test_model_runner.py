@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -19,6 +20,7 @@ from kvserve.protocol.scheduler_output import (
     SchedulerOutput,
 )
 from kvserve.sampling_params import SamplingParams
+from kvserve.utils.huge_pages import HUGE_PAGE_BYTES, anon_huge_bytes, thp_enabled
 from kvserve.worker.model_runner import ModelRunner
 
 BLOCK_SIZE = 4
@@ -255,3 +257,20 @@ def test_empty_step_and_seeded_sampling(tiny: tuple[Path, LlamaForCausalLM]) -> 
     for _ in range(5):
         sched.decode(["whole"])
     assert sched.reqs["whole"].outputs == first
+
+
+def test_default_model_weights_and_kv_cache_sit_on_huge_pages(llm: Any) -> None:
+    """What a decode step streams from DRAM (the layers' blocks, the KV cache) is on huge
+    pages where the kernel gives them (utils/huge_pages.py)."""
+    llm.generate(["a few tokens"], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+    runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.model_runner
+    layers = runner.model.model.layers
+    first = layers[0].mlp.gate_up_proj.quant_weight.qs
+    last = layers[-1].self_attn.o_proj.quant_weight.qs
+    # One region holds every moved weight.
+    assert first.untyped_storage().data_ptr() == last.untyped_storage().data_ptr()
+    cache = runner.kv_caches[next(iter(runner.kv_caches))]
+    assert cache.data_ptr() % HUGE_PAGE_BYTES == 0
+    if thp_enabled():
+        assert anon_huge_bytes(first.data_ptr()) >= HUGE_PAGE_BYTES
+        assert anon_huge_bytes(cache.data_ptr()) >= HUGE_PAGE_BYTES
