@@ -31,6 +31,7 @@ HUGE_PAGE_BYTES = 2 << 20
 # Tensors below this (norm weights, biases) stay where they are: they are read from cache.
 MIN_MOVE_BYTES = 64 << 10
 _ALIGN = 64  # the kernels' vector loads, as torch's allocator aligns
+_TRIM_BYTES = 256 << 20
 
 
 def huge_page_zeros(nbytes: int) -> torch.Tensor:
@@ -111,17 +112,27 @@ def move_to_huge_pages(tensors: Iterable[torch.Tensor]) -> int:
     region = huge_page_zeros(total)
     target = region.untyped_storage()
     base = region.data_ptr() - target.data_ptr()  # the region's offset in its mapping
+    # The region's pages are taken as they are written, and each old storage is freed once
+    # its tensors point at the copy (nothing else may hold it), so the move needs little
+    # more memory than the model, not twice it: the heap's freed pages go back to the OS
+    # every _TRIM_BYTES.
+    unreleased = 0
     # Inference mode: tensors made under it may only be changed under it (and others may).
     with torch.inference_mode():
         for key, members in groups.items():
-            storage, start = storages[key], offsets[key]
-            copy = region[start : start + storage.nbytes()]
-            copy.copy_(_bytes(storage))
+            storage, start = storages.pop(key), offsets[key]
+            nbytes = storage.nbytes()
+            region[start : start + nbytes].copy_(_bytes(storage))
+            del storage
             for tensor in members:
                 byte_offset = base + start + tensor.storage_offset() * tensor.element_size()
                 tensor.set_(
                     target, byte_offset // tensor.element_size(), tensor.size(), tensor.stride()
                 )
+            unreleased += nbytes
+            if unreleased >= _TRIM_BYTES:
+                _release_freed_heap()
+                unreleased = 0
     _release_freed_heap()
     return total
 
