@@ -22,6 +22,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import mmap
+import weakref
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -32,11 +33,15 @@ HUGE_PAGE_BYTES = 2 << 20
 MIN_MOVE_BYTES = 64 << 10
 _ALIGN = 64  # the kernels' vector loads, as torch's allocator aligns
 _TRIM_BYTES = 256 << 20
+# The regions move_to_huge_pages made that are still mapped, by start address: a tensor
+# whose storage starts at one was moved already.
+_live_regions: set[int] = set()
 
 
-def huge_page_zeros(nbytes: int) -> torch.Tensor:
+def huge_page_zeros(nbytes: int, *, track: bool = False) -> torch.Tensor:
     """``nbytes`` zero bytes (uint8) starting on a huge-page boundary, not yet touched:
-    pages fresh from the OS are zero, so nothing is written until the memory is used."""
+    pages fresh from the OS are zero, so nothing is written until the memory is used.
+    ``track``: counted in live_regions() until unmapped."""
     # Private: a shared anonymous mapping is shmem, whose huge pages are off by default.
     mapping = mmap.mmap(-1, nbytes + HUGE_PAGE_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     advice = getattr(mmap, "MADV_HUGEPAGE", None)
@@ -46,8 +51,17 @@ def huge_page_zeros(nbytes: int) -> torch.Tensor:
         except OSError:  # a kernel built without transparent huge pages
             pass
     whole = torch.frombuffer(mapping, dtype=torch.uint8)  # keeps the mapping alive
+    if track:
+        start = whole.data_ptr()
+        _live_regions.add(start)
+        weakref.finalize(mapping, _live_regions.discard, start)
     offset = -whole.data_ptr() % HUGE_PAGE_BYTES
     return whole[offset : offset + nbytes]
+
+
+def live_regions() -> int:
+    """How many regions move_to_huge_pages made are still mapped (held by some tensor)."""
+    return len(_live_regions)
 
 
 def thp_enabled() -> bool:
@@ -71,8 +85,13 @@ def anon_huge_bytes(address: int) -> int:
 
 def module_tensors(model: torch.nn.Module) -> Iterator[torch.Tensor]:
     """Every tensor a model's modules hold: parameters, buffers, tensor attributes and the
-    tensor fields of dataclass attributes (a linear layer's ``BlockWeight`` planes)."""
+    tensor fields of dataclass attributes (a linear layer's ``BlockWeight`` planes).
+    Modules marked ``shared_across_models`` (one instance cached for every model, e.g.
+    get_rope's) are left out: a tensor of theirs in a model's region would keep the whole
+    region alive after the model is gone."""
     for module in model.modules():
+        if getattr(module, "shared_across_models", False):
+            continue
         yield from module.parameters(recurse=False)
         yield from module.buffers(recurse=False)
         for value in vars(module).values():
@@ -98,8 +117,8 @@ def move_to_huge_pages(tensors: Iterable[torch.Tensor]) -> int:
             continue
         seen.add(id(tensor))
         storage = tensor.untyped_storage()
-        if storage.nbytes() < MIN_MOVE_BYTES:
-            continue
+        if storage.nbytes() < MIN_MOVE_BYTES or storage.data_ptr() in _live_regions:
+            continue  # small, or moved already (its storage is a whole region)
         groups.setdefault(storage.data_ptr(), []).append(tensor)
         storages[storage.data_ptr()] = storage
     if not groups:
@@ -109,7 +128,7 @@ def move_to_huge_pages(tensors: Iterable[torch.Tensor]) -> int:
     for key, storage in storages.items():
         offsets[key] = total
         total += -(-storage.nbytes() // _ALIGN) * _ALIGN
-    region = huge_page_zeros(total)
+    region = huge_page_zeros(total, track=True)
     target = region.untyped_storage()
     base = region.data_ptr() - target.data_ptr()  # the region's offset in its mapping
     # The region's pages are taken as they are written, and each old storage is freed once

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -14,6 +15,7 @@ from kvserve.utils.huge_pages import (
     MIN_MOVE_BYTES,
     anon_huge_bytes,
     huge_page_zeros,
+    live_regions,
     module_tensors,
     move_to_huge_pages,
     thp_enabled,
@@ -119,3 +121,31 @@ def test_move_needs_little_more_memory_than_the_model() -> None:
     moved, peak_growth_kb = int(out[0]), int(out[1])
     assert moved == 24 * 2048 * 2048 * 4
     assert peak_growth_kb * 1024 < moved // 4
+
+
+class _SharedTable(torch.nn.Module):
+    """Stands for get_rope's module: one instance in every model of its configuration."""
+
+    shared_across_models = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = torch.randn(1024, 512)
+
+
+def test_a_model_gone_leaves_no_region_behind() -> None:
+    """A tensor that outlives its model (a shared module's, or one moved already) must not
+    pin the model's region: each model's region is unmapped when the model goes."""
+    shared = _SharedTable()
+    before = live_regions()
+    first = torch.nn.Sequential(torch.nn.Linear(512, 512), shared).requires_grad_(False)
+    assert move_to_huge_pages(module_tensors(first)) > 0
+    table_ptr = shared.table.data_ptr()
+    assert live_regions() == before + 1
+    assert move_to_huge_pages(module_tensors(first)) == 0  # everything moved already
+    second = torch.nn.Sequential(torch.nn.Linear(512, 512), shared).requires_grad_(False)
+    move_to_huge_pages(module_tensors(second))
+    assert shared.table.data_ptr() == table_ptr  # the shared module's table stays put
+    del first, second
+    gc.collect()
+    assert live_regions() == before

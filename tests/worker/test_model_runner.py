@@ -3,6 +3,7 @@ checked against HF transformers (greedy tokens exactly, prompt logprobs to 1e-4)
 
 from __future__ import annotations
 
+import gc
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,7 +21,7 @@ from kvserve.protocol.scheduler_output import (
     SchedulerOutput,
 )
 from kvserve.sampling_params import SamplingParams
-from kvserve.utils.huge_pages import HUGE_PAGE_BYTES, anon_huge_bytes, thp_enabled
+from kvserve.utils.huge_pages import HUGE_PAGE_BYTES, anon_huge_bytes, live_regions, thp_enabled
 from kvserve.worker.model_runner import ModelRunner
 
 BLOCK_SIZE = 4
@@ -274,3 +275,19 @@ def test_default_model_weights_and_kv_cache_sit_on_huge_pages(llm: Any) -> None:
     if thp_enabled():
         assert anon_huge_bytes(first.data_ptr()) >= HUGE_PAGE_BYTES
         assert anon_huge_bytes(cache.data_ptr()) >= HUGE_PAGE_BYTES
+
+
+def test_engines_one_after_another_leave_no_weights_behind() -> None:
+    """Each engine's weights region is unmapped with the engine, though get_rope's shared
+    tables (built by the first engine's forward) are in every later model too."""
+    from kvserve import LLM
+
+    before = live_regions()
+    for _ in range(2):
+        engine = LLM(kv_cache_memory=64 << 20)
+        engine.generate(["hi"], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
+        assert live_regions() == before + 1
+        engine.llm_engine.shutdown()
+        del engine
+        gc.collect()
+        assert live_regions() == before

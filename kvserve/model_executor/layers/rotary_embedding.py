@@ -115,6 +115,9 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 class RotaryEmbedding(nn.Module):
     inv_freq: torch.Tensor
+    # get_rope hands one instance to every model of its configuration, so its tables
+    # outlive any one model: utils/huge_pages leaves them where they are.
+    shared_across_models = True
 
     def __init__(
         self,
