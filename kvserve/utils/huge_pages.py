@@ -59,9 +59,10 @@ def huge_page_zeros(nbytes: int, *, track: bool = False) -> torch.Tensor:
     return whole[offset : offset + nbytes]
 
 
-def live_regions() -> int:
-    """How many regions move_to_huge_pages made are still mapped (held by some tensor)."""
-    return len(_live_regions)
+def live_regions() -> frozenset[int]:
+    """The start addresses of the regions move_to_huge_pages made that are still mapped
+    (held by some tensor); a moved tensor's ``untyped_storage().data_ptr()`` is one."""
+    return frozenset(_live_regions)
 
 
 def thp_enabled() -> bool:
