@@ -51,11 +51,11 @@ def huge_page_zeros(nbytes: int, *, track: bool = False) -> torch.Tensor:
         except OSError:  # a kernel built without transparent huge pages
             pass
     whole = torch.frombuffer(mapping, dtype=torch.uint8)  # keeps the mapping alive
+    start = whole.data_ptr()
     if track:
-        start = whole.data_ptr()
         _live_regions.add(start)
         weakref.finalize(mapping, _live_regions.discard, start)
-    offset = -whole.data_ptr() % HUGE_PAGE_BYTES
+    offset = -start % HUGE_PAGE_BYTES
     return whole[offset : offset + nbytes]
 
 

@@ -33,7 +33,6 @@ from kvserve.sample.sampler import Sampler
 from kvserve.sample.sampling_batch import SamplingBatch
 from kvserve.sample.spec_decode_metadata import SpecDecodeMetadata
 from kvserve.sampling_params import SamplingType
-from kvserve.utils.huge_pages import module_tensors, move_to_huge_pages
 from kvserve.worker.encoder_runner_mixin import EncoderRunnerMixin
 from kvserve.worker.input_batch import InputBatch
 from kvserve.worker.input_preparation import InputPreparer, StepInputs
@@ -133,9 +132,6 @@ class ModelRunner(
                 arch, max_position_embeddings=max(arch.max_position_embeddings, self.max_model_len)
             )
         self.model = get_model(mc.resolved, arch, self.device, self.dtype, quantization)
-        if self.device.type == "cpu":
-            moved = move_to_huge_pages(module_tensors(self.model))
-            logger.info("weights on huge pages: %.1f MB", moved / 1e6)
         if self.config.cache_config.attention_sinks:
             self._enable_attention_sinks()
         if self.drafter is not None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterator
 
 import torch
@@ -15,6 +16,9 @@ from kvserve.model_executor.model_loader.hf_loader import iterate_safetensors_we
 from kvserve.model_executor.models.registry import get_model_cls
 from kvserve.transformers_utils.arch_config import ArchConfig
 from kvserve.transformers_utils.model_resolver import ResolvedModel
+from kvserve.utils.huge_pages import module_tensors, move_to_huge_pages
+
+logger = logging.getLogger(__name__)
 
 
 @contextlib.contextmanager
@@ -83,6 +87,10 @@ def get_model(
     if quantization is not None and prepared is None:
         gguf_path = resolved.path if resolved.format == "gguf" else None
         quantize_model(model, quantization, gguf_path, arch)
+    if torch.device(device).type == "cpu":
+        # A decode step streams every weight from DRAM: on huge pages (utils/huge_pages).
+        moved = move_to_huge_pages(module_tensors(model))
+        logger.info("weights on huge pages: %.1f MB", moved / 1e6)
     return model.eval()
 
 
