@@ -86,25 +86,41 @@ class DecoderStack : public torch::CustomClassHolder {
 
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
 
+  // The model's norm after the last layer: forward then applies it (Llama's RMSNorm, as
+  // the model's fused add + norm would) and returns the normed states.
+  void set_final_norm(at::Tensor weight, double eps) {
+    check_float(weight, "final norm");
+    final_norm_ = FinalNorm{std::move(weight), eps};
+  }
+
+  // One KV cache per layer, kept until the runner binds new ones: a Python list of 30
+  // tensors converted on every call was a measurable part of a single-stream step.
+  void set_kv_caches(std::vector<at::Tensor> kv_caches) {
+    TORCH_CHECK(kv_caches.size() == layers_.size(), "one KV cache per layer expected, got ",
+                kv_caches.size(), " for ", layers_.size());
+    kv_caches_ = std::move(kv_caches);
+  }
+
   // hidden: [T, H] embeddings of the step's tokens, every one a decode row; returns
-  // (last layer's MLP output, residual stream), for the model's final fused add + norm.
-  // The attention arguments are CPUAttentionMetadata's kernel inputs; rows at and past
-  // num_actual_tokens are padding, whose attention output is zero.
+  // (last layer's MLP output, residual stream) for the model's final fused add + norm, or
+  // with set_final_norm (the normed states, residual stream). The attention arguments
+  // are CPUAttentionMetadata's kernel inputs; rows at and past num_actual_tokens are
+  // padding, whose attention output is zero.
   std::tuple<at::Tensor, at::Tensor> forward(at::Tensor hidden, at::Tensor positions,
-                                             std::vector<at::Tensor> kv_caches,
                                              at::Tensor slot_mapping, at::Tensor block_table,
                                              at::Tensor seq_lens, at::Tensor token_indices,
                                              int64_t num_actual_tokens) {
     TORCH_CHECK(!layers_.empty(), "the decoder stack has no layers");
-    TORCH_CHECK(kv_caches.size() == layers_.size(), "one KV cache per layer expected, got ",
-                kv_caches.size(), " for ", layers_.size());
+    TORCH_CHECK(kv_caches_.size() == layers_.size(), "set_kv_caches first: ",
+                kv_caches_.size(), " KV caches for ", layers_.size(), " layers");
+    std::vector<at::Tensor>& kv_caches = kv_caches_;
     check_float(hidden, "hidden");
     TORCH_CHECK(hidden.dim() == 2 && hidden.is_contiguous(), "hidden must be contiguous [T, H]");
     const int64_t tokens = hidden.size(0);
     const bool padded = num_actual_tokens != tokens;
     if (!padded && fused_step_supports(layers_, tokens))
       return fused_decode_step(layers_, shape_, hidden, positions, kv_caches, slot_mapping,
-                               block_table, seq_lens, token_indices);
+                               block_table, seq_lens, token_indices, final_norm_);
     const int64_t num_heads = shape_.num_heads, num_kv_heads = shape_.num_kv_heads;
     const int64_t head_size = shape_.head_size;
     const double eps = shape_.eps;
@@ -138,12 +154,15 @@ class DecoderStack : public torch::CustomClassHolder {
       silu_and_mul(act, gate_up);
       x = layer.down(act);
     }
+    if (final_norm_) fused_add_rms_norm(x, residual, final_norm_->weight, final_norm_->eps);
     return {x, residual};
   }
 
  private:
   StackShape shape_;
   std::vector<Layer> layers_;
+  std::vector<at::Tensor> kv_caches_;
+  std::optional<FinalNorm> final_norm_;
 };
 
 }  // namespace kvserve_cpu
@@ -153,5 +172,7 @@ TORCH_LIBRARY_FRAGMENT(kvserve, m) {
       .def(torch::init<int64_t, int64_t, int64_t, double, double, at::Tensor>())
       .def("add_layer", &kvserve_cpu::DecoderStack::add_layer)
       .def("num_layers", &kvserve_cpu::DecoderStack::num_layers)
+      .def("set_final_norm", &kvserve_cpu::DecoderStack::set_final_norm)
+      .def("set_kv_caches", &kvserve_cpu::DecoderStack::set_kv_caches)
       .def("forward", &kvserve_cpu::DecoderStack::forward);
 }

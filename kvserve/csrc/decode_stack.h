@@ -43,6 +43,12 @@ struct StackShape {
   at::Tensor cos_sin_cache;
 };
 
+// The model's norm after the last layer, when the stack applies it (Llama's RMSNorm).
+struct FinalNorm {
+  at::Tensor weight;
+  double eps;
+};
+
 // Decode steps of at most this many rows may take the fused step.
 constexpr int64_t kFusedStepMaxRows = 8;
 
@@ -52,11 +58,12 @@ bool fused_step_supports(const std::vector<Layer>& layers, int64_t tokens);
 // The whole stack for a decode step inside one parallel region: every projection split
 // between the threads by output features, attention by heads, the small row operations
 // repeated on each thread instead of waited for. Same kernels, same order of arithmetic
-// as the per-op path, so the same result bit for bit. Returns (last MLP output, residual).
+// as the per-op path, so the same result bit for bit. Returns (last MLP output, residual),
+// or with `final_norm` (norm(last MLP output + residual), that sum).
 std::tuple<at::Tensor, at::Tensor> fused_decode_step(
     const std::vector<Layer>& layers, const StackShape& shape, const at::Tensor& hidden,
     const at::Tensor& positions, const std::vector<at::Tensor>& kv_caches,
     const at::Tensor& slot_mapping, const at::Tensor& block_table, const at::Tensor& seq_lens,
-    const at::Tensor& token_indices);
+    const at::Tensor& token_indices, const std::optional<FinalNorm>& final_norm);
 
 }  // namespace kvserve_cpu

@@ -109,7 +109,7 @@ std::tuple<at::Tensor, at::Tensor> fused_decode_step(
     const std::vector<Layer>& layers, const StackShape& shape, const at::Tensor& hidden,
     const at::Tensor& positions, const std::vector<at::Tensor>& kv_caches,
     const at::Tensor& slot_mapping, const at::Tensor& block_table, const at::Tensor& seq_lens,
-    const at::Tensor& token_indices) {
+    const at::Tensor& token_indices, const std::optional<FinalNorm>& final_norm) {
   // Everything that can fail is checked here: nothing may throw inside the region.
   const int64_t T = hidden.size(0), H = hidden.size(1);
   const int64_t head_size = shape.head_size;
@@ -162,6 +162,12 @@ std::tuple<at::Tensor, at::Tensor> fused_decode_step(
                      l.post_norm.data_ptr<float>(), std::move(attention), std::move(kv_write)});
   }
 
+  if (final_norm) {
+    check_float(final_norm->weight, "final norm");
+    TORCH_CHECK(final_norm->weight.numel() == H, "the final norm must have hidden_size weights");
+  }
+  const float* final_weight = final_norm ? final_norm->weight.data_ptr<float>() : nullptr;
+  const float final_eps = final_norm ? static_cast<float>(final_norm->eps) : 0.0f;
   const float eps = static_cast<float>(shape.eps);
   const float* hidden_ptr = hidden.data_ptr<float>();
   const float* cos_sin_ptr = cos_sin.data_ptr<float>();
@@ -212,7 +218,14 @@ std::tuple<at::Tensor, at::Tensor> fused_decode_step(
       linear_share(l.down, act.data(), T, in, down_ptr, tid, threads);
 #pragma omp barrier
     }
-    if (tid == 0) std::copy(residual.data(), residual.data() + T * H, residual_out.data_ptr<float>());
+    if (tid == 0) {
+      // The model's final fused add + norm, as its module would run it on (down, residual).
+      if (final_weight != nullptr)
+        for (int64_t r = 0; r < T; ++r)
+          add_rms_norm_row(down_ptr + r * H, residual.data() + r * H, final_weight,
+                           down_ptr + r * H, H, final_eps);
+      std::copy(residual.data(), residual.data() + T * H, residual_out.data_ptr<float>());
+    }
   }
   return {down, residual_out};
 }

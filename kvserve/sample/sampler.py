@@ -31,7 +31,8 @@ class Sampler(torch.nn.Module):
     exponential-race sampling with per-request generators."""
 
     def forward(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
-        logits = logits.to(torch.float32)
+        if logits.dtype != torch.float32:
+            logits = logits.to(torch.float32)
         num_logprobs = metadata.max_num_logprobs
         # Logprobs are those of the model itself, before any processing.
         raw_logprobs = logits.log_softmax(dim=-1) if num_logprobs is not None else None

@@ -7,6 +7,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from kvserve.worker.prefix_views import PrefixViews
+
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
@@ -16,7 +18,8 @@ class BlockTable:
     """One KV cache group's block ids, one row per batch row.
 
     The CPU table is the source of truth (numpy view for cheap small writes); ``commit``
-    copies the rows in use to the device table the attention backend reads.
+    copies the rows in use to the device table the attention backend reads (on the CPU
+    that table is the CPU table itself).
     """
 
     def __init__(
@@ -37,14 +40,25 @@ class BlockTable:
         shape = (max_num_reqs, max_num_blocks_per_req)
         self.block_table_cpu = torch.zeros(shape, dtype=torch.int32, pin_memory=pin_memory)
         self.block_table_np = self.block_table_cpu.numpy()
-        self.block_table = torch.zeros(shape, dtype=torch.int32, device=device)
+        # On the CPU the backend reads the CPU table itself (no copy per step).
+        on_cpu = torch.device(device).type == "cpu"
+        self.block_table = (
+            self.block_table_cpu if on_cpu else torch.zeros(shape, dtype=torch.int32, device=device)
+        )
         self.num_blocks_per_row = np.zeros(max_num_reqs, dtype=np.int32)
 
         self.slot_mapping_cpu = torch.zeros(
             max_num_batched_tokens, dtype=torch.int64, pin_memory=pin_memory
         )
         self.slot_mapping_np = self.slot_mapping_cpu.numpy()
-        self.slot_mapping = torch.zeros(max_num_batched_tokens, dtype=torch.int64, device=device)
+        self.slot_mapping = (
+            self.slot_mapping_cpu
+            if on_cpu
+            else torch.zeros(max_num_batched_tokens, dtype=torch.int64, device=device)
+        )
+
+        self._block_table_views = PrefixViews(self.block_table)
+        self._slot_mapping_views = PrefixViews(self.slot_mapping)
 
     def append_row(self, block_ids: Sequence[int], row: int) -> None:
         if not block_ids:
@@ -90,14 +104,18 @@ class BlockTable:
 
     def commit(self, num_reqs: int) -> None:
         """Copy the first ``num_reqs`` rows to the device table."""
-        self.block_table[:num_reqs].copy_(self.block_table_cpu[:num_reqs], non_blocking=True)
+        if self.block_table is not self.block_table_cpu:
+            self.block_table[:num_reqs].copy_(self.block_table_cpu[:num_reqs], non_blocking=True)
 
     def commit_slot_mapping(self, num_tokens: int) -> torch.Tensor:
-        self.slot_mapping[:num_tokens].copy_(self.slot_mapping_cpu[:num_tokens], non_blocking=True)
-        return self.slot_mapping[:num_tokens]
+        if self.slot_mapping is not self.slot_mapping_cpu:
+            self.slot_mapping[:num_tokens].copy_(
+                self.slot_mapping_cpu[:num_tokens], non_blocking=True
+            )
+        return self._slot_mapping_views[num_tokens]
 
     def get_device_tensor(self, num_reqs: int) -> torch.Tensor:
-        return self.block_table[:num_reqs]
+        return self._block_table_views[num_reqs]
 
     def get_row(self, row: int) -> list[int]:
         return self.block_table_np[row, : self.num_blocks_per_row[row]].tolist()

@@ -9,6 +9,7 @@ import torch
 
 from kvserve.sample.sampling_batch import SamplingBatch
 from kvserve.worker.block_table import MultiGroupBlockTable
+from kvserve.worker.prefix_views import PrefixViews
 from kvserve.worker.request_state import CachedRequestState
 
 
@@ -44,6 +45,7 @@ class InputBatch:
             max_num_reqs, dtype=torch.int32, pin_memory=pin_memory
         )
         self.num_computed_tokens_cpu = self.num_computed_tokens_cpu_tensor.numpy()
+        self.num_computed_tokens_views = PrefixViews(self.num_computed_tokens_cpu_tensor)
 
         self.block_table = MultiGroupBlockTable(
             max_num_reqs, max_model_len, max_num_batched_tokens, block_sizes, device, pin_memory
@@ -167,6 +169,12 @@ class InputBatch:
     def append_token_ids(self, rows: np.ndarray, token_ids: np.ndarray) -> None:
         """Write one sampled token per row at its end; tokens past max_model_len are
         dropped here (the scheduler finishes such requests)."""
+        if len(rows) == 1:  # a single stream: scalar indexing, ~10x cheaper than fancy
+            row, end = rows[0], self.num_tokens[rows[0]]
+            if end < self.max_model_len:
+                self.token_ids_cpu[row, end] = token_ids[0]
+                self.num_tokens[row] = end + 1
+            return
         ends = self.num_tokens[rows]
         fits = ends < self.max_model_len
         self.token_ids_cpu[rows[fits], ends[fits]] = token_ids[fits]

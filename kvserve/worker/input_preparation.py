@@ -1,7 +1,8 @@
 """Turns the persistent batch plus one SchedulerOutput into the step's model inputs.
 
 All index math is vectorised over tokens in numpy, written into preallocated CPU
-buffers and copied to the device once; Python only iterates over requests.
+buffers and copied to the device once (on the CPU the model reads those buffers
+directly); Python only iterates over requests.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch
 
 from kvserve.attention.backends.utils import CommonAttentionMetadata
 from kvserve.worker.input_batch import InputBatch
+from kvserve.worker.prefix_views import PrefixViews
 
 
 @dataclass
@@ -32,6 +34,11 @@ class StepInputs:
 
 def _pinned(n: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
     return torch.zeros(n, dtype=dtype, pin_memory=pin)
+
+
+def _device_views(cpu: torch.Tensor, device: torch.device) -> PrefixViews:
+    """The device twin of a CPU buffer (the buffer itself when the device is the CPU)."""
+    return PrefixViews(cpu if device.type == "cpu" else torch.zeros_like(cpu, device=device))
 
 
 class InputPreparer:
@@ -54,11 +61,16 @@ class InputPreparer:
         self.logits_indices_cpu = _pinned(max_num_reqs, torch.int64, pin_memory)
         self.logits_indices_np = self.logits_indices_cpu.numpy()
 
-        self.input_ids = torch.zeros(max_num_tokens, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(max_num_tokens, dtype=torch.int64, device=device)
-        self.query_start_loc = torch.zeros(max_num_reqs + 1, dtype=torch.int32, device=device)
-        self.seq_lens = torch.zeros(max_num_reqs, dtype=torch.int32, device=device)
-        self.logits_indices = torch.zeros(max_num_reqs, dtype=torch.int64, device=device)
+        # On the CPU the model reads the CPU buffers themselves: a single-stream step spent
+        # ~50 us in the five copies, each a few microseconds with the cache cold after the
+        # forward's weight stream.
+        self.input_ids = _device_views(self.input_ids_cpu, device)
+        self.positions = _device_views(self.positions_cpu, device)
+        self.query_start_loc = _device_views(self.query_start_loc_cpu, device)
+        self.seq_lens = _device_views(self.seq_lens_cpu, device)
+        self.logits_indices = _device_views(self.logits_indices_cpu, device)
+        self.query_start_loc_cpu_views = PrefixViews(self.query_start_loc_cpu)
+        self.seq_lens_cpu_views = PrefixViews(self.seq_lens_cpu)
 
     def prepare(
         self,
@@ -100,9 +112,10 @@ class InputPreparer:
         batch.block_table.compute_slot_mapping(req_indices, positions)
         batch.block_table.commit(num_reqs)
 
-        def to_device(cpu: torch.Tensor, dev: torch.Tensor, n: int) -> torch.Tensor:
-            dev[:n].copy_(cpu[:n], non_blocking=True)
-            return dev[:n]
+        def to_device(cpu: torch.Tensor, dev: PrefixViews, n: int) -> torch.Tensor:
+            if dev.tensor is not cpu:
+                dev.tensor[:n].copy_(cpu[:n], non_blocking=True)
+            return dev[n]
 
         input_ids = to_device(self.input_ids_cpu, self.input_ids, total_tokens)
         positions_dev = to_device(self.positions_cpu, self.positions, total_tokens)
@@ -117,10 +130,10 @@ class InputPreparer:
         commons = [
             CommonAttentionMetadata(
                 query_start_loc=qsl,
-                query_start_loc_cpu=self.query_start_loc_cpu[: num_reqs + 1],
+                query_start_loc_cpu=self.query_start_loc_cpu_views[num_reqs + 1],
                 seq_lens=seq_lens_dev,
-                seq_lens_cpu=self.seq_lens_cpu[:num_reqs],
-                num_computed_tokens_cpu=batch.num_computed_tokens_cpu_tensor[:num_reqs],
+                seq_lens_cpu=self.seq_lens_cpu_views[num_reqs],
+                num_computed_tokens_cpu=batch.num_computed_tokens_views[num_reqs],
                 num_reqs=num_reqs,
                 num_actual_tokens=total_tokens,
                 max_query_len=max_query_len,

@@ -470,7 +470,8 @@ class ModelRunner(
             if grammar_output is not None:
                 self._apply_grammar_bitmask(state.logits, sample_rows, grammar_output)
             out = self.sampler(state.logits, metadata)
-            tokens = out.sampled_token_ids.cpu().numpy()
+            sampled = out.sampled_token_ids
+            tokens = (sampled if sampled.is_cpu else sampled.cpu()).numpy()
             batch.append_token_ids(sample_rows, tokens.astype(np.int32))
             for row, token in zip(sample_rows.tolist(), tokens.tolist(), strict=True):
                 sampled_token_ids[row] = [token]

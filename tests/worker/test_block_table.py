@@ -58,3 +58,14 @@ def test_multi_group_uses_each_groups_block_size() -> None:
         [[1, 2, 3]], [0] * 10, list(pos), 4
     )
     assert tables[1].slot_mapping_np[:10].tolist() == _naive_slots([[7, 8]], [0] * 10, list(pos), 8)
+
+
+def test_on_the_cpu_the_device_table_is_the_cpu_table() -> None:
+    # No copy per step: the backend reads the rows as soon as they are written.
+    table = BlockTable(4, 8, 16, 2, torch.device("cpu"))
+    table.add_row([5, 6], 0)
+    assert table.get_device_tensor(1)[0, :2].tolist() == [5, 6]
+    assert table.get_device_tensor(1).data_ptr() == table.block_table_cpu.data_ptr()
+    table.compute_slot_mapping(np.array([0, 0]), np.array([1, 2]))
+    assert table.commit_slot_mapping(2).tolist() == [11, 12]
+    assert table.commit_slot_mapping(2) is table.commit_slot_mapping(2)

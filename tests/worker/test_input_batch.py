@@ -107,3 +107,21 @@ def test_append_token_ids_and_metadata_rows() -> None:
         meta.temperature is not None
         and meta.temperature.tolist() == torch.tensor([0.1, 0.3]).tolist()
     )
+
+
+def test_append_one_row_as_many_rows_do_up_to_max_model_len() -> None:
+    import numpy as np
+
+    one, many = _batch(), _batch()
+    for batch in (one, many):
+        for req in [_request(i) for i in range(2)]:
+            batch.add_request(req)
+    room = max(one.max_model_len - int(n) for n in one.num_tokens[:2])
+    for step in range(room + 2):  # past max_model_len: tokens are dropped, counts stay
+        tokens = np.array([100 + step, 200 + step], dtype=np.int32)
+        one.append_token_ids(np.array([0]), tokens[:1])  # the single-row path
+        one.append_token_ids(np.array([1]), tokens[1:])
+        many.append_token_ids(np.array([0, 1]), tokens)  # the general one
+    np.testing.assert_array_equal(one.num_tokens, many.num_tokens)
+    np.testing.assert_array_equal(one.token_ids_cpu, many.token_ids_cpu)
+    assert one.num_tokens[:2].tolist() == [one.max_model_len] * 2

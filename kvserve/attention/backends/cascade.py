@@ -111,15 +111,15 @@ def build_cascade_metadata(
     num_prefix_blocks = common.num_common_prefix_blocks
     if decode is None or num_prefix_blocks <= 0:
         return None
-    # The rule at its most generous (every decode row, the whole common prefix): a single
-    # stream's step, whose one request is its own common prefix, ends here without the
-    # tensor work below (0.15 ms of a 11 ms step, AMD EPYC Zen 3). The layers compute in
-    # float32 (the model runner's dtype), as this probe does.
-    kernel = ops.use_for(decode.block_table_i32.new_empty(0, dtype=torch.float32))
+    # The rule at its most generous (every decode row, the whole common prefix, no kernel
+    # to beat): a single stream's step, whose one request is its own common prefix, ends
+    # here without the tensor work below (0.15 ms of a 11 ms step, AMD EPYC Zen 3).
     if not use_cascade_attention(
-        num_prefix_blocks * block_size, decode.token_indices.numel(), kernel
+        num_prefix_blocks * block_size, decode.token_indices.numel(), vs_decode_kernel=False
     ):
         return None
+    # The layers compute in float32 (the model runner's dtype), as this probe does.
+    kernel = ops.use_for(decode.block_table_i32.new_empty(0, dtype=torch.float32))
     # Decode rows are the requests with one query token, in request order (as DecodeBatch).
     is_decode = common.query_lens_cpu[: common.num_reqs] == 1
     seq_lens = common.seq_lens_cpu[: common.num_reqs][is_decode]

@@ -82,13 +82,21 @@ class ParallelLMHead(VocabParallelEmbedding):
         return self._logits(hidden_states)
 
     def _logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        # Conversions and slices that would change nothing are skipped: each is a trip
+        # through torch's dispatcher in every decode step.
+        if hidden_states.dtype != torch.float32 and self.quant_weight is not None:
+            hidden_states = hidden_states.float()
         if self.quant_weight is not None:
-            logits = self.quant_weight.linear(hidden_states.float())
+            logits = self.quant_weight.linear(hidden_states)
         else:
-            logits = F.linear(hidden_states, self.weight).float()
+            logits = F.linear(hidden_states, self.weight)
+            if logits.dtype != torch.float32:
+                logits = logits.float()
         if self.tp_size > 1:
             # Every rank samples from the whole row, so each keeps the same batch state.
             logits = get_tp_group().all_gather(logits, dim=-1)
+        if logits.shape[-1] == self.num_embeddings:
+            return logits
         return logits[..., : self.num_embeddings]
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:

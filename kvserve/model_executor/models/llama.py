@@ -158,7 +158,7 @@ class LlamaModel(nn.Module):
         # Decode steps as one C++ call (same kernels, same result); None: always the
         # modules (tests compare the two). It implements Llama's own layers only.
         self.decode_stack: LlamaDecodeStack | None = (
-            LlamaDecodeStack(list(self.layers))  # type: ignore[arg-type]
+            LlamaDecodeStack(list(self.layers), self.norm)  # type: ignore[arg-type]
             if layer_cls is LlamaDecoderLayer and self.pp.world_size == 1
             else None
         )
@@ -169,7 +169,10 @@ class LlamaModel(nn.Module):
         hidden_states = self.embed_tokens.forward(input_ids)
         stack = self.decode_stack
         stacked = stack.forward(hidden_states, positions) if stack is not None else None
-        if stacked is not None:  # (last MLP output, residual)
+        if stacked is not None:  # (last MLP output or its final norm, residual)
+            assert stack is not None
+            if stack.applies_final_norm:
+                return stacked[0]
             hidden_states, _ = self.norm.forward(*stacked)
             return hidden_states
         residual: torch.Tensor | None = None

@@ -21,6 +21,7 @@ import torch
 from kvserve import _custom_ops as ops
 from kvserve.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionMetadata
 from kvserve.forward_context import get_forward_context, is_forward_context_set
+from kvserve.model_executor.layers.layernorm import RMSNorm
 
 if TYPE_CHECKING:
     from kvserve.model_executor.layers.linear import LinearBase
@@ -54,8 +55,12 @@ def _decode_step_metadata() -> CPUAttentionMetadata | None:
 class LlamaDecodeStack:
     """The native decode path of one ``LlamaModel``, built on its first decode step."""
 
-    def __init__(self, layers: list[LlamaDecoderLayer]) -> None:
+    def __init__(self, layers: list[LlamaDecoderLayer], final_norm: RMSNorm | None = None) -> None:
         self.layers = layers
+        # The model's norm after the last layer; applied in the C++ step when it is
+        # Llama's RMSNorm (``applies_final_norm``), by the model otherwise.
+        self.final_norm = final_norm
+        self.applies_final_norm = False
         # torch.classes.kvserve.DecoderStack (a ScriptObject, untyped for mypy).
         self._stack: Any = None
         self._supported: bool | None = None
@@ -100,21 +105,29 @@ class LlamaDecodeStack:
                 layer.input_layernorm.weight, layer.post_attention_layernorm.weight, planes,
                 kinds, int8, a.qkv_proj.bias, a.o_proj.bias, a.attn.sliding_window or 0,
             )  # fmt: skip
+        norm = self.final_norm
+        if type(norm) is RMSNorm:  # not a subclass with its own arithmetic
+            stack.set_final_norm(norm.weight, norm.eps)
+            self.applies_final_norm = True
         return stack
 
     def _kv_caches(self) -> list[torch.Tensor]:
-        # bind_kv_cache rebinds every layer at once, so the ends tell whether the list is
-        # current (nn.Module attribute lookups cost ~2 us each, 90 per step otherwise).
+        """The layers' KV caches, handed to the C++ stack whenever they change.
+
+        bind_kv_cache rebinds every layer at once, so the ends tell whether the list is
+        current (nn.Module attribute lookups cost ~2 us each, 90 per step otherwise)."""
         first, last = self.layers[0].self_attn.attn, self.layers[-1].self_attn.attn
         cached = self._caches
         if not cached or cached[0] is not first.kv_cache or cached[-1] is not last.kv_cache:
             self._caches = [layer.self_attn.attn.kv_cache for layer in self.layers]
+            self._stack.set_kv_caches(self._caches)
         return self._caches
 
     def forward(
         self, hidden_states: torch.Tensor, positions: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(MLP output, residual) of the last layer, or None: run the modules instead."""
+        """(MLP output, residual) of the last layer, or None: run the modules instead.
+        With ``applies_final_norm`` the first is already the final norm's output."""
         if self._supported is False or not ops.use_for(hidden_states):
             return None
         md = _decode_step_metadata()
@@ -131,6 +144,6 @@ class LlamaDecodeStack:
         assert md.kernel_decode is not None and md.all_slots is not None
         block_table, seq_lens, token_indices = md.kernel_decode
         return self._stack.forward(  # type: ignore[no-any-return]
-            hidden_states, positions, caches, md.all_slots, block_table, seq_lens,
-            token_indices, md.num_actual_tokens,
+            hidden_states, positions, md.all_slots, block_table, seq_lens, token_indices,
+            md.num_actual_tokens,
         )  # fmt: skip

@@ -1,0 +1,35 @@
+"""``tensor.numpy()`` for CPU tensors that come back step after step, made once each."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import numpy as np
+import torch
+
+# Enough for every persistent buffer view a runner's steps hand around; least recently
+# used first out.
+MAX_KEPT = 256
+
+_kept: OrderedDict[int, tuple[torch.Tensor, np.ndarray]] = OrderedDict()
+
+
+def numpy_view(tensor: torch.Tensor) -> np.ndarray:
+    """The numpy array sharing ``tensor``'s memory (a CPU tensor without grad).
+
+    ``Tensor.numpy()`` is four trips through torch's dispatcher (detach, to, resolve_conj,
+    resolve_neg): a few microseconds each in a single-stream step, whose Python runs with
+    the caches the forward has just flushed. The runner's step buffers and their cached
+    prefix views are the same tensor objects every step, so their arrays are kept, keyed
+    by the tensor object (held here, so its id cannot be reused while kept).
+    """
+    key = id(tensor)
+    kept = _kept.get(key)
+    if kept is not None and kept[0] is tensor:
+        _kept.move_to_end(key)
+        return kept[1]
+    array = tensor.numpy()
+    _kept[key] = (tensor, array)
+    if len(_kept) > MAX_KEPT:
+        _kept.popitem(last=False)
+    return array
