@@ -10,8 +10,9 @@ keeps whichever is clearly faster for steps of that size.
 
 Probes back off while they confirm the current choice (after 8 steps, doubling up to
 every 1024), so on a steady machine they cost well under 1% of the steps. A step that
-takes several times the usual time for its size starts probing again at once, weighed
-against that slow step: that is how the onset (or the end) of contention shows.
+takes several times the usual time for its size, twice in a row, starts probing again
+at once, weighed against those slow steps: that is how the onset (or the end) of
+contention shows.
 
 ``KVSERVE_ADAPTIVE_THREADS=0`` keeps torch's thread count for every step.
 """
@@ -32,8 +33,13 @@ MAX_PROBE_INTERVAL = 1024
 # Switch only to a count at most this share of the current one's step time: noise between
 # two probes must not flip a quiet machine's choice (one thread there costs ~1.8x).
 SWITCH_MARGIN = 0.75
-# A step this many times its size's usual time means the machine changed: probe now.
+# Steps this many times their size's usual time, this many in a row, mean the machine
+# changed: probe now. A single slow step is not enough: one 140 ms hiccup in a stream of
+# 5 ms steps (a quiet AMD EPYC) made the probe's 8 ms one-thread step look 17x faster,
+# and the engine then decoded on one thread at half speed until a later probe (up to
+# 1,024 steps) undid it. Contention by other processes lasts far longer than two steps.
 SLOWDOWN_FACTOR = 3.0
+SLOWDOWN_STEPS = 2
 EMA_WEIGHT = 0.25  # of the newest step in each running mean
 
 
@@ -54,6 +60,7 @@ class StepThreadGovernor:
         self._interval = FIRST_PROBE_AFTER
         self._until_probe = FIRST_PROBE_AFTER
         self._step: tuple[int, int, float] | None = None  # threads, bucket, start
+        self._slow_steps: list[float] = []  # consecutive slow steps' times, current count
 
     @classmethod
     def for_process(cls) -> StepThreadGovernor:
@@ -86,11 +93,17 @@ class StepThreadGovernor:
         usual = self._cost.get(key)
         self._until_probe -= 1
         if usual is not None and elapsed > SLOWDOWN_FACTOR * usual:
-            # A new regime: the probe must be weighed against it, not the old mean.
-            self._cost[key] = elapsed
+            self._slow_steps.append(elapsed)
+            if len(self._slow_steps) < SLOWDOWN_STEPS:
+                return  # kept out of the mean until it proves to be a new regime
+            # A new regime: the probe must be weighed against it (its fastest step, so a
+            # hiccup among them does not decide), not against the old mean.
+            self._cost[key] = min(self._slow_steps)
+            self._slow_steps.clear()
             self._interval = FIRST_PROBE_AFTER
             self._until_probe = 0
             return
+        self._slow_steps.clear()
         self._cost[key] = elapsed if usual is None else usual + EMA_WEIGHT * (elapsed - usual)
 
     def _after_probe(self, threads: int, bucket: int, elapsed: float) -> None:
@@ -104,6 +117,7 @@ class StepThreadGovernor:
                 "holding" if threads == 1 else "no longer holding",
             )  # fmt: skip
             self.current = threads
+            self._slow_steps.clear()
             self._interval = FIRST_PROBE_AFTER
         else:
             self._interval = min(MAX_PROBE_INTERVAL, 2 * self._interval)

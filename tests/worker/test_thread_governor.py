@@ -59,8 +59,21 @@ def test_a_sudden_slowdown_probes_at_once() -> None:
     torch.set_num_threads(2)
     gov = StepThreadGovernor(2)
     _run(gov, 30, lambda t: 0.02 if t == 2 else 0.08)  # interval now 32
-    slow = _run(gov, 3, lambda t: 0.1 if t == 2 else 0.01)
-    assert slow == [2, 1, 1] and gov.current == 1
+    slow = _run(gov, 4, lambda t: 0.1 if t == 2 else 0.01)
+    assert slow == [2, 2, 1, 1] and gov.current == 1
+
+
+def test_a_single_slow_step_changes_nothing() -> None:
+    # A hiccup (one step 7x its usual time) is no change of regime: no probe, no switch,
+    # and the running mean does not take it in.
+    torch.set_num_threads(2)
+    gov = StepThreadGovernor(2)
+    _run(gov, 30, lambda t: 0.02 if t == 2 else 0.05)  # interval now 32
+    usual = gov._cost[(2, 1)]
+    hiccups = iter([0.14] + [0.02] * 5)
+    used = _run(gov, 6, lambda t: next(hiccups) if t == 2 else 0.05)
+    assert used == [2] * 6 and gov.current == 2
+    assert gov._cost[(2, 1)] < 1.5 * usual
 
 
 def test_disabled_or_single_core_never_touches_threads() -> None:
