@@ -90,6 +90,9 @@ class DecoderStack : public torch::CustomClassHolder {
   // the model's fused add + norm would) and returns the normed states.
   void set_final_norm(at::Tensor weight, double eps) {
     check_float(weight, "final norm");
+    TORCH_CHECK(!layers_.empty() && weight.dim() == 1 && weight.is_contiguous() &&
+                    weight.numel() == layers_.front().input_norm.numel(),
+                "the final norm must be contiguous, one weight per hidden feature");
     final_norm_ = FinalNorm{std::move(weight), eps};
   }
 

@@ -162,10 +162,6 @@ std::tuple<at::Tensor, at::Tensor> fused_decode_step(
                      l.post_norm.data_ptr<float>(), std::move(attention), std::move(kv_write)});
   }
 
-  if (final_norm) {
-    check_float(final_norm->weight, "final norm");
-    TORCH_CHECK(final_norm->weight.numel() == H, "the final norm must have hidden_size weights");
-  }
   const float* final_weight = final_norm ? final_norm->weight.data_ptr<float>() : nullptr;
   const float final_eps = final_norm ? static_cast<float>(final_norm->eps) : 0.0f;
   const float eps = static_cast<float>(shape.eps);

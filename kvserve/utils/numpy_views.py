@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-from collections import OrderedDict
-
 import numpy as np
 import torch
 
-# Enough for every persistent buffer view a runner's steps hand around; least recently
-# used first out.
+# Enough for every persistent buffer view a runner's steps hand around; the oldest entry
+# goes first.
 MAX_KEPT = 256
 
-_kept: OrderedDict[int, tuple[torch.Tensor, np.ndarray]] = OrderedDict()
+_kept: dict[int, tuple[torch.Tensor, np.ndarray]] = {}
 
 
 def numpy_view(tensor: torch.Tensor) -> np.ndarray:
@@ -21,15 +19,15 @@ def numpy_view(tensor: torch.Tensor) -> np.ndarray:
     resolve_neg): a few microseconds each in a single-stream step, whose Python runs with
     the caches the forward has just flushed. The runner's step buffers and their cached
     prefix views are the same tensor objects every step, so their arrays are kept, keyed
-    by the tensor object (held here, so its id cannot be reused while kept).
+    by the tensor object (held here, so its id cannot be reused while kept). Only single
+    dict operations touch the table, so engines in several threads of one process may
+    share it.
     """
-    key = id(tensor)
-    kept = _kept.get(key)
+    kept = _kept.get(id(tensor))
     if kept is not None and kept[0] is tensor:
-        _kept.move_to_end(key)
         return kept[1]
     array = tensor.numpy()
-    _kept[key] = (tensor, array)
-    if len(_kept) > MAX_KEPT:
-        _kept.popitem(last=False)
+    if len(_kept) >= MAX_KEPT:
+        _kept.pop(next(iter(_kept)), None)
+    _kept[id(tensor)] = (tensor, array)
     return array

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import torch
 
+# Distinct prefixes kept per buffer before the cache starts over (a server sees a few
+# hundred token counts; each view is a few hundred bytes).
+MAX_VIEWS = 1024
+
 
 class PrefixViews:
     """``tensor[:n]`` of one fixed buffer, made once per ``n`` and kept.
@@ -24,5 +28,7 @@ class PrefixViews:
     def __getitem__(self, n: int) -> torch.Tensor:
         view = self._views.get(n)
         if view is None:
+            if len(self._views) >= MAX_VIEWS:
+                self._views.clear()
             view = self._views[n] = self.tensor[:n]
         return view

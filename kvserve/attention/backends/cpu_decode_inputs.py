@@ -7,6 +7,10 @@ import torch
 
 from kvserve.utils.numpy_views import numpy_view
 
+# (rows, blocks) shapes whose tensors are kept before the cache starts over: a server's
+# batch sizes and context lengths would otherwise add entries for as long as it runs.
+MAX_SHAPES = 1024
+
 
 class CPUDecodeInputs:
     """(token_indices int64 [D], block_table int32 [D, num_blocks] contiguous and clamped
@@ -51,6 +55,8 @@ class CPUDecodeInputs:
         self._reserve(d, num_blocks)
         tensors = self._tensors.get((d, num_blocks))
         if tensors is None:
+            if len(self._tensors) >= MAX_SHAPES:
+                self._tensors.clear()
             tensors = self._tensors[(d, num_blocks)] = (
                 torch.from_numpy(self._rows[:d]),
                 torch.from_numpy(self._table[: d * num_blocks].reshape(d, num_blocks)),

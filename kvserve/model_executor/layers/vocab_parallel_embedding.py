@@ -84,9 +84,9 @@ class ParallelLMHead(VocabParallelEmbedding):
     def _logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         # Conversions and slices that would change nothing are skipped: each is a trip
         # through torch's dispatcher in every decode step.
-        if hidden_states.dtype != torch.float32 and self.quant_weight is not None:
-            hidden_states = hidden_states.float()
         if self.quant_weight is not None:
+            if hidden_states.dtype != torch.float32:
+                hidden_states = hidden_states.float()
             logits = self.quant_weight.linear(hidden_states)
         else:
             logits = F.linear(hidden_states, self.weight)
