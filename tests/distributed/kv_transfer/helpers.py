@@ -81,10 +81,16 @@ def drain(llm: Any, timeout: float = 10.0) -> None:
 
 
 def run_by_hand(
-    llm: Any, request_id: str, ids: list[int], params: SamplingParams = GREEDY
+    llm: Any,
+    request_id: str,
+    ids: list[int],
+    params: SamplingParams = GREEDY,
+    timeout: float = 30.0,
 ) -> tuple[list[int], list[int], EngineCoreOutput]:
     """Runs one request through the real core step by step: (tokens scheduled for it per
-    step, its output tokens, its final output)."""
+    step, its output tokens, its final output). Steps that schedule nothing (KV still on
+    its way from another engine) pause briefly: a step budget rather than a clock would
+    let a fast machine give up before a transfer could arrive."""
     core = core_of(llm)
     request, _ = llm.llm_engine.input_processor.process_inputs(
         request_id, {"prompt_token_ids": ids}, params
@@ -93,9 +99,8 @@ def run_by_hand(
     scheduled: list[int] = []
     tokens: list[int] = []
     final: EngineCoreOutput | None = None
-    for _ in range(100):
-        if not core.scheduler.has_requests():
-            break
+    deadline = time.monotonic() + timeout
+    while core.scheduler.has_requests() and time.monotonic() < deadline:
         scheduler_output = core.scheduler.schedule()
         core.model_executor.execute_model(scheduler_output)
         runner_output = core.model_executor.sample_tokens()
@@ -105,5 +110,7 @@ def run_by_hand(
             tokens.extend(output.new_token_ids)
             if output.finished:
                 final = output
+        if not scheduler_output.total_num_scheduled_tokens:
+            time.sleep(0.01)
     assert final is not None, "the request did not finish"
     return scheduled, tokens, final

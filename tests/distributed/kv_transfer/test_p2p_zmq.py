@@ -73,31 +73,6 @@ def _prefill(producer: Any, ids: list[int], port: int, **extra: Any) -> dict[str
     return dict(out.kv_transfer_params)
 
 
-def _run(llm: Any, request_id: str, ids: list[int], params: Any) -> tuple[list[int], list[int]]:
-    """run_by_hand with a clock: steps (pausing while nothing runs) until the request
-    finished; (tokens scheduled for it per step, its output tokens)."""
-    core = core_of(llm)
-    request, _ = llm.llm_engine.input_processor.process_inputs(
-        request_id, {"prompt_token_ids": ids}, params
-    )
-    core.add_request(request)
-    scheduled: list[int] = []
-    tokens: list[int] = []
-    deadline = time.monotonic() + RECV_TIMEOUT_S + 30
-    while core.scheduler.has_requests():
-        assert time.monotonic() < deadline, "the request did not finish"
-        scheduler_output = core.scheduler.schedule()
-        core.model_executor.execute_model(scheduler_output)
-        outputs = core.scheduler.update_from_output(
-            scheduler_output, core.model_executor.sample_tokens()
-        )
-        scheduled.append(scheduler_output.num_scheduled_tokens.get(request_id, 0))
-        tokens += [t for o in outputs.outputs for t in o.new_token_ids]
-        if not scheduler_output.total_num_scheduled_tokens:
-            time.sleep(0.01)
-    return scheduled, tokens
-
-
 def _transfers(llm: Any) -> dict[str, float]:
     """The connector's transfer_requests totals by kind (received, failed, sent)."""
     stats = core_of(llm).scheduler.connector.get_kv_connector_stats() or {}
@@ -195,7 +170,9 @@ def test_bad_transfers_are_recomputed(
     else:
         params = _prefill(producer, ids, kv_port, fault_stop_after_layers=5)
     started = time.monotonic()
-    scheduled, tokens = _run(consumer, f"p2p-{fault}", ids, with_params(params))
+    scheduled, tokens, _ = run_by_hand(
+        consumer, f"p2p-{fault}", ids, with_params(params), timeout=RECV_TIMEOUT_S + 30
+    )
     assert tokens == hf_reference().greedy(ids, GREEDY.max_tokens)
     assert sum(scheduled) == len(ids) + GREEDY.max_tokens - 1  # the whole prompt computed
     if fault == "never_completes":
