@@ -1,6 +1,6 @@
 """Admission control and the bounds on engine resources, against one server with low limits.
 
-16 running + 2 queued generations at most, 64 KiB bodies and a 30 s request timeout: beyond
+16 running + 2 queued generations at most, 64 KiB bodies and an 8 s request timeout: beyond
 them a request is refused or aborted, and every admitted one completes; nothing is left
 holding KV blocks afterwards.
 """
@@ -19,7 +19,7 @@ from tests.entrypoints.openai.utils import RemoteServer
 pytestmark = pytest.mark.slow
 
 MAX_RUNNING, MAX_QUEUED = 16, 2
-REQUEST_TIMEOUT_S = 30
+REQUEST_TIMEOUT_S = 8
 BODY_LIMIT = 65536
 
 
