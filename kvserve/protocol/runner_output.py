@@ -7,6 +7,8 @@ from typing import NamedTuple
 
 import torch
 
+from kvserve.protocol.kv_connector_output import KVConnectorOutput
+
 
 class LogprobsLists(NamedTuple):
     """Per sampled position: token ids, logprobs and ranks of [sampled, top-1..top-k]."""
@@ -72,15 +74,15 @@ class ModelRunnerOutput:
     spec_token_ids: list[list[int]] | None = None
     # req_id -> prompt logprobs of the positions computed in this step (None if not asked).
     prompt_logprobs_dict: dict[str, LogprobsTensors | None] = field(default_factory=dict)
-    # Filled by KV connectors on the worker side.
-    finished_sending: set[str] | None = None
-    finished_recving: set[str] | None = None
-    invalid_block_ids: set[int] = field(default_factory=set)
+    # The KV connector's report (None without a connector, or when it has nothing to say).
+    kv_connector_output: KVConnectorOutput | None = None
     # req_id -> the pooled vector of a pooling request whose prompt finished this step.
     pooler_output: dict[str, list[float]] = field(default_factory=dict)
-    # None for a step without a forward (EMPTY_MODEL_RUNNER_OUTPUT is shared: never set it).
+    # None for a step without a forward.
     step_times: RunnerStepTimes | None = None
     encoder_stats: EncoderRunStats | None = None
 
 
-EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[])
+def empty_model_runner_output() -> ModelRunnerOutput:
+    """The output of a step that sampled nothing (a fresh one: callers may fill it in)."""
+    return ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[])

@@ -23,7 +23,6 @@ from kvserve.distributed.kv_transfer.kv_connector.base import (
 from kvserve.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from kvserve.forward_context import get_forward_context, set_forward_context
 from kvserve.protocol.kv_cache_interface import KVCacheConfig
-from kvserve.protocol.runner_output import ModelRunnerOutput
 from kvserve.protocol.scheduler_output import SchedulerOutput
 
 
@@ -82,14 +81,3 @@ class KVConnectorModelRunnerMixin:
                 pass
         return output
 
-    @staticmethod
-    def attach_kv_connector_output(
-        runner_output: ModelRunnerOutput, kv_output: KVConnectorOutput | None
-    ) -> ModelRunnerOutput:
-        """Copies the connector's report onto the step's ModelRunnerOutput."""
-        if kv_output is None or kv_output.is_empty():
-            return runner_output
-        runner_output.finished_sending = kv_output.finished_sending
-        runner_output.finished_recving = kv_output.finished_recving
-        runner_output.invalid_block_ids = set(kv_output.invalid_block_ids)
-        return runner_output

@@ -16,17 +16,17 @@ from kvserve import _custom_ops as ops
 from kvserve.attention.backends.abstract import AttentionMetadataBuilder
 from kvserve.attention.layer import Attention, bind_kv_cache, get_attention_layers
 from kvserve.config import EngineConfig
-from kvserve.distributed.kv_transfer.kv_connector.base import KVConnectorOutput
 from kvserve.distributed.parallel_state import get_pp_group
 from kvserve.forward_context import set_forward_context
 from kvserve.model_executor.lora.model_manager import LoRAModelManager
 from kvserve.model_executor.model_loader import get_model
 from kvserve.protocol.kv_cache_interface import KVCacheConfig, KVCacheSpec
 from kvserve.protocol.runner_output import (
-    EMPTY_MODEL_RUNNER_OUTPUT,
+    KVConnectorOutput,
     LogprobsLists,
     ModelRunnerOutput,
     RunnerStepTimes,
+    empty_model_runner_output,
 )
 from kvserve.protocol.scheduler_output import GrammarOutput, NewRequestData, SchedulerOutput
 from kvserve.sample.sampler import Sampler
@@ -421,15 +421,11 @@ class ModelRunner(
         if state is None:
             raise RuntimeError("sample_tokens() called without a preceding execute_model()")
         if not self.is_last_stage:
-            return EMPTY_MODEL_RUNNER_OUTPUT  # the last stage samples and replies
+            return empty_model_runner_output()  # the last stage samples and replies
         if state.inputs is None:
-            if state.kv_connector_output is None or state.kv_connector_output.is_empty():
-                return EMPTY_MODEL_RUNNER_OUTPUT
-            # Never mutate the shared empty output: report the transfers on a fresh one.
-            return self.attach_kv_connector_output(
-                ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[]),
-                state.kv_connector_output,
-            )
+            output = empty_model_runner_output()
+            output.kv_connector_output = _reported(state.kv_connector_output)
+            return output
         batch = self.input_batch
         assert batch is not None
         inputs = state.inputs
@@ -495,4 +491,10 @@ class ModelRunner(
         output.step_times = RunnerStepTimes(
             state.prepare_time, state.forward_time, time.perf_counter() - start
         )
-        return self.attach_kv_connector_output(output, state.kv_connector_output)
+        output.kv_connector_output = _reported(state.kv_connector_output)
+        return output
+
+
+def _reported(kv_output: KVConnectorOutput | None) -> KVConnectorOutput | None:
+    """The connector's report, or None when it has nothing to say (most steps)."""
+    return None if kv_output is None or kv_output.is_empty() else kv_output

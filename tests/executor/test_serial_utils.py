@@ -29,6 +29,7 @@ from kvserve.distributed.kv_transfer.kv_connector.connectors.tiered_cache import
 from kvserve.entrypoints.llm import LLM
 from kvserve.executor import serial_utils as wire
 from kvserve.lora.request import LoRARequest
+from kvserve.protocol.kv_connector_output import KVConnectorOutput
 from kvserve.protocol.runner_output import LogprobsLists, LogprobsTensors, ModelRunnerOutput
 from kvserve.protocol.scheduler_output import (
     CachedRequestData,
@@ -104,7 +105,7 @@ def test_runner_and_grammar_outputs_carry_tensors_as_raw_bytes() -> None:
         sampled_token_ids=[[5], []],
         logprobs=LogprobsLists([[5, 1]], [[-0.5, -1.25]], [1]),
         prompt_logprobs_dict={"a": logits_rows, "b": None},
-        finished_sending={"a"},
+        kv_connector_output=KVConnectorOutput(finished_sending={"a"}),
     )
     frame = wire.encode(output)
     ext = _plain(frame)["prompt_logprobs_dict"]["a"][1]
@@ -113,7 +114,7 @@ def test_runner_and_grammar_outputs_carry_tensors_as_raw_bytes() -> None:
     decoded = wire.decode(frame, ModelRunnerOutput)
     got = decoded.prompt_logprobs_dict["a"]
     assert got is not None and all(torch.equal(x, y) for x, y in zip(got, logits_rows, strict=True))
-    assert decoded.logprobs == output.logprobs and decoded.finished_sending == {"a"}
+    assert decoded.logprobs == output.logprobs and decoded.kv_connector_output == KVConnectorOutput(finished_sending={"a"})
 
     mask = np.arange(12, dtype=np.int32).reshape(2, 6)
     grammar = wire.decode(wire.encode(GrammarOutput(["a", "b"], mask)), GrammarOutput)

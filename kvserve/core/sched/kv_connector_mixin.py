@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvserve.core.request import Request, RequestStatus
 from kvserve.distributed.kv_transfer.kv_connector.base import KV_LOAD_FAILURE_PREFIX
+from kvserve.protocol.kv_connector_output import KVConnectorOutput
 
 if TYPE_CHECKING:
     from kvserve.config import EngineConfig
@@ -27,7 +28,6 @@ if TYPE_CHECKING:
     from kvserve.core.sched.request_queue import RequestQueue
     from kvserve.distributed.kv_transfer.kv_connector.base import KVConnectorBase_V1
     from kvserve.protocol.kv_cache_interface import KVCacheConfig
-    from kvserve.protocol.runner_output import ModelRunnerOutput
     from kvserve.protocol.scheduler_output import SchedulerOutput
 
 
@@ -172,9 +172,11 @@ class SchedulerKVConnectorMixin:
                 self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
         self._sync_loaded.clear()
 
-    def _update_from_kv_xfer_finished(self, model_runner_output: ModelRunnerOutput) -> None:
+    def _update_from_kv_xfer_finished(self, kv_output: KVConnectorOutput | None) -> None:
         """Finished async loads leave WAITING_FOR_REMOTE_KVS; finished sends free blocks."""
-        for request_id in model_runner_output.finished_recving or ():
+        if kv_output is None:
+            kv_output = KVConnectorOutput()
+        for request_id in kv_output.finished_recving or ():
             request = self.requests.get(request_id)
             target = self._async_loads.pop(request_id, None)
             if request is None or target is None:
@@ -188,20 +190,12 @@ class SchedulerKVConnectorMixin:
             self.kv_cache_manager.cache_blocks(request, target)
             request.status = RequestStatus.WAITING
             self._async_load_done.add(request_id)
-        for request_id in model_runner_output.finished_sending or ():
+        for request_id in kv_output.finished_sending or ():
             request = self._delayed_free.pop(request_id, None)
             if request is not None:
                 self.kv_cache_manager.free(request)
         if self.connector is not None:
-            from kvserve.distributed.kv_transfer.kv_connector.base import KVConnectorOutput
-
-            self.connector.update_connector_output(
-                KVConnectorOutput(
-                    finished_sending=model_runner_output.finished_sending,
-                    finished_recving=model_runner_output.finished_recving,
-                    invalid_block_ids=set(model_runner_output.invalid_block_ids),
-                )
-            )
+            self.connector.update_connector_output(kv_output)
 
     # ---- finishing -------------------------------------------------------------------------
 

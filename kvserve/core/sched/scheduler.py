@@ -401,10 +401,11 @@ class Scheduler(
     ) -> EngineCoreOutputs:
         self._release_in_flight(scheduler_output)
         # KV connector results first: a failed load voids (or, policy "fail", ends) a request.
+        kv_output = model_runner_output.kv_connector_output
         dropped = self._handle_invalid_blocks(
-            scheduler_output, model_runner_output.invalid_block_ids
+            scheduler_output, kv_output.invalid_block_ids if kv_output else set()
         )
-        self._update_from_kv_xfer_finished(model_runner_output)
+        self._update_from_kv_xfer_finished(kv_output)
         self._cache_sync_loaded()
         self._record_encoder_output(model_runner_output)
         outputs: list[EngineCoreOutput] = []

@@ -25,6 +25,7 @@ from kvserve.distributed.kv_transfer.kv_connector.connectors.shared_storage impo
 )
 from kvserve.protocol.engine_core import EngineCoreOutputs, FinishReason
 from kvserve.protocol.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from kvserve.protocol.kv_connector_output import KVConnectorOutput
 from kvserve.protocol.runner_output import ModelRunnerOutput
 from kvserve.protocol.scheduler_output import SchedulerOutput
 from kvserve.sampling_params import SamplingParams
@@ -75,7 +76,8 @@ def add_request(scheduler: Scheduler, **params: Any) -> Request:
     return request
 
 
-def step(scheduler: Scheduler, **runner: Any) -> tuple[SchedulerOutput, EngineCoreOutputs]:
+def step(scheduler: Scheduler, **kv_output: Any) -> tuple[SchedulerOutput, EngineCoreOutputs]:
+    """One step; ``kv_output`` is what the worker-side connector reports (KVConnectorOutput)."""
     out = scheduler.schedule()
     req_ids = list(out.num_scheduled_tokens)
     sampled = [
@@ -85,7 +87,10 @@ def step(scheduler: Scheduler, **runner: Any) -> tuple[SchedulerOutput, EngineCo
         for r in req_ids
     ]
     runner_output = ModelRunnerOutput(
-        req_ids, {r: i for i, r in enumerate(req_ids)}, sampled, **runner
+        req_ids,
+        {r: i for i, r in enumerate(req_ids)},
+        sampled,
+        kv_connector_output=KVConnectorOutput(**kv_output),
     )
     outputs = scheduler.update_from_output(out, runner_output)
     scheduler.check_integrity()
@@ -116,7 +121,9 @@ def test_external_hit_then_bad_block_recomputes_from_it(
     assert (load.start_block, load.end_block, load.block_ids) == (0, 2, [blocks[:2]])
 
     # The worker reports the second loaded block unreadable: this step's token is void.
-    runner_output = ModelRunnerOutput(["r"], {"r": 0}, [[TOKEN]], invalid_block_ids={blocks[1]})
+    runner_output = ModelRunnerOutput(
+        ["r"], {"r": 0}, [[TOKEN]], kv_connector_output=KVConnectorOutput(invalid_block_ids={blocks[1]})
+    )
     outputs = scheduler.update_from_output(out, runner_output)
     assert outputs.outputs == []
     assert request.num_computed_tokens == BS and request.num_output_tokens == 0
@@ -145,7 +152,9 @@ def test_fail_policy_finishes_with_an_error_and_frees(
     request = add_request(scheduler)
     out = scheduler.schedule()
     blocks = scheduler.kv_cache_manager.get_block_ids("r")[0]
-    runner_output = ModelRunnerOutput(["r"], {"r": 0}, [[TOKEN]], invalid_block_ids={blocks[0]})
+    runner_output = ModelRunnerOutput(
+        ["r"], {"r": 0}, [[TOKEN]], kv_connector_output=KVConnectorOutput(invalid_block_ids={blocks[0]})
+    )
     [output] = scheduler.update_from_output(out, runner_output).outputs
     assert output.finish_reason == FinishReason.ERROR and output.new_token_ids == []
     assert output.error is not None and "kv_load_failure_policy is 'fail'" in output.error

@@ -30,6 +30,9 @@ from typing import TYPE_CHECKING, Any, Protocol
 # Defined beside SchedulerOutput, which carries it across processes; connectors import it here.
 from kvserve.protocol.scheduler_output import KVConnectorMetadata as KVConnectorMetadata
 
+# Likewise beside ModelRunnerOutput, which carries it back.
+from kvserve.protocol.kv_connector_output import KVConnectorOutput as KVConnectorOutput
+
 if TYPE_CHECKING:
     import torch
 
@@ -47,21 +50,6 @@ KV_LOAD_FAILURE_PREFIX = "KV connector failed to load external KV"
 class KVConnectorRole(enum.IntEnum):
     SCHEDULER = 0
     WORKER = 1
-
-
-@dataclass
-class KVConnectorOutput:
-    """What the worker side reports after a step."""
-
-    # Requests whose asynchronous save finished: the scheduler may free their blocks now.
-    finished_sending: set[str] | None = None
-    # Requests whose asynchronous load finished: they may leave WAITING_FOR_REMOTE_KVS.
-    finished_recving: set[str] | None = None
-    # Blocks whose external load failed: their content is garbage and must be recomputed.
-    invalid_block_ids: set[int] = field(default_factory=set)
-
-    def is_empty(self) -> bool:
-        return not (self.finished_sending or self.finished_recving or self.invalid_block_ids)
 
 
 class ConnectorRequest(Protocol):
