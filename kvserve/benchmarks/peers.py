@@ -164,7 +164,7 @@ def run_kvserve(
 def _spec_decoding_totals(llm: Any) -> tuple[int, int, int] | None:
     """(drafts, draft tokens, accepted tokens) so far of an in-process engine, or None."""
     core = getattr(llm.llm_engine.engine_core, "engine_core", None)
-    stats = None if core is None else core.scheduler.spec_decoding_stats
+    stats = None if core is None else core.scheduler.spec_decode.spec_decoding_stats
     if stats is None:
         return None
     return stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens

@@ -6,7 +6,7 @@ several batches in flight (``max_concurrent_batches``, the number of stages) the
 schedules the next micro-batch as soon as one is sent, without waiting for its tokens;
 the workers take their calls in order, so the first stage starts on batch k+1 while the
 last one still runs batch k. Outputs are applied oldest first. The scheduler keeps a
-request out of every batch but the one it is in flight in (core/sched/batch_queue_mixin).
+request out of every batch but the one it is in flight in (core/sched/in_flight.py).
 """
 
 from __future__ import annotations

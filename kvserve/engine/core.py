@@ -40,10 +40,6 @@ from kvserve.utils.threads import log_thread_settings
 
 logger = logging.getLogger(__name__)
 
-# Failed steps in a row that no request could be blamed for (core/sched/isolation.py) after
-# which the failure counts as the engine's: the core raises and dies.
-MAX_UNATTRIBUTED_STEP_FAILURES = 3
-
 
 class EngineCore(EngineCoreBatchQueueMixin):
     def __init__(
@@ -74,7 +70,7 @@ class EngineCore(EngineCoreBatchQueueMixin):
             config.scheduler_config.max_num_seqs,
             load_tokenizer=lambda: get_tokenizer(config.model_config.tokenizer_resolved),
         )
-        self.scheduler = Scheduler(
+        self.scheduler = Scheduler.from_config(
             config,
             self.kv_cache_config,
             log_stats=log_stats,
@@ -171,7 +167,7 @@ class EngineCore(EngineCoreBatchQueueMixin):
         forward pass.
         """
         if request.mm_features:
-            mirror = self.scheduler.mm_processor_cache
+            mirror = self.scheduler.encoder.mm_processor_cache
             if mirror is None:
                 raise ValueError(f"{self.config.model_config.arch.architecture} takes no images")
             # First, whatever follows: the mirror moves with every request the front end
@@ -248,7 +244,7 @@ class EngineCore(EngineCoreBatchQueueMixin):
 
         A step with one request is its fault. A step with several has its requests
         preempted and rerun, half of them at a time, until one fails alone (the scheduler's
-        bisection, core/sched/isolation.py); the others complete with their own tokens.
+        bisection, core/sched/failure_isolator.py); the others complete with their own tokens.
         Failures that no request can be blamed for, several in a row, mean the engine
         itself is broken: then it raises, and the core dies (the server reports it and
         exits).
@@ -256,7 +252,7 @@ class EngineCore(EngineCoreBatchQueueMixin):
         message = f"{type(error).__name__}: {error}"
         outputs = self.scheduler.isolate_failed_step(scheduler_output, message)
         self._publish_kv_events()  # the failed step's blocks left the prefix cache
-        if self.scheduler.consecutive_unattributed_failures >= MAX_UNATTRIBUTED_STEP_FAILURES:
+        if self.scheduler.isolator.engine_is_broken:
             raise error
         logger.exception(
             "a model step of %d request(s) failed; %s",

@@ -14,7 +14,8 @@ import msgspec
 import pytest
 
 from kvserve.core.request import Request
-from kvserve.engine.core import MAX_UNATTRIBUTED_STEP_FAILURES, EngineCore
+from kvserve.core.sched.failure_isolator import MAX_UNATTRIBUTED_STEP_FAILURES
+from kvserve.engine.core import EngineCore
 from kvserve.protocol.engine_core import EngineCoreOutput, EngineCoreRequest, FinishReason
 from kvserve.sampling_params import SamplingParams
 from tests.engine.test_core_proc import make_request

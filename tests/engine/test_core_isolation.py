@@ -15,7 +15,8 @@ from typing import Any
 import msgspec
 import pytest
 
-from kvserve.engine.core import MAX_UNATTRIBUTED_STEP_FAILURES, EngineCore
+from kvserve.core.sched.failure_isolator import MAX_UNATTRIBUTED_STEP_FAILURES
+from kvserve.engine.core import EngineCore
 from kvserve.protocol.engine_core import EngineCoreOutput, FinishReason
 from kvserve.sampling_params import SamplingParams
 from tests.engine.faulty_logits_processors import EXCLUSIVE_SLOT, FORCE_TOKEN
@@ -146,8 +147,54 @@ def test_failures_no_request_can_be_blamed_for_end_the_core(llm: Any) -> None:
     assert max(rounds) == MAX_UNATTRIBUTED_STEP_FAILURES - 1
     # Left as found for the session's other tests.
     core.abort_requests(["slot-a", "slot-b", "bystander"])
-    core.scheduler.consecutive_unattributed_failures = 0
+    core.scheduler.isolator.consecutive_unattributed_failures = 0
     core.step()  # tells the worker they are gone
     core.scheduler.check_integrity()
     assert core.scheduler.get_num_unfinished_requests() == 0
     assert core.scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == free
+
+
+def test_a_scheduler_fault_ends_only_its_request(llm: Any, clean: list[list[int]]) -> None:
+    # Faults injected into the scheduler's collaborators, one per phase: the encoder
+    # planner raises in schedule() for prompt 2, the grammar tracker in update_from_output
+    # for prompt 4 (after its first token). Each ends its request alone with "error"; the
+    # other requests complete with exactly their tokens, and the engine keeps serving.
+    scheduler = _core(llm).scheduler
+    encoder, grammars = scheduler.encoder, scheduler.grammars
+
+    def faulty_try_schedule(request: Any, *args: Any) -> Any:
+        if request.prompt_token_ids == PROMPTS[2]:
+            raise RuntimeError("schedule fault")
+        return type(encoder).try_schedule(encoder, request, *args)
+
+    def faulty_advance(request: Any, token_id: int) -> bool:
+        if request.prompt_token_ids == PROMPTS[4] and request.num_output_tokens > 1:
+            raise RuntimeError("update fault")
+        return type(grammars).advance(request, token_id)
+
+    encoder.try_schedule = faulty_try_schedule  # type: ignore[method-assign]
+    grammars.advance = faulty_advance  # type: ignore[method-assign]
+    try:
+        outputs = llm.generate(
+            [{"prompt_token_ids": p} for p in PROMPTS], _greedy(), use_tqdm=False
+        )
+    finally:
+        del encoder.try_schedule, grammars.advance  # the class's methods again
+    for i, output in enumerate(outputs):
+        completion = output.outputs[0]
+        if i in (2, 4):
+            assert completion.finish_reason == "error"
+            assert completion.error == (
+                "RuntimeError: schedule fault" if i == 2 else "RuntimeError: update fault"
+            )
+        else:
+            assert completion.finish_reason == "length", (i, completion.error)
+            assert list(completion.token_ids) == clean[i], i
+    assert scheduler.consecutive_unattributed_failures == 0 and not scheduler.is_isolating
+    scheduler.check_integrity()
+    assert_no_leak(llm)
+    again = llm.generate(
+        [{"prompt_token_ids": p} for p in PROMPTS[2:5:2]], _greedy(), use_tqdm=False
+    )
+    assert [list(o.outputs[0].token_ids) for o in again] == [clean[2], clean[4]]
+    assert_no_leak(llm)

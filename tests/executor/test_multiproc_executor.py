@@ -203,7 +203,7 @@ def _abort_in_flight(llm: LLM, expected: list[list[int]]) -> None:
     engine.step()
     engine.step()  # a micro-batch per stage: r0 and r1, then r2
     newest = core.batch_queue[-1].scheduler_output.num_scheduled_tokens
-    assert list(newest) == ["r2"] and "r2" in scheduler.in_flight
+    assert list(newest) == ["r2"] and "r2" in scheduler.batches.in_flight
     engine.abort_request("r2")
     scheduler.check_integrity()
     done: dict[str, list[int]] = {}
@@ -215,5 +215,5 @@ def _abort_in_flight(llm: LLM, expected: list[list[int]]) -> None:
     assert done == {"r0": expected[0], "r1": expected[1]}
     while core.has_work():  # the aborted request's micro-batch comes back
         core.step()
-    assert not scheduler.in_flight
+    assert not scheduler.batches.in_flight
     assert_no_leak(llm)

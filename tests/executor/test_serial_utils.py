@@ -114,7 +114,9 @@ def test_runner_and_grammar_outputs_carry_tensors_as_raw_bytes() -> None:
     decoded = wire.decode(frame, ModelRunnerOutput)
     got = decoded.prompt_logprobs_dict["a"]
     assert got is not None and all(torch.equal(x, y) for x, y in zip(got, logits_rows, strict=True))
-    assert decoded.logprobs == output.logprobs and decoded.kv_connector_output == KVConnectorOutput(finished_sending={"a"})
+    assert decoded.logprobs == output.logprobs and decoded.kv_connector_output == KVConnectorOutput(
+        finished_sending={"a"}
+    )
 
     mask = np.arange(12, dtype=np.int32).reshape(2, 6)
     grammar = wire.decode(wire.encode(GrammarOutput(["a", "b"], mask)), GrammarOutput)

@@ -38,7 +38,7 @@ def test_the_target_as_its_own_draft_is_always_accepted(tiny: tuple[Path, Any]) 
         for _ in range(2):  # the second round hits the prefix cache
             got = [o.outputs[0].token_ids for o in spec.generate(prompts, params, use_tqdm=False)]
             assert got == want
-        stats = spec.llm_engine.engine_core.engine_core.scheduler.spec_decoding_stats
+        stats = spec.llm_engine.engine_core.engine_core.scheduler.spec_decode.spec_decoding_stats
         assert stats.num_drafts > 0
         assert stats.num_accepted_tokens == stats.num_draft_tokens
         assert_no_leak(spec)

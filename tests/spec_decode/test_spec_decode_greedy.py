@@ -35,7 +35,7 @@ def run(llm: Any, prompts: list[list[int]]) -> list[list[int]]:
 
 
 def spec_stats(llm: Any) -> Any:
-    return llm.llm_engine.engine_core.engine_core.scheduler.spec_decoding_stats
+    return llm.llm_engine.engine_core.engine_core.scheduler.spec_decode.spec_decoding_stats
 
 
 @pytest.fixture(scope="module")

@@ -102,3 +102,18 @@ def make_engine_core_output(
         output.new_prompt_logprobs = lists.logprobs
         output.new_prompt_logprobs_ranks = lists.sampled_token_ranks
     return output
+
+
+def too_long_message(
+    request: Request, max_model_len: int, pool_blocks: int, block_size: int
+) -> str:
+    """Why a request can never run: its prompt or its whole length does not fit."""
+    if request.num_prompt_tokens > max_model_len:
+        return (
+            f"the prompt ({request.num_prompt_tokens} tokens) is longer than "
+            f"max_model_len ({max_model_len})"
+        )
+    return (
+        f"the request needs {request.num_tokens} tokens of KV cache, more than the "
+        f"{pool_blocks} blocks of {block_size} tokens the pool holds"
+    )

@@ -2,65 +2,59 @@
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 
-from kvserve.config import (
-    CacheConfig,
-    DeviceConfig,
-    EngineConfig,
-    ModelConfig,
-    SchedulerConfig,
-    SpeculativeConfig,
-)
+from kvserve.config import SchedulerConfig, SpeculativeConfig
+from kvserve.core.kv_cache_manager import KVCacheManager
 from kvserve.core.request import RequestStatus
 from kvserve.core.sched.scheduler import Scheduler
 from kvserve.protocol.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 from tests.core.sched.driver import BS, Driver
 
 
-@pytest.fixture(scope="module")
-def model_config() -> ModelConfig:
-    return ModelConfig(max_model_len=256)  # resolves the real model once
+def build_scheduler(
+    num_blocks: int = 100,
+    max_num_batched_tokens: int = 64,
+    max_num_seqs: int = 16,
+    max_model_len: int = 256,
+    enable_prefix_caching: bool = True,
+    speculative_config: SpeculativeConfig | None = None,
+    max_concurrent_batches: int = 1,
+    **scheduler_kwargs: Any,
+) -> Scheduler:
+    """A real Scheduler over a pool of tiny blocks, built from its config sections: no
+    model is resolved or loaded."""
+    spec = FullAttentionSpec(block_size=BS, num_kv_heads=1, head_size=8)
+    kv_config = KVCacheConfig(num_blocks, [KVCacheGroupSpec(["layers.0.attn"], spec)])
+    manager = KVCacheManager(
+        kv_config,
+        max_model_len,
+        enable_caching=enable_prefix_caching,
+        log_stats=True,
+        max_num_batched_tokens=max_num_batched_tokens,
+    )
+    return Scheduler(
+        SchedulerConfig(
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_num_seqs=max_num_seqs,
+            max_model_len=max_model_len,
+            **scheduler_kwargs,
+        ),
+        manager,
+        speculative_config=speculative_config,
+        max_concurrent_batches=max_concurrent_batches,
+    )
 
 
 @pytest.fixture
-def make_driver(model_config: ModelConfig) -> Iterator[Callable[..., Driver]]:
+def make_driver() -> Iterator[Callable[..., Driver]]:
     drivers: list[Driver] = []
 
-    def make(
-        num_blocks: int = 100,
-        max_num_batched_tokens: int = 64,
-        max_num_seqs: int = 16,
-        max_model_len: int = 256,
-        enable_prefix_caching: bool = True,
-        speculative_config: SpeculativeConfig | None = None,
-        max_concurrent_batches: int = 1,
-        **scheduler_kwargs: Any,
-    ) -> Driver:
-        mc = copy.copy(model_config)
-        mc.max_model_len = max_model_len
-        config = EngineConfig(
-            mc,
-            CacheConfig(block_size=BS, enable_prefix_caching=enable_prefix_caching),
-            SchedulerConfig(
-                max_num_batched_tokens=max_num_batched_tokens,
-                max_num_seqs=max_num_seqs,
-                max_model_len=max_model_len,
-                **scheduler_kwargs,
-            ),
-            device_config=DeviceConfig("cpu"),
-            speculative_config=speculative_config,
-        )
-        spec = FullAttentionSpec(block_size=BS, num_kv_heads=1, head_size=8)
-        kv_config = KVCacheConfig(num_blocks, [KVCacheGroupSpec(["layers.0.attn"], spec)])
-        scheduler = Scheduler(
-            config, kv_config, log_stats=True, max_concurrent_batches=max_concurrent_batches
-        )
-        drivers.append(Driver(scheduler))
+    def make(**kwargs: Any) -> Driver:
+        drivers.append(Driver(build_scheduler(**kwargs)))
         return drivers[-1]
 
     yield make

@@ -138,7 +138,7 @@ def test_batch_queue_never_runs_a_request_in_two_batches(
     first, second = d.schedule(), d.schedule()
     assert list(first.num_scheduled_tokens) == ["a"] and list(second.num_scheduled_tokens) == ["b"]
     assert d.schedule().total_num_scheduled_tokens == 0  # both in flight
-    assert sched.in_flight == {"a", "b"}
+    assert sched.batches.in_flight == {"a", "b"}
     sched.check_integrity()
     d.update(first)
     d.update(d.schedule())  # a has 9 tokens: its next one needs a 3rd block
@@ -148,7 +148,7 @@ def test_batch_queue_never_runs_a_request_in_two_batches(
     # The token b's batch sampled (its prompt was done) is dropped: b recomputes it.
     sampled = ModelRunnerOutput(req_ids=["b"], req_id_to_index={"b": 0}, sampled_token_ids=[[9]])
     assert not sched.update_from_output(second, sampled).outputs
-    assert sched.in_flight == {"a"}
+    assert sched.batches.in_flight == {"a"}
     sched.check_integrity()
     d.update(third)
     d.run()

@@ -3,16 +3,8 @@ block hashes) and of pooling (a request ends with its pooled vector)."""
 
 from __future__ import annotations
 
-import copy
-
-from kvserve.config import (
-    CacheConfig,
-    DeviceConfig,
-    EngineConfig,
-    LoRAConfig,
-    ModelConfig,
-    SchedulerConfig,
-)
+from kvserve.config import LoRAConfig, SchedulerConfig
+from kvserve.core.kv_cache_manager import KVCacheManager
 from kvserve.core.kv_cache_utils import get_request_block_hasher
 from kvserve.core.request import Request
 from kvserve.core.sched.scheduler import Scheduler
@@ -36,18 +28,19 @@ def _request(rid: str, prompt: list[int], lora: LoRARequest | None) -> Request:
     )
 
 
-def _driver(model_config: ModelConfig, max_loras: int) -> Driver:
-    mc = copy.copy(model_config)
-    config = EngineConfig(
-        mc,
-        CacheConfig(block_size=BS),
-        SchedulerConfig(max_num_batched_tokens=64, max_model_len=256),
-        device_config=DeviceConfig("cpu"),
-        lora_config=LoRAConfig(max_loras=max_loras),
-    )
+def _driver(max_loras: int) -> Driver:
     spec = FullAttentionSpec(block_size=BS, num_kv_heads=1, head_size=8)
     kv_config = KVCacheConfig(100, [KVCacheGroupSpec(["layers.0.attn"], spec)])
-    return Driver(Scheduler(config, kv_config, log_stats=True))
+    manager = KVCacheManager(
+        kv_config, 256, enable_caching=True, log_stats=True, max_num_batched_tokens=64
+    )
+    return Driver(
+        Scheduler(
+            SchedulerConfig(max_num_batched_tokens=64, max_model_len=256),
+            manager,
+            lora_config=LoRAConfig(max_loras=max_loras),
+        )
+    )
 
 
 def test_adapter_id_enters_every_block_hash() -> None:
@@ -60,8 +53,8 @@ def test_adapter_id_enters_every_block_hash() -> None:
     assert alpha.block_hashes == alpha_again.block_hashes
 
 
-def test_at_most_max_loras_adapters_run_at_once(model_config: ModelConfig) -> None:
-    driver = _driver(model_config, max_loras=1)
+def test_at_most_max_loras_adapters_run_at_once() -> None:
+    driver = _driver(max_loras=1)
     driver.add(
         _request("alpha-1", list(range(8)), ALPHA),
         _request("beta-1", list(range(8)), BETA),
@@ -78,8 +71,8 @@ def test_at_most_max_loras_adapters_run_at_once(model_config: ModelConfig) -> No
     assert any("beta-1" in step for step in seen)
 
 
-def test_pooled_request_finishes_with_its_vector(model_config: ModelConfig) -> None:
-    driver = _driver(model_config, max_loras=1)
+def test_pooled_request_finishes_with_its_vector() -> None:
+    driver = _driver(max_loras=1)
     driver.add(_request("p", list(range(6)), None))
     out, outputs = driver.step(pooler_output={"p": [0.6, 0.8]})
     assert out.num_scheduled_tokens == {"p": 6}

@@ -10,7 +10,6 @@ The driver plays the workers, sampling tokens (sometimes EOS) as a model runner 
 
 from __future__ import annotations
 
-import functools
 import itertools
 from typing import ClassVar
 
@@ -24,29 +23,17 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from kvserve.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig, SchedulerConfig
 from kvserve.core.kv_cache_utils import get_request_block_hasher
 from kvserve.core.request import Request, RequestStatus
-from kvserve.core.sched.scheduler import Scheduler
 from kvserve.protocol.engine_core import FinishReason
-from kvserve.protocol.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 from kvserve.sampling_params import SamplingParams
+from tests.core.sched.conftest import build_scheduler
 from tests.core.sched.driver import BS, EOS, Driver
 
 NUM_BLOCKS = 16  # 15 usable: 60 tokens, less than four long requests need at once
 MAX_MODEL_LEN = 64
 # Shared prompt starts, so later requests hit blocks earlier ones cached.
 PREFIXES = [list(range(1000 + 50 * i, 1000 + 50 * i + 24)) for i in range(3)]
-
-
-@functools.cache
-def engine_config() -> EngineConfig:
-    return EngineConfig(
-        ModelConfig(max_model_len=MAX_MODEL_LEN),
-        CacheConfig(block_size=BS, enable_prefix_caching=True),
-        SchedulerConfig(max_num_batched_tokens=16, max_num_seqs=4, max_model_len=MAX_MODEL_LEN),
-        device_config=DeviceConfig("cpu"),
-    )
 
 
 class SchedulerMachine(RuleBasedStateMachine):
@@ -62,9 +49,12 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        spec = FullAttentionSpec(block_size=BS, num_kv_heads=1, head_size=8)
-        kv_config = KVCacheConfig(NUM_BLOCKS, [KVCacheGroupSpec(["layers.0.attn"], spec)])
-        self.scheduler = Scheduler(engine_config(), kv_config, log_stats=True)
+        self.scheduler = build_scheduler(
+            num_blocks=NUM_BLOCKS,
+            max_num_batched_tokens=16,
+            max_num_seqs=4,
+            max_model_len=MAX_MODEL_LEN,
+        )
         self.driver = Driver(self.scheduler)
         self.ids = itertools.count()
         self.max_tokens: dict[str, int] = {}
@@ -121,7 +111,7 @@ class SchedulerMachine(RuleBasedStateMachine):
     @rule()
     def preempt(self) -> None:
         # The scheduler's own recompute path, as schedule() takes it when blocks run out.
-        self.scheduler._preempt(self.scheduler._pick_victim())
+        self.scheduler.releaser.preempt(self.scheduler.table.pop_victim())
 
     @rule()
     def reset_prefix_cache(self) -> None:

@@ -109,10 +109,10 @@ def test_delayed_free_holds_blocks_until_sent(llm: Any) -> None:
     scheduler = core_of(llm).scheduler
     pool = scheduler.kv_cache_manager.block_pool
     # Finished, but its 4 blocks stay with the connector until it reports them sent.
-    assert out.request_id in scheduler._delayed_free
+    assert out.request_id in scheduler.kv_transfer.delayed_free
     assert pool.get_num_free_blocks() == core_of(llm).kv_cache_config.num_blocks - 1 - 4
     drain(llm)
-    assert not scheduler._delayed_free
+    assert not scheduler.kv_transfer.delayed_free
     assert_no_leak(llm)
 
 

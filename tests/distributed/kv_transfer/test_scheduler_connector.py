@@ -53,7 +53,7 @@ def make_scheduler(model_config: ModelConfig, transfer: dict[str, Any]) -> Sched
     )
     spec = FullAttentionSpec(block_size=BS, num_kv_heads=1, head_size=8)
     kv_config = KVCacheConfig(NUM_BLOCKS, [KVCacheGroupSpec(["layers.0.attn"], spec)])
-    return Scheduler(config, kv_config)
+    return Scheduler.from_config(config, kv_config)
 
 
 def publish_prompt(scheduler: Scheduler, root: Path) -> None:
@@ -122,7 +122,10 @@ def test_external_hit_then_bad_block_recomputes_from_it(
 
     # The worker reports the second loaded block unreadable: this step's token is void.
     runner_output = ModelRunnerOutput(
-        ["r"], {"r": 0}, [[TOKEN]], kv_connector_output=KVConnectorOutput(invalid_block_ids={blocks[1]})
+        ["r"],
+        {"r": 0},
+        [[TOKEN]],
+        kv_connector_output=KVConnectorOutput(invalid_block_ids={blocks[1]}),
     )
     outputs = scheduler.update_from_output(out, runner_output)
     assert outputs.outputs == []
@@ -153,14 +156,17 @@ def test_fail_policy_finishes_with_an_error_and_frees(
     out = scheduler.schedule()
     blocks = scheduler.kv_cache_manager.get_block_ids("r")[0]
     runner_output = ModelRunnerOutput(
-        ["r"], {"r": 0}, [[TOKEN]], kv_connector_output=KVConnectorOutput(invalid_block_ids={blocks[0]})
+        ["r"],
+        {"r": 0},
+        [[TOKEN]],
+        kv_connector_output=KVConnectorOutput(invalid_block_ids={blocks[0]}),
     )
     [output] = scheduler.update_from_output(out, runner_output).outputs
     assert output.finish_reason == FinishReason.ERROR and output.new_token_ids == []
     assert output.error is not None and "kv_load_failure_policy is 'fail'" in output.error
     assert request.status == RequestStatus.FINISHED_ERROR
     assert not scheduler.running and not scheduler.requests
-    assert scheduler.finished_req_ids == {"r"}  # the workers drop it next step
+    assert scheduler.table.finished_req_ids == {"r"}  # the workers drop it next step
     assert_all_free(scheduler)
 
 

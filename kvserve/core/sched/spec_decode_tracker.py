@@ -18,15 +18,15 @@ import msgspec
 from kvserve.protocol.engine_core import SpecDecodingStats
 
 if TYPE_CHECKING:
-    from kvserve.config import EngineConfig
+    from kvserve.config import SpeculativeConfig
     from kvserve.core.request import Request
 
 
-class SchedulerSpecDecodeMixin:
-    max_model_len: int
+class SpecDecodeTracker:
+    """Owns the acceptance totals; reads and writes only the requests it is handed."""
 
-    def _init_spec_decode(self, config: EngineConfig) -> None:
-        spec = config.speculative_config
+    def __init__(self, spec: SpeculativeConfig | None, max_model_len: int) -> None:
+        self.max_model_len = max_model_len
         self.num_spec_tokens = 0 if spec is None else spec.num_speculative_tokens or 0
         # Slots past the step's tokens that the drafter writes KV into (draft models).
         self.num_lookahead_tokens = 0 if spec is None else spec.num_lookahead_slots
@@ -39,16 +39,14 @@ class SchedulerSpecDecodeMixin:
             )
         )
 
-    def _scheduled_spec_tokens(self, request: Request, num_new_tokens: int) -> list[int]:
+    def scheduled_drafts(self, request: Request, num_new_tokens: int) -> list[int]:
         """The drafts among a running request's num_new_tokens (the budget may cut some)."""
         num_spec = num_new_tokens + request.num_computed_tokens - request.num_tokens
         if num_spec <= 0:
             return []
         return request.spec_token_ids[:num_spec]
 
-    def _apply_spec_result(
-        self, request: Request, scheduled_spec: list[int], num_generated: int
-    ) -> None:
+    def apply_result(self, request: Request, scheduled_spec: list[int], num_generated: int) -> None:
         """Rolls back the rejected drafts of a verified step and counts the acceptance.
 
         ``num_generated`` tokens came out: the accepted drafts plus one (0 when the step's
@@ -67,7 +65,7 @@ class SchedulerSpecDecodeMixin:
         for pos in range(num_accepted):
             stats.num_accepted_tokens_per_pos[pos] += 1
 
-    def _update_draft_token_ids(self, request: Request, draft_token_ids: list[int]) -> None:
+    def keep_drafts(self, request: Request, draft_token_ids: list[int]) -> None:
         """Keeps the drafts the next step can use: none past max_tokens or max_model_len
         (the step adds one token of its own), and none across the min_tokens boundary,
         where the stop-token mask changes from one position to the next. A request under a
@@ -87,7 +85,7 @@ class SchedulerSpecDecodeMixin:
             drafts = grammar.validate_tokens(drafts) if grammar is not None and ok else []
         request.spec_token_ids = drafts
 
-    def _spec_decoding_stats_snapshot(self) -> SpecDecodingStats | None:
+    def make_stats(self) -> SpecDecodingStats | None:
         """A copy of the totals for SchedulerStats (the live ones keep counting)."""
         stats = self.spec_decoding_stats
         if stats is None:

@@ -1,4 +1,4 @@
-"""The scheduler's side of the engine's batch queue (pipeline parallelism).
+"""InFlightBatches: the scheduler's side of the engine's batch queue (pipeline parallelism).
 
 With ``max_concurrent_batches > 1`` the engine core schedules a new micro-batch while
 earlier ones are still in the pipeline. A request's next step needs the token its
@@ -18,42 +18,32 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from kvserve.core.request import Request
-    from kvserve.core.sched.request_queue import RequestQueue
     from kvserve.protocol.scheduler_output import SchedulerOutput
 
 
-class SchedulerBatchQueueMixin:
-    # Provided by the Scheduler.
-    running: list[Request]
-    waiting: RequestQueue
-    max_num_running_reqs: int
+class InFlightBatches:
+    """The only writer of the set of requests in batches not yet applied."""
 
-    def _init_batch_queue(self, max_concurrent_batches: int, pipeline_parallel_size: int) -> None:
+    def __init__(self, max_concurrent_batches: int, max_num_running_reqs: int) -> None:
         if max_concurrent_batches < 1:
             raise ValueError(f"max_concurrent_batches must be >= 1, got {max_concurrent_batches}")
         self.max_concurrent_batches = max_concurrent_batches
-        # Only the last stage samples: the others get the new tokens in the next step's
-        # CachedRequestData.new_token_ids.
-        self.send_new_token_ids = pipeline_parallel_size > 1
+        self.max_num_running_reqs = max_num_running_reqs
         # Ids scheduled in a batch whose output update_from_output has not applied yet.
         self.in_flight: set[str] = set()
 
-    def _is_in_flight(self, request: Request) -> bool:
-        return request.request_id in self.in_flight
-
-    def _batch_request_cap(self) -> int:
-        """How many requests this micro-batch may take."""
+    def request_cap(self, num_live: int) -> int:
+        """How many of the ``num_live`` requests this micro-batch may take."""
         if self.max_concurrent_batches == 1:
             return self.max_num_running_reqs
-        live = min(len(self.running) + len(self.waiting), self.max_num_running_reqs)
+        live = min(num_live, self.max_num_running_reqs)
         return max(1, -(-live // self.max_concurrent_batches))
 
-    def _mark_in_flight(self, scheduler_output: SchedulerOutput) -> None:
+    def mark(self, scheduler_output: SchedulerOutput) -> None:
         if self.max_concurrent_batches > 1:
             self.in_flight.update(scheduler_output.num_scheduled_tokens)
 
-    def _release_in_flight(self, scheduler_output: SchedulerOutput) -> None:
+    def release(self, scheduler_output: SchedulerOutput) -> None:
         """The batch's output is back (or it failed): its requests may run again."""
         if self.in_flight:
             self.in_flight.difference_update(scheduler_output.num_scheduled_tokens)

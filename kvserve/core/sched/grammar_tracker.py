@@ -11,6 +11,7 @@ Preemption keeps the matcher: the request recomputes its tokens, not its grammar
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from kvserve.core.request import Request, RequestStatus
@@ -22,30 +23,27 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-class SchedulerStructuredOutputMixin:
-    # Provided by the Scheduler.
-    requests: dict[str, Request]
+class GrammarTracker:
+    """Reads the requests' matchers; owns nothing but the manager it asks for bitmasks."""
 
-    if TYPE_CHECKING:
-
-        def _finish_with_error(self, request: Request, message: str) -> None: ...
-
-    def _init_structured_outputs(self, manager: StructuredOutputManager | None) -> None:
+    def __init__(self, manager: StructuredOutputManager | None) -> None:
         self.structured_output_manager = manager
 
-    def _grammar_ready(self, request: Request) -> bool:
-        """For a WAITING_FOR_FSM request: True (now WAITING) once its grammar compiled.
-        A failed compile finishes it with the error; the caller must drop it then."""
+    @staticmethod
+    def grammar_ready(request: Request) -> tuple[bool, str | None]:
+        """For a WAITING_FOR_FSM request: (True, None) once its grammar compiled (it is
+        WAITING now), (False, error) when the compile failed: the caller ends it."""
         so_request = request.structured_output_request
         if so_request is None or not so_request.is_ready():
-            return False
+            return False, None
         if so_request.error is not None:
-            self._finish_with_error(request, so_request.error)
-            return False
+            return False, so_request.error
         request.status = RequestStatus.WAITING
-        return True
+        return True, None
 
-    def get_grammar_bitmask(self, scheduler_output: SchedulerOutput) -> GrammarOutput | None:
+    def bitmask(
+        self, scheduler_output: SchedulerOutput, requests: Mapping[str, Request]
+    ) -> GrammarOutput | None:
         """The bitmask rows of the constrained requests that sample in this step (call it
         after schedule(), before the step's tokens are sampled); None when there are none."""
         if self.structured_output_manager is None:
@@ -54,7 +52,7 @@ class SchedulerStructuredOutputMixin:
         grammars = []
         drafts: list[list[int]] = []
         for req_id in scheduler_output.num_scheduled_tokens:
-            request = self.requests.get(req_id)
+            request = requests.get(req_id)
             if request is None or request.structured_output_request is None:
                 continue
             grammar = request.structured_output_request.grammar
@@ -71,7 +69,8 @@ class SchedulerStructuredOutputMixin:
         bitmask = self.structured_output_manager.grammar_bitmask(grammars, drafts)
         return GrammarOutput(req_ids, bitmask)
 
-    def _advance_grammar(self, request: Request, token_id: int) -> bool:
+    @staticmethod
+    def advance(request: Request, token_id: int) -> bool:
         """Feeds a sampled token to the request's matcher; True when the grammar completed
         (the request then stops like on EOS)."""
         so_request = request.structured_output_request

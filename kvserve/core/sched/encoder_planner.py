@@ -13,6 +13,9 @@ of an image: a chunk that would end inside one stops at the image's start instea
 chunk that starts inside one (after a prefix-cache hit) must reach its end or waits for a
 step with enough budget. Other models may cut an image anywhere; its output stays cached
 until the chunk that computes its last position.
+
+``NoEncoderPlanner`` is the planner of a text-only model: no request has items, so every
+chunk is scheduled as asked.
 """
 
 from __future__ import annotations
@@ -29,39 +32,77 @@ if TYPE_CHECKING:
     from kvserve.config import EngineConfig
     from kvserve.core.request import Request
     from kvserve.protocol.runner_output import ModelRunnerOutput
+    from kvserve.transformers_utils.arch_config import MultiModalArch
 
 
-class SchedulerEncoderMixin:
-    max_num_scheduled_tokens: int
+class NoEncoderPlanner:
+    """A text-only model's: no encoder, no encoder cache."""
 
-    def _init_encoder(self, config: EngineConfig) -> None:
-        mm_arch = config.model_config.arch.multimodal
-        self.mm_split_items = mm_arch is None or not mm_arch.bidirectional_items
-        self.encoder_cache_manager: EncoderCacheManager | None = None
-        self.max_num_encoder_input_tokens = 0
-        self.mm_stats: MultiModalStats | None = None
+    encoder_cache_manager: EncoderCacheManager | None = None
+    mm_processor_cache: ProcessorCache | None = None
+    max_num_encoder_input_tokens = 0
+
+    def check_request(self, request: Request) -> None:
+        """Raises ValueError for items the scheduler could never fit (add_request)."""
+        if request.mm_features:
+            raise ValueError("this model takes no multimodal input (mm_features given)")
+
+    def try_schedule(
+        self, request: Request, num_computed: int, num_new: int, encoder_budget: int
+    ) -> tuple[list[int], int, int]:
+        return [], num_new, encoder_budget
+
+    def allocate(self, request: Request, input_ids: list[int]) -> list[int]:
+        return input_ids
+
+    def free_computed(self, request: Request) -> None:
+        pass
+
+    def free(self, request: Request) -> None:
+        pass
+
+    def take_freed_hashes(self) -> list[str]:
+        return []
+
+    def record(self, output: ModelRunnerOutput) -> None:
+        pass
+
+    def make_stats(self) -> MultiModalStats | None:
+        return None
+
+    def check_integrity(self) -> None:
+        pass
+
+
+class EncoderPlanner(NoEncoderPlanner):
+    def __init__(
+        self, config: EngineConfig, mm_arch: MultiModalArch, max_num_scheduled_tokens: int
+    ) -> None:
+        self.max_num_scheduled_tokens = max_num_scheduled_tokens
+        self.mm_split_items = not mm_arch.bidirectional_items
+        # The mirror of the front end's processor cache (EngineCore.add_request fills
+        # each request's items from it).
+        self.processor_cache = ProcessorCache(config.multimodal_config.processor_cache_bytes)
+        self.mm_processor_cache = self.processor_cache
+        size = config.multimodal_config.encoder_cache_size or max(
+            max_num_scheduled_tokens, mm_arch.max_tokens_per_item
+        )
+        self.max_num_encoder_input_tokens = size
+        self.cache = EncoderCacheManager(size)
+        self.encoder_cache_manager = self.cache
+        self.mm_stats = MultiModalStats()
         # (request, item) pairs counted as encoder cache queries: once each, however many
         # steps a request waits before it runs.
         self._mm_counted: set[tuple[str, int]] = set()
-        # The mirror of the front end's processor cache (EngineCore.add_request fills
-        # each request's items from it).
-        self.mm_processor_cache: ProcessorCache | None = None
-        if mm_arch is None:
-            return
-        self.mm_processor_cache = ProcessorCache(config.multimodal_config.processor_cache_bytes)
-        size = config.multimodal_config.encoder_cache_size or max(
-            self.max_num_scheduled_tokens, mm_arch.max_tokens_per_item
-        )
-        self.max_num_encoder_input_tokens = size
-        self.encoder_cache_manager = EncoderCacheManager(size)
-        self.mm_stats = MultiModalStats()
 
-    def check_mm_request(self, request: Request) -> None:
-        """Raises ValueError for items the scheduler could never fit (add_request)."""
-        if not request.mm_features:
-            return
-        if self.encoder_cache_manager is None:
-            raise ValueError("this model takes no multimodal input (mm_features given)")
+    @staticmethod
+    def create(config: EngineConfig) -> NoEncoderPlanner:
+        mm_arch = config.model_config.arch.multimodal
+        if mm_arch is None:
+            return NoEncoderPlanner()
+        return EncoderPlanner(config, mm_arch, config.scheduler_config.max_num_batched_tokens)
+
+    def check_request(self, request: Request) -> None:
         for i, feature in enumerate(request.mm_features):
             length = feature.mm_position.length
             if length > self.max_num_encoder_input_tokens:
@@ -75,13 +116,13 @@ class SchedulerEncoderMixin:
                     f"({self.max_num_scheduled_tokens}); this model computes an image in one step"
                 )
 
-    def _try_schedule_encoder_inputs(
+    def try_schedule(
         self, request: Request, num_computed: int, num_new: int, encoder_budget: int
     ) -> tuple[list[int], int, int]:
         """Returns (items whose encoder runs this step, the possibly shortened num_new,
         the encoder budget left)."""
-        manager = self.encoder_cache_manager
-        if manager is None or not request.mm_features or num_new <= 0:
+        manager = self.cache
+        if not request.mm_features or num_new <= 0:
             return [], num_new, encoder_budget
         to_schedule: list[int] = []
         num_embeds = 0
@@ -110,17 +151,16 @@ class SchedulerEncoderMixin:
 
     def _count_query(self, request: Request, input_id: int, hit: bool) -> None:
         key = (request.request_id, input_id)
-        if self.mm_stats is None or key in self._mm_counted:
+        if key in self._mm_counted:
             return
         self._mm_counted.add(key)
         self.mm_stats.encoder_cache_queries += 1
         self.mm_stats.encoder_cache_hits += hit
 
-    def _allocate_encoder_inputs(self, request: Request, input_ids: list[int]) -> list[int]:
+    def allocate(self, request: Request, input_ids: list[int]) -> list[int]:
         """Reserves the scheduled items' cache space once the request is scheduled; an
         item that appears twice in the request is encoded once."""
-        manager = self.encoder_cache_manager
-        assert manager is not None
+        manager = self.cache
         scheduled = []
         for i in input_ids:
             if manager.check_and_update_cache(request, i):
@@ -129,40 +169,38 @@ class SchedulerEncoderMixin:
             scheduled.append(i)
         return scheduled
 
-    def _free_computed_encoder_inputs(self, request: Request) -> None:
+    def free_computed(self, request: Request) -> None:
         """Drops the request's hold on outputs whose whole range is in the KV cache now."""
-        manager = self.encoder_cache_manager
-        if manager is None or not request.mm_features:
+        manager = self.cache
+        if not request.mm_features:
             return
         for i in sorted(manager.get_cached_input_ids(request)):
             position = request.mm_features[i].mm_position
             if position.offset + position.length <= request.num_computed_tokens:
                 manager.free_encoder_input(request, i)
 
-    def _free_encoder(self, request: Request) -> None:
-        if self.encoder_cache_manager is not None and request.mm_features:
-            self.encoder_cache_manager.free(request)
+    def free(self, request: Request) -> None:
+        if request.mm_features:
+            self.cache.free(request)
             # A preempted request asks again when it resumes (its outputs may be gone).
             for i in range(len(request.mm_features)):
                 self._mm_counted.discard((request.request_id, i))
 
-    def _take_freed_encoder_hashes(self) -> list[str]:
-        if self.encoder_cache_manager is None:
-            return []
-        return self.encoder_cache_manager.get_freed_mm_hashes()
+    def take_freed_hashes(self) -> list[str]:
+        return self.cache.get_freed_mm_hashes()
 
-    def _mm_stats_snapshot(self) -> MultiModalStats | None:
-        if self.mm_stats is None:
-            return None
+    def make_stats(self) -> MultiModalStats | None:
         stats = msgspec.structs.replace(self.mm_stats)
-        if self.mm_processor_cache is not None:
-            stats.processor_cache_queries = self.mm_processor_cache.queries
-            stats.processor_cache_hits = self.mm_processor_cache.hits
+        stats.processor_cache_queries = self.processor_cache.queries
+        stats.processor_cache_hits = self.processor_cache.hits
         return stats
 
-    def _record_encoder_output(self, output: ModelRunnerOutput) -> None:
+    def record(self, output: ModelRunnerOutput) -> None:
         runs = output.encoder_stats
-        if runs is not None and self.mm_stats is not None:
+        if runs is not None:
             self.mm_stats.vision_tower_runs += runs.vision_tower_runs
             self.mm_stats.ec_connector_loads += runs.ec_connector_loads
             self.mm_stats.ec_connector_saves += runs.ec_connector_saves
+
+    def check_integrity(self) -> None:
+        self.cache.check_integrity()

@@ -6,7 +6,9 @@ real model behind it is in tests/engine/test_core_isolation.py.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
 
 import pytest
 
@@ -169,9 +171,9 @@ def test_a_culprit_that_fails_only_when_it_samples_is_found_across_chunked_prefi
 def test_a_step_failing_inside_update_from_output_loses_no_output(
     make_driver: Callable[..., Driver], make_request: MakeRequest
 ) -> None:
-    # The runner output lacks r3's row, so update_from_output raises on r3, after it has
-    # finished r1 (one token) and appended r2's token, and after schedule() ended a prompt
-    # too long for the context. None of that was reported yet.
+    # update_from_output raises after its per-request updates (outside any one request's
+    # guard), after it has finished r1 (one token) and appended r2's and r3's tokens, and
+    # after schedule() ended a prompt too long for the context. None of that was reported.
     driver = make_driver()
     sched = driver.scheduler
     r1 = make_request(list(range(100, 106)), "r1", max_tokens=1)
@@ -182,13 +184,13 @@ def test_a_step_failing_inside_update_from_output_loses_no_output(
     out = sched.schedule()
     driver._apply_diffs(out)
     assert list(out.num_scheduled_tokens) == ["r1", "r2", "r3"]
-    broken = ModelRunnerOutput(
+    runner_output = ModelRunnerOutput(
         req_ids=["r1", "r2", "r3"],
         req_id_to_index={"r1": 0, "r2": 1, "r3": 2},
-        sampled_token_ids=[[TOKEN], [TOKEN]],
+        sampled_token_ids=[[TOKEN], [TOKEN], [TOKEN]],
     )
-    with pytest.raises(IndexError):
-        sched.update_from_output(out, broken)
+    with pytest.raises(IndexError), fail_once(sched.isolator, "step_succeeded", IndexError):
+        sched.update_from_output(out, runner_output)
     outputs = sched.isolate_failed_step(out, "IndexError: list index out of range")
     # The lost final outputs come out as errors: r1's (it finished) and too-long's.
     assert sorted((o.request_id, o.finish_reason) for o in outputs) == [
@@ -202,3 +204,90 @@ def test_a_step_failing_inside_update_from_output_loses_no_output(
     driver.run()
     assert driver.tokens("r2") == driver.tokens("r3") == [TOKEN] * 3
     assert sched.consecutive_unattributed_failures == 0  # a good step came after the round
+
+
+def test_an_update_failing_for_one_request_ends_it_alone(
+    make_driver: Callable[..., Driver], make_request: MakeRequest
+) -> None:
+    # The runner output lacks r3's row: applying r3's share raises inside its guard.
+    driver = make_driver()
+    sched = driver.scheduler
+    r1 = make_request(list(range(100, 106)), "r1", max_tokens=1)
+    r2 = make_request(list(range(200, 207)), "r2", max_tokens=3)
+    r3 = make_request(list(range(300, 306)), "r3", max_tokens=3)
+    driver.add(r1, r2, r3)
+    out = driver.schedule()
+    broken = ModelRunnerOutput(
+        req_ids=["r1", "r2", "r3"],
+        req_id_to_index={"r1": 0, "r2": 1, "r3": 2},
+        sampled_token_ids=[[TOKEN], [TOKEN]],
+    )
+    outputs = sched.update_from_output(out, broken)
+    by_id = {o.request_id: o for o in outputs.outputs}
+    assert by_id["r1"].finish_reason == FinishReason.LENGTH
+    assert by_id["r1"].new_token_ids == [TOKEN]
+    assert by_id["r2"].finish_reason is None and by_id["r2"].new_token_ids == [TOKEN]
+    assert by_id["r3"].finish_reason == FinishReason.ERROR
+    assert by_id["r3"].error is not None and by_id["r3"].error.startswith("IndexError")
+    sched.check_integrity()
+    assert not sched.is_isolating and sched.consecutive_unattributed_failures == 0
+    driver.run()
+    assert r2.output_token_ids == [TOKEN] * 3
+
+
+def test_a_schedule_failing_for_one_request_ends_it_alone(
+    make_driver: Callable[..., Driver], make_request: MakeRequest
+) -> None:
+    # A collaborator raises while the scheduler looks at r2 (a fault injected into the
+    # encoder planner's per-request check): r2 ends with the error, the others run on.
+    driver = make_driver()
+    sched = driver.scheduler
+    r1, r2, r3 = (make_request(list(range(100 * i, 100 * i + 6)), f"r{i}") for i in (1, 2, 3))
+    driver.add(r1, r2, r3)
+    real = sched.encoder.try_schedule
+
+    def faulty(request: Request, *args: Any) -> tuple[list[int], int, int]:
+        if request.request_id == "r2":
+            raise RuntimeError("an injected fault")
+        return real(request, *args)
+
+    sched.encoder.try_schedule = faulty  # type: ignore[method-assign]
+    out, outputs = driver.step()
+    assert set(out.num_scheduled_tokens) == {"r1", "r3"}
+    errors = [o for o in outputs.outputs if o.finish_reason == FinishReason.ERROR]
+    assert [(o.request_id, o.error) for o in errors] == [("r2", "RuntimeError: an injected fault")]
+    sched.check_integrity()
+    # Fails in a running request's turn too: a later step ends r3 alone.
+    real_for_r3 = real
+
+    def faulty_r3(request: Request, *args: Any) -> tuple[list[int], int, int]:
+        if request.request_id == "r3":
+            raise RuntimeError("another fault")
+        return real_for_r3(request, *args)
+
+    sched.encoder.try_schedule = faulty_r3  # type: ignore[method-assign]
+    out, outputs = driver.step()
+    assert set(out.num_scheduled_tokens) == {"r1"}
+    assert [o.request_id for o in outputs.outputs if o.error] == ["r3"]
+    sched.check_integrity()
+    sched.encoder.try_schedule = real  # type: ignore[method-assign]
+    driver.run()
+    assert driver.tokens("r1") == [TOKEN] * r1.max_tokens
+    pool = sched.kv_cache_manager.block_pool
+    assert not sched.requests and pool.get_num_free_blocks() == pool.num_blocks - 1
+
+
+@contextmanager
+def fail_once(obj: Any, name: str, error: type[Exception]) -> Iterator[None]:
+    """Makes ``obj.name`` raise ``error`` on its next call, then behave again."""
+    real = getattr(obj, name)
+
+    def raising(*args: Any, **kwargs: Any) -> Any:
+        setattr(obj, name, real)
+        raise error("an injected fault")
+
+    setattr(obj, name, raising)
+    try:
+        yield
+    finally:
+        setattr(obj, name, real)

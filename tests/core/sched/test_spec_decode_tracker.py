@@ -53,7 +53,7 @@ def test_drafts_are_scheduled_and_rejected_ones_rolled_back(
     assert request.num_computed_tokens == request.num_tokens - 1 == 10
     manager = d.scheduler.kv_cache_manager.coordinator.single_type_managers[0]
     assert manager.num_cached_block["a"] == 2
-    stats = d.scheduler.spec_decoding_stats
+    stats = d.scheduler.spec_decode.spec_decoding_stats
     assert stats is not None
     assert (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens) == (1, 3, 1)
     assert stats.num_accepted_tokens_per_pos == [1, 0, 0]
@@ -91,5 +91,5 @@ def test_budget_cuts_drafts_and_preemption_drops_them(
     assert out.scheduled_spec_decode_tokens == {"a": [12, 13]}
     assert a.num_computed_tokens == a.num_tokens - 1
     a.spec_token_ids = [7, 7]
-    d.scheduler._preempt(d.scheduler.running.pop())
+    d.scheduler.releaser.preempt(d.scheduler.table.running.pop())
     assert a.status == RequestStatus.PREEMPTED and a.spec_token_ids == []
