@@ -80,4 +80,3 @@ class KVConnectorModelRunnerMixin:
             with self.kv_connector_step(scheduler_output) as output:
                 pass
         return output
-

@@ -78,7 +78,9 @@ def test_two_token_distribution_matches_the_target(tiny: tuple[Path, Any]) -> No
             got = empirical(llm, prompt)
             assert tv(got, joint) < bound, (spec, tv(got, joint))
             if spec is not None:
-                stats = llm.llm_engine.engine_core.engine_core.scheduler.spec_decode.spec_decoding_stats
+                stats = (
+                    llm.llm_engine.engine_core.engine_core.scheduler.spec_decode.spec_decoding_stats
+                )
                 assert stats.num_drafts >= N  # the second token was verified every time
             assert_no_leak(llm)
         finally:

@@ -24,14 +24,13 @@ from __future__ import annotations
 
 import enum
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
-
-# Defined beside SchedulerOutput, which carries it across processes; connectors import it here.
-from kvserve.protocol.scheduler_output import KVConnectorMetadata as KVConnectorMetadata
 
 # Likewise beside ModelRunnerOutput, which carries it back.
 from kvserve.protocol.kv_connector_output import KVConnectorOutput as KVConnectorOutput
+
+# Defined beside SchedulerOutput, which carries it across processes; connectors import it here.
+from kvserve.protocol.scheduler_output import KVConnectorMetadata as KVConnectorMetadata
 
 if TYPE_CHECKING:
     import torch
