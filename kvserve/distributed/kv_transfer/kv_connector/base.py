@@ -26,10 +26,9 @@ import enum
 from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, Any, Protocol
 
-# Likewise beside ModelRunnerOutput, which carries it back.
+# The messages connectors speak, defined in protocol/ beside SchedulerOutput and
+# ModelRunnerOutput, which carry them across processes; connectors import them here.
 from kvserve.protocol.kv_connector_output import KVConnectorOutput as KVConnectorOutput
-
-# Defined beside SchedulerOutput, which carries it across processes; connectors import it here.
 from kvserve.protocol.scheduler_output import KVConnectorMetadata as KVConnectorMetadata
 
 if TYPE_CHECKING:
