@@ -16,7 +16,7 @@ from kvserve.core.request import Request, RequestStatus
 from kvserve.core.sched.scheduler import Scheduler
 from kvserve.distributed.kv_events import KVEvent, KVEventBatch
 from kvserve.distributed.kv_events_publisher import EventPublisherFactory
-from kvserve.engine.batch_queue import EngineCoreBatchQueueMixin
+from kvserve.engine.batch_queue import BatchQueue, InFlightBatch, tells_workers
 from kvserve.executor.abstract import Executor, ExecutorFailedError
 from kvserve.protocol.engine_core import (
     EngineCoreOutputs,
@@ -41,7 +41,7 @@ from kvserve.utils.threads import log_thread_settings
 logger = logging.getLogger(__name__)
 
 
-class EngineCore(EngineCoreBatchQueueMixin):
+class EngineCore:
     def __init__(
         self,
         config: EngineConfig,
@@ -80,8 +80,8 @@ class EngineCore(EngineCoreBatchQueueMixin):
         )
         if self.scheduler.connector is not None:
             self._exchange_connector_handshakes()
-        # Pipeline parallelism: micro-batches in flight at once (engine/batch_queue.py).
-        self._init_batch_queue(self.model_executor.max_concurrent_batches)
+        # Steps in flight at once: 1, or one micro-batch per pipeline stage (batch_queue.py).
+        self.batch_queue = BatchQueue(self.model_executor.max_concurrent_batches)
         self.kv_event_publisher = EventPublisherFactory.create(events_config)
         cache = config.cache_config
         self.block_hasher = (
@@ -189,38 +189,53 @@ class EngineCore(EngineCoreBatchQueueMixin):
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
 
+    @property
+    def max_batches_in_flight(self) -> int:
+        return self.batch_queue.max_batches_in_flight
+
+    def has_work(self) -> bool:
+        """Whether a step has anything to do: requests, or batches still in flight."""
+        return self.scheduler.has_requests() or bool(self.batch_queue)
+
     def step(self) -> tuple[EngineCoreOutputs, bool]:
-        """One scheduling step. Returns the outputs and whether the model ran (with the
-        batch queue: whether a micro-batch was sent)."""
-        if self.batch_queue is not None:
-            return self.step_with_batch_queue()
-        if not self.scheduler.has_requests():
-            return EngineCoreOutputs(timestamp=time.monotonic()), False
+        """One turn of the loop: sends a new step (a micro-batch) if the queue has room
+        and the scheduler has one, and applies the oldest step's output when it is due.
+        Returns the outputs (empty when none came back) and whether a step with tokens
+        was sent."""
+        queue = self.batch_queue
         start = time.perf_counter()
-        scheduler_output = self.scheduler.schedule()
-        if not scheduler_output.total_num_scheduled_tokens:
-            self.structured_output_manager.wait_for_compiles(timeout=0.01)
-        scheduled = time.perf_counter()
+        sent = False
+        if queue.has_room() and self.scheduler.has_requests():
+            scheduler_output = self.scheduler.schedule()
+            if self.step_times is not None:
+                self.step_times.schedule += time.perf_counter() - start
+            sent = scheduler_output.total_num_scheduled_tokens > 0
+            if not sent and not queue:
+                self.structured_output_manager.wait_for_compiles(timeout=0.01)
+            if sent or not queue or tells_workers(scheduler_output):
+                queue.send(scheduler_output, self.model_executor, self.scheduler)
+        outputs = EngineCoreOutputs(timestamp=time.monotonic())
+        if queue.oldest_due(sent):
+            outputs = self._apply(queue.pop_oldest())
+        if self.step_times is not None:
+            self.step_times.busy += time.perf_counter() - start
+        return outputs, sent
+
+    def _apply(self, batch: InFlightBatch) -> EngineCoreOutputs:
         try:
-            self.model_executor.execute_model(scheduler_output)
-            grammar_output = self.scheduler.get_grammar_bitmask(scheduler_output)
-            model_output = self.model_executor.sample_tokens(grammar_output)
-            executed = time.perf_counter()
-            outputs = self.scheduler.update_from_output(scheduler_output, model_output)
+            model_output = batch.output.result()
+            started = time.perf_counter()
+            outputs = self.scheduler.update_from_output(batch.scheduler_output, model_output)
         except ExecutorFailedError:
             raise  # a worker is gone: no request is to blame and no retry can succeed
         except Exception as e:
-            return self._fail_step(scheduler_output, e), True
-        updated = time.perf_counter()
+            return self._fail_step(batch.scheduler_output, e)
+        if self.step_times is not None:
+            self.step_times.update += time.perf_counter() - started
+            self._count_model_step(model_output, outputs)
         outputs.timestamp = time.monotonic()
         self._publish_kv_events()
-        times = self.step_times
-        if times is not None:
-            times.schedule += scheduled - start
-            times.update += updated - executed
-            times.busy += time.perf_counter() - start
-            self._count_model_step(model_output, outputs)
-        return outputs, scheduler_output.total_num_scheduled_tokens > 0
+        return outputs
 
     def _count_model_step(
         self, model_output: ModelRunnerOutput, outputs: EngineCoreOutputs

@@ -202,7 +202,7 @@ def _abort_in_flight(llm: LLM, expected: list[list[int]]) -> None:
         engine.add_request(f"r{i}", {"prompt_token_ids": prompt}, params)
     engine.step()
     engine.step()  # a micro-batch per stage: r0 and r1, then r2
-    newest = core.batch_queue[-1].scheduler_output.num_scheduled_tokens
+    newest = core.batch_queue.batches[-1].scheduler_output.num_scheduled_tokens
     assert list(newest) == ["r2"] and "r2" in scheduler.batches.in_flight
     engine.abort_request("r2")
     scheduler.check_integrity()

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from kvserve.core.request import Request, RequestStatus
+from kvserve.core.sched.failure_isolator import MAX_UNATTRIBUTED_STEP_FAILURES, FailureIsolator
 from kvserve.protocol.engine_core import FinishReason
 from kvserve.protocol.runner_output import ModelRunnerOutput
 from tests.core.sched.driver import TOKEN, Driver
@@ -291,3 +292,46 @@ def fail_once(obj: Any, name: str, error: type[Exception]) -> Iterator[None]:
         yield
     finally:
         setattr(obj, name, real)
+
+
+# ---- the FailureIsolator alone: its judgements, without a scheduler ---------------------
+
+
+def test_a_lone_request_is_the_culprit_and_a_round_halves_its_suspects() -> None:
+    isolator = FailureIsolator()
+    assert isolator.step_failed(["solo"]) == "solo"
+    assert isolator.consecutive_unattributed_failures == 0 and not isolator.is_isolating
+    assert isolator.step_failed(["a", "b", "c", "d"]) is None
+    assert isolator.is_isolating and isolator.consecutive_unattributed_failures == 1
+    assert isolator.take_flush() == {"a", "b", "c", "d"} and isolator.take_flush() is None
+    assert isolator.probe() == {"a", "b"}
+    isolator.step_succeeded(["a", "b"], ran_tokens=True)  # the first half is innocent
+    assert isolator.probe() == {"c"}  # the first half of the remaining suspects
+    assert isolator.step_failed(["c"]) == "c"  # the round found its culprit
+    assert isolator.consecutive_unattributed_failures == 0
+    isolator.forget("c")  # ended with the error
+    assert isolator.probe() == {"d"}
+    isolator.step_succeeded(["d"], ran_tokens=True)
+    assert not isolator.is_isolating and isolator.probe() is None
+    isolator.check_integrity([], [])
+
+
+def test_unattributed_failures_in_a_row_break_the_engine() -> None:
+    isolator = FailureIsolator()
+    for _ in range(MAX_UNATTRIBUTED_STEP_FAILURES - 1):
+        assert isolator.step_failed([]) is None
+    assert not isolator.engine_is_broken
+    isolator.step_succeeded([], ran_tokens=True)  # a good step in between resets it
+    assert isolator.consecutive_unattributed_failures == 0
+    for _ in range(MAX_UNATTRIBUTED_STEP_FAILURES):
+        isolator.step_failed([])
+    assert isolator.engine_is_broken
+
+
+def test_an_abandoned_round_counts_and_idle_suspects_wait() -> None:
+    isolator = FailureIsolator()
+    isolator.step_failed(["a", "b", "c"])
+    assert isolator.idle_suspects(["a", "x", "c"]) == {"a", "c"}
+    isolator.abandon()
+    assert not isolator.is_isolating and isolator.consecutive_unattributed_failures == 1
+    assert isolator.take_flush() is None
