@@ -217,13 +217,17 @@ class Scheduler(SchedulerInterface):
             ):
                 index += 1
                 continue
+            num_preempted = len(plan.preempted)
             try:
                 if self._schedule_running(request, plan) == _STOP:
                     break  # the request preempted itself; nothing after it can fit either
             except Exception as error:
                 self._fail_in_schedule(request, plan, error)
                 continue  # it left running: the next one is at the same index
-            index = table.running.index(request) + 1  # earlier victims shift it
+            if len(plan.preempted) == num_preempted:
+                index += 1
+            else:  # victims taken from before it shift it
+                index = table.running.index(request) + 1
         # WAITING next, unless this step already had to preempt (blocks are short).
         skipped = create_request_queue(table.policy)
         while not plan.preempted and table.waiting and plan.has_room():
