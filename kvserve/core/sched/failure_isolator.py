@@ -73,7 +73,7 @@ class FailureIsolator:
     def step_failed(self, failed_ids: list[str]) -> str | None:
         """Judges a failed step whose running requests were ``failed_ids``: returns the
         culprit, a lone request, to end; else they become suspects, to preempt (with the
-        idle suspects, taken before this call)."""
+        idle_suspects still running)."""
         if len(failed_ids) == 1:
             if self._round_counted:  # the round found its culprit: it was no fault of ours
                 self.consecutive_unattributed_failures -= 1
@@ -122,14 +122,14 @@ class FailureIsolator:
 
     # ---- update_from_output() and finishing ----------------------------------------------
 
-    def step_succeeded(self, sampled_ids: list[str], ran_tokens: bool) -> None:
-        """Probe members that sampled in a step that succeeded are suspects no more; a good
-        step outside a round resets the counter."""
-        if self._suspects:
-            for request_id in sampled_ids:
-                self.forget(request_id)
-        elif ran_tokens:
-            self.consecutive_unattributed_failures = 0
+    def cleared(self, sampled_ids: list[str]) -> None:
+        """Probe members that sampled in a step that succeeded are suspects no more."""
+        for request_id in sampled_ids:
+            self.forget(request_id)
+
+    def step_succeeded(self) -> None:
+        """A step with tokens succeeded outside a round: the engine works."""
+        self.consecutive_unattributed_failures = 0
 
     def forget(self, request_id: str) -> None:
         if request_id in self._suspects:

@@ -93,7 +93,10 @@ class StepResults:
                 if output.finish_reason is not None:
                     stopped.append(request)
         self.table.remove(stopped)
-        self.isolator.step_succeeded(sampled or [], scheduler_output.total_num_scheduled_tokens > 0)
+        if sampled is not None:
+            self.isolator.cleared(sampled)
+        elif scheduler_output.total_num_scheduled_tokens:
+            self.isolator.step_succeeded()
         # Taken last: should this method raise halfway, isolate_failed_step reports them.
         outputs[:0] = self.table.take_pending_outputs()
         return outputs
@@ -167,13 +170,15 @@ class StepResults:
             evict_step_blocks(self.kv_cache_manager, scheduler_output, failed)
         failed_ids = [r.request_id for r in failed]
         self.table.stop_running(set(failed_ids))
-        idle = self.table.stop_running(
-            self.isolator.idle_suspects(r.request_id for r in self.table.running)
-        )
         culprit = self.isolator.step_failed(failed_ids)
         if culprit is not None:
             self.releaser.fail(failed[0], message)
         elif failed:
+            # Suspects of the old probe that this step left out wait too: only the new
+            # probe may run.
+            idle = self.table.stop_running(
+                self.isolator.idle_suspects(r.request_id for r in self.table.running)
+            )
             for request in reversed(failed + idle):  # prepended one by one: keeps order
                 self.releaser.preempt(request)
         return self.table.take_pending_outputs()

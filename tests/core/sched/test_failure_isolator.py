@@ -305,13 +305,13 @@ def test_a_lone_request_is_the_culprit_and_a_round_halves_its_suspects() -> None
     assert isolator.is_isolating and isolator.consecutive_unattributed_failures == 1
     assert isolator.take_flush() == {"a", "b", "c", "d"} and isolator.take_flush() is None
     assert isolator.probe() == {"a", "b"}
-    isolator.step_succeeded(["a", "b"], ran_tokens=True)  # the first half is innocent
+    isolator.cleared(["a", "b"])  # the first half is innocent
     assert isolator.probe() == {"c"}  # the first half of the remaining suspects
     assert isolator.step_failed(["c"]) == "c"  # the round found its culprit
     assert isolator.consecutive_unattributed_failures == 0
     isolator.forget("c")  # ended with the error
     assert isolator.probe() == {"d"}
-    isolator.step_succeeded(["d"], ran_tokens=True)
+    isolator.cleared(["d"])
     assert not isolator.is_isolating and isolator.probe() is None
     isolator.check_integrity([], [])
 
@@ -321,7 +321,7 @@ def test_unattributed_failures_in_a_row_break_the_engine() -> None:
     for _ in range(MAX_UNATTRIBUTED_STEP_FAILURES - 1):
         assert isolator.step_failed([]) is None
     assert not isolator.engine_is_broken
-    isolator.step_succeeded([], ran_tokens=True)  # a good step in between resets it
+    isolator.step_succeeded()  # a good step in between resets it
     assert isolator.consecutive_unattributed_failures == 0
     for _ in range(MAX_UNATTRIBUTED_STEP_FAILURES):
         isolator.step_failed([])
