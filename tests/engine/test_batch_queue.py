@@ -1,0 +1,57 @@
+"""The one step loop (engine/batch_queue.py): a plain step is a batch queue of depth 1.
+
+On a tiny random Llama (tests/engine/builders.py): every step() of a depth-1 core sends
+one step and applies it in the same call, the queue is empty between calls, and the
+greedy tokens, chunked prefill included, are HF's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from kvserve.engine.core import EngineCore
+from tests.engine.builders import tiny_engine_core, tiny_llama
+from tests.engine.test_core_proc import make_request
+from tests.entrypoints.test_llm_tiny_models import hf_greedy
+
+PROMPTS = [list(range(5, 29)), list(range(40, 47))]  # 24 tokens: two 16-token chunks
+MAX_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[EngineCore, Any]]:
+    directory = tmp_path_factory.mktemp("tiny-llama")
+    reference = tiny_llama(directory)
+    core = tiny_engine_core(directory)
+    yield core, reference
+    core.shutdown()
+
+
+def test_a_plain_step_sends_and_applies_in_one_call(tiny: tuple[EngineCore, Any]) -> None:
+    core, reference = tiny
+    assert core.batch_queue.size == 1
+    for i, prompt in enumerate(PROMPTS):
+        core.add_request(make_request(f"r{i}", MAX_TOKENS, prompt))
+    tokens: dict[str, list[int]] = {"r0": [], "r1": []}
+    finished: set[str] = set()
+    steps = 0
+    while len(finished) < len(PROMPTS):
+        outputs, sent = core.step()
+        steps += 1
+        assert sent and not core.batch_queue  # applied in the call that sent it
+        for output in outputs.outputs:
+            tokens[output.request_id] += output.new_token_ids
+            if output.finished:
+                finished.add(output.request_id)
+        assert steps < 50
+    for i, prompt in enumerate(PROMPTS):
+        assert tokens[f"r{i}"] == hf_greedy(reference, prompt, MAX_TOKENS)
+    # A step with nothing to do sends nothing and applies nothing.
+    outputs, sent = core.step()
+    assert not sent and not outputs.outputs and not core.has_work()
+    core.scheduler.check_integrity()
+    pool = core.scheduler.kv_cache_manager.block_pool
+    assert pool.get_num_free_blocks() == pool.num_blocks - 1
