@@ -29,7 +29,7 @@ from kvserve.multimodal.processor_cache import ProcessorCache
 from kvserve.protocol.engine_core import MultiModalStats
 
 if TYPE_CHECKING:
-    from kvserve.config import EngineConfig
+    from kvserve.config import EngineConfig, MultiModalConfig
     from kvserve.core.request import Request
     from kvserve.protocol.runner_output import ModelRunnerOutput
     from kvserve.transformers_utils.arch_config import MultiModalArch
@@ -76,15 +76,18 @@ class NoEncoderPlanner:
 
 class EncoderPlanner(NoEncoderPlanner):
     def __init__(
-        self, config: EngineConfig, mm_arch: MultiModalArch, max_num_scheduled_tokens: int
+        self,
+        multimodal_config: MultiModalConfig,
+        mm_arch: MultiModalArch,
+        max_num_scheduled_tokens: int,
     ) -> None:
         self.max_num_scheduled_tokens = max_num_scheduled_tokens
         self.mm_split_items = not mm_arch.bidirectional_items
         # The mirror of the front end's processor cache (EngineCore.add_request fills
         # each request's items from it).
-        self.processor_cache = ProcessorCache(config.multimodal_config.processor_cache_bytes)
+        self.processor_cache = ProcessorCache(multimodal_config.processor_cache_bytes)
         self.mm_processor_cache = self.processor_cache
-        size = config.multimodal_config.encoder_cache_size or max(
+        size = multimodal_config.encoder_cache_size or max(
             max_num_scheduled_tokens, mm_arch.max_tokens_per_item
         )
         self.max_num_encoder_input_tokens = size
@@ -100,7 +103,9 @@ class EncoderPlanner(NoEncoderPlanner):
         mm_arch = config.model_config.arch.multimodal
         if mm_arch is None:
             return NoEncoderPlanner()
-        return EncoderPlanner(config, mm_arch, config.scheduler_config.max_num_batched_tokens)
+        return EncoderPlanner(
+            config.multimodal_config, mm_arch, config.scheduler_config.max_num_batched_tokens
+        )
 
     def check_request(self, request: Request) -> None:
         for i, feature in enumerate(request.mm_features):

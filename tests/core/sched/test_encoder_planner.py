@@ -5,22 +5,15 @@ prefix hit that ends inside an image, and image hashes in the block keys."""
 
 from __future__ import annotations
 
-import copy
-import dataclasses
 from collections.abc import Callable
 
 import pytest
 
-from kvserve.config import (
-    CacheConfig,
-    DeviceConfig,
-    EngineConfig,
-    ModelConfig,
-    MultiModalConfig,
-    SchedulerConfig,
-)
+from kvserve.config import MultiModalConfig, SchedulerConfig
+from kvserve.core.kv_cache_manager import KVCacheManager
 from kvserve.core.kv_cache_utils import get_request_block_hasher
 from kvserve.core.request import Request
+from kvserve.core.sched.encoder_planner import EncoderPlanner
 from kvserve.core.sched.scheduler import Scheduler
 from kvserve.multimodal import MultiModalFeatureSpec, PlaceholderRange
 from kvserve.protocol.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
@@ -31,34 +24,30 @@ from tests.core.sched.driver import BS, Driver
 MakeDriver = Callable[..., Driver]
 
 
-@pytest.fixture(scope="module")
-def model_config() -> ModelConfig:
-    return ModelConfig(max_model_len=256)
-
-
 @pytest.fixture
-def make_driver(model_config: ModelConfig) -> MakeDriver:
+def make_driver() -> MakeDriver:
     def make(
         max_num_batched_tokens: int = 32, bidirectional: bool = True, encoder_cache_size: int = 0
     ) -> Driver:
-        mc = copy.copy(model_config)
-        mc.arch = dataclasses.replace(
-            mc.arch,
-            multimodal=MultiModalArch(
-                vision_config={}, mm_tokens_per_image=8, image_token_id=5, boi_token_id=3,
-                eoi_token_id=4, bidirectional_items=bidirectional, max_tokens_per_item=8,
-            ),
+        arch = MultiModalArch(
+            vision_config={}, mm_tokens_per_image=8, image_token_id=5, boi_token_id=3,
+            eoi_token_id=4, bidirectional_items=bidirectional, max_tokens_per_item=8,
         )  # fmt: skip
-        config = EngineConfig(
-            mc,
-            CacheConfig(block_size=BS),
-            SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_model_len=256),
-            device_config=DeviceConfig("cpu"),
-            multimodal_config=MultiModalConfig(encoder_cache_size=encoder_cache_size),
-        )
         spec = FullAttentionSpec(block_size=BS, num_kv_heads=1, head_size=8)
         kv = KVCacheConfig(100, [KVCacheGroupSpec(["layers.0.attn"], spec)])
-        return Driver(Scheduler.from_config(config, kv, log_stats=True))
+        manager = KVCacheManager(
+            kv, 256, log_stats=True, max_num_batched_tokens=max_num_batched_tokens
+        )
+        encoder = EncoderPlanner(
+            MultiModalConfig(encoder_cache_size=encoder_cache_size), arch, max_num_batched_tokens
+        )
+        return Driver(
+            Scheduler(
+                SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_model_len=256),
+                manager,
+                encoder=encoder,
+            )
+        )
 
     return make
 
