@@ -12,7 +12,7 @@ from prometheus_client import CollectorRegistry
 
 from kvserve.config import EngineConfig
 from kvserve.engine.arg_utils import EngineArgs
-from kvserve.engine.core_client import EngineCoreClient
+from kvserve.engine.core_client import EngineCoreClient, InprocClient
 from kvserve.engine.input_processor import InputProcessor
 from kvserve.engine.output_processor import OutputProcessor
 from kvserve.engine.parallel_sampling import ParentRequest
@@ -157,6 +157,13 @@ class LLMEngine:
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> list[Any]:
+        if not isinstance(self.engine_core, InprocClient):
+            # A callable and arbitrary arguments reach another process only as pickles,
+            # which kvserve never sends; the in-process core calls the worker directly.
+            raise ValueError(
+                "collective_rpc needs the engine core in this process "
+                "(LLM(..., multiprocess_mode=False), the default)"
+            )
         return list(self.engine_core.collective_rpc(method, timeout, args, kwargs))
 
     def shutdown(self) -> None:

@@ -24,14 +24,12 @@ from __future__ import annotations
 
 import enum
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-# Defined beside SchedulerOutput, which carries it across processes; connectors import it here.
-from kvserve.protocol.scheduler_output import KVConnectorMetadata as KVConnectorMetadata
-
-# Likewise beside ModelRunnerOutput, which carries it back.
+# Defined beside the messages that carry them across processes (ModelRunnerOutput,
+# SchedulerOutput); connectors import them here.
 from kvserve.protocol.kv_connector_output import KVConnectorOutput as KVConnectorOutput
+from kvserve.protocol.scheduler_output import KVConnectorMetadata as KVConnectorMetadata
 
 if TYPE_CHECKING:
     import torch
@@ -111,7 +109,6 @@ class KVConnectorBase_V1(ABC):
             raise ValueError("a KV connector needs config.kv_transfer_config")
         self._config = config
         self._role = role
-        self._kv_cache_config = kv_cache_config
         self._connector_metadata: KVConnectorMetadata | None = None
 
     @property
