@@ -19,11 +19,11 @@ from typing import Any
 from kvserve.config import EngineConfig
 from kvserve.engine.arg_utils import EngineArgs
 from kvserve.engine.async_mp_client import AsyncMPClient
+from kvserve.engine.engine_client import EngineClient
 from kvserve.engine.exceptions import EngineDeadError
 from kvserve.engine.front_end import FrontEnd
 from kvserve.engine.input_processor import InputProcessor
 from kvserve.engine.output_processor import OutputProcessor, RequestOutputCollector
-from kvserve.engine.protocol import EngineClient
 from kvserve.inputs import PromptType
 from kvserve.lora.request import LoRARequest
 from kvserve.metrics.loggers import LoggingStatLogger, PrometheusStatLogger, StatLoggerBase
