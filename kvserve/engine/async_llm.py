@@ -16,25 +16,26 @@ import time
 from collections.abc import AsyncGenerator, Iterable
 from typing import Any
 
-import msgspec
-
 from kvserve.config import EngineConfig
 from kvserve.engine.arg_utils import EngineArgs
 from kvserve.engine.async_mp_client import AsyncMPClient
+from kvserve.engine.engine_client import EngineClient
 from kvserve.engine.exceptions import EngineDeadError
+from kvserve.engine.front_end import FrontEnd
 from kvserve.engine.input_processor import InputProcessor
 from kvserve.engine.output_processor import OutputProcessor, RequestOutputCollector
-from kvserve.engine.parallel_sampling import ParentRequest
-from kvserve.engine.protocol import EngineClient
 from kvserve.inputs import PromptType
 from kvserve.lora.request import LoRARequest
 from kvserve.metrics.loggers import LoggingStatLogger, PrometheusStatLogger, StatLoggerBase
-from kvserve.metrics.stats import IterationStats, RequestStatsTracker
 from kvserve.outputs import AnyRequestOutput, PoolingRequestOutput, RequestOutput
 from kvserve.pooling_params import PoolingParams
-from kvserve.protocol.engine_core import EngineCoreOutputs, FinishReason, SchedulerStats
+from kvserve.protocol.engine_core import (
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    FinishReason,
+    SchedulerStats,
+)
 from kvserve.sampling_params import SamplingParams
-from kvserve.transformers_utils.tokenizer import get_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -42,11 +43,6 @@ STATS_LOG_INTERVAL_S = 5.0
 
 
 class AsyncLLM(EngineClient):
-    # Set by _init_front_end while the core process starts.
-    tokenizer: Any
-    input_processor: InputProcessor
-    output_processor: OutputProcessor
-
     def __init__(
         self,
         config: EngineConfig,
@@ -67,32 +63,21 @@ class AsyncLLM(EngineClient):
                     PrometheusStatLogger(config.model_config.served_model_name or "model"),
                 ]
             )
-        self.stat_loggers = stat_loggers
-        self.request_stats = RequestStatsTracker()
+        self.front_end = FrontEnd(config, log_stats, stat_loggers)
         # The tokenizer loads here while the core process loads the model.
         self.engine_core = AsyncMPClient(
-            config, log_stats, while_starting=self._init_front_end, **client_kwargs
+            config, log_stats, while_starting=self.front_end.load, **client_kwargs
         )
+        # The front end's parts, loaded by now, under the names vLLM's engines use.
+        self.tokenizer: Any = self.front_end.tokenizer
+        self.input_processor: InputProcessor = self.front_end.input_processor
+        self.output_processor: OutputProcessor = self.front_end.output_processor
         self._dead_error: EngineDeadError | None = None
         self._closed = False
         self._output_handler: asyncio.Task[None] | None = None
         self._stats_logger_task: asyncio.Task[None] | None = None
         # Orders the sends of requests with images (the processor cache's protocol).
         self._mm_send_lock = asyncio.Lock()
-
-    def _init_front_end(self) -> None:
-        config = self.config
-        mc = config.model_config
-        self.tokenizer = None if mc.skip_tokenizer_init else get_tokenizer(mc.tokenizer_resolved)
-        self.input_processor = InputProcessor(
-            config.model_config,
-            self.tokenizer,
-            config.scheduler_config,
-            config.structured_outputs_config.backend,
-            config.lora_config,
-            config.multimodal_config,
-        )
-        self.output_processor = OutputProcessor(self.tokenizer, log_stats=self.log_stats)
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs, **kwargs: Any) -> AsyncLLM:
@@ -149,31 +134,11 @@ class AsyncLLM(EngineClient):
         else:
             request, prompt_text = process()
         queue = RequestOutputCollector(request.sampling_params.output_kind)
-        if not isinstance(params, SamplingParams) or params.n == 1:
-            await self._add_core_request(request, prompt_text, None, 0, queue)
-            return queue
-        # n > 1: children share the prompt, so the prefix cache shares their blocks.
-        parent = ParentRequest(request_id, request.sampling_params)
-        for index in range(params.n):
-            child_id, child_params = parent.get_child_info(index)
-            child = msgspec.structs.replace(
-                request, request_id=child_id, sampling_params=child_params
-            )
-            await self._add_core_request(child, prompt_text, parent, index, queue)
+        for core_request in self.front_end.add_request(request, prompt_text, queue):
+            await self._send(core_request)
         return queue
 
-    async def _add_core_request(
-        self,
-        request: Any,
-        prompt_text: str | None,
-        parent: ParentRequest | None,
-        index: int,
-        queue: RequestOutputCollector,
-    ) -> None:
-        self.output_processor.add_request(request, prompt_text, parent, index, queue)
-        self.request_stats.add_request(
-            request.request_id, request.arrival_time, len(request.prompt_token_ids)
-        )
+    async def _send(self, request: EngineCoreRequest) -> None:
         if not request.mm_features:
             await self.engine_core.add_request_async(request)
             return
@@ -260,11 +225,7 @@ class AsyncLLM(EngineClient):
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
         if notify:
             self._notify_aborted(ids)
-        core_ids = self.output_processor.abort_requests(ids)
-        if self.log_stats and core_ids:
-            stats = IterationStats()
-            self.request_stats.finish_requests(core_ids, str(FinishReason.ABORT), stats)
-            self._record(None, stats)
+        core_ids = self.front_end.abort(ids)
         if core_ids and not self.errored:
             try:
                 await self.engine_core.abort_requests_async(core_ids)
@@ -290,7 +251,7 @@ class AsyncLLM(EngineClient):
             return
         loop = asyncio.get_running_loop()
         self._output_handler = loop.create_task(self._run_output_handler(), name="OutputHandler")
-        if any(isinstance(s, LoggingStatLogger) for s in self.stat_loggers):
+        if any(isinstance(s, LoggingStatLogger) for s in self.front_end.stat_loggers):
             self._stats_logger_task = loop.create_task(self._run_stats_logger())
 
     async def _run_output_handler(self) -> None:
@@ -315,7 +276,7 @@ class AsyncLLM(EngineClient):
         now = time.time()
         iteration_stats = None
         if self.log_stats:
-            iteration_stats = self.request_stats.make_iteration_stats(
+            iteration_stats = self.front_end.request_stats.make_iteration_stats(
                 outputs.outputs, self.engine_core.pop_scheduled_times(), now
             )
         if outputs.outputs:
@@ -327,21 +288,15 @@ class AsyncLLM(EngineClient):
                 # Finished here by a stop string: the core must stop generating them.
                 await self.engine_core.abort_requests_async(processed.reqs_to_abort)
                 if iteration_stats is not None:
-                    self.request_stats.finish_requests(
+                    self.front_end.request_stats.finish_requests(
                         processed.reqs_to_abort, str(FinishReason.STOP), iteration_stats
                     )
-        self._record(outputs.scheduler_stats, iteration_stats)
-
-    def _record(
-        self, scheduler_stats: SchedulerStats | None, iteration_stats: IterationStats | None
-    ) -> None:
-        for stat_logger in self.stat_loggers:
-            stat_logger.record(scheduler_stats, iteration_stats)
+        self.front_end.record(outputs.scheduler_stats, iteration_stats)
 
     async def _run_stats_logger(self) -> None:
         while True:
             await asyncio.sleep(STATS_LOG_INTERVAL_S)
-            for stat_logger in self.stat_loggers:
+            for stat_logger in self.front_end.stat_loggers:
                 stat_logger.log()
 
     # --- utilities ---------------------------------------------------------------------
@@ -354,7 +309,7 @@ class AsyncLLM(EngineClient):
         return await self.engine_core.get_stats_async()
 
     def add_stat_logger(self, stat_logger: StatLoggerBase) -> None:
-        self.stat_loggers.append(stat_logger)
+        self.front_end.stat_loggers.append(stat_logger)
 
     def shutdown(self) -> None:
         if self._closed:

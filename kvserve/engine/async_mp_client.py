@@ -13,6 +13,7 @@ import msgspec
 import zmq
 
 from kvserve.config import EngineConfig
+from kvserve.engine.core_client import AsyncEngineCoreClient
 from kvserve.engine.core_proc import (
     AbortRequestsMessage,
     AddRequestMessage,
@@ -24,7 +25,7 @@ from kvserve.engine.mp_client import MPClient
 from kvserve.protocol.engine_core import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 
 
-class AsyncMPClient(MPClient):
+class AsyncMPClient(MPClient, AsyncEngineCoreClient):
     """asyncio client: one task reads outputs; the loop watches the process sentinel.
 
     It binds to the event loop of its first awaited call; use one instance per loop.
@@ -109,19 +110,6 @@ class AsyncMPClient(MPClient):
 
     async def get_stats_async(self) -> SchedulerStats:
         return msgspec.convert(await self.call_utility_async("get_stats"), SchedulerStats)
-
-    # The blocking interface does not apply: callers must await the *_async methods.
-    def add_request(self, request: EngineCoreRequest) -> None:
-        raise NotImplementedError("AsyncMPClient: use add_request_async")
-
-    def abort_requests(self, request_ids: list[str]) -> None:
-        raise NotImplementedError("AsyncMPClient: use abort_requests_async")
-
-    def get_output(self) -> EngineCoreOutputs:
-        raise NotImplementedError("AsyncMPClient: use get_output_async")
-
-    def reset_prefix_cache(self) -> bool:
-        raise NotImplementedError("AsyncMPClient: use reset_prefix_cache_async")
 
     def shutdown(self) -> None:
         if self._loop is not None and not self._loop.is_closed():

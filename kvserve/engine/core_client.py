@@ -1,4 +1,5 @@
-"""EngineCoreClient: how the front end talks to an EngineCore (in-process for now)."""
+"""How the front end talks to an EngineCore: a blocking client (LLMEngine) and an asyncio
+one (AsyncLLM), each with only the methods its caller can use."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from kvserve.config import EngineConfig
-from kvserve.protocol.engine_core import EngineCoreOutputs, EngineCoreRequest
+from kvserve.protocol.engine_core import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 
 if TYPE_CHECKING:
     # Only the in-process client builds a core: the multi-process clients import this
@@ -16,25 +17,23 @@ if TYPE_CHECKING:
 
 
 class EngineCoreClient(ABC):
+    """The blocking client LLMEngine drives: the core in this thread (InprocClient) or in
+    a background process (SyncMPClient). AsyncLLM's client is AsyncEngineCoreClient."""
+
     @staticmethod
     def make_client(
         config: EngineConfig,
         log_stats: bool = True,
         *,
         multiprocess_mode: bool = False,
-        asyncio_mode: bool = False,
         while_starting: Callable[[], object] | None = None,
-    ) -> Any:
-        """In-process core, or a core in a background process (sync or asyncio client).
+    ) -> EngineCoreClient:
+        """In-process core, or a core in a background process.
 
         ``while_starting`` (front-end setup) runs while a background core loads its model,
         or, for the in-process core, before it."""
-        # Imported here: the multi-process clients import this module.
-        if asyncio_mode:
-            from kvserve.engine.async_mp_client import AsyncMPClient
-
-            return AsyncMPClient(config, log_stats, while_starting=while_starting)
         if multiprocess_mode:
+            # Imported here: mp_client imports this module.
             from kvserve.engine.mp_client import SyncMPClient
 
             return SyncMPClient(config, log_stats, while_starting=while_starting)
@@ -57,19 +56,37 @@ class EngineCoreClient(ABC):
     @abstractmethod
     def shutdown(self) -> None: ...
 
-    def collective_rpc(
-        self,
-        method: str | Callable[..., Any],
-        timeout: float | None = None,
-        args: tuple[Any, ...] = (),
-        kwargs: dict[str, Any] | None = None,
-    ) -> list[Any]:
-        # A callable and arbitrary arguments reach another process only as pickles, which
-        # kvserve never sends; the in-process core calls the worker directly.
-        raise ValueError(
-            "collective_rpc needs the engine core in this process "
-            "(LLM(..., multiprocess_mode=False), the default)"
-        )
+
+class AsyncEngineCoreClient(ABC):
+    """The asyncio client AsyncLLM drives (AsyncMPClient: the core in its own process)."""
+
+    dead_reason: str | None
+
+    @abstractmethod
+    def is_alive(self) -> bool: ...
+
+    @abstractmethod
+    async def add_request_async(self, request: EngineCoreRequest) -> None: ...
+
+    @abstractmethod
+    async def abort_requests_async(self, request_ids: list[str]) -> None: ...
+
+    @abstractmethod
+    async def get_output_async(self) -> EngineCoreOutputs: ...
+
+    @abstractmethod
+    def pop_scheduled_times(self) -> dict[str, float]:
+        """Request id -> wall-clock time the core first scheduled it, reported since the
+        last call (the queue-time metric)."""
+
+    @abstractmethod
+    async def reset_prefix_cache_async(self) -> bool: ...
+
+    @abstractmethod
+    async def get_stats_async(self) -> SchedulerStats: ...
+
+    @abstractmethod
+    def shutdown(self) -> None: ...
 
 
 class InprocClient(EngineCoreClient):

@@ -19,6 +19,7 @@ import tempfile
 import threading
 import time
 import weakref
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -95,8 +96,9 @@ class _BackgroundResources:
             shutil.rmtree(self.tmpdir, ignore_errors=True)
 
 
-class MPClient(EngineCoreClient):
-    """Process launch, handshake, wire encoding and shutdown shared by both MP clients."""
+class MPClient(ABC):
+    """Process launch, handshake, wire encoding and shutdown shared by both MP clients;
+    each also implements its caller's protocol (EngineCoreClient, AsyncEngineCoreClient)."""
 
     def __init__(
         self,
@@ -200,8 +202,9 @@ class MPClient(EngineCoreClient):
     def _next_call_id(self) -> int:
         return next(self._call_ids)
 
+    @abstractmethod
     def _put_output(self, output: EngineCoreOutputs | Exception) -> None:
-        raise NotImplementedError
+        """Hands the reader's output (or the error that ends the stream) to get_output."""
 
     def _handle(self, message: OutputMessage) -> None:
         if isinstance(message, OutputsMessage):
@@ -273,7 +276,7 @@ def _wait_for_handshake(
     return message
 
 
-class SyncMPClient(MPClient):
+class SyncMPClient(MPClient, EngineCoreClient):
     """Blocking client: a thread reads the output socket and watches the process."""
 
     def __init__(self, config: EngineConfig, log_stats: bool = True, **kwargs: Any) -> None:

@@ -24,7 +24,6 @@ class Executor(ABC):
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.is_sleeping = False
         self._init_executor()
 
     @staticmethod

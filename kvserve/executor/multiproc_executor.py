@@ -237,7 +237,7 @@ class MultiprocExecutor(Executor):
     def _kill_workers(self) -> None:
         kill(self.resources.procs)
 
-    def _send(self, frame: bytes, call_id: int) -> None:
+    def _send(self, frame: bytes) -> None:
         for sock in self.request_sockets:
             sock.send(frame, copy=False)
 
@@ -283,7 +283,7 @@ class MultiprocExecutor(Executor):
         future: Future[list[Any]] = Future()
         with self._lock:
             self._pending[call_id] = _Call(future, expected, return_type, name)
-        self._send(frame, call_id)
+        self._send(frame)
         if non_block:
             return future
         return self._result(future, call_id, name, timeout)

@@ -159,7 +159,7 @@ class RayDistributedExecutor(MultiprocExecutor):
         for actor in self.actors:
             ray.kill(actor)
 
-    def _send(self, frame: bytes, call_id: int) -> None:
+    def _send(self, frame: bytes) -> None:
         for actor in self.actors:
             ref = actor.call.options(concurrency_group="calls").remote(frame)
             ref.future().add_done_callback(self._on_ref_done)

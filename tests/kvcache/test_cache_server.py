@@ -8,7 +8,7 @@ import struct
 import msgspec
 import torch
 
-from kvserve.kvcache.server.protocol import encode_frame, recv_reply, send_request
+from kvserve.kvcache.server.wire import encode_frame, recv_reply, send_request
 from kvserve.kvcache.stats import CacheStats
 from kvserve.kvcache.storage.cache_server_backend import CacheServerBackend
 from tests.kvcache.helpers import CHUNK_BYTES, key, kv

@@ -21,7 +21,7 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import kvserve
-from kvserve.engine.protocol import EngineClient
+from kvserve.engine.engine_client import EngineClient
 from kvserve.entrypoints.openai.admission import (
     AdmissionMiddleware,
     BodySizeLimitMiddleware,

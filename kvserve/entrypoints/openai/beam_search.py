@@ -11,7 +11,7 @@ import asyncio
 from collections.abc import AsyncGenerator
 
 from kvserve.beam_search import BeamSearch, BeamSearchInstance
-from kvserve.engine.protocol import EngineClient
+from kvserve.engine.engine_client import EngineClient
 from kvserve.outputs import CompletionOutput, Logprob, RequestOutput
 from kvserve.sampling_params import BeamSearchParams
 

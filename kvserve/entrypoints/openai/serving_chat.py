@@ -11,8 +11,8 @@ from typing import Any
 from fastapi import Request
 
 from kvserve.engine.chat_media import extract_chat_images, has_image_parts, media_policy
+from kvserve.engine.engine_client import EngineClient
 from kvserve.engine.input_processor import apply_chat_template
-from kvserve.engine.protocol import EngineClient
 from kvserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,

@@ -14,8 +14,8 @@ import msgspec
 from fastapi import Request
 
 from kvserve.distributed.kv_transfer.kv_connector.base import KV_LOAD_FAILURE_PREFIX
+from kvserve.engine.engine_client import EngineClient
 from kvserve.engine.exceptions import EngineDeadError
-from kvserve.engine.protocol import EngineClient
 from kvserve.entrypoints.openai.protocol import (
     ChatCompletionLogProb,
     ChatCompletionLogProbs,

@@ -15,7 +15,7 @@ from fastapi import APIRouter, FastAPI, Query
 from fastapi.responses import FileResponse, JSONResponse
 from fastapi.staticfiles import StaticFiles
 
-from kvserve.engine.protocol import EngineClient
+from kvserve.engine.engine_client import EngineClient
 from kvserve.metrics.history import StatsHistory
 
 STATIC_DIR = Path(__file__).parent / "static"

@@ -15,7 +15,7 @@ from collections import OrderedDict
 from typing import Any
 
 from kvserve.kvcache.serde import ChunkMeta
-from kvserve.kvcache.server.protocol import (
+from kvserve.kvcache.server.wire import (
     LENGTH,
     MAX_HEADER_BYTES,
     ProtocolError,

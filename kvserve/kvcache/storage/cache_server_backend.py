@@ -15,7 +15,7 @@ import torch
 
 from kvserve.kvcache import serde
 from kvserve.kvcache.key import CacheEngineKey
-from kvserve.kvcache.server.protocol import ProtocolError, recv_reply, send_request
+from kvserve.kvcache.server.wire import ProtocolError, recv_reply, send_request
 from kvserve.kvcache.stats import CacheStats
 from kvserve.kvcache.storage.base import RemoteHealth, StorageBackend
 

@@ -109,7 +109,6 @@ class KVConnectorBase_V1(ABC):
             raise ValueError("a KV connector needs config.kv_transfer_config")
         self._config = config
         self._role = role
-        self._kv_cache_config = kv_cache_config
         self._connector_metadata: KVConnectorMetadata | None = None
 
     @property

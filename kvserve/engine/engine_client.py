@@ -81,8 +81,5 @@ class EngineClient(ABC):
     async def get_tokenizer(self) -> Any:
         return self.tokenizer
 
-    async def get_model_config(self) -> ModelConfig:
-        return self.model_config
-
     @abstractmethod
     def shutdown(self) -> None: ...
