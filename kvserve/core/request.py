@@ -99,7 +99,6 @@ class Request:
         self.num_preemptions = 0
         # Tokens computed by an external KV store (connectors), set at scheduling.
         self.num_external_computed_tokens = 0
-        self.first_scheduled_time: float | None = None
         # Draft tokens proposed for the next step (speculative decoding): computed along
         # with the request's tokens, never part of them until the rejection sampler keeps them.
         self.spec_token_ids: list[int] = []

@@ -277,7 +277,7 @@ class AsyncLLM(EngineClient):
         iteration_stats = None
         if self.log_stats:
             iteration_stats = self.front_end.request_stats.make_iteration_stats(
-                outputs.outputs, self.engine_core.pop_scheduled_times(), now
+                outputs.outputs, outputs.scheduled_times, now
             )
         if outputs.outputs:
             start = time.perf_counter()

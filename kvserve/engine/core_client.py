@@ -75,11 +75,6 @@ class AsyncEngineCoreClient(ABC):
     async def get_output_async(self) -> EngineCoreOutputs: ...
 
     @abstractmethod
-    def pop_scheduled_times(self) -> dict[str, float]:
-        """Request id -> wall-clock time the core first scheduled it, reported since the
-        last call (the queue-time metric)."""
-
-    @abstractmethod
     async def reset_prefix_cache_async(self) -> bool: ...
 
     @abstractmethod

@@ -22,7 +22,6 @@ import msgspec
 import zmq
 
 from kvserve.config import EngineConfig
-from kvserve.core.request import RequestStatus
 from kvserve.protocol.engine_core import (
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -65,9 +64,6 @@ InputMessage = AddRequestMessage | AbortRequestsMessage | UtilityCallMessage
 
 class OutputsMessage(msgspec.Struct, tag="outputs", array_like=True):
     outputs: EngineCoreOutputs
-    # Wall-clock time at which requests left the waiting queue in this step (queue-time
-    # metric); EngineCoreOutput has no scheduling events of its own.
-    scheduled_times: dict[str, float] | None = None
 
 
 class UtilityResultMessage(msgspec.Struct, tag="utility_result", array_like=True):
@@ -102,12 +98,6 @@ class StartupErrorMessage(msgspec.Struct, tag="startup_error", array_like=True):
 
 HandshakeMessage = ReadyMessage | StartupErrorMessage
 
-_WAITING = (
-    RequestStatus.WAITING,
-    RequestStatus.WAITING_FOR_FSM,
-    RequestStatus.WAITING_FOR_REMOTE_KVS,
-)
-
 
 class EngineCoreProc:
     """Runs inside the child process: busy loop of drain inputs -> step -> send outputs."""
@@ -139,8 +129,6 @@ class EngineCoreProc:
         # Prefix-cache counts consumed by an out-of-band get_stats, owed to the stream.
         self._carried_queries = 0
         self._carried_hits = 0
-        # Added but not yet scheduled: watched after each step for the queue-time metric.
-        self._unscheduled: set[str] = set()
         self._utilities: dict[str, Callable[..., Any]] = {
             "reset_prefix_cache": self.engine_core.reset_prefix_cache,
             "get_stats": self._snapshot_stats,
@@ -169,24 +157,11 @@ class EngineCoreProc:
                 self.engine_core.model_executor.check_failed()
             changed = self._process_input_socket()
             if self.engine_core.has_work():
-                step_start = time.time()
                 outputs, _ = self.engine_core.step()
-                self._send_outputs(outputs, self._newly_scheduled(step_start))
+                self._send_outputs(outputs)
             elif changed:
                 # e.g. the last request was aborted: let the client see the idle state.
                 self._send_outputs(EngineCoreOutputs(timestamp=time.monotonic()))
-
-    def _newly_scheduled(self, step_start: float) -> dict[str, float] | None:
-        if not self._unscheduled:
-            return None
-        scheduled: dict[str, float] = {}
-        for request_id in self._unscheduled:
-            request = self.scheduler.requests.get(request_id)
-            # Gone (finished within its first step) or past WAITING: it was scheduled.
-            if request is None or request.status not in _WAITING:
-                scheduled[request_id] = step_start
-        self._unscheduled.difference_update(scheduled)
-        return scheduled or None
 
     def _process_input_socket(self) -> bool:
         """Handles every waiting message; True if requests were added or aborted."""
@@ -210,7 +185,6 @@ class EngineCoreProc:
         if isinstance(message, AddRequestMessage):
             try:
                 self.engine_core.add_request(message.request)
-                self._unscheduled.add(message.request.request_id)
             except Exception as e:
                 # One bad request fails alone; the engine keeps serving the others.
                 logger.exception("rejecting request %s", message.request.request_id)
@@ -246,15 +220,13 @@ class EngineCoreProc:
         self._carried_hits += stats.prefix_cache_hits
         return stats
 
-    def _send_outputs(
-        self, outputs: EngineCoreOutputs, scheduled_times: dict[str, float] | None = None
-    ) -> None:
+    def _send_outputs(self, outputs: EngineCoreOutputs) -> None:
         stats = outputs.scheduler_stats or self.engine_core.make_stats() or SchedulerStats()
         stats.prefix_cache_queries += self._carried_queries
         stats.prefix_cache_hits += self._carried_hits
         self._carried_queries = self._carried_hits = 0
         outputs.scheduler_stats = stats
-        self._send(OutputsMessage(outputs, scheduled_times))
+        self._send(OutputsMessage(outputs))
 
     def _send(self, message: OutputsMessage | UtilityResultMessage | EngineErrorMessage) -> None:
         self.output_socket.send(self.encoder.encode(message), copy=False)

@@ -88,7 +88,9 @@ class LLMEngine:
         if self.log_stats:
             self.front_end.record(
                 core_outputs.scheduler_stats,
-                self.front_end.request_stats.make_iteration_stats(core_outputs.outputs),
+                self.front_end.request_stats.make_iteration_stats(
+                    core_outputs.outputs, core_outputs.scheduled_times
+                ),
             )
         processed = self.output_processor.process_outputs(
             core_outputs.outputs, core_outputs.timestamp

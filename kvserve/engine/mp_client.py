@@ -124,8 +124,6 @@ class MPClient(ABC):
         self.encoder = msgspec.msgpack.Encoder()
         self.decoder = msgspec.msgpack.Decoder(OutputMessage)
         self._call_ids = itertools.count()
-        # request id -> wall-clock time the core first scheduled it; see pop_scheduled_times.
-        self.scheduled_times: dict[str, float] = {}
         # Utility calls awaiting their result: concurrent.futures or asyncio futures.
         self._pending: dict[int, Any] = {}
         ctx: zmq.Context[Any] = zmq.asyncio.Context() if asyncio_mode else zmq.Context()
@@ -194,11 +192,6 @@ class MPClient(ABC):
     def _encode(self, message: InputMessage) -> bytes:
         return self.encoder.encode(message)
 
-    def pop_scheduled_times(self) -> dict[str, float]:
-        """Scheduling times reported since the last call (for the queue-time metric)."""
-        times, self.scheduled_times = self.scheduled_times, {}
-        return times
-
     def _next_call_id(self) -> int:
         return next(self._call_ids)
 
@@ -208,8 +201,6 @@ class MPClient(ABC):
 
     def _handle(self, message: OutputMessage) -> None:
         if isinstance(message, OutputsMessage):
-            if message.scheduled_times:
-                self.scheduled_times.update(message.scheduled_times)
             self._put_output(message.outputs)
         elif isinstance(message, UtilityResultMessage):
             future = self._pending.pop(message.call_id, None)

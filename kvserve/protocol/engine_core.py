@@ -152,3 +152,6 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, kw_
     timestamp: float = 0.0
     # Requests the core finished on its own (e.g. aborted by a stop string in the front end).
     finished_requests: set[str] | None = None
+    # Wall-clock time at which requests were first scheduled, for those first scheduled
+    # since the last outputs (the queue-time metric).
+    scheduled_times: dict[str, float] | None = None

@@ -55,3 +55,39 @@ def test_a_plain_step_sends_and_applies_in_one_call(tiny: tuple[EngineCore, Any]
     core.scheduler.check_integrity()
     pool = core.scheduler.kv_cache_manager.block_pool
     assert pool.get_num_free_blocks() == pool.num_blocks - 1
+
+
+def test_the_scheduler_reports_when_requests_first_ran(tiny: tuple[EngineCore, Any]) -> None:
+    core, _ = tiny
+    core.add_request(make_request("q0", 2, PROMPTS[1]))
+    core.add_request(make_request("q1", 2, PROMPTS[1]))
+    outputs, _ = core.step()
+    assert outputs.scheduled_times is not None and outputs.scheduled_times.keys() == {"q0", "q1"}
+    while core.has_work():
+        outputs, _ = core.step()
+        assert outputs.scheduled_times is None  # reported once
+
+
+def test_queue_time_is_measured_in_process(tmp_path_factory: pytest.TempPathFactory) -> None:
+    from kvserve.entrypoints.llm import LLM
+    from kvserve.metrics.reader import Histogram
+    from kvserve.sampling_params import SamplingParams
+
+    directory = tmp_path_factory.mktemp("tiny-llama-metrics")
+    tiny_llama(directory)
+    llm = LLM(
+        str(directory),
+        block_size=4,
+        max_num_batched_tokens=16,
+        max_num_seqs=1,  # the second request waits for the first: a real queue time
+        kv_cache_memory=8 << 20,
+        disable_log_stats=False,
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    histograms = {m.name: m for m in llm.get_metrics() if isinstance(m, Histogram)}
+    queue = histograms["kvserve:request_queue_time_seconds"]
+    e2e = histograms["kvserve:e2e_request_latency_seconds"]
+    assert queue.count == e2e.count == len(PROMPTS)
+    assert 0.0 < queue.sum < e2e.sum  # the second request queued; no one queued all along
+    llm.llm_engine.shutdown()

@@ -96,12 +96,11 @@ def test_wire_is_typed_msgpack_never_pickle() -> None:
         ],
         scheduler_stats=SchedulerStats(num_running_reqs=1),
         timestamp=1.5,
+        scheduled_times={"r": 2.0},
     )
-    message = msgspec.msgpack.Decoder(OutputMessage).decode(
-        encoder.encode(OutputsMessage(outputs, {"r": 2.0}))
-    )
+    message = msgspec.msgpack.Decoder(OutputMessage).decode(encoder.encode(OutputsMessage(outputs)))
     assert isinstance(message, OutputsMessage)
-    assert message.outputs == outputs and message.scheduled_times == {"r": 2.0}
+    assert message.outputs == outputs and message.outputs.scheduled_times == {"r": 2.0}
 
 
 # --- a live engine-core process ------------------------------------------------------

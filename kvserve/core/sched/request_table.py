@@ -9,6 +9,7 @@ waiting / running while it is live.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 
 from kvserve.core.request import Request, RequestStatus
@@ -25,6 +26,8 @@ class RequestTable:
         self.finished_req_ids: set[str] = set()
         self.pending_outputs: list[EngineCoreOutput] = []
         self.num_preemptions = 0
+        # Wall-clock time each request first ran, until reported (the queue-time metric).
+        self.scheduled_times: dict[str, float] = {}
 
     def __len__(self) -> int:
         return len(self.waiting) + len(self.running)
@@ -44,6 +47,8 @@ class RequestTable:
         resumed = request.status == RequestStatus.PREEMPTED
         request.status = RequestStatus.RUNNING
         self.running.append(request)
+        if not resumed:
+            self.scheduled_times[request.request_id] = time.time()
         return resumed
 
     def pop_victim(self) -> Request:
@@ -94,6 +99,10 @@ class RequestTable:
 
     def add_pending_output(self, output: EngineCoreOutput) -> None:
         self.pending_outputs.append(output)
+
+    def take_scheduled_times(self) -> dict[str, float] | None:
+        times, self.scheduled_times = self.scheduled_times, {}
+        return times or None
 
     def take_pending_outputs(self) -> list[EngineCoreOutput]:
         outputs, self.pending_outputs = self.pending_outputs, []

@@ -364,8 +364,6 @@ class Scheduler(SchedulerInterface):
         request.num_computed_tokens = num_computed_tokens
         if request.num_cached_tokens < 0:
             request.num_cached_tokens = num_computed_tokens
-        if request.first_scheduled_time is None:
-            request.first_scheduled_time = time.time()
         plan.grant(
             request,
             num_new_tokens,
@@ -433,7 +431,10 @@ class Scheduler(SchedulerInterface):
     ) -> EngineCoreOutputs:
         outputs = self.results.update_from_output(scheduler_output, model_runner_output)
         return EngineCoreOutputs(
-            outputs=outputs, scheduler_stats=self.make_stats(), timestamp=time.monotonic()
+            outputs=outputs,
+            scheduler_stats=self.make_stats(),
+            timestamp=time.monotonic(),
+            scheduled_times=self.table.take_scheduled_times(),
         )
 
     def isolate_failed_step(
