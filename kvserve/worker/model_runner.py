@@ -243,13 +243,15 @@ class ModelRunner(
         batch = self.input_batch
         if batch is None:
             raise RuntimeError("initialize_kv_cache() must run before execute_model()")
-        for req_id in scheduler_output.finished_req_ids:
-            self.requests.pop(req_id, None)
-            batch.remove_request(req_id)
-        if self.drafter is not None and scheduler_output.finished_req_ids:
-            self.drafter.remove_requests(scheduler_output.finished_req_ids)
+        finished = scheduler_output.finished_req_ids
+        if finished:
+            for req_id in finished:
+                self.requests.pop(req_id, None)
+                batch.remove_request(req_id)
+            if self.drafter is not None:
+                self.drafter.remove_requests(finished)
             if self.prompt_pooler is not None:
-                self.prompt_pooler.forget(req_id)
+                self.prompt_pooler.remove_requests(finished)
         # Preempted and otherwise unscheduled requests leave the batch but keep their state.
         scheduled = scheduler_output.num_scheduled_tokens
         for req_id in [r for r in batch.req_id_to_index if r not in scheduled]:
