@@ -179,3 +179,10 @@ class InputBatch:
         fits = ends < self.max_model_len
         self.token_ids_cpu[rows[fits], ends[fits]] = token_ids[fits]
         self.num_tokens[rows] = np.minimum(ends + 1, self.max_model_len)
+
+    def extend_token_ids(self, row: int, token_ids: list[int]) -> None:
+        """Write several tokens at one row's end, dropped past max_model_len as above."""
+        start = int(self.num_tokens[row])
+        end = min(start + len(token_ids), self.max_model_len)
+        self.token_ids_cpu[row, start:end] = token_ids[: end - start]
+        self.num_tokens[row] = end
