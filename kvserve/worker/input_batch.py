@@ -33,7 +33,6 @@ class InputBatch:
     ) -> None:
         self.max_num_reqs = max_num_reqs
         self.max_model_len = max_model_len
-        self.device = device
 
         self.token_ids_cpu_tensor = torch.zeros(
             (max_num_reqs, max_model_len), dtype=torch.int32, pin_memory=pin_memory

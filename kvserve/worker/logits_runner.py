@@ -5,8 +5,7 @@ progress is on its CachedRequestState)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import torch
@@ -19,6 +18,10 @@ from kvserve.structured_output.utils import apply_grammar_bitmask
 if TYPE_CHECKING:
     from kvserve.worker.input_batch import InputBatch
     from kvserve.worker.input_preparation import StepInputs
+
+
+class ComputesLogits(Protocol):
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor: ...
 
 
 class LogitsRunner:
@@ -75,7 +78,7 @@ class LogitsRunner:
         batch: InputBatch,
         inputs: StepInputs,
         hidden_states: torch.Tensor | None,
-        compute_logits: Callable[[torch.Tensor], torch.Tensor],
+        model: ComputesLogits,
     ) -> dict[str, LogprobsTensors | None]:
         """Prompt logprobs of the positions computed this step: the logits at position p
         score prompt token p+1, so a request's final chunk stops at its last prompt token.
@@ -96,7 +99,7 @@ class LogitsRunner:
                 offset = int(inputs.query_start_loc_np[row])
                 hidden = hidden_states[offset : offset + end - start]
                 targets = torch.from_numpy(batch.token_ids_cpu[row, start + 1 : end + 1])
-                logits = compute_logits(hidden)
+                logits = model.compute_logits(hidden)
                 tensors = compute_prompt_logprobs(
                     logits, targets.to(logits.device, torch.int64), num_logprobs
                 )

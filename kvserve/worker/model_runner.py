@@ -3,8 +3,8 @@ over the paged KV cache and samples (the two-phase execute_model / sample_tokens
 
 Composed, as vLLM's v2 model runner, of components that each own their state: the
 request-state table (the one writer of sampled tokens), the KV connector, spec decode,
-the encoder runner, the logits runner and, for a pooling model, the prompt pooler. A
-feature that is off is a no-op component, not a branch.
+the encoder runner, the logits runner, LoRA and, for a pooling model, the prompt pooler.
+A feature that is off is a no-op component, not a branch.
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ from kvserve.worker.input_preparation import InputPreparer, StepInputs
 from kvserve.worker.kv_cache_specs import make_kv_cache_spec, zeroed_tensor
 from kvserve.worker.kv_connector import NO_OP_KV_CONNECTOR, KVConnector, get_kv_connector
 from kvserve.worker.logits_runner import LogitsRunner
+from kvserve.worker.lora_runner import ActiveLoRARunner, LoRARunner
 from kvserve.worker.prompt_pooler import PromptPooler
 from kvserve.worker.request_states import KeepsRequestState, RequestStates
 from kvserve.worker.spec_decode_runner import make_spec_decode_runner
@@ -63,7 +64,7 @@ class ExecuteModelState:
     # Kept only when some request wants prompt logprobs in this step.
     hidden_states: torch.Tensor | None
     # The KV connector's report for this step (empty without a connector).
-    kv_connector_output: KVConnectorOutput | None = None
+    kv_connector_output: KVConnectorOutput = dataclasses.field(default_factory=KVConnectorOutput)
     # Pooling runner: the vectors of the prompts that completed in this step.
     pooler_output: dict[str, list[float]] = dataclasses.field(default_factory=dict)
     # Seconds before the forward (state update, inputs, attention metadata) and in it.
@@ -117,7 +118,7 @@ class ModelRunner:
         self.spec_decode = make_spec_decode_runner(config, self.device)
         self.drafter = self.spec_decode.drafter
         # enable_lora: the adapters' slots and the wrapped projections (after load_model).
-        self.lora_manager: LoRAModelManager | None = None
+        self.lora_runner = LoRARunner()
         # Multimodal models: the encoder cache and the merge of image embeddings.
         self.encoder_runner = make_encoder_runner(config, self.device)
         # Set with the KV caches (initialize_kv_cache); the no-op one until then.
@@ -155,7 +156,8 @@ class ModelRunner:
         self.drafter.load_model()
         self.encoder_runner.set_model(self.model)
         if self.config.lora_config is not None:
-            self.lora_manager = LoRAModelManager(self.model, self.config.lora_config)
+            manager = LoRAModelManager(self.model, self.config.lora_config)
+            self.lora_runner = ActiveLoRARunner(manager)
 
     def _enable_attention_sinks(self) -> None:
         """StreamingLLM: every full-attention layer sees the sink tokens plus a window."""
@@ -326,11 +328,7 @@ class ModelRunner:
         self.spec_decode.split_spec_rows(batch, scheduler_output, inputs)
         attn_metadata = self._build_attn_metadata(inputs)
         mm_kwargs = self.encoder_runner.model_kwargs(batch, inputs, attn_metadata)
-        if self.lora_manager is not None:
-            rows = batch.requests[: batch.num_reqs]
-            self.lora_manager.set_active_loras(
-                [None if r is None else r.lora_request for r in rows], inputs.num_scheduled_tokens
-            )
+        self.lora_runner.set_active_loras(batch, inputs.num_scheduled_tokens)
         forward_start = time.perf_counter()
         self.thread_governor.begin(scheduler_output.total_num_scheduled_tokens)
         kv_connector = self.kv_connector_runner
@@ -453,7 +451,7 @@ class ModelRunner:
             sampled_token_ids=sampled_token_ids,
             logprobs=logprobs,
             prompt_logprobs_dict=logits_runner.prompt_logprobs(
-                batch, inputs, state.hidden_states, self.model.compute_logits
+                batch, inputs, state.hidden_states, self.model
             ),
             logprobs_row_starts=logprobs_row_starts,
             spec_token_ids=self.spec_decode.propose_draft_token_ids(
@@ -469,6 +467,6 @@ class ModelRunner:
         return output
 
 
-def _reported(kv_output: KVConnectorOutput | None) -> KVConnectorOutput | None:
+def _reported(kv_output: KVConnectorOutput) -> KVConnectorOutput | None:
     """The connector's report, or None when it has nothing to say (most steps)."""
-    return None if kv_output is None or kv_output.is_empty() else kv_output
+    return None if kv_output.is_empty() else kv_output

@@ -55,8 +55,13 @@ def test_prompt_logprobs_by_chunk_then_done() -> None:
     inputs = InputPreparer(4, 32, CPU, False).prepare(batch, {"r0": 2, "r1": 4}, 6)
     hidden = torch.randn(6, VOCAB)
 
-    def identity_logits(h: torch.Tensor) -> torch.Tensor:
-        return h
+    class IdentityLogits:
+        """A model whose hidden states are its logits."""
+
+        def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+            return hidden_states
+
+    identity_logits = IdentityLogits()
 
     assert runner.prompt_logprobs(batch, inputs, None, identity_logits) == {}
     got = runner.prompt_logprobs(batch, inputs, hidden, identity_logits)
