@@ -419,9 +419,9 @@ class ModelRunner:
                     num_reqs, torch.from_numpy(rows)
                 ),
             )
-            self.requests.append_sampled_lists(sample_rows, spec_out.sampled_token_ids)
-            for row, tokens in zip(sample_rows.tolist(), spec_out.sampled_token_ids, strict=True):
-                sampled_token_ids[row] = tokens
+            self.requests.append_sampled_lists(
+                sample_rows, spec_out.sampled_token_ids, sampled_token_ids
+            )
             if spec_out.logprobs_tensors is not None:
                 logprobs = spec_out.logprobs_tensors.tolists()
                 logprobs_row_starts = self.spec_decode.logprobs_row_starts(
@@ -437,9 +437,7 @@ class ModelRunner:
             out = self.sampler(state.logits, metadata)
             sampled = out.sampled_token_ids
             tokens = (sampled if sampled.is_cpu else sampled.cpu()).numpy()
-            appended = self.requests.append_sampled(sample_rows, tokens.astype(np.int32))
-            for row, token in zip(sample_rows.tolist(), appended, strict=True):
-                sampled_token_ids[row] = [token]
+            self.requests.append_sampled(sample_rows, tokens.astype(np.int32), sampled_token_ids)
             if out.logprobs_tensors is not None:
                 logprobs = logits_runner.logprobs_by_row(
                     out.logprobs_tensors, sample_rows, num_reqs

@@ -84,19 +84,23 @@ class RequestStates:
 
     # ---- the writer of output tokens -------------------------------------------------------
 
-    def append_sampled(self, rows: np.ndarray, token_ids: np.ndarray) -> list[int]:
-        """One sampled token per batch row of ``rows``; returns the tokens as ints."""
+    def append_sampled(
+        self, rows: np.ndarray, token_ids: np.ndarray, by_row: list[list[int]]
+    ) -> None:
+        """One sampled token per batch row of ``rows``; ``by_row[row]`` (the step's output,
+        one list per batch row) gets it in the same pass."""
         batch = self._bound()
         batch.append_token_ids(rows, token_ids)
-        tokens: list[int] = token_ids.tolist()
         requests = batch.requests
-        for row, token in zip(rows.tolist(), tokens, strict=True):
+        for row, token in zip(rows.tolist(), token_ids.tolist(), strict=True):
             request = requests[row]
             assert request is not None
             request.output_token_ids.append(token)
-        return tokens
+            by_row[row] = [token]
 
-    def append_sampled_lists(self, rows: np.ndarray, sampled: list[list[int]]) -> None:
+    def append_sampled_lists(
+        self, rows: np.ndarray, sampled: list[list[int]], by_row: list[list[int]]
+    ) -> None:
         """Several tokens per batch row (drafts verified by the rejection sampler)."""
         batch = self._bound()
         for row, tokens in zip(rows.tolist(), sampled, strict=True):
@@ -104,6 +108,7 @@ class RequestStates:
             request = batch.requests[row]
             assert request is not None
             request.output_token_ids.extend(tokens)
+            by_row[row] = tokens
 
     def take_new_token_ids(self, state: CachedRequestState, token_ids: list[int]) -> None:
         """An earlier pipeline stage: appends the tokens the last stage sampled, which end

@@ -46,9 +46,10 @@ def test_add_builds_state_with_its_generator_and_eos() -> None:
 
 def test_append_sampled_one_token_per_row() -> None:
     states, batch = _table([5, 6, 7], [8, 9])
-    tokens = states.append_sampled(np.array([0, 1]), np.array([40, 41], dtype=np.int32))
-    assert tokens == [40, 41] and all(type(t) is int for t in tokens)
-    states.append_sampled(np.array([1]), np.array([42], dtype=np.int32))
+    by_row: list[list[int]] = [[], []]
+    states.append_sampled(np.array([0, 1]), np.array([40, 41], dtype=np.int32), by_row)
+    assert by_row == [[40], [41]] and all(type(t[0]) is int for t in by_row)
+    states.append_sampled(np.array([1]), np.array([42], dtype=np.int32), by_row)
     assert states["r0"].output_token_ids == [40]
     assert states["r1"].output_token_ids == [41, 42]
     for req_id in ("r0", "r1"):
@@ -57,7 +58,9 @@ def test_append_sampled_one_token_per_row() -> None:
 
 def test_append_sampled_lists_clips_the_mirror_at_max_model_len() -> None:
     states, batch = _table(list(range(3, 13)))  # 10 of 12 positions
-    states.append_sampled_lists(np.array([0]), [[20, 21, 22]])
+    by_row: list[list[int]] = [[]]
+    states.append_sampled_lists(np.array([0]), [[20, 21, 22]], by_row)
+    assert by_row == [[20, 21, 22]]
     state = states["r0"]
     assert state.output_token_ids == [20, 21, 22]  # the scheduler finishes it
     assert batch.num_tokens[0] == MAX_LEN
@@ -83,8 +86,8 @@ def test_take_new_token_ids_appends_only_the_unknown_tail() -> None:
 def test_truncate_keeps_the_list_object_and_rebuilds_the_row() -> None:
     states, batch = _table([5, 6, 7])
     state = states["r0"]
-    states.append_sampled(np.array([0]), np.array([40], dtype=np.int32))
-    states.append_sampled(np.array([0]), np.array([41], dtype=np.int32))
+    for token in (40, 41):
+        states.append_sampled(np.array([0]), np.array([token], dtype=np.int32), [[]])
     live = state.output_token_ids
     assert not states.truncate(state, 2)
     assert "r0" in batch.req_id_to_index
