@@ -167,7 +167,8 @@ class InputBatch:
 
     def append_token_ids(self, rows: np.ndarray, token_ids: np.ndarray) -> None:
         """Write one sampled token per row at its end; tokens past max_model_len are
-        dropped here (the scheduler finishes such requests)."""
+        dropped here (the scheduler finishes such requests). Only RequestStates calls
+        this and extend_token_ids, so the requests' token lists stay in step."""
         if len(rows) == 1:  # a single stream: scalar indexing, ~10x cheaper than fancy
             row, end = rows[0], self.num_tokens[rows[0]]
             if end < self.max_model_len:
