@@ -3,6 +3,6 @@
 
 from __future__ import annotations
 
-from kvserve.spec_decode.proposer import Proposer, ProposerInputs, create_proposer
+from kvserve.spec_decode.proposer import NoOpProposer, Proposer, ProposerInputs, create_proposer
 
-__all__ = ["Proposer", "ProposerInputs", "create_proposer"]
+__all__ = ["NoOpProposer", "Proposer", "ProposerInputs", "create_proposer"]

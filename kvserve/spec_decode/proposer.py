@@ -75,6 +75,16 @@ class Proposer(ABC):
         """Receives the allocated caches and the runner's attention metadata builders."""
 
 
+class NoOpProposer(Proposer):
+    """The drafter of a runner without speculative_config: no drafts, no model, no state."""
+
+    def __init__(self) -> None:  # nothing to configure
+        self.num_speculative_tokens = 0
+
+    def propose(self, inputs: ProposerInputs) -> list[list[int]]:
+        return [[] for _ in range(len(inputs.rows))]
+
+
 def create_proposer(config: EngineConfig, device: torch.device) -> Proposer | None:
     spec = config.speculative_config
     if spec is None:

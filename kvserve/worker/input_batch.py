@@ -33,7 +33,6 @@ class InputBatch:
     ) -> None:
         self.max_num_reqs = max_num_reqs
         self.max_model_len = max_model_len
-        self.device = device
 
         self.token_ids_cpu_tensor = torch.zeros(
             (max_num_reqs, max_model_len), dtype=torch.int32, pin_memory=pin_memory
@@ -168,7 +167,8 @@ class InputBatch:
 
     def append_token_ids(self, rows: np.ndarray, token_ids: np.ndarray) -> None:
         """Write one sampled token per row at its end; tokens past max_model_len are
-        dropped here (the scheduler finishes such requests)."""
+        dropped here (the scheduler finishes such requests). Only RequestStates calls
+        this and extend_token_ids, so the requests' token lists stay in step."""
         if len(rows) == 1:  # a single stream: scalar indexing, ~10x cheaper than fancy
             row, end = rows[0], self.num_tokens[rows[0]]
             if end < self.max_model_len:
@@ -179,3 +179,10 @@ class InputBatch:
         fits = ends < self.max_model_len
         self.token_ids_cpu[rows[fits], ends[fits]] = token_ids[fits]
         self.num_tokens[rows] = np.minimum(ends + 1, self.max_model_len)
+
+    def extend_token_ids(self, row: int, token_ids: list[int]) -> None:
+        """Write several tokens at one row's end, dropped past max_model_len as above."""
+        start = int(self.num_tokens[row])
+        end = min(start + len(token_ids), self.max_model_len)
+        self.token_ids_cpu[row, start:end] = token_ids[: end - start]
+        self.num_tokens[row] = end

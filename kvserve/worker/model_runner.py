@@ -1,5 +1,11 @@
 """ModelRunner: applies scheduler diffs to the persistent batch, runs the forward pass
-over the paged KV cache and samples (the two-phase execute_model / sample_tokens API)."""
+over the paged KV cache and samples (the two-phase execute_model / sample_tokens API).
+
+Composed, as vLLM's v2 model runner, of components that each own their state: the
+request-state table (the one writer of sampled tokens), the KV connector, spec decode,
+the encoder runner, the logits runner, LoRA and, for a pooling model, the prompt pooler.
+A feature that is off is a no-op component, not a branch.
+"""
 
 from __future__ import annotations
 
@@ -16,6 +22,7 @@ from kvserve import _custom_ops as ops
 from kvserve.attention.backends.abstract import AttentionMetadataBuilder
 from kvserve.attention.layer import Attention, bind_kv_cache, get_attention_layers
 from kvserve.config import EngineConfig
+from kvserve.distributed.kv_transfer.kv_connector.base import KVConnectorBase_V1
 from kvserve.distributed.parallel_state import get_pp_group
 from kvserve.forward_context import set_forward_context
 from kvserve.model_executor.lora.model_manager import LoRAModelManager
@@ -28,20 +35,20 @@ from kvserve.protocol.runner_output import (
     RunnerStepTimes,
     empty_model_runner_output,
 )
-from kvserve.protocol.scheduler_output import GrammarOutput, NewRequestData, SchedulerOutput
+from kvserve.protocol.scheduler_output import GrammarOutput, SchedulerOutput
 from kvserve.sample.sampler import Sampler
 from kvserve.sample.sampling_batch import SamplingBatch
 from kvserve.sample.spec_decode_metadata import SpecDecodeMetadata
-from kvserve.sampling_params import SamplingType
-from kvserve.worker.encoder_runner_mixin import EncoderRunnerMixin
+from kvserve.worker.encoder_runner import make_encoder_runner
 from kvserve.worker.input_batch import InputBatch
 from kvserve.worker.input_preparation import InputPreparer, StepInputs
 from kvserve.worker.kv_cache_specs import make_kv_cache_spec, zeroed_tensor
-from kvserve.worker.kv_connector_model_runner_mixin import KVConnectorModelRunnerMixin
-from kvserve.worker.logits_runner_mixin import LogitsRunnerMixin
+from kvserve.worker.kv_connector import NO_OP_KV_CONNECTOR, KVConnector, get_kv_connector
+from kvserve.worker.logits_runner import LogitsRunner
+from kvserve.worker.lora_runner import ActiveLoRARunner, LoRARunner
 from kvserve.worker.prompt_pooler import PromptPooler
-from kvserve.worker.request_state import CachedRequestState
-from kvserve.worker.spec_decode_runner import SpecDecodeModelRunnerMixin
+from kvserve.worker.request_states import KeepsRequestState, RequestStates
+from kvserve.worker.spec_decode_runner import make_spec_decode_runner
 from kvserve.worker.thread_governor import StepThreadGovernor
 
 logger = logging.getLogger(__name__)
@@ -56,8 +63,8 @@ class ExecuteModelState:
     logits: torch.Tensor | None  # [S, V]: one row per sampling row
     # Kept only when some request wants prompt logprobs in this step.
     hidden_states: torch.Tensor | None
-    # The KV connector's report for this step (None without a connector).
-    kv_connector_output: KVConnectorOutput | None = None
+    # The KV connector's report for this step (empty without a connector).
+    kv_connector_output: KVConnectorOutput = dataclasses.field(default_factory=KVConnectorOutput)
     # Pooling runner: the vectors of the prompts that completed in this step.
     pooler_output: dict[str, list[float]] = dataclasses.field(default_factory=dict)
     # Seconds before the forward (state update, inputs, attention metadata) and in it.
@@ -67,9 +74,7 @@ class ExecuteModelState:
     spec_metadata: SpecDecodeMetadata | None = None
 
 
-class ModelRunner(
-    KVConnectorModelRunnerMixin, SpecDecodeModelRunnerMixin, EncoderRunnerMixin, LogitsRunnerMixin
-):
+class ModelRunner:
     def __init__(self, config: EngineConfig, device: torch.device | str) -> None:
         self.config = config
         self.device = torch.device(device)
@@ -84,7 +89,6 @@ class ModelRunner(
             torch, config.cache_config.kv_dtype(model_config.dtype)
         )
         eos_ids = model_config.arch.eos_token_ids
-        self.eos_token_id: int | None = eos_ids[0] if eos_ids else None
         self.pin_memory = self.device.type == "cuda" and torch.cuda.is_available()
         # Pipeline parallelism: only the last stage computes logits and samples; the
         # others learn the sampled tokens from the scheduler (CachedRequestData).
@@ -93,7 +97,7 @@ class ModelRunner(
         self.thread_governor.enabled &= self.device.type == "cpu"
 
         self.model: Any = None
-        self.requests: dict[str, CachedRequestState] = {}
+        self.requests = RequestStates(self.device, eos_ids[0] if eos_ids else None)
         self.input_batch: InputBatch | None = None
         self.kv_caches: dict[str, torch.Tensor] = {}
         self.attn_builders: list[AttentionMetadataBuilder] = []
@@ -102,6 +106,7 @@ class ModelRunner(
             self.max_num_reqs, self.max_num_tokens, self.device, self.pin_memory
         )
         self.sampler = Sampler()
+        self.logits_runner = LogitsRunner(self.vocab_size)
         # The pooling runner returns vectors instead of sampling (None: generate).
         self.prompt_pooler = (
             PromptPooler(model_config.pooler_config)
@@ -109,12 +114,26 @@ class ModelRunner(
             else None
         )
         self.execute_model_state: ExecuteModelState | None = None
-        # The proposer (None without speculative_config) and the RejectionSampler.
-        self.init_spec_decode()
+        # The proposer and the RejectionSampler (a no-op without speculative_config).
+        self.spec_decode = make_spec_decode_runner(config, self.device)
+        self.drafter = self.spec_decode.drafter
         # enable_lora: the adapters' slots and the wrapped projections (after load_model).
-        self.lora_manager: LoRAModelManager | None = None
+        self.lora_runner = LoRARunner()
         # Multimodal models: the encoder cache and the merge of image embeddings.
-        self.init_encoder_runner(config)
+        self.encoder_runner = make_encoder_runner(config, self.device)
+        # Set with the KV caches (initialize_kv_cache); the no-op one until then.
+        self.kv_connector_runner: KVConnector = NO_OP_KV_CONNECTOR
+        # Everything that keeps per-request state forgets finished requests through this.
+        self._request_owners: list[KeepsRequestState] = [
+            owner
+            for owner in (self.requests, self.drafter, self.prompt_pooler)
+            if owner is not None
+        ]
+
+    @property
+    def kv_connector(self) -> KVConnectorBase_V1 | None:
+        """The worker-side connector (None: no KV transfer configured)."""
+        return self.kv_connector_runner.connector
 
     # ---- setup ---------------------------------------------------------------------------
 
@@ -134,10 +153,11 @@ class ModelRunner(
         self.model = get_model(mc.resolved, arch, self.device, self.dtype, quantization)
         if self.config.cache_config.attention_sinks:
             self._enable_attention_sinks()
-        if self.drafter is not None:
-            self.drafter.load_model()
+        self.drafter.load_model()
+        self.encoder_runner.set_model(self.model)
         if self.config.lora_config is not None:
-            self.lora_manager = LoRAModelManager(self.model, self.config.lora_config)
+            manager = LoRAModelManager(self.model, self.config.lora_config)
+            self.lora_runner = ActiveLoRARunner(manager)
 
     def _enable_attention_sinks(self) -> None:
         """StreamingLLM: every full-attention layer sees the sink tokens plus a window."""
@@ -154,9 +174,8 @@ class ModelRunner(
         if self.model is None:
             raise RuntimeError("load_model() must run first")
         layers = get_attention_layers(self.model)
-        if self.drafter is not None:
-            # A draft model's layers get their own KV cache in the same blocks.
-            layers.update(self.drafter.attention_layers())
+        # A draft model's layers get their own KV cache in the same blocks.
+        layers.update(self.drafter.attention_layers())
         return layers
 
     def get_kv_cache_spec(self) -> dict[str, KVCacheSpec]:
@@ -204,9 +223,8 @@ class ModelRunner(
             backend = layers[local[0]].backend
             self.attn_builders.append(backend.get_builder_cls()(spec.block_size, self.device))
         bind_kv_cache(self.model, self.kv_caches)
-        if self.drafter is not None:
-            self.drafter.bind_kv_cache(self.kv_caches, self.attn_builders, self.layer_to_group)
-        self.init_kv_connector(self.config, kv_cache_config, self.kv_caches)
+        self.drafter.bind_kv_cache(self.kv_caches, self.attn_builders, self.layer_to_group)
+        self.kv_connector_runner = get_kv_connector(self.config, kv_cache_config, self.kv_caches)
         self.input_batch = InputBatch(
             max_num_reqs=self.max_num_reqs,
             max_model_len=self.max_model_len,
@@ -216,51 +234,31 @@ class ModelRunner(
             sampling_batch=SamplingBatch(self.max_num_reqs, self.vocab_size, self.device),
             pin_memory=self.pin_memory,
         )
+        self.requests.bind_batch(self.input_batch)
+
+    def shutdown(self) -> None:
+        self.encoder_runner.shutdown()
+        self.kv_connector_runner.shutdown()
 
     # ---- per step: state ------------------------------------------------------------------
-
-    def _new_request_state(self, new: NewRequestData) -> CachedRequestState:
-        params = new.sampling_params
-        generator = None
-        if params.sampling_type == SamplingType.RANDOM_SEED and params.seed is not None:
-            generator = torch.Generator(device=self.device)
-            generator.manual_seed(params.seed)
-        return CachedRequestState(
-            req_id=new.req_id,
-            prompt_token_ids=list(new.prompt_token_ids),
-            sampling_params=params,
-            generator=generator,
-            block_ids=tuple(list(ids) for ids in new.block_ids),
-            num_computed_tokens=new.num_computed_tokens,
-            output_token_ids=list(new.output_token_ids),
-            eos_token_id=self.eos_token_id,
-            pooling_params=new.pooling_params,
-            lora_request=new.lora_request,
-            mm_features=list(new.mm_features),
-        )
 
     def _update_states(self, scheduler_output: SchedulerOutput) -> None:
         batch = self.input_batch
         if batch is None:
             raise RuntimeError("initialize_kv_cache() must run before execute_model()")
-        for req_id in scheduler_output.finished_req_ids:
-            self.requests.pop(req_id, None)
-            batch.remove_request(req_id)
-        if self.drafter is not None and scheduler_output.finished_req_ids:
-            self.drafter.remove_requests(scheduler_output.finished_req_ids)
-            if self.prompt_pooler is not None:
-                self.prompt_pooler.forget(req_id)
+        finished = scheduler_output.finished_req_ids
+        if finished:
+            for owner in self._request_owners:
+                owner.remove_requests(finished)
         # Preempted and otherwise unscheduled requests leave the batch but keep their state.
         scheduled = scheduler_output.num_scheduled_tokens
         for req_id in [r for r in batch.req_id_to_index if r not in scheduled]:
             batch.remove_request(req_id)
 
-        to_add: list[CachedRequestState] = []
+        to_add = []
         for new in scheduler_output.scheduled_new_reqs:
             batch.remove_request(new.req_id)  # a re-sent request replaces the old state
-            state = self._new_request_state(new)
-            self.requests[new.req_id] = state
-            to_add.append(state)
+            to_add.append(self.requests.add(new))
 
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
@@ -273,17 +271,12 @@ class ModelRunner(
             elif new_block_ids is not None:
                 for ids, new_ids in zip(state.block_ids, new_block_ids, strict=True):
                     ids.extend(new_ids)
-            row = batch.req_id_to_index.get(req_id)
-            num_output = cached.num_output_tokens[i]
             if not self.is_last_stage:
-                row = self._take_new_token_ids(state, cached.new_token_ids[i], row)
-            if len(state.output_token_ids) > num_output:
-                # The scheduler dropped a token sampled over KV whose load failed: forget
-                # it and rebuild the row from the state (del keeps the shared list object).
-                del state.output_token_ids[num_output:]
-                if row is not None:
-                    batch.remove_request(req_id)
-                    row = None
+                self.requests.take_new_token_ids(state, cached.new_token_ids[i])
+            if len(state.output_token_ids) > cached.num_output_tokens[i]:
+                # The scheduler dropped a token sampled over KV whose load failed.
+                self.requests.truncate(state, cached.num_output_tokens[i])
+            row = batch.req_id_to_index.get(req_id)
             if row is None:
                 to_add.append(state)
                 continue
@@ -296,25 +289,7 @@ class ModelRunner(
         for state in to_add:
             batch.add_request(state)
         batch.condense()
-        self.write_spec_tokens(scheduler_output)
-
-    def _take_new_token_ids(
-        self, state: CachedRequestState, token_ids: list[int], row: int | None
-    ) -> int | None:
-        """An earlier pipeline stage: appends the tokens the last stage sampled, which
-        end the step's scheduled tokens (vLLM's rule); returns the request's row."""
-        num_new = state.num_computed_tokens + len(token_ids) - state.num_tokens
-        if num_new <= 0:
-            return row
-        new = token_ids[-num_new:]
-        state.output_token_ids.extend(new)
-        if row is not None:
-            batch = self.input_batch
-            assert batch is not None
-            rows = np.array([row])
-            for token in new:
-                batch.append_token_ids(rows, np.array([token], dtype=np.int32))
-        return row
+        self.spec_decode.write_spec_tokens(batch, scheduler_output)
 
     # ---- per step: forward ----------------------------------------------------------------
 
@@ -327,53 +302,39 @@ class ModelRunner(
             return per_group[0]
         return {name: per_group[g] for name, g in self.layer_to_group.items()}
 
-    def _wants_prompt_logprobs(self) -> bool:
-        assert self.input_batch is not None
-        return any(
-            s is not None and s.num_prompt_logprobs is not None for s in self.input_batch.requests
-        )
-
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> None:
         start = time.perf_counter()
         self._update_states(scheduler_output)
-        if self.is_multimodal:
-            self.execute_mm_encoder(scheduler_output)
-        assert self.input_batch is not None
-        if scheduler_output.total_num_scheduled_tokens == 0 or self.input_batch.num_reqs == 0:
+        self.encoder_runner.execute_mm_encoder(scheduler_output, self.requests)
+        batch = self.input_batch
+        assert batch is not None
+        if scheduler_output.total_num_scheduled_tokens == 0 or batch.num_reqs == 0:
             # Connector transfers still progress (and get reported) in a step without tokens.
-            kv_output = (
-                self.kv_connector_no_forward(scheduler_output) if self.kv_connector else None
-            )
+            kv_output = self.kv_connector_runner.no_forward(scheduler_output)
             self.execute_model_state = ExecuteModelState(
                 scheduler_output, None, None, None, kv_output
             )
             return
         inputs = self.inputs.prepare(
-            self.input_batch,
+            batch,
             scheduler_output.num_scheduled_tokens,
             scheduler_output.total_num_scheduled_tokens,
             ()
             if self.config.model_config.disable_cascade_attn
             else scheduler_output.num_common_prefix_blocks,
         )
-        spec_metadata = self.spec_decode_metadata(scheduler_output, inputs)
-        self.split_spec_rows(scheduler_output, inputs)
+        spec_metadata = self.spec_decode.spec_decode_metadata(batch, scheduler_output, inputs)
+        self.spec_decode.split_spec_rows(batch, scheduler_output, inputs)
         attn_metadata = self._build_attn_metadata(inputs)
-        mm_kwargs: dict[str, Any] = {}
-        if self.is_multimodal:
-            self.add_mm_bidirectional_masks(inputs, attn_metadata)
-            mm_kwargs["inputs_embeds"] = self.mm_inputs_embeds(inputs)
-        if self.lora_manager is not None:
-            rows = self.input_batch.requests[: self.input_batch.num_reqs]
-            self.lora_manager.set_active_loras(
-                [None if r is None else r.lora_request for r in rows], inputs.num_scheduled_tokens
-            )
+        mm_kwargs = self.encoder_runner.model_kwargs(batch, inputs, attn_metadata)
+        self.lora_runner.set_active_loras(batch, inputs.num_scheduled_tokens)
         forward_start = time.perf_counter()
         self.thread_governor.begin(scheduler_output.total_num_scheduled_tokens)
+        kv_connector = self.kv_connector_runner
         with (
-            set_forward_context(attn_metadata, kv_connector=self.kv_connector),
-            self.kv_connector_step(scheduler_output) as kv_output,
+            set_forward_context(attn_metadata, kv_connector=kv_connector.connector),
+            kv_connector.step(scheduler_output) as kv_output,
         ):
             hidden_states = self.model(inputs.input_ids, inputs.positions, **mm_kwargs)
         logits = None
@@ -382,7 +343,7 @@ class ModelRunner(
         if not self.is_last_stage:
             pass  # an earlier pipeline stage: its output went to the next stage
         elif self.prompt_pooler is not None:
-            pooler_output = self.prompt_pooler.pool_step(hidden_states, self.input_batch, inputs)
+            pooler_output = self.prompt_pooler.pool_step(hidden_states, batch, inputs)
         elif spec_metadata is not None:
             logits = self.model.compute_logits(hidden_states[spec_metadata.logits_indices])
         elif num_sample == scheduler_output.total_num_scheduled_tokens:
@@ -398,14 +359,16 @@ class ModelRunner(
         forward_end = time.perf_counter()
         self.thread_governor.end()
         keep_hidden = (
-            hidden_states if self.is_last_stage and self._wants_prompt_logprobs() else None
+            hidden_states
+            if self.is_last_stage and self.logits_runner.wants_prompt_logprobs(batch)
+            else None
         )
         self.execute_model_state = ExecuteModelState(
             scheduler_output,
             inputs,
             logits,
             keep_hidden,
-            kv_output if self.kv_connector else None,
+            kv_output,
             pooler_output=pooler_output,
             prepare_time=forward_start - start,
             forward_time=forward_end - forward_start,
@@ -438,56 +401,63 @@ class ModelRunner(
         logprobs_row_starts: list[int] | None = None
         # Tokens with KV before this step (the proposer's drafter catches up from there).
         num_computed_before = batch.num_computed_tokens_cpu.copy()
+        logits_runner = self.logits_runner
         if state.spec_metadata is not None and state.logits is not None:
             if grammar_output is not None:
-                self._apply_grammar_bitmask(
-                    state.logits, sample_rows, grammar_output, state.spec_metadata.cu_num_logits
+                logits_runner.apply_grammar_bitmask(
+                    batch,
+                    state.logits,
+                    sample_rows,
+                    grammar_output,
+                    state.spec_metadata.cu_num_logits,
                 )
-            spec_out = self.rejection_sampler(
+            spec_out = self.spec_decode.verify(
                 state.spec_metadata,
-                None,
                 state.logits,
                 sample_rows,
                 lambda rows: batch.sampling_batch.make_sampling_metadata(
                     num_reqs, torch.from_numpy(rows)
                 ),
             )
-            self.append_sampled_tokens(sample_rows, spec_out.sampled_token_ids)
-            for row, tokens in zip(sample_rows.tolist(), spec_out.sampled_token_ids, strict=True):
-                sampled_token_ids[row] = tokens
+            self.requests.append_sampled_lists(
+                sample_rows, spec_out.sampled_token_ids, sampled_token_ids
+            )
             if spec_out.logprobs_tensors is not None:
                 logprobs = spec_out.logprobs_tensors.tolists()
-                logprobs_row_starts = self.logprobs_row_starts(
+                logprobs_row_starts = self.spec_decode.logprobs_row_starts(
                     sample_rows, spec_out.sampled_token_ids, num_reqs
                 )
         elif state.logits is not None:
             rows = None if len(sample_rows) == num_reqs else torch.from_numpy(sample_rows)
             metadata = batch.sampling_batch.make_sampling_metadata(num_reqs, rows)
             if grammar_output is not None:
-                self._apply_grammar_bitmask(state.logits, sample_rows, grammar_output)
+                logits_runner.apply_grammar_bitmask(
+                    batch, state.logits, sample_rows, grammar_output
+                )
             out = self.sampler(state.logits, metadata)
             sampled = out.sampled_token_ids
             tokens = (sampled if sampled.is_cpu else sampled.cpu()).numpy()
-            batch.append_token_ids(sample_rows, tokens.astype(np.int32))
-            for row, token in zip(sample_rows.tolist(), tokens.tolist(), strict=True):
-                sampled_token_ids[row] = [token]
-                request = batch.requests[row]
-                assert request is not None
-                request.output_token_ids.append(token)
+            self.requests.append_sampled(sample_rows, tokens.astype(np.int32), sampled_token_ids)
             if out.logprobs_tensors is not None:
-                logprobs = self._logprobs_by_row(out.logprobs_tensors, sample_rows, num_reqs)
+                logprobs = logits_runner.logprobs_by_row(
+                    out.logprobs_tensors, sample_rows, num_reqs
+                )
 
         output = ModelRunnerOutput(
             req_ids=req_ids,
             req_id_to_index=dict(batch.req_id_to_index),
             sampled_token_ids=sampled_token_ids,
             logprobs=logprobs,
-            prompt_logprobs_dict=self._prompt_logprobs(state),
+            prompt_logprobs_dict=logits_runner.prompt_logprobs(
+                batch, inputs, state.hidden_states, self.model
+            ),
             logprobs_row_starts=logprobs_row_starts,
-            spec_token_ids=self.propose_draft_token_ids(sample_rows, num_computed_before),
+            spec_token_ids=self.spec_decode.propose_draft_token_ids(
+                batch, sample_rows, num_computed_before
+            ),
             pooler_output=state.pooler_output,
         )
-        output.encoder_stats = self.take_encoder_stats()
+        output.encoder_stats = self.encoder_runner.take_encoder_stats()
         output.step_times = RunnerStepTimes(
             state.prepare_time, state.forward_time, time.perf_counter() - start
         )
@@ -495,6 +465,6 @@ class ModelRunner(
         return output
 
 
-def _reported(kv_output: KVConnectorOutput | None) -> KVConnectorOutput | None:
+def _reported(kv_output: KVConnectorOutput) -> KVConnectorOutput | None:
     """The connector's report, or None when it has nothing to say (most steps)."""
-    return None if kv_output is None or kv_output.is_empty() else kv_output
+    return None if kv_output.is_empty() else kv_output

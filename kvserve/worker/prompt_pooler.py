@@ -17,8 +17,13 @@ class PromptPooler:
         # req_id -> the pooling method's state after the chunks computed so far.
         self._states: dict[str, torch.Tensor] = {}
 
-    def forget(self, req_id: str) -> None:
-        self._states.pop(req_id, None)
+    def remove_requests(self, req_ids: set[str]) -> None:
+        for req_id in req_ids:
+            self._states.pop(req_id, None)
+
+    def pending_req_ids(self) -> set[str]:
+        """Requests with a partly folded prompt."""
+        return set(self._states)
 
     def pool_step(
         self, hidden_states: torch.Tensor, batch: InputBatch, inputs: StepInputs

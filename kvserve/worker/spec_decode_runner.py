@@ -1,10 +1,14 @@
-"""The model runner's side of speculative decoding.
+"""The model runner's side of speculative decoding, as a component it holds.
 
 Each step the scheduled drafts are written into the persistent batch's token rows right
 after the request's known tokens (they are not counted in ``num_tokens``), so the normal
 input preparation feeds them to the model. A sampling row with n drafts then needs the
 logits of its last n + 1 tokens, which the RejectionSampler verifies. After sampling, the
 proposer drafts the next step's tokens from the batch as it now stands.
+
+``SpecDecodeRunner`` without a proposer is the no-op form (a NoOpProposer as its drafter,
+no drafts are ever scheduled, so verification never runs); ``DraftingSpecDecodeRunner``
+adds the proposer.
 """
 
 from __future__ import annotations
@@ -15,9 +19,13 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from kvserve.sample.rejection_sampler import RejectionSampler
+from kvserve.sample.rejection_sampler import (
+    MetadataFactory,
+    RejectionSampler,
+    RejectionSamplerOutput,
+)
 from kvserve.sample.spec_decode_metadata import SpecDecodeMetadata
-from kvserve.spec_decode import Proposer, ProposerInputs, create_proposer
+from kvserve.spec_decode import NoOpProposer, Proposer, ProposerInputs, create_proposer
 
 if TYPE_CHECKING:
     from kvserve.config import EngineConfig
@@ -26,39 +34,47 @@ if TYPE_CHECKING:
     from kvserve.worker.input_preparation import StepInputs
 
 
-class SpecDecodeModelRunnerMixin:
-    config: EngineConfig
-    device: torch.device
-    input_batch: InputBatch | None
+class SpecDecodeRunner:
+    """Verifies scheduled drafts; proposes none (the form without speculative_config)."""
 
-    def init_spec_decode(self) -> None:
-        self.drafter: Proposer | None = create_proposer(self.config, self.device)
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
         self.rejection_sampler = RejectionSampler()
+        # The runner calls its hooks (load_model, attention_layers, bind_kv_cache,
+        # remove_requests) directly; this form's are no-ops.
+        self.drafter: Proposer = NoOpProposer()
 
-    def write_spec_tokens(self, scheduler_output: SchedulerOutput) -> None:
+    def propose_draft_token_ids(
+        self, batch: InputBatch, sample_rows: np.ndarray, num_computed_before: np.ndarray
+    ) -> list[list[int]] | None:
+        """The next step's drafts, one list per batch row (None: no proposer)."""
+        return None
+
+    # Verification of the step's drafts.
+
+    @staticmethod
+    def write_spec_tokens(batch: InputBatch, scheduler_output: SchedulerOutput) -> None:
         """Puts each scheduled request's drafts after its known tokens in the batch."""
-        batch = self.input_batch
-        assert batch is not None
         for req_id, draft in scheduler_output.scheduled_spec_decode_tokens.items():
             row = batch.req_id_to_index[req_id]
             start = int(batch.num_tokens[row])
             batch.token_ids_cpu[row, start : start + len(draft)] = draft
 
     def spec_decode_metadata(
-        self, scheduler_output: SchedulerOutput, inputs: StepInputs
+        self, batch: InputBatch, scheduler_output: SchedulerOutput, inputs: StepInputs
     ) -> SpecDecodeMetadata | None:
         """Where the drafts' logits are, or None for a step without drafts."""
         spec_tokens = scheduler_output.scheduled_spec_decode_tokens
         if not spec_tokens:
             return None
-        batch = self.input_batch
-        assert batch is not None
         req_ids = batch.req_ids
         drafts = [spec_tokens.get(req_ids[row], []) for row in inputs.sample_rows.tolist()]
         last = inputs.query_start_loc_np[inputs.sample_rows + 1] - 1
         return SpecDecodeMetadata.make(drafts, last, self.device)
 
-    def split_spec_rows(self, scheduler_output: SchedulerOutput, inputs: StepInputs) -> None:
+    def split_spec_rows(
+        self, batch: InputBatch, scheduler_output: SchedulerOutput, inputs: StepInputs
+    ) -> None:
         """Attention sees each token of a row with drafts as its own one-token query.
 
         Token j of such a row attends to the row's first computed + j + 1 positions, which
@@ -69,8 +85,6 @@ class SpecDecodeModelRunnerMixin:
         spec_tokens = scheduler_output.scheduled_spec_decode_tokens
         if not spec_tokens:
             return
-        batch = self.input_batch
-        assert batch is not None
         num_reqs = batch.num_reqs
         is_spec = np.fromiter((r in spec_tokens for r in batch.req_ids), dtype=bool, count=num_reqs)
         q_lens = inputs.num_scheduled_tokens.astype(np.int64)
@@ -103,19 +117,15 @@ class SpecDecodeModelRunnerMixin:
             for common in inputs.common_attn_metadata
         ]
 
-    def append_sampled_tokens(self, sample_rows: np.ndarray, sampled: list[list[int]]) -> None:
-        """Writes each sampling row's tokens (one or several) after its known tokens and
-        into its live output list."""
-        batch = self.input_batch
-        assert batch is not None
-        for row, tokens in zip(sample_rows.tolist(), sampled, strict=True):
-            start = int(batch.num_tokens[row])
-            end = min(start + len(tokens), batch.max_model_len)
-            batch.token_ids_cpu[row, start:end] = tokens[: end - start]
-            batch.num_tokens[row] = end
-            request = batch.requests[row]
-            assert request is not None
-            request.output_token_ids.extend(tokens)
+    def verify(
+        self,
+        metadata: SpecDecodeMetadata,
+        logits: torch.Tensor,
+        sample_rows: np.ndarray,
+        make_sampling_metadata: MetadataFactory,
+    ) -> RejectionSamplerOutput:
+        """The accepted drafts plus one token per sampling row, and their logprobs."""
+        return self.rejection_sampler(metadata, None, logits, sample_rows, make_sampling_metadata)
 
     @staticmethod
     def logprobs_row_starts(
@@ -129,14 +139,17 @@ class SpecDecodeModelRunnerMixin:
             offset += len(tokens)
         return starts
 
+
+class DraftingSpecDecodeRunner(SpecDecodeRunner):
+    """With a proposer: drafts after each step."""
+
+    def __init__(self, device: torch.device, drafter: Proposer) -> None:
+        super().__init__(device)
+        self.drafter = drafter
+
     def propose_draft_token_ids(
-        self, sample_rows: np.ndarray, num_computed_before: np.ndarray
+        self, batch: InputBatch, sample_rows: np.ndarray, num_computed_before: np.ndarray
     ) -> list[list[int]] | None:
-        """The next step's drafts, one list per batch row (None without a proposer)."""
-        if self.drafter is None:
-            return None
-        batch = self.input_batch
-        assert batch is not None
         drafts: list[list[int]] = [[] for _ in range(batch.num_reqs)]
         if not len(sample_rows):
             return drafts
@@ -152,3 +165,10 @@ class SpecDecodeModelRunnerMixin:
         for row, draft in zip(sample_rows.tolist(), self.drafter.propose(inputs), strict=True):
             drafts[row] = draft
         return drafts
+
+
+def make_spec_decode_runner(config: EngineConfig, device: torch.device) -> SpecDecodeRunner:
+    drafter = create_proposer(config, device)
+    if drafter is None:
+        return SpecDecodeRunner(device)
+    return DraftingSpecDecodeRunner(device, drafter)

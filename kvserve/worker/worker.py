@@ -82,8 +82,7 @@ class Worker(WorkerBase):
         return self.model_runner.sample_tokens(grammar_output)
 
     def get_kv_connector_handshake_metadata(self) -> dict[str, str] | None:
-        connector = self.model_runner.kv_connector
-        return None if connector is None else connector.get_handshake_metadata()
+        return self.model_runner.kv_connector_runner.get_handshake_metadata()
 
     def check_health(self) -> None:
         if self._model_runner is None or self._model_runner.model is None:
@@ -91,8 +90,7 @@ class Worker(WorkerBase):
 
     def shutdown(self) -> None:
         if self._model_runner is not None:
-            self._model_runner.shutdown_encoder_runner()
-            self._model_runner.shutdown_kv_connector()
+            self._model_runner.shutdown()
         self._model_runner = None
         if self.config.parallel_config.world_size > 1:
             destroy_distributed_environment()

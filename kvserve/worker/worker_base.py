@@ -22,7 +22,6 @@ class WorkerBase(ABC):
         self.rank = rank
         self.local_rank = local_rank
         self.distributed_init_method = distributed_init_method
-        self.is_driver_worker = rank == 0
 
     @abstractmethod
     def init_device(self) -> None:

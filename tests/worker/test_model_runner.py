@@ -13,6 +13,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from kvserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from kvserve.pooling_params import PoolerConfig
 from kvserve.protocol.kv_cache_interface import build_kv_cache_config
 from kvserve.protocol.runner_output import ModelRunnerOutput
 from kvserve.protocol.scheduler_output import (
@@ -142,9 +143,9 @@ DEVICES = [
 ]
 
 
-def _make_runner(path: Path, device: str = "cpu") -> ModelRunner:
+def _make_runner(path: Path, device: str = "cpu", **model_kwargs: Any) -> ModelRunner:
     config = EngineConfig(
-        ModelConfig(model=str(path)),
+        ModelConfig(model=str(path), **model_kwargs),
         CacheConfig(block_size=BLOCK_SIZE, num_blocks_override=64),
         SchedulerConfig(),
     )
@@ -258,6 +259,28 @@ def test_empty_step_and_seeded_sampling(tiny: tuple[Path, LlamaForCausalLM]) -> 
     for _ in range(5):
         sched.decode(["whole"])
     assert sched.reqs["whole"].outputs == first
+
+
+def test_aborted_pooling_requests_leave_no_pooler_state(
+    tiny: tuple[Path, LlamaForCausalLM],
+) -> None:
+    """Two pooling prompts aborted mid-prompt (no drafter configured): the pooler forgets
+    both partial folds, not only the last one and not only when a drafter exists."""
+    path, _ = tiny
+    runner = _make_runner(path, runner="pooling", pooler_config=PoolerConfig("MEAN"))
+    assert runner.prompt_pooler is not None
+    sched = HandScheduler(runner)
+    for req_id in ("p", "q"):
+        sched.reqs[req_id] = ReqTrack(list(range(3, 13)), SamplingParams(temperature=0.0))
+    out = sched.step({"p": 4, "q": 4})
+    assert out.pooler_output == {}
+    assert runner.prompt_pooler.pending_req_ids() == {"p", "q"}
+    runner.execute_model(
+        SchedulerOutput([], CachedRequestData(), {}, 0, finished_req_ids={"p", "q"})
+    )
+    runner.sample_tokens()
+    assert "p" not in runner.requests and "q" not in runner.requests
+    assert runner.prompt_pooler.pending_req_ids() == set()
 
 
 def test_default_model_weights_and_kv_cache_sit_on_huge_pages(llm: Any) -> None:

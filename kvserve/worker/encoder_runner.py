@@ -1,4 +1,6 @@
-"""The model runner's side of multimodal models (vLLM's encoder cache and embedding merge).
+"""The model runner's side of multimodal models (vLLM's encoder cache and embedding merge),
+as a component it holds: ``EncoderRunner`` is the no-op form for a text model,
+``MultiModalEncoderRunner`` the one for a model with a vision tower.
 
 Each step: drop the outputs the scheduler's EncoderCacheManager evicted; encode the items
 it scheduled (or load them through the encoder cache connector), keyed by content hash;
@@ -26,7 +28,7 @@ from kvserve.protocol.runner_output import EncoderRunStats
 from kvserve.protocol.scheduler_output import SchedulerOutput
 from kvserve.worker.input_batch import InputBatch
 from kvserve.worker.input_preparation import StepInputs
-from kvserve.worker.request_state import CachedRequestState
+from kvserve.worker.request_states import RequestStates
 
 logger = logging.getLogger(__name__)
 
@@ -51,23 +53,46 @@ def _block_ids(feature: MultiModalFeatureSpec) -> np.ndarray:
     return np.where(mask, np.cumsum(starts) - 1, -1)
 
 
-class EncoderRunnerMixin:
-    model: Any
-    device: torch.device
-    requests: dict[str, CachedRequestState]
-    input_batch: InputBatch | None
+class EncoderRunner:
+    """A text model: no encoder inputs, the model embeds its own ids."""
 
-    def init_encoder_runner(self, config: EngineConfig) -> None:
-        mm_arch = config.model_config.arch.multimodal
-        self.is_multimodal = mm_arch is not None
-        self.bidirectional_mm = mm_arch is not None and mm_arch.bidirectional_items
+    def set_model(self, model: Any) -> None:
+        pass
+
+    def execute_mm_encoder(
+        self, scheduler_output: SchedulerOutput, requests: RequestStates
+    ) -> None:
+        pass
+
+    def model_kwargs(
+        self, batch: InputBatch, inputs: StepInputs, attn_metadata: Any
+    ) -> dict[str, Any]:
+        """Extra keyword arguments of the step's forward."""
+        return {}
+
+    def take_encoder_stats(self) -> EncoderRunStats | None:
+        return None
+
+    def shutdown(self) -> None:
+        pass
+
+
+class MultiModalEncoderRunner(EncoderRunner):
+    """Owns the encoder cache (content hash -> the item's embeddings), the encoder cache
+    connector and the encoder's counters."""
+
+    def __init__(
+        self, device: torch.device, bidirectional_mm: bool, ec_connector: ECConnector | None
+    ) -> None:
+        self.device = device
+        self.bidirectional_mm = bidirectional_mm
+        self.ec_connector = ec_connector
+        self.model: Any = None
         self.encoder_cache: dict[str, torch.Tensor] = {}
-        ec = config.multimodal_config.ec_transfer_config
-        self.ec_connector: ECConnector | None = None
-        if ec is not None and self.is_multimodal:
-            name = config.model_config.served_model_name or str(config.model_config.model)
-            self.ec_connector = ECConnector(ec, name)
         self._encoder_stats = EncoderRunStats()
+
+    def set_model(self, model: Any) -> None:
+        self.model = model
 
     def _encoder_output(self, feature: MultiModalFeatureSpec, keep: bool = True) -> torch.Tensor:
         """The item's output: cached, loaded (EC connector) or encoded now. ``keep``: cache
@@ -97,26 +122,29 @@ class EncoderRunnerMixin:
             self.encoder_cache[feature.identifier] = out
         return out
 
-    def execute_mm_encoder(self, scheduler_output: SchedulerOutput) -> None:
+    def execute_mm_encoder(
+        self, scheduler_output: SchedulerOutput, requests: RequestStates
+    ) -> None:
         for mm_hash in scheduler_output.free_encoder_mm_hashes:
             self.encoder_cache.pop(mm_hash, None)
         for req_id, input_ids in scheduler_output.scheduled_encoder_inputs.items():
-            state = self.requests[req_id]
+            state = requests[req_id]
             for i in input_ids:
                 self._encoder_output(state.mm_features[i])
 
     def take_encoder_stats(self) -> EncoderRunStats | None:
-        if not self.is_multimodal:
-            return None
         stats, self._encoder_stats = self._encoder_stats, EncoderRunStats()
         return stats
 
-    def mm_inputs_embeds(self, inputs: StepInputs) -> torch.Tensor | None:
-        """The step's input embeddings with the image embeddings merged (None for a text
-        model, or a step without images, which embeds its ids itself)."""
-        batch = self.input_batch
-        if not self.is_multimodal or batch is None:
-            return None
+    def model_kwargs(
+        self, batch: InputBatch, inputs: StepInputs, attn_metadata: Any
+    ) -> dict[str, Any]:
+        self.add_mm_bidirectional_masks(batch, inputs, attn_metadata)
+        return {"inputs_embeds": self.mm_inputs_embeds(batch, inputs)}
+
+    def mm_inputs_embeds(self, batch: InputBatch, inputs: StepInputs) -> torch.Tensor | None:
+        """The step's input embeddings with the image embeddings merged (None for a step
+        without images, which embeds its ids itself)."""
         embeds: torch.Tensor | None = None
         starts = batch.num_computed_tokens_cpu
         for row, state in enumerate(batch.requests[: batch.num_reqs]):
@@ -146,11 +174,12 @@ class EncoderRunnerMixin:
                 )
         return embeds
 
-    def add_mm_bidirectional_masks(self, inputs: StepInputs, attn_metadata: Any) -> None:
+    def add_mm_bidirectional_masks(
+        self, batch: InputBatch, inputs: StepInputs, attn_metadata: Any
+    ) -> None:
         """Image tokens of a prefill chunk may see the later tokens of their own image
         (HF's token_type_ids block mask); set as each chunk's ``extra_visible``."""
-        batch = self.input_batch
-        if not self.bidirectional_mm or batch is None:
+        if not self.bidirectional_mm:
             return
         metadatas = attn_metadata.values() if isinstance(attn_metadata, dict) else [attn_metadata]
         chunks_by_start: dict[int, list[Any]] = {}
@@ -189,6 +218,18 @@ class EncoderRunnerMixin:
             for chunk in chunks:
                 chunk.extra_visible = extra
 
-    def shutdown_encoder_runner(self) -> None:
+    def shutdown(self) -> None:
         if self.ec_connector is not None:
             self.ec_connector.close()
+
+
+def make_encoder_runner(config: EngineConfig, device: torch.device) -> EncoderRunner:
+    mm_arch = config.model_config.arch.multimodal
+    if mm_arch is None:
+        return EncoderRunner()
+    ec = config.multimodal_config.ec_transfer_config
+    ec_connector = None
+    if ec is not None:
+        name = config.model_config.served_model_name or str(config.model_config.model)
+        ec_connector = ECConnector(ec, name)
+    return MultiModalEncoderRunner(device, mm_arch.bidirectional_items, ec_connector)

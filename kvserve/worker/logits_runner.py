@@ -1,9 +1,11 @@
 """What the model runner does with a step's logits besides sampling them: the grammar
-masks of constrained requests, and logprobs (per sampled token and per prompt token)."""
+masks of constrained requests, and logprobs (per sampled token and per prompt token).
+A component the runner holds; it keeps no per-request state (a request's prompt-logprobs
+progress is on its CachedRequestState)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import torch
@@ -15,17 +17,20 @@ from kvserve.structured_output.utils import apply_grammar_bitmask
 
 if TYPE_CHECKING:
     from kvserve.worker.input_batch import InputBatch
-    from kvserve.worker.model_runner import ExecuteModelState
+    from kvserve.worker.input_preparation import StepInputs
 
 
-class LogitsRunnerMixin:
-    # Provided by the ModelRunner.
-    input_batch: InputBatch | None
-    vocab_size: int
-    model: Any
+class ComputesLogits(Protocol):
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor: ...
 
-    def _apply_grammar_bitmask(
-        self,
+
+class LogitsRunner:
+    def __init__(self, vocab_size: int) -> None:
+        self.vocab_size = vocab_size
+
+    @staticmethod
+    def apply_grammar_bitmask(
+        batch: InputBatch,
         logits: torch.Tensor,
         sample_rows: np.ndarray,
         grammar_output: GrammarOutput,
@@ -34,12 +39,11 @@ class LogitsRunnerMixin:
         """Masks the constrained requests' logits rows to the tokens their grammars allow.
         Row i of logits is the request in batch row sample_rows[i], or with drafts in the
         step row first_logits_row[i] (a constrained request has no drafts: one row)."""
-        assert self.input_batch is not None
         starts = range(len(sample_rows)) if first_logits_row is None else first_logits_row.tolist()
         logits_row_of = {
             int(row): int(s) for row, s in zip(sample_rows.tolist(), starts, strict=False)
         }
-        index = self.input_batch.req_id_to_index
+        index = batch.req_id_to_index
         # The scheduler lists exactly the sampling rows; a request missing here is a bug
         # upstream and fails the step (KeyError) rather than sampling unconstrained.
         # A request with drafts has consecutive rows: its positions in order.
@@ -51,7 +55,7 @@ class LogitsRunnerMixin:
         apply_grammar_bitmask(logits, rows, grammar_output.grammar_bitmask)
 
     @staticmethod
-    def _logprobs_by_row(
+    def logprobs_by_row(
         tensors: LogprobsTensors, sample_rows: np.ndarray, num_reqs: int
     ) -> LogprobsLists:
         """Spread the sampling rows' logprobs over all batch rows (others hold zeros)."""
@@ -65,14 +69,22 @@ class LogitsRunnerMixin:
 
         return LogprobsTensors(*(spread(t) for t in tensors)).tolists()
 
-    def _prompt_logprobs(self, state: ExecuteModelState) -> dict[str, LogprobsTensors | None]:
+    @staticmethod
+    def wants_prompt_logprobs(batch: InputBatch) -> bool:
+        return any(s is not None and s.num_prompt_logprobs is not None for s in batch.requests)
+
+    def prompt_logprobs(
+        self,
+        batch: InputBatch,
+        inputs: StepInputs,
+        hidden_states: torch.Tensor | None,
+        model: ComputesLogits,
+    ) -> dict[str, LogprobsTensors | None]:
         """Prompt logprobs of the positions computed this step: the logits at position p
-        score prompt token p+1, so a request's final chunk stops at its last prompt token."""
-        if state.hidden_states is None or state.inputs is None:
+        score prompt token p+1, so a request's final chunk stops at its last prompt token.
+        ``hidden_states``: the step's, kept only when some request asked (None: none)."""
+        if hidden_states is None:
             return {}
-        batch = self.input_batch
-        assert batch is not None
-        inputs = state.inputs
         result: dict[str, LogprobsTensors | None] = {}
         for row, request in enumerate(batch.requests):
             if request is None or request.num_prompt_logprobs is None:
@@ -85,9 +97,9 @@ class LogitsRunnerMixin:
             end = min(start + int(inputs.num_scheduled_tokens[row]), num_prompt - 1)
             if end > start:
                 offset = int(inputs.query_start_loc_np[row])
-                hidden = state.hidden_states[offset : offset + end - start]
+                hidden = hidden_states[offset : offset + end - start]
                 targets = torch.from_numpy(batch.token_ids_cpu[row, start + 1 : end + 1])
-                logits = self.model.compute_logits(hidden)
+                logits = model.compute_logits(hidden)
                 tensors = compute_prompt_logprobs(
                     logits, targets.to(logits.device, torch.int64), num_logprobs
                 )
