@@ -5,7 +5,7 @@ STAMP := $(VENV)/.installed
 MODEL ?= SmolLM2-135M-Instruct
 PYTEST_ARGS ?=
 
-.PHONY: install serve test lint generate clean
+.PHONY: install serve test test-fast lint generate clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -46,6 +46,10 @@ lint: install
 
 test: install lint
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+# The unit and component tests only (the e2e marker: tests/conftest.py), a few minutes.
+test-fast: install lint
+	$(PY) -m pytest -q -m "not e2e" $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -23,6 +24,89 @@ def pytest_configure(config: pytest.Config) -> None:
     # conversion) but never in the real home. Tests of the cache use tmp_path instead.
     if getattr(config, "cache", None) is not None:
         os.environ.setdefault("KVSERVE_HOME", str(config.cache.mkdir("kvserve")))
+
+
+# `make test-fast` runs `pytest -m "not e2e"`: the unit and component tests, in a few
+# minutes on a 2-core machine; `make test` (what CI runs) runs these too. A module is here
+# when, in a full run on a 2-core AMD EPYC (afbfd3b, 34.6 min of pytest), its tests took
+# 5 s or more together and 1 s or more each on average: they start servers, engine-core,
+# worker or peer processes, or run real models end to end. Modules of many cheap tests
+# behind one slower fixture stay in the fast tier. A test marked `slow` is e2e as well.
+# Paths are relative to tests/; a path that no longer exists marks nothing.
+E2E_MODULES = frozenset(
+    {
+        "attention/test_cascade.py",
+        "benchmarks/test_cascade.py",
+        "benchmarks/test_peers.py",
+        "benchmarks/test_soak.py",
+        "benchmarks/test_startup.py",
+        # test_grammar_tracker.py on main (renamed from test_structured_output_mixin.py).
+        "core/sched/test_grammar_tracker.py",
+        "core/sched/test_structured_output_mixin.py",
+        "core/test_hybrid_kv_cache_gemma3.py",
+        "distributed/kv_transfer/test_async_multi_e2e.py",
+        "distributed/kv_transfer/test_hybrid_connectors_gemma3.py",
+        "distributed/kv_transfer/test_p2p_zmq.py",
+        "distributed/kv_transfer/test_p2p_zmq_tp.py",
+        "distributed/kv_transfer/test_shared_storage_e2e.py",
+        "distributed/kv_transfer/test_shared_storage_mla.py",
+        "distributed/kv_transfer/test_shared_storage_tp.py",
+        "distributed/kv_transfer/test_shared_storage_tp_pp.py",
+        "distributed/test_ec_connector.py",
+        "distributed/test_kv_events_engine.py",
+        "distributed/test_parallel_state.py",
+        "engine/test_async_llm.py",
+        "engine/test_core_isolation.py",
+        "engine/test_core_proc.py",
+        "entrypoints/disagg/test_launcher_e2e.py",
+        "entrypoints/disagg/test_proxy_e2e.py",
+        "entrypoints/openai/test_admission.py",
+        "entrypoints/openai/test_auth_and_engine_death.py",
+        "entrypoints/openai/test_bench_serve.py",
+        "entrypoints/openai/test_concurrency.py",
+        "entrypoints/openai/test_schemathesis.py",
+        "entrypoints/openai/test_serve_tensor_parallel.py",
+        "entrypoints/openai/test_serving_embedding.py",
+        "entrypoints/openai/test_serving_lora.py",
+        "entrypoints/openai/test_serving_multimodal.py",
+        "entrypoints/openai/test_serving_responses.py",
+        "entrypoints/openai/test_spec_decode_serving.py",
+        "entrypoints/openai/test_structured_outputs.py",
+        "entrypoints/router/test_router_e2e.py",
+        "entrypoints/test_cli.py",
+        "entrypoints/test_llm_correctness.py",
+        "entrypoints/test_llm_logprobs.py",
+        "entrypoints/test_llm_sampling.py",
+        "entrypoints/web/test_pages_in_chromium.py",
+        "executor/test_multiproc_executor.py",
+        "executor/test_ray_executor.py",
+        "executor/test_serial_utils.py",
+        "executor/test_tensor_parallel_families.py",
+        "executor/test_tensor_parallel_smollm2.py",
+        "kvcache/test_cache_server.py",
+        "kvcache/test_faults.py",
+        "kvcache/test_tiered_connector_e2e.py",
+        "kvcache/test_tiered_connector_pp.py",
+        "kvcache/test_tiered_connector_tp.py",
+        "kvcache/test_tiered_metrics_serving.py",
+        "model_executor/models/test_registry.py",
+        "model_executor/test_gemma3.py",
+        "model_executor/test_gguf_loader.py",
+        "model_executor/test_gguf_repack.py",
+        "spec_decode/test_spec_decode_greedy.py",
+        "structured_output/test_constrained_generation.py",
+        "worker/test_attention_sinks.py",
+        "worker/test_thread_governor.py",
+    }
+)
+_TESTS_ROOT = Path(__file__).parent
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        module = item.path.relative_to(_TESTS_ROOT).as_posix()
+        if module in E2E_MODULES or item.get_closest_marker("slow") is not None:
+            item.add_marker(pytest.mark.e2e)
 
 
 # Small enough that several engines fit in memory side by side during the suite.
