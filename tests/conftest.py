@@ -40,9 +40,7 @@ E2E_MODULES = frozenset(
         "benchmarks/test_peers.py",
         "benchmarks/test_soak.py",
         "benchmarks/test_startup.py",
-        # test_grammar_tracker.py on main (renamed from test_structured_output_mixin.py).
         "core/sched/test_grammar_tracker.py",
-        "core/sched/test_structured_output_mixin.py",
         "core/test_hybrid_kv_cache_gemma3.py",
         "distributed/kv_transfer/test_async_multi_e2e.py",
         "distributed/kv_transfer/test_hybrid_connectors_gemma3.py",
