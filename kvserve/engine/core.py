@@ -5,8 +5,7 @@ from __future__ import annotations
 import gc
 import logging
 import time
-from collections.abc import Callable
-from typing import Any, cast
+from typing import cast
 
 import msgspec
 
@@ -299,16 +298,6 @@ class EngineCore:
         reset = self.scheduler.reset_prefix_cache()
         self._publish_kv_events()
         return reset
-
-    def collective_rpc(
-        self,
-        method: str | Callable[..., Any],
-        timeout: float | None = None,
-        args: tuple[Any, ...] = (),
-        kwargs: dict[str, Any] | None = None,
-    ) -> list[Any]:
-        """Runs ``method`` on every worker (Executor.collective_rpc), between steps."""
-        return self.model_executor.collective_rpc(method, timeout, args, kwargs)
 
     def shutdown(self) -> None:
         self.scheduler.shutdown()

@@ -128,7 +128,9 @@ class LLMEngine:
                 "collective_rpc needs the engine core in this process "
                 "(LLM(..., multiprocess_mode=False), the default)"
             )
-        return list(self.engine_core.collective_rpc(method, timeout, args, kwargs))
+        # Between steps: this thread runs both the steps and this call.
+        executor = self.engine_core.engine_core.model_executor
+        return list(executor.collective_rpc(method, timeout, args, kwargs))
 
     def shutdown(self) -> None:
         self.engine_core.shutdown()

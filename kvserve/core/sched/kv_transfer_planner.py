@@ -34,6 +34,7 @@ if TYPE_CHECKING:
 
 # A request to end with an error, and the error.
 Failure = tuple[Request, str]
+Requests = Mapping[str, Request]
 
 
 class NoKVTransfer:
@@ -55,16 +56,12 @@ class NoKVTransfer:
     def build_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata | None:
         return None
 
-    def handle_invalid_blocks(
-        self,
-        scheduler_output: SchedulerOutput,
-        kv_output: KVConnectorOutput | None,
-        requests: Mapping[str, Request],
+    def update_from_output(
+        self, step: SchedulerOutput, kv_output: KVConnectorOutput | None, requests: Requests
     ) -> tuple[set[str], list[Failure]]:
+        """The worker side's report on a step: returns the scheduled requests whose results
+        from the step must be dropped, and the requests to end with an error."""
         return set(), []
-
-    def update_from_output(self, kv_output: KVConnectorOutput | None) -> list[Failure]:
-        return []
 
     def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
         return False, None
@@ -178,21 +175,26 @@ class KVTransferPlanner(NoKVTransfer):
 
     # ---- update_from_output() --------------------------------------------------------------
 
-    def handle_invalid_blocks(
-        self,
-        scheduler_output: SchedulerOutput,
-        kv_output: KVConnectorOutput | None,
-        requests: Mapping[str, Request],
+    def update_from_output(
+        self, step: SchedulerOutput, kv_output: KVConnectorOutput | None, requests: Requests
+    ) -> tuple[set[str], list[Failure]]:
+        if kv_output is None:
+            kv_output = KVConnectorOutput()
+        dropped, failed = self._handle_invalid_blocks(step, kv_output, requests)
+        return dropped, failed + self._update_transfers(kv_output)
+
+    def _handle_invalid_blocks(
+        self, step: SchedulerOutput, kv_output: KVConnectorOutput, requests: Requests
     ) -> tuple[set[str], list[Failure]]:
         """Applies kv_load_failure_policy to requests whose blocks failed to load; returns
         the scheduled requests whose results from this step must be dropped, and (policy
         "fail") the running requests to end."""
-        invalid = kv_output.invalid_block_ids if kv_output is not None else None
+        invalid = kv_output.invalid_block_ids
         if not invalid:
             return set(), []
         dropped: set[str] = set()
         failed: list[Failure] = []
-        for request_id in scheduler_output.num_scheduled_tokens:
+        for request_id in step.num_scheduled_tokens:
             request = requests.get(request_id)
             if request is None or request.is_finished():
                 continue
@@ -234,7 +236,7 @@ class KVTransferPlanner(NoKVTransfer):
             "is 'fail'"
         )
 
-    def update_from_output(self, kv_output: KVConnectorOutput | None) -> list[Failure]:
+    def _update_transfers(self, kv_output: KVConnectorOutput) -> list[Failure]:
         """After the step: blocks of synchronous loads (known good now) join the prefix
         cache; finished async loads leave WAITING_FOR_REMOTE_KVS (or, failed under policy
         "fail", are returned to end); finished sends free their blocks."""
@@ -242,8 +244,6 @@ class KVTransferPlanner(NoKVTransfer):
             if not request.is_finished():
                 self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
         self.sync_loaded.clear()
-        if kv_output is None:
-            kv_output = KVConnectorOutput()
         failed: list[Failure] = []
         for request_id in kv_output.finished_recving or ():
             parked = self.async_loads.pop(request_id, None)

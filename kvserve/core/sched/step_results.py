@@ -64,11 +64,9 @@ class StepResults:
         step's outputs (with those of requests ended since the last step first)."""
         self.batches.release(scheduler_output)
         # KV connector results first: a failed load voids (or, policy "fail", ends) a request.
-        kv_output = model_runner_output.kv_connector_output
-        dropped, failed = self.kv_transfer.handle_invalid_blocks(
-            scheduler_output, kv_output, self.table.requests
+        dropped, failed = self.kv_transfer.update_from_output(
+            scheduler_output, model_runner_output.kv_connector_output, self.table.requests
         )
-        failed += self.kv_transfer.update_from_output(kv_output)
         for request, message in failed:
             self.releaser.fail(request, message)
         self.encoder.record(model_runner_output)
