@@ -172,15 +172,25 @@ def test_quantization_none_runs_float32_and_matches_hf(llm_factory: Any, cases: 
     assert_no_leak(engine)
 
 
-def test_gguf_int8_stays_near_greedy(llm_factory: Any, cases: Any) -> None:
+def test_gguf_int8_stays_near_greedy(
+    llm_factory: Any, cases: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """--quantization gguf_int8 rounds activations to int8. Single-stream steps always
     take the integer path; batches of 4+ rows take it with AVX-512 VNNI (where a
     request's tokens then do not depend on its batch) and the exact float path
-    elsewhere."""
+    elsewhere.
+
+    The engine keeps one thread count: batch invariance is what this checks. With the
+    adaptive thread governor switching counts between decode steps, a request's int8
+    tokens can also depend on that history (found on an AMD EPYC Zen 4, 2026-12-05:
+    each count alone gives the same tokens, a random mix per decode step flips one
+    prompt's continuation); that is a separate, open defect."""
     from kvserve import _custom_ops as ops
+    from kvserve.worker.thread_governor import ENV_ADAPTIVE
 
     if not ops.available():
         pytest.skip("no C++ toolchain for the block kernels")
+    monkeypatch.setenv(ENV_ADAPTIVE, "0")  # read when the engine's runner is built
     engine = llm_factory(quantization="gguf_int8")
     prompts, expected = cases
     batched = run(engine, prompts)

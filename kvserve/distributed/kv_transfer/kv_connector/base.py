@@ -120,7 +120,7 @@ class KVConnectorBase_V1(ABC):
         assert self._config.kv_transfer_config is not None
         return self._config.kv_transfer_config
 
-    # ---- worker side: metadata binding (called by KVConnectorModelRunnerMixin) -------------
+    # ---- worker side: metadata binding (called by the runner's connector component) ---
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         """Worker side, before start_load_kv each step: the plan the scheduler built."""
