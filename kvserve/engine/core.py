@@ -166,13 +166,9 @@ class EngineCore:
         forward pass.
         """
         if request.mm_features:
-            mirror = self.scheduler.encoder.mm_processor_cache
-            if mirror is None:
-                raise ValueError(f"{self.config.model_config.arch.architecture} takes no images")
-            # First, whatever follows: the mirror moves with every request the front end
-            # sent, as the front end's cache did. Items sent as their hash alone come
-            # back with their data.
-            request.mm_features = mirror.receive(request.mm_features)
+            request.mm_features = self.scheduler.encoder.receive_features(
+                request.mm_features, self.config.model_config.arch.architecture
+            )
         vocab_size = self.config.model_config.vocab_size
         bad = [t for t in request.prompt_token_ids if not 0 <= t < vocab_size]
         if bad:

@@ -31,6 +31,7 @@ from kvserve.protocol.engine_core import MultiModalStats
 if TYPE_CHECKING:
     from kvserve.config import EngineConfig, MultiModalConfig
     from kvserve.core.request import Request
+    from kvserve.protocol.mm_inputs import MultiModalFeatureSpec
     from kvserve.protocol.runner_output import ModelRunnerOutput
     from kvserve.transformers_utils.arch_config import MultiModalArch
 
@@ -38,9 +39,14 @@ if TYPE_CHECKING:
 class NoEncoderPlanner:
     """A text-only model's: no encoder, no encoder cache."""
 
-    encoder_cache_manager: EncoderCacheManager | None = None
-    mm_processor_cache: ProcessorCache | None = None
     max_num_encoder_input_tokens = 0
+
+    def receive_features(
+        self, features: list[MultiModalFeatureSpec], architecture: str
+    ) -> list[MultiModalFeatureSpec]:
+        """A request's items as the front end sent them, with the data of items sent as
+        their hash alone restored (EngineCore.add_request)."""
+        raise ValueError(f"{architecture} takes no images")
 
     def check_request(self, request: Request) -> None:
         """Raises ValueError for items the scheduler could never fit (add_request)."""
@@ -86,13 +92,11 @@ class EncoderPlanner(NoEncoderPlanner):
         # The mirror of the front end's processor cache (EngineCore.add_request fills
         # each request's items from it).
         self.processor_cache = ProcessorCache(multimodal_config.processor_cache_bytes)
-        self.mm_processor_cache = self.processor_cache
         size = multimodal_config.encoder_cache_size or max(
             max_num_scheduled_tokens, mm_arch.max_tokens_per_item
         )
         self.max_num_encoder_input_tokens = size
         self.cache = EncoderCacheManager(size)
-        self.encoder_cache_manager = self.cache
         self.mm_stats = MultiModalStats()
         # (request, item) pairs counted as encoder cache queries: once each, however many
         # steps a request waits before it runs.
@@ -106,6 +110,13 @@ class EncoderPlanner(NoEncoderPlanner):
         return EncoderPlanner(
             config.multimodal_config, mm_arch, config.scheduler_config.max_num_batched_tokens
         )
+
+    def receive_features(
+        self, features: list[MultiModalFeatureSpec], architecture: str
+    ) -> list[MultiModalFeatureSpec]:
+        # First, whatever follows: the mirror moves with every request the front end
+        # sent, as the front end's cache did.
+        return self.processor_cache.receive(features)
 
     def check_request(self, request: Request) -> None:
         for i, feature in enumerate(request.mm_features):

@@ -86,7 +86,7 @@ def test_chunk_stops_before_a_bidirectional_image_and_runs_it_whole(
     assert out.num_scheduled_tokens == {"a": 12}
     assert out.scheduled_encoder_inputs == {"a": [0]}
     d.run()
-    manager = d.scheduler.encoder.encoder_cache_manager
+    manager = d.scheduler.encoder.cache
     assert manager is not None and "img" in manager.freeable  # kept, lazily freeable
 
 
@@ -96,7 +96,7 @@ def test_chunk_may_cut_an_image_where_the_model_allows(make_driver: MakeDriver) 
     d.add(a)
     out, _ = d.step()
     assert out.num_scheduled_tokens == {"a": 12} and out.scheduled_encoder_inputs == {"a": [0]}
-    manager = d.scheduler.encoder.encoder_cache_manager
+    manager = d.scheduler.encoder.cache
     assert manager is not None and manager.get_cached_input_ids(a) == {0}  # still needed
     out, _ = d.step()
     assert not out.scheduled_encoder_inputs  # the rest of the image reads the cached output
@@ -125,7 +125,7 @@ def test_encoder_budget_and_lazy_fifo_eviction(make_driver: MakeDriver) -> None:
     # The budget holds one image: a's runs; b waits at its image (its text block came
     # from a's prefix), and c, behind it, waits too (first come, first served).
     assert out.num_scheduled_tokens == {"a": 24} and out.scheduled_encoder_inputs == {"a": [0]}
-    manager = d.scheduler.encoder.encoder_cache_manager
+    manager = d.scheduler.encoder.cache
     assert manager is not None and list(manager.freeable) == ["x"]  # in a's KV: freeable
     out, _ = d.step()
     # y needs the space: x, the oldest freeable output, is evicted and the workers told.
