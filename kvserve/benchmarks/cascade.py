@@ -24,7 +24,7 @@ import statistics
 import time
 from typing import Any
 
-from kvserve.engine.arg_utils import EngineArgs
+from kvserve.args.engine_args import EngineArgs
 from kvserve.sampling_params import RequestOutputKind, SamplingParams
 
 _COLORS = ("red", "green", "blue", "amber")

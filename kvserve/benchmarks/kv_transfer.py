@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import statistics
 import time
 
@@ -24,12 +23,7 @@ from kvserve.distributed.kv_transfer.kv_connector.connectors.p2p_wire import (
     PeerSender,
     Receiver,
 )
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from kvserve.utils.processes import free_port
 
 
 def run(
@@ -43,7 +37,7 @@ def run(
         for _ in range(layers)
     ]
     nbytes = sum(t.numel() * t.element_size() for t in kv)
-    address = f"tcp://127.0.0.1:{_free_port()}"
+    address = f"tcp://127.0.0.1:{free_port()}"
     receiver = Receiver(address, 4 * nbytes, ttl_s=60)
     context = zmq.Context()
     sender = PeerSender(context, address, timeout_s=60)

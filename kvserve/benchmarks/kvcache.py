@@ -22,8 +22,9 @@ import tempfile
 import time
 from typing import Any
 
-from kvserve.engine.arg_utils import EngineArgs
+from kvserve.args.engine_args import EngineArgs
 from kvserve.sampling_params import SamplingParams
+from kvserve.utils.processes import free_port
 
 _WORDS = (
     "river market engine quiet summer copper lantern harbor signal garden winter paper "
@@ -42,13 +43,6 @@ def make_document_ids(tokenizer: Any, num_tokens: int, seed: int = 0) -> list[in
         ids = tokenizer.encode(" ".join(sentences), add_special_tokens=False)
         if len(ids) >= num_tokens:
             return list(ids[:num_tokens])
-
-
-def free_port() -> int:
-    """A free TCP port on 127.0.0.1 (the benchmarks start their servers on loopback)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_redis() -> tuple[subprocess.Popen[bytes], str] | None:

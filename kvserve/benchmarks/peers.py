@@ -17,6 +17,7 @@ import sys
 import time
 from typing import Any
 
+from kvserve.args.engine_args import EngineArgs
 from kvserve.benchmarks.peers_rounds import combine_rounds
 from kvserve.benchmarks.peers_sweep import (
     format_sweep_table,
@@ -37,7 +38,6 @@ from kvserve.benchmarks.peers_workloads import (
     make_requests,
     workload_flops,
 )
-from kvserve.engine.arg_utils import EngineArgs
 
 ENGINES = (*KVSERVE_ENGINES, "hf", "llamacpp")
 

@@ -29,11 +29,11 @@ import httpx
 import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvserve.benchmarks.kvcache import free_port
 from kvserve.benchmarks.soak_clients import ClientPlan, SoakTally, run_client
 from kvserve.benchmarks.soak_monitor import RssSampler
 from kvserve.benchmarks.step_times import scrape_step_times
 from kvserve.utils.health import wait_until_healthy
+from kvserve.utils.processes import free_port
 
 LOOPBACK_HOSTS = {"127.0.0.1", "localhost", "::1"}
 MAX_DURATION_S = 4 * 3600.0

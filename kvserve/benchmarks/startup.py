@@ -43,7 +43,7 @@ _LLM_SCRIPT = """
 import argparse, dataclasses, json, logging, shlex, sys, time
 logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 t0 = time.perf_counter()
-from kvserve.engine.arg_utils import EngineArgs
+from kvserve.args.engine_args import EngineArgs
 from kvserve.entrypoints.llm import LLM
 try:
     from kvserve.transformers_utils.tokenizer import conversion_count

@@ -8,8 +8,8 @@ import json
 import time
 from typing import Any
 
+from kvserve.args.engine_args import EngineArgs
 from kvserve.benchmarks.datasets import sample_random_requests
-from kvserve.engine.arg_utils import EngineArgs
 from kvserve.sampling_params import SamplingParams
 
 

@@ -16,8 +16,8 @@ import time
 from collections.abc import AsyncGenerator, Iterable
 from typing import Any
 
+from kvserve.args.engine_args import EngineArgs
 from kvserve.config import EngineConfig
-from kvserve.engine.arg_utils import EngineArgs
 from kvserve.engine.async_mp_client import AsyncMPClient
 from kvserve.engine.engine_client import EngineClient
 from kvserve.engine.exceptions import EngineDeadError

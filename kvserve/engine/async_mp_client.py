@@ -14,14 +14,14 @@ import zmq
 
 from kvserve.config import EngineConfig
 from kvserve.engine.core_client import AsyncEngineCoreClient
-from kvserve.engine.core_proc import (
+from kvserve.engine.exceptions import EngineDeadError
+from kvserve.engine.mp_client import MPClient
+from kvserve.protocol.core_messages import (
     AbortRequestsMessage,
     AddRequestMessage,
     InputMessage,
     UtilityCallMessage,
 )
-from kvserve.engine.exceptions import EngineDeadError
-from kvserve.engine.mp_client import MPClient
 from kvserve.protocol.engine_core import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 
 

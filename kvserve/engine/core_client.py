@@ -5,15 +5,10 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Any
 
 from kvserve.config import EngineConfig
 from kvserve.protocol.engine_core import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
-
-if TYPE_CHECKING:
-    # Only the in-process client builds a core: the multi-process clients import this
-    # module in the front end, which must not import torch before it spawns the core.
-    from kvserve.engine.core import EngineCore
 
 
 class EngineCoreClient(ABC):
@@ -39,6 +34,10 @@ class EngineCoreClient(ABC):
             return SyncMPClient(config, log_stats, while_starting=while_starting)
         if while_starting is not None:
             while_starting()
+        # The one import of the core (and torch) in the front end: the in-process client
+        # hosts the core here (.importlinter names this edge).
+        from kvserve.engine.inproc_client import InprocClient
+
         return InprocClient(config, log_stats)
 
     @abstractmethod
@@ -52,6 +51,16 @@ class EngineCoreClient(ABC):
 
     @abstractmethod
     def reset_prefix_cache(self) -> bool: ...
+
+    @abstractmethod
+    def collective_rpc(
+        self,
+        method: str | Callable[..., Any],
+        timeout: float | None,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any] | None,
+    ) -> list[Any]:
+        """Calls ``method`` on every worker, between steps."""
 
     @abstractmethod
     def shutdown(self) -> None: ...
@@ -82,30 +91,3 @@ class AsyncEngineCoreClient(ABC):
 
     @abstractmethod
     def shutdown(self) -> None: ...
-
-
-class InprocClient(EngineCoreClient):
-    """Runs the core in the caller's thread: get_output() performs one step."""
-
-    def __init__(self, config: EngineConfig, log_stats: bool = True) -> None:
-        from kvserve.engine.core import EngineCore
-
-        self.engine_core: EngineCore = EngineCore(config, log_stats=log_stats)
-        self.engine_core.settle_heap()
-
-    def add_request(self, request: EngineCoreRequest) -> None:
-        self.engine_core.add_request(request)
-
-    def abort_requests(self, request_ids: list[str]) -> None:
-        if request_ids:
-            self.engine_core.abort_requests(request_ids)
-
-    def get_output(self) -> EngineCoreOutputs:
-        outputs, _ = self.engine_core.step()
-        return outputs
-
-    def reset_prefix_cache(self) -> bool:
-        return self.engine_core.reset_prefix_cache()
-
-    def shutdown(self) -> None:
-        self.engine_core.shutdown()

@@ -15,7 +15,6 @@ child is our own process. Everything after the handshake travels as msgpack over
 from __future__ import annotations
 
 import logging
-import multiprocessing
 import threading
 import time
 from dataclasses import dataclass
@@ -23,7 +22,7 @@ from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import TYPE_CHECKING
 
-from kvserve.utils.threads import child_thread_environment
+from kvserve.utils.processes import pipe, spawn, stop
 
 if TYPE_CHECKING:
     from kvserve.config import EngineConfig
@@ -42,19 +41,10 @@ class CoreStartup:
 
     @classmethod
     def spawn(cls) -> CoreStartup:
-        mp_ctx = multiprocessing.get_context("spawn")
-        config_reader, config_writer = mp_ctx.Pipe(duplex=False)
-        ready_reader, ready_writer = mp_ctx.Pipe(duplex=False)
-        proc = mp_ctx.Process(
-            target=_core_main,
-            args=(config_reader, ready_writer, time.time()),
-            name="EngineCore",
-            daemon=True,
-        )
+        config_reader, config_writer = pipe()
+        ready_reader, ready_writer = pipe()
         started = time.perf_counter()
-        # The child loads torch itself: OpenMP's settings must be in its environment.
-        with child_thread_environment():
-            proc.start()
+        proc = spawn(_core_main, (config_reader, ready_writer, time.time()), "EngineCore")
         config_reader.close()
         ready_writer.close()
         return cls(proc, config_writer, ready_reader, started)
@@ -82,9 +72,7 @@ class CoreStartup:
         """Stops a core that will never get a config (e.g. the flags were invalid)."""
         self.config_writer.close()
         self.ready_reader.close()
-        if self.proc.is_alive():
-            self.proc.terminate()
-            self.proc.join(5)
+        stop([self.proc], grace_s=5.0)
 
 
 def _core_main(config_reader: Connection, ready_writer: Connection, spawned_at: float) -> None:
@@ -94,8 +82,8 @@ def _core_main(config_reader: Connection, ready_writer: Connection, spawned_at: 
     child imports nothing before the timed imports start."""
     interpreter_s = time.time() - spawned_at
     imports_start = time.perf_counter()
-    import kvserve.engine.core  # noqa: F401  (torch and the model stack)
-    from kvserve.engine.core_proc import EngineCoreProc
+    # The core's process only: torch and the model stack (.importlinter names this edge).
+    from kvserve.engine_core.core_proc import EngineCoreProc
 
     imports_s = time.perf_counter() - imports_start
     try:

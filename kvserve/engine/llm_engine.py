@@ -9,9 +9,9 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
+from kvserve.args.engine_args import EngineArgs
 from kvserve.config import EngineConfig
-from kvserve.engine.arg_utils import EngineArgs
-from kvserve.engine.core_client import EngineCoreClient, InprocClient
+from kvserve.engine.core_client import EngineCoreClient
 from kvserve.engine.front_end import FrontEnd
 from kvserve.engine.input_processor import InputProcessor
 from kvserve.engine.output_processor import OutputProcessor
@@ -121,16 +121,7 @@ class LLMEngine:
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> list[Any]:
-        if not isinstance(self.engine_core, InprocClient):
-            # A callable and arbitrary arguments reach another process only as pickles,
-            # which kvserve never sends; the in-process core calls the worker directly.
-            raise ValueError(
-                "collective_rpc needs the engine core in this process "
-                "(LLM(..., multiprocess_mode=False), the default)"
-            )
-        # Between steps: this thread runs both the steps and this call.
-        executor = self.engine_core.engine_core.model_executor
-        return list(executor.collective_rpc(method, timeout, args, kwargs))
+        return self.engine_core.collective_rpc(method, timeout, args, kwargs)
 
     def shutdown(self) -> None:
         self.engine_core.shutdown()

@@ -14,7 +14,6 @@ import itertools
 import logging
 import os
 import queue
-import shutil
 import tempfile
 import threading
 import time
@@ -22,8 +21,6 @@ import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
-from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 from typing import Any, Literal
 
@@ -34,7 +31,8 @@ import zmq.asyncio
 from kvserve.config import EngineConfig
 from kvserve.engine.core_client import EngineCoreClient
 from kvserve.engine.core_launcher import claim_engine_core
-from kvserve.engine.core_proc import (
+from kvserve.engine.exceptions import EngineDeadError
+from kvserve.protocol.core_messages import (
     AbortRequestsMessage,
     AddRequestMessage,
     HandshakeMessage,
@@ -46,54 +44,11 @@ from kvserve.engine.core_proc import (
     UtilityCallMessage,
     UtilityResultMessage,
 )
-from kvserve.engine.exceptions import EngineDeadError
 from kvserve.protocol.engine_core import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
+from kvserve.utils.processes import ChildResources, startup_error, wait_for_handshake
 from kvserve.utils.startup import log_phase
 
 logger = logging.getLogger(__name__)
-
-# Startup errors re-raised in the parent with their own type; anything else is RuntimeError.
-_STARTUP_ERROR_TYPES: dict[str, type[Exception]] = {
-    t.__name__: t
-    for t in (ValueError, TypeError, NotImplementedError, FileNotFoundError, MemoryError, OSError)
-}
-
-
-@dataclass
-class _BackgroundResources:
-    """Everything to release at shutdown; a weakref.finalize target, so it holds no client."""
-
-    ctx: zmq.Context[Any]
-    sockets: list[zmq.Socket[Any]]
-    proc: BaseProcess | None = None
-    tmpdir: str | None = None
-    extra_fds: list[int] = field(default_factory=list)
-    # The sync client's output thread, woken through wake_fd before its socket closes.
-    thread: threading.Thread | None = None
-    wake_fd: int | None = None
-    closed: bool = False
-
-    def __call__(self) -> None:
-        if self.closed:
-            return
-        self.closed = True
-        if self.thread is not None and self.wake_fd is not None:
-            os.write(self.wake_fd, b"x")
-            if self.thread is not threading.current_thread():
-                self.thread.join(5)
-        if self.proc is not None and self.proc.is_alive():
-            self.proc.terminate()
-            self.proc.join(5)
-            if self.proc.is_alive():
-                self.proc.kill()
-                self.proc.join(1)
-        for sock in self.sockets:
-            sock.close(linger=0)
-        self.ctx.term()
-        for fd in self.extra_fds:
-            os.close(fd)
-        if self.tmpdir is not None:
-            shutil.rmtree(self.tmpdir, ignore_errors=True)
 
 
 class MPClient(ABC):
@@ -130,8 +85,8 @@ class MPClient(ABC):
         self.input_socket = ctx.socket(zmq.PUSH)
         self.output_socket = ctx.socket(zmq.PULL)
         tmpdir = tempfile.mkdtemp(prefix="kvserve-") if transport == "ipc" else None
-        self.resources = _BackgroundResources(
-            ctx, [self.input_socket, self.output_socket], tmpdir=tmpdir
+        self.resources = ChildResources(
+            ctx, [self.input_socket, self.output_socket], tmpdir=tmpdir, stop_grace_s=5.0
         )
         self._finalizer = weakref.finalize(self, self.resources)
         try:
@@ -156,7 +111,7 @@ class MPClient(ABC):
     ) -> BaseProcess:
         startup = claim_engine_core()
         proc = startup.proc
-        self.resources.proc = proc
+        self.resources.procs.append(proc)
         startup.send_config(
             self.config,
             input_address,
@@ -166,7 +121,8 @@ class MPClient(ABC):
         try:
             for step in while_starting:
                 step()
-            self.ready = _wait_for_handshake(startup.ready_reader, proc, timeout)
+            handshake = wait_for_handshake(startup.ready_reader, proc, timeout, "EngineCore")
+            self.ready = _ready(handshake, proc)
         finally:
             startup.ready_reader.close()
         log_phase("engine core process ready", time.perf_counter() - startup.started, pid=proc.pid)
@@ -242,28 +198,12 @@ def _bind(sock: zmq.Socket[Any], tmpdir: str | None, name: str) -> str:
     return sock.getsockopt_string(zmq.LAST_ENDPOINT)
 
 
-def _wait_for_handshake(
-    reader: Connection, proc: BaseProcess, timeout: float | None
-) -> ReadyMessage:
-    wait([reader, proc.sentinel], timeout)
-    data = b""
-    if reader.poll():
-        try:
-            data = reader.recv_bytes()
-        except EOFError:
-            data = b""
-    if not data:
-        if proc.is_alive():
-            raise TimeoutError(f"EngineCore did not start within {timeout} s")
-        raise RuntimeError(
-            f"EngineCore process exited during startup (exit code {proc.exitcode}); "
-            "see its log above"
-        )
+def _ready(data: bytes, proc: BaseProcess) -> ReadyMessage:
     message = msgspec.msgpack.decode(data, type=HandshakeMessage)
     if isinstance(message, StartupErrorMessage):
-        proc.join(5)
+        proc.join(5)  # it exits on its own after saying why
         logger.debug("EngineCore startup traceback:\n%s", message.traceback)
-        raise _STARTUP_ERROR_TYPES.get(message.error_type, RuntimeError)(message.error)
+        raise startup_error(message.error_type, message.error)
     return message
 
 
@@ -276,7 +216,7 @@ class SyncMPClient(MPClient, EngineCoreClient):
         self._send_lock = threading.Lock()
         # Writing to this pipe wakes the output thread for a clean exit.
         self._stop_r, self._stop_w = os.pipe()
-        self.resources.extra_fds += [self._stop_r, self._stop_w]
+        self.resources.fds += [self._stop_r, self._stop_w]
         thread = threading.Thread(target=self._output_loop, name="EngineCoreOutput", daemon=True)
         self.resources.thread, self.resources.wake_fd = thread, self._stop_w
         thread.start()
@@ -345,6 +285,20 @@ class SyncMPClient(MPClient, EngineCoreClient):
 
     def get_stats(self) -> SchedulerStats:
         return msgspec.convert(self.call_utility("get_stats"), SchedulerStats)
+
+    def collective_rpc(
+        self,
+        method: str | Callable[..., Any],
+        timeout: float | None,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any] | None,
+    ) -> list[Any]:
+        # A callable and arbitrary arguments reach another process only as pickles,
+        # which kvserve never sends.
+        raise ValueError(
+            "collective_rpc needs the engine core in this process "
+            "(LLM(..., multiprocess_mode=False), the default)"
+        )
 
     def shutdown(self) -> None:
         super().shutdown()

@@ -65,7 +65,7 @@ def _encode_chat(engine: LLMEngine, messages: list[dict[str, str]]) -> dict[str,
 
 
 def _make_engine(args: argparse.Namespace) -> LLMEngine:
-    from kvserve.engine.arg_utils import EngineArgs
+    from kvserve.args.engine_args import EngineArgs
     from kvserve.engine.llm_engine import LLMEngine
 
     return LLMEngine.from_engine_args(EngineArgs.from_cli_args(args))
@@ -114,7 +114,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The full parser, or with ``command`` one whose other lazy sub-commands are stubs."""
-    from kvserve.engine.arg_utils import EngineArgs
+    from kvserve.args.engine_args import EngineArgs
 
     parser = argparse.ArgumentParser(prog="kvserve", description=__doc__)
     parser.add_argument("--log-level", default="WARNING")
@@ -219,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
             level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
         )
         if getattr(args, "model", None) is None:
-            from kvserve.engine.arg_utils import EngineArgs
+            from kvserve.args.engine_args import EngineArgs
 
             args.model = EngineArgs.model
         return int(args.func(args))

@@ -8,9 +8,9 @@ from typing import Any, cast
 
 from tqdm.auto import tqdm
 
+from kvserve.args.engine_args import EngineArgs
 from kvserve.beam_search import BeamSearchOutput
 from kvserve.config import DEFAULT_MODEL
-from kvserve.engine.arg_utils import EngineArgs
 from kvserve.engine.chat_media import extract_chat_images, has_image_parts, media_policy
 from kvserve.engine.input_processor import apply_chat_template
 from kvserve.engine.llm_engine import LLMEngine

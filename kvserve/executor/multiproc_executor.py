@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import multiprocessing
 import os
 import tempfile
 import threading
@@ -28,7 +27,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, InvalidStateError
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
-from multiprocessing.connection import wait
+from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import Any, Literal, overload
 
@@ -37,25 +36,24 @@ import zmq
 
 from kvserve.executor import serial_utils as wire
 from kvserve.executor.abstract import Executor, ExecutorFailedError
-from kvserve.executor.multiproc_launch import (
-    WorkerResources,
-    children_allowed,
-    free_port,
-    kill,
-    worker_threads,
-)
 from kvserve.executor.multiproc_worker import run_worker
 from kvserve.protocol.kv_cache_interface import KVCacheConfig, KVCacheSpec
 from kvserve.protocol.runner_output import ModelRunnerOutput
 from kvserve.protocol.scheduler_output import GrammarOutput, SchedulerOutput
+from kvserve.utils.processes import (
+    ChildResources,
+    free_port,
+    pipe,
+    spawn,
+    startup_error,
+    stop,
+    wait_for_handshake,
+)
 from kvserve.utils.threads import usable_cores
 
 logger = logging.getLogger(__name__)
 
 STARTUP_TIMEOUT_S = float(os.environ.get("KVSERVE_WORKER_STARTUP_TIMEOUT", "600"))
-STARTUP_ERRORS: dict[str, type[Exception]] = {
-    t.__name__: t for t in (ValueError, TypeError, NotImplementedError, FileNotFoundError)
-}
 
 
 @dataclass
@@ -71,15 +69,13 @@ class MultiprocExecutor(Executor):
     def _init_executor(self) -> None:
         self.world_size = self.config.parallel_config.world_size
         self._init_call_state()
-        wake_r, wake_w = os.pipe()
-        failed_r, failed_w = self._failure_pipe
-        self.resources = WorkerResources(
+        self._wake_r, wake_w = os.pipe()
+        self.resources = ChildResources(
             zmq.Context(),
             tmpdir=tempfile.mkdtemp(prefix="kvserve-mp-"),
-            wake_r=wake_r,
-            wake_w=wake_w,
-            failed_r=failed_r,
-            failed_w=failed_w,
+            fds=[self._wake_r, wake_w, *self._failure_pipe],
+            wake_fd=wake_w,
+            exit_grace_s=2.0,  # shutdown() has told them to exit
         )
         self._finalizer = weakref.finalize(self, self.resources)
         try:
@@ -107,7 +103,6 @@ class MultiprocExecutor(Executor):
         self.request_sockets: list[zmq.Socket[Any]] = []
         init_method = f"tcp://127.0.0.1:{free_port()}"
         threads = max(1, usable_cores() // self.world_size)
-        mp_ctx = multiprocessing.get_context("spawn")
         readers = []
         log_level = logging.getLogger("kvserve").getEffectiveLevel()
         for rank in range(self.world_size):
@@ -116,25 +111,10 @@ class MultiprocExecutor(Executor):
             sock.bind(address)
             res.sockets.append(sock)
             self.request_sockets.append(sock)
-            reader, writer = mp_ctx.Pipe(duplex=False)
+            reader, writer = pipe()
             # The config travels by spawn (our own child); every later message is msgpack.
-            proc = mp_ctx.Process(
-                target=run_worker,
-                args=(
-                    self.config,
-                    rank,
-                    init_method,
-                    address,
-                    reply_address,
-                    writer,
-                    threads,
-                    log_level,
-                ),
-                name=f"Worker{rank}",
-                daemon=True,
-            )
-            with worker_threads(threads), children_allowed():
-                proc.start()
+            args = (self.config, rank, init_method, address, reply_address, writer, threads)
+            proc = spawn(run_worker, (*args, log_level), f"Worker{rank}", num_threads=threads)
             writer.close()
             res.procs.append(proc)
             readers.append(reader)
@@ -147,23 +127,11 @@ class MultiprocExecutor(Executor):
         res.thread = threading.Thread(target=self._reply_loop, name="WorkerReplies", daemon=True)
         res.thread.start()
 
-    def _wait_ready(self, rank: int, reader: Any, proc: BaseProcess) -> None:
-        try:
-            wait([reader, proc.sentinel], STARTUP_TIMEOUT_S)
-            data = reader.recv_bytes() if reader.poll() else b""
-        except EOFError:
-            data = b""
-        finally:
-            reader.close()
-        if not data:
-            if proc.is_alive():
-                raise TimeoutError(f"worker {rank} did not start within {STARTUP_TIMEOUT_S} s")
-            raise RuntimeError(f"worker {rank} exited during startup (exit code {proc.exitcode})")
+    def _wait_ready(self, rank: int, reader: Connection, proc: BaseProcess) -> None:
+        data = wait_for_handshake(reader, proc, STARTUP_TIMEOUT_S, f"worker {rank}")
         ready = wire.decode(data, wire.ReadyMessage)
         if ready.error is not None:
-            raise STARTUP_ERRORS.get(ready.error_type or "", RuntimeError)(
-                f"worker {rank}: {ready.error}"
-            )
+            raise startup_error(ready.error_type, f"worker {rank}: {ready.error}")
 
     # ---- replies and worker health (background thread) ---------------------------------
 
@@ -178,13 +146,13 @@ class MultiprocExecutor(Executor):
         res = self.resources
         poller = zmq.Poller()
         poller.register(self.reply_socket, zmq.POLLIN)
-        poller.register(res.wake_r, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
         sentinels = {proc.sentinel: rank for rank, proc in enumerate(res.procs)}
         for fd in sentinels:
             poller.register(fd, zmq.POLLIN)
         while True:
             events = dict(poller.poll())
-            if res.wake_r in events:
+            if self._wake_r in events:
                 return
             if self.reply_socket in events:
                 while True:
@@ -235,7 +203,7 @@ class MultiprocExecutor(Executor):
         self._kill_workers()
 
     def _kill_workers(self) -> None:
-        kill(self.resources.procs)
+        stop(self.resources.procs)
 
     def _send(self, frame: bytes) -> None:
         for sock in self.request_sockets:

@@ -29,8 +29,9 @@ import msgspec
 
 from kvserve.config import EngineConfig
 from kvserve.executor import serial_utils as wire
-from kvserve.executor.multiproc_executor import STARTUP_ERRORS, MultiprocExecutor
+from kvserve.executor.multiproc_executor import MultiprocExecutor
 from kvserve.executor.multiproc_worker import call_worker
+from kvserve.utils.processes import startup_error
 from kvserve.utils.threads import usable_cores
 
 logger = logging.getLogger(__name__)
@@ -123,8 +124,7 @@ class RayDistributedExecutor(MultiprocExecutor):
             message = wire.decode(data, wire.ReadyMessage)
             if message.error is not None:
                 self.shutdown()
-                error_cls = STARTUP_ERRORS.get(message.error_type or "", RuntimeError)
-                raise error_cls(f"worker {message.rank}: {message.error}")
+                raise startup_error(message.error_type, f"worker {message.rank}: {message.error}")
         self._watches = {
             a.watch.options(concurrency_group="watch").remote(): rank
             for rank, a in enumerate(self.actors)

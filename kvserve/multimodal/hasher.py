@@ -32,9 +32,7 @@ def _image_pixels(image: Image.Image) -> np.ndarray:
     return np.asarray(image)
 
 
-def _tensor_array(value: Any) -> tuple[np.ndarray, str]:
-    import torch
-
+def _tensor_array(value: Any, torch: Any) -> tuple[np.ndarray, str]:
     tensor = value.detach().cpu().contiguous()
     if tensor.dtype == torch.bfloat16:  # no numpy type: hash its bits under its own name
         return tensor.view(torch.int16).numpy(), "bfloat16"
@@ -54,7 +52,7 @@ class MultiModalHasher:
             if isinstance(value, np.ndarray):
                 array, dtype = value, value.dtype.name
             else:
-                array, dtype = _tensor_array(value)
+                array, dtype = _tensor_array(value, torch)
             if array.dtype.hasobject:
                 raise ValueError("cannot hash a numpy array of Python objects")
             array = np.ascontiguousarray(array)

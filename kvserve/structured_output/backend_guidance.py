@@ -4,12 +4,10 @@ cache to build; takes Lark grammars and regexes xgrammar does not."""
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import llguidance
 import llguidance.hf
-import llguidance.torch
-import torch
 
 from kvserve.sampling_params import StructuredOutputsParams
 from kvserve.structured_output.backend_types import (
@@ -18,6 +16,9 @@ from kvserve.structured_output.backend_types import (
     register_backend,
 )
 from kvserve.structured_output.utils import choice_as_lark, legacy_structural_tag
+
+if TYPE_CHECKING:
+    import torch
 
 
 class GuidanceGrammar(StructuredOutputGrammar):
@@ -53,6 +54,10 @@ class GuidanceGrammar(StructuredOutputGrammar):
         self.terminated = False
 
     def fill_bitmask(self, bitmask: torch.Tensor, idx: int) -> None:
+        # Here, not at the top: the front end validates grammars with this module and
+        # loads no torch (llguidance.torch does); the core, which fills masks, has it.
+        import llguidance.torch
+
         # A stopped matcher fills [EOS] alone.
         llguidance.torch.fill_next_token_bitmask(self.matcher, bitmask, idx)
 

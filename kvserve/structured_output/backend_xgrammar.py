@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
 import xgrammar as xgr
 
 from kvserve.sampling_params import StructuredOutputsParams
@@ -16,6 +15,9 @@ from kvserve.structured_output.backend_types import (
     register_backend,
 )
 from kvserve.structured_output.utils import choice_as_ebnf, legacy_structural_tag
+
+if TYPE_CHECKING:
+    import torch
 
 
 class XgrammarGrammar(StructuredOutputGrammar):

@@ -1,12 +1,9 @@
-"""Helpers shared by the backends and the worker: spec conversions and the bitmask apply."""
+"""Grammar text shared by the backends: choices and legacy structural tags as grammars."""
 
 from __future__ import annotations
 
 import json
 from typing import Any
-
-import numpy as np
-import torch
 
 
 def choice_as_ebnf(choices: list[str]) -> str:
@@ -30,26 +27,3 @@ def legacy_structural_tag(tag: Any) -> tuple[list[dict[str, Any]], list[str]] | 
         if not isinstance(s, dict) or not {"begin", "schema", "end"} <= s.keys():
             raise ValueError("each structure needs 'begin', 'schema' and 'end'")
     return structures, triggers
-
-
-def apply_grammar_bitmask(
-    logits: torch.Tensor,
-    logits_rows: list[int],
-    bitmask: np.ndarray,
-) -> None:
-    """Masks, in place, the tokens row ``bitmask[i]`` forbids out of ``logits[logits_rows[i]]``.
-
-    Forbidden logits become -inf, so greedy and random sampling alike only pick allowed
-    tokens. Rows not named stay as they are.
-    """
-    import xgrammar as xgr
-
-    if not logits_rows:
-        return
-    # xgrammar indexes the logits and the bitmask with the same row ids: lay the rows out
-    # at their logits rows, all-allowed elsewhere.
-    full = torch.full((logits.shape[0], bitmask.shape[1]), -1, dtype=torch.int32)
-    full[logits_rows] = torch.from_numpy(bitmask)
-    xgr.apply_token_bitmask_inplace(
-        logits, full.to(logits.device), vocab_size=logits.shape[1], indices=logits_rows
-    )

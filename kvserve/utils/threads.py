@@ -21,13 +21,10 @@ front end needs. A value the user exported is kept, and with their own
 
 from __future__ import annotations
 
-import logging
 import os
 import sys
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-
-logger = logging.getLogger("kvserve.startup")
 
 # Up to this many usable cores, idle workers spin briefly and then sleep (the front end
 # shares the cores); above, they spin (OMP_WAIT_POLICY=ACTIVE).
@@ -103,19 +100,3 @@ def child_thread_environment() -> Iterator[dict[str, str]]:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
-
-
-def log_thread_settings(role: str) -> None:
-    """Logs what this process runs with (torch's view, so call it after torch loads)."""
-    import torch
-
-    logger.info(
-        "threads (%s): %d usable cores, torch intra-op threads %d, OMP_NUM_THREADS=%s, "
-        "OMP_WAIT_POLICY=%s, GOMP_SPINCOUNT=%s",
-        role,
-        usable_cores(),
-        torch.get_num_threads(),
-        os.environ.get("OMP_NUM_THREADS", "unset"),
-        os.environ.get("OMP_WAIT_POLICY", "unset"),
-        os.environ.get("GOMP_SPINCOUNT", "unset"),
-    )

@@ -13,7 +13,7 @@ import torch
 from kvserve.protocol.runner_output import LogprobsLists, LogprobsTensors
 from kvserve.protocol.scheduler_output import GrammarOutput
 from kvserve.sample.sampler import compute_prompt_logprobs
-from kvserve.structured_output.utils import apply_grammar_bitmask
+from kvserve.structured_output.bitmask import apply_grammar_bitmask
 
 if TYPE_CHECKING:
     from kvserve.worker.input_batch import InputBatch

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from kvserve import _custom_ops as ops
+from kvserve.args.engine_args import EngineArgs
 from kvserve.attention.backends.cascade import (
     MIN_COMMON_PREFIX_LEN,
     MIN_DECODE_ROWS,
@@ -22,7 +23,6 @@ from kvserve.attention.backends.cascade import (
 from kvserve.attention.backends.cpu_attn import CPUAttentionImpl, CPUAttentionMetadataBuilder
 from kvserve.attention.backends.utils import make_common_attn_metadata
 from kvserve.benchmarks.cascade import shared_prefix_prompts
-from kvserve.engine.arg_utils import EngineArgs
 from kvserve.sampling_params import SamplingParams
 from tests.reference import assert_no_leak, hf_reference
 

@@ -6,8 +6,8 @@ import argparse
 
 import pytest
 
+from kvserve.args.engine_args import EngineArgs
 from kvserve.config import KVEventsConfig
-from kvserve.engine.arg_utils import EngineArgs
 
 
 def test_defaults_and_publisher_resolution() -> None:

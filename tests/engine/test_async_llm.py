@@ -12,7 +12,7 @@ from typing import Any, TypeVar
 import pytest
 from prometheus_client import CollectorRegistry
 
-from kvserve.engine.arg_utils import EngineArgs
+from kvserve.args.engine_args import EngineArgs
 from kvserve.engine.async_llm import AsyncLLM
 from kvserve.engine.exceptions import EngineDeadError
 from kvserve.metrics.loggers import PrometheusStatLogger

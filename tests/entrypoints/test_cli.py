@@ -73,7 +73,7 @@ from kvserve.entrypoints.cli import _command, build_parser
 argv = ["serve", "SmolLM2-135M-Instruct"]
 args = build_parser(_command(argv)).parse_args(argv)
 import kvserve.entrypoints.openai.api_server
-from kvserve.engine.arg_utils import EngineArgs
+from kvserve.args.engine_args import EngineArgs
 from kvserve.engine.async_llm import AsyncLLM
 config = EngineArgs.from_cli_args(args).create_engine_config()
 print(config.device_config.device, "torch" in sys.modules)

@@ -76,7 +76,7 @@ def test_gguf_sampling_metadata(tmp_path: Path) -> None:
 
 
 def test_bad_defaults_stop_the_engine_config(tmp_path: Path) -> None:
-    from kvserve.engine.arg_utils import EngineArgs
+    from kvserve.args.engine_args import EngineArgs
     from tests.entrypoints.test_llm_tiny_models import build_model
 
     build_model("llama", tmp_path)

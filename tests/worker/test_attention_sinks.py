@@ -96,7 +96,7 @@ def test_generation_runs_past_the_context_and_matches_the_reference(sink_llm: An
 
 
 def test_sink_mode_is_validated() -> None:
-    from kvserve.engine.arg_utils import EngineArgs
+    from kvserve.args.engine_args import EngineArgs
 
     with pytest.raises(ValueError, match="attention_sinks"):
         EngineArgs(max_model_len=CONTEXT, attention_sinks=CONTEXT).create_engine_config()

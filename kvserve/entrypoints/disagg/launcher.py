@@ -28,16 +28,11 @@ from typing import Any
 from kvserve.entrypoints.disagg.pool import Instance
 from kvserve.entrypoints.disagg.proxy import DisaggProxy, build_app
 from kvserve.utils.health import wait_until_healthy
+from kvserve.utils.processes import free_port
 
 logger = logging.getLogger(__name__)
 
 STARTUP_TIMEOUT_S = 600.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 # A consumer at TP=n listens on kv_port .. kv_port + n - 1 (one port per rank).
@@ -144,7 +139,7 @@ def add_disagg_parser(sub: Any) -> None:
 def disagg_main(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from kvserve.engine.arg_utils import EngineArgs
+    from kvserve.args.engine_args import EngineArgs
 
     model = str(args.model or EngineArgs.model)
     extra = shlex.split(args.serve_args)

@@ -364,7 +364,7 @@ async def serve_http(args: argparse.Namespace, engine: EngineClient | None = Non
     """Serves ``engine`` (built from ``args`` if not given) until SIGTERM/SIGINT (or
     engine death), then shuts it down; the exit code."""
     if engine is None:
-        from kvserve.engine.arg_utils import EngineArgs
+        from kvserve.args.engine_args import EngineArgs
         from kvserve.engine.async_llm import AsyncLLM
 
         engine = AsyncLLM.from_engine_args(EngineArgs.from_cli_args(args))

@@ -8,7 +8,7 @@ import importlib
 import json
 import logging
 
-from kvserve.engine.arg_utils import EngineArgs
+from kvserve.args.engine_args import EngineArgs
 from kvserve.entrypoints.openai.compat_args import add_vllm_server_args, check_server_args
 
 
@@ -185,7 +185,7 @@ def serve_main(args: argparse.Namespace) -> int:
 
 
 async def _serve(args: argparse.Namespace) -> int:
-    from kvserve.engine.arg_utils import EngineArgs
+    from kvserve.args.engine_args import EngineArgs
     from kvserve.engine.async_llm import AsyncLLM
 
     # The engine core is spawned first; the web stack (FastAPI and the OpenAI routes,

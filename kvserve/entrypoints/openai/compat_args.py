@@ -1,12 +1,12 @@
 """`vllm serve` flags that kvserve serve accepts: the ones with a meaning here, and the
 rest logged (no-op) or refused unless off (default-only), as for the engine arguments
-(kvserve.engine.vllm_compat_args)."""
+(kvserve.args.vllm_compat)."""
 
 from __future__ import annotations
 
 import argparse
 
-from kvserve.engine.vllm_compat_args import IgnoredArg, add_ignored_cli_args, check_ignored
+from kvserve.args.vllm_compat import IgnoredArg, add_ignored_cli_args, check_ignored
 
 IGNORED_SERVER_ARGS: dict[str, IgnoredArg] = {
     "enable_log_requests": IgnoredArg(

@@ -6,10 +6,13 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum, auto
-
-import torch
+from typing import TYPE_CHECKING
 
 from kvserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    # The front end loads processor classes to check their names: no torch for that.
+    import torch
 
 
 class MoveDirectionality(Enum):

@@ -1,7 +1,7 @@
 """The scheduler's side of a failed step: bisection over preempted suspects (isolation.py).
 
 The Driver plays the workers and fails a step as a model step that raises would; the
-real model behind it is in tests/engine/test_core_isolation.py.
+real model behind it is in tests/engine_core/test_core_isolation.py.
 """
 
 from __future__ import annotations

@@ -7,9 +7,9 @@ import json
 
 import pytest
 
+from kvserve.args.engine_args import EngineArgs
 from kvserve.config import KVTransferConfig
 from kvserve.distributed.kv_transfer import KVConnectorBase_V1, KVConnectorFactory
-from kvserve.engine.arg_utils import EngineArgs
 from tests.distributed.kv_transfer.helpers import TEST_CONNECTORS
 
 

@@ -16,11 +16,11 @@ import msgspec
 import pytest
 
 from kvserve.core.sched.failure_isolator import MAX_UNATTRIBUTED_STEP_FAILURES
-from kvserve.engine.core import EngineCore
+from kvserve.engine_core.core import EngineCore
 from kvserve.protocol.engine_core import EngineCoreOutput, FinishReason
 from kvserve.sampling_params import SamplingParams
-from tests.engine.faulty_logits_processors import EXCLUSIVE_SLOT, FORCE_TOKEN
-from tests.engine.test_core_proc import make_request
+from tests.engine_core.faulty_logits_processors import EXCLUSIVE_SLOT, FORCE_TOKEN
+from tests.engine_core.test_core_proc import make_request
 from tests.reference import assert_no_leak
 
 # Six prompts of different lengths (some share a first block, for prefix-cache hits).

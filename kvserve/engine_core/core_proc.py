@@ -1,6 +1,6 @@
 """EngineCoreProc: the EngineCore in its own process, fed and drained over ZMQ.
 
-Wire format: every frame is one msgpack-encoded msgspec Struct from a tagged union
+Wire format (protocol/core_messages.py): every frame is one msgpack-encoded msgspec Struct from a tagged union
 (``InputMessage`` client -> core, ``OutputMessage`` core -> client), decoded against
 that union, so nothing on either socket is ever unpickled. The startup handshake
 (``ReadyMessage`` or ``StartupErrorMessage``) travels as msgpack bytes over a one-way
@@ -16,95 +16,39 @@ import time
 import traceback
 from collections.abc import Callable
 from multiprocessing.connection import Connection
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import msgspec
 import zmq
 
 from kvserve.config import EngineConfig
+from kvserve.engine_core.core import EngineCore
+from kvserve.protocol.core_messages import (
+    AbortRequestsMessage,
+    AddRequestMessage,
+    EngineErrorMessage,
+    InputMessage,
+    OutputsMessage,
+    ReadyMessage,
+    StartupErrorMessage,
+    UtilityCallMessage,
+    UtilityResultMessage,
+)
 from kvserve.protocol.engine_core import (
     EngineCoreOutput,
     EngineCoreOutputs,
-    EngineCoreRequest,
     FinishReason,
     SchedulerStats,
 )
 from kvserve.utils.startup import log_phase
 
-if TYPE_CHECKING:
-    # Imported where the core is built: the front end imports this module for its message
-    # types, and must not pay for torch (EngineCore's model stack) before the spawn.
-    from kvserve.engine.core import EngineCore
-
 logger = logging.getLogger(__name__)
-
-
-# --- client -> core -------------------------------------------------------------------
-
-
-class AddRequestMessage(msgspec.Struct, tag="add", array_like=True):
-    request: EngineCoreRequest
-
-
-class AbortRequestsMessage(msgspec.Struct, tag="abort", array_like=True):
-    request_ids: list[str]
-
-
-class UtilityCallMessage(msgspec.Struct, tag="utility", array_like=True):
-    call_id: int
-    method: str
-    args: list[Any] = msgspec.field(default_factory=list)
-
-
-InputMessage = AddRequestMessage | AbortRequestsMessage | UtilityCallMessage
-
-
-# --- core -> client -------------------------------------------------------------------
-
-
-class OutputsMessage(msgspec.Struct, tag="outputs", array_like=True):
-    outputs: EngineCoreOutputs
-
-
-class UtilityResultMessage(msgspec.Struct, tag="utility_result", array_like=True):
-    call_id: int
-    result: Any = None
-    error: str | None = None
-
-
-class EngineErrorMessage(msgspec.Struct, tag="engine_error", array_like=True):
-    """Sent by the core just before it exits on an unexpected exception in its loop."""
-
-    error: str
-
-
-OutputMessage = OutputsMessage | UtilityResultMessage | EngineErrorMessage
-
-
-# --- startup handshake (over the pipe) ------------------------------------------------
-
-
-class ReadyMessage(msgspec.Struct, tag="ready", array_like=True):
-    num_gpu_blocks: int
-    block_size: int
-    max_model_len: int
-
-
-class StartupErrorMessage(msgspec.Struct, tag="startup_error", array_like=True):
-    error_type: str
-    error: str
-    traceback: str = ""
-
-
-HandshakeMessage = ReadyMessage | StartupErrorMessage
 
 
 class EngineCoreProc:
     """Runs inside the child process: busy loop of drain inputs -> step -> send outputs."""
 
     def __init__(self, config: EngineConfig, input_address: str, output_address: str) -> None:
-        from kvserve.engine.core import EngineCore
-
         # Stats are always on here: they ride on every output message and cost a few ints.
         self.engine_core: EngineCore = EngineCore(config, log_stats=True)
         self.scheduler = self.engine_core.scheduler

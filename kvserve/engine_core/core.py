@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
 import time
 from typing import cast
 
 import msgspec
+import torch
 
 from kvserve.config import EngineConfig, GiB
 from kvserve.core.kv_cache_utils import get_request_block_hasher
@@ -15,7 +17,7 @@ from kvserve.core.request import Request, RequestStatus
 from kvserve.core.sched.scheduler import Scheduler
 from kvserve.distributed.kv_events import KVEvent, KVEventBatch
 from kvserve.distributed.kv_events_publisher import EventPublisherFactory
-from kvserve.engine.batch_queue import BatchQueue, InFlightBatch, tells_workers
+from kvserve.engine_core.batch_queue import BatchQueue, InFlightBatch, tells_workers
 from kvserve.executor.abstract import Executor, ExecutorFailedError
 from kvserve.protocol.engine_core import (
     EngineCoreOutputs,
@@ -35,7 +37,7 @@ from kvserve.protocol.scheduler_output import SchedulerOutput
 from kvserve.structured_output.manager import StructuredOutputManager
 from kvserve.transformers_utils.tokenizer import get_tokenizer
 from kvserve.utils.startup import log_phase, startup_phase
-from kvserve.utils.threads import log_thread_settings
+from kvserve.utils.threads import usable_cores
 
 logger = logging.getLogger(__name__)
 
@@ -301,3 +303,17 @@ class EngineCore:
         self.model_executor.shutdown()
         self.kv_event_publisher.shutdown()
         gc.unfreeze()
+
+
+def log_thread_settings(role: str) -> None:
+    """Logs what this process runs with, as torch sees it."""
+    logging.getLogger("kvserve.startup").info(
+        "threads (%s): %d usable cores, torch intra-op threads %d, OMP_NUM_THREADS=%s, "
+        "OMP_WAIT_POLICY=%s, GOMP_SPINCOUNT=%s",
+        role,
+        usable_cores(),
+        torch.get_num_threads(),
+        os.environ.get("OMP_NUM_THREADS", "unset"),
+        os.environ.get("OMP_WAIT_POLICY", "unset"),
+        os.environ.get("GOMP_SPINCOUNT", "unset"),
+    )

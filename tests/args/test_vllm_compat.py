@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
+from kvserve.args.engine_args import EngineArgs
+from kvserve.args.vllm_compat import IGNORED_ARGS, VllmCompatArgs
 from kvserve.config import CacheConfig, ParallelConfig
-from kvserve.engine.arg_utils import EngineArgs
 from kvserve.engine.input_processor import InputProcessor
-from kvserve.engine.vllm_compat_args import IGNORED_ARGS, VllmCompatArgs
 from kvserve.sampling_params import SamplingParams
 from kvserve.utils.memory import available_memory_bytes
 
@@ -34,7 +34,7 @@ def test_every_ignored_name_is_a_field_and_in_the_docs_table() -> None:
 
 
 def test_no_op_arguments_are_logged_by_name(caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.WARNING, logger="kvserve.engine.vllm_compat_args"):
+    with caplog.at_level(logging.WARNING, logger="kvserve.args.vllm_compat"):
         EngineArgs(
             enforce_eager=True, swap_space=4, cpu_offload_gb=2, compilation_config={"level": 3}
         ).create_engine_config()
@@ -43,7 +43,7 @@ def test_no_op_arguments_are_logged_by_name(caplog: pytest.LogCaptureFixture) ->
         assert name in text
     assert text.count("GPU-only") == 4
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="kvserve.engine.vllm_compat_args"):
+    with caplog.at_level(logging.WARNING, logger="kvserve.args.vllm_compat"):
         EngineArgs().create_engine_config()
     assert not caplog.text, "arguments left unset are not logged"
 

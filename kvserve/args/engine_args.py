@@ -9,6 +9,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from kvserve.args.mm_args import MultiModalArgs, add_mm_cli_args
+from kvserve.args.vllm_compat import VllmCompatArgs
 from kvserve.config import (
     DEFAULT_MODEL,
     KV_CACHE_DTYPES,
@@ -27,8 +29,6 @@ from kvserve.config import (
     StructuredOutputsConfig,
     dataclass_from_json,
 )
-from kvserve.engine.mm_args import MultiModalArgs, add_mm_cli_args
-from kvserve.engine.vllm_compat_args import VllmCompatArgs
 from kvserve.pooling_params import PoolerConfig
 from kvserve.transformers_utils.local_model import locate_model
 

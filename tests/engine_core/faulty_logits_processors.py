@@ -11,8 +11,8 @@ import torch
 from kvserve.sample.logits_processor import RowStateLogitsProcessor
 from kvserve.sampling_params import SamplingParams
 
-FORCE_TOKEN = "tests.engine.faulty_logits_processors:ForceTokenLogitsProcessor"
-EXCLUSIVE_SLOT = "tests.engine.faulty_logits_processors:ExclusiveSlotLogitsProcessor"
+FORCE_TOKEN = "tests.engine_core.faulty_logits_processors:ForceTokenLogitsProcessor"
+EXCLUSIVE_SLOT = "tests.engine_core.faulty_logits_processors:ExclusiveSlotLogitsProcessor"
 
 
 class ForceTokenLogitsProcessor(RowStateLogitsProcessor[int]):

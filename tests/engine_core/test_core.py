@@ -15,10 +15,10 @@ import pytest
 
 from kvserve.core.request import Request
 from kvserve.core.sched.failure_isolator import MAX_UNATTRIBUTED_STEP_FAILURES
-from kvserve.engine.core import EngineCore
+from kvserve.engine_core.core import EngineCore
 from kvserve.protocol.engine_core import EngineCoreOutput, EngineCoreRequest, FinishReason
 from kvserve.sampling_params import SamplingParams
-from tests.engine.test_core_proc import make_request
+from tests.engine_core.test_core_proc import make_request
 
 PROMPT = list(range(1000, 1020))
 

@@ -8,8 +8,8 @@ import json
 
 import pytest
 
+from kvserve.args.engine_args import EngineArgs
 from kvserve.config import ECTransferConfig, MultiModalConfig
-from kvserve.engine.arg_utils import EngineArgs
 
 
 def test_cli_flags_make_the_config() -> None:

@@ -14,10 +14,12 @@ from pathlib import Path
 import msgspec
 import pytest
 
+from kvserve.args.engine_args import EngineArgs
 from kvserve.engine import core_launcher
-from kvserve.engine.arg_utils import EngineArgs
 from kvserve.engine.core_launcher import prestart_engine_core
-from kvserve.engine.core_proc import (
+from kvserve.engine.exceptions import EngineDeadError
+from kvserve.engine.mp_client import SyncMPClient
+from kvserve.protocol.core_messages import (
     AbortRequestsMessage,
     AddRequestMessage,
     InputMessage,
@@ -25,8 +27,6 @@ from kvserve.engine.core_proc import (
     OutputsMessage,
     UtilityCallMessage,
 )
-from kvserve.engine.exceptions import EngineDeadError
-from kvserve.engine.mp_client import SyncMPClient
 from kvserve.protocol.engine_core import (
     EngineCoreOutput,
     EngineCoreOutputs,

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from kvserve.args.engine_args import EngineArgs, parse_bytes
 from kvserve.config import KVTransferConfig
-from kvserve.engine.arg_utils import EngineArgs, parse_bytes
 
 
 def parse(argv: list[str]) -> EngineArgs:
@@ -93,7 +93,7 @@ def test_unknown_keyword_is_rejected() -> None:
 
 
 def test_logits_processors_load_by_name_and_bad_names_fail_naming_the_field() -> None:
-    from tests.engine.faulty_logits_processors import FORCE_TOKEN, ForceTokenLogitsProcessor
+    from tests.engine_core.faulty_logits_processors import FORCE_TOKEN, ForceTokenLogitsProcessor
 
     config = parse(["--logits-processors", FORCE_TOKEN]).create_engine_config()
     assert config.model_config.logits_processors == (FORCE_TOKEN,)
@@ -103,8 +103,8 @@ def test_logits_processors_load_by_name_and_bad_names_fail_naming_the_field() ->
         ForceTokenLogitsProcessor,
     )
     for bad, why in [
-        ("tests.engine.no_such_module:Processor", "cannot load"),
-        ("tests.engine.faulty_logits_processors:NoSuchClass", "cannot load"),
+        ("tests.engine_core.no_such_module:Processor", "cannot load"),
+        ("tests.engine_core.faulty_logits_processors:NoSuchClass", "cannot load"),
         ("torch:Tensor", "not a subclass"),
         ("Processor", "is not 'package.module:Class'"),
     ]:

@@ -10,8 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from kvserve.engine.arg_utils import EngineArgs
-from kvserve.engine.core import EngineCore
+from kvserve.args.engine_args import EngineArgs
+from kvserve.engine_core.core import EngineCore
 from tests.entrypoints.test_llm_tiny_models import build_model
 
 

@@ -1,6 +1,6 @@
-"""The one step loop (engine/batch_queue.py): a plain step is a batch queue of depth 1.
+"""The one step loop (engine_core/batch_queue.py): a plain step is a batch queue of depth 1.
 
-On a tiny random Llama (tests/engine/builders.py): every step() of a depth-1 core sends
+On a tiny random Llama (tests/engine_core/builders.py): every step() of a depth-1 core sends
 one step and applies it in the same call, the queue is empty between calls, and the
 greedy tokens, chunked prefill included, are HF's.
 """
@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 
-from kvserve.engine.core import EngineCore
-from tests.engine.builders import tiny_engine_core, tiny_llama
-from tests.engine.test_core_proc import make_request
+from kvserve.engine_core.core import EngineCore
+from tests.engine_core.builders import tiny_engine_core, tiny_llama
+from tests.engine_core.test_core_proc import make_request
 from tests.entrypoints.test_llm_tiny_models import hf_greedy
 
 PROMPTS = [list(range(5, 29)), list(range(40, 47))]  # 24 tokens: two 16-token chunks

@@ -1,0 +1,175 @@
+"""kvserve's own child processes: the engine core (its client spawns it) and the TP/PP
+workers (MultiprocExecutor spawns them, or Ray's actors host them).
+
+One place for the three things both get wrong the same way when written twice: how a
+child starts (the spawn context, OpenMP's settings in its environment, a daemon parent
+allowed daemon children), how its parent waits for its first message while watching
+it die (so a child that crashes at start is reported at once with its exit code, not
+when a timeout runs out), and what shutdown releases (sockets, pipes, a reader thread,
+the processes, their socket folder), once, from a finalizer that holds no client.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import shutil
+import socket
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection, wait
+from multiprocessing.process import BaseProcess
+from typing import Any
+
+import zmq
+
+from kvserve.utils.threads import child_thread_environment
+
+# A child's start-up error is raised again in its parent with its own type when it is
+# one of these (what a bad config or a missing file raises); anything else as RuntimeError.
+STARTUP_ERROR_TYPES: dict[str, type[Exception]] = {
+    t.__name__: t
+    for t in (ValueError, TypeError, NotImplementedError, FileNotFoundError, MemoryError, OSError)
+}
+
+
+def startup_error(error_type: str | None, message: str) -> Exception:
+    """The exception a child reported at start-up, as its parent raises it."""
+    return STARTUP_ERROR_TYPES.get(error_type or "", RuntimeError)(message)
+
+
+def spawn(
+    target: Callable[..., object],
+    args: tuple[Any, ...],
+    name: str,
+    num_threads: int | None = None,
+) -> BaseProcess:
+    """Starts ``target(*args)`` in a fresh interpreter, as a daemon (it never outlives
+    us). ``num_threads``: its OpenMP thread count (a worker's share of the cores);
+    None, the machine's choice."""
+    proc = multiprocessing.get_context("spawn").Process(
+        target=target, args=args, name=name, daemon=True
+    )
+    with child_thread_environment(), _omp_threads(num_threads), _children_allowed():
+        proc.start()
+    return proc
+
+
+def pipe() -> tuple[Connection, Connection]:
+    """(reader, writer): a one-way pipe a spawned child can inherit."""
+    reader, writer = multiprocessing.get_context("spawn").Pipe(duplex=False)
+    return reader, writer
+
+
+def wait_for_handshake(
+    reader: Connection, proc: BaseProcess, timeout: float | None, who: str
+) -> bytes:
+    """The child's first message (closing ``reader``); raises TimeoutError if none came
+    in ``timeout`` s while it lives, RuntimeError with its exit code if it died first."""
+    closed_by_child = False
+    try:
+        wait([reader, proc.sentinel], timeout)
+        data = reader.recv_bytes() if reader.poll() else b""
+    except EOFError:  # its end closed as it exits, maybe a moment before the sentinel
+        data, closed_by_child = b"", True
+    finally:
+        reader.close()
+    if data:
+        return data
+    proc.join(5 if closed_by_child else 0)
+    if proc.is_alive():
+        raise TimeoutError(f"{who} did not start within {timeout} s")
+    raise RuntimeError(
+        f"{who} exited during startup (exit code {proc.exitcode}); see its log above"
+    )
+
+
+def stop(procs: list[BaseProcess], grace_s: float = 3.0) -> None:
+    """SIGTERM, then SIGKILL for whatever outlives ``grace_s``."""
+    for proc in procs:
+        if proc.is_alive():
+            proc.terminate()
+    for proc in procs:
+        proc.join(grace_s)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(1)
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class ChildResources:
+    """What a parent releases at shutdown: a weakref.finalize target, so it holds no
+    client or executor (they can be collected while it waits)."""
+
+    ctx: zmq.Context[Any]
+    sockets: list[zmq.Socket[Any]] = field(default_factory=list)
+    procs: list[BaseProcess] = field(default_factory=list)
+    tmpdir: str | None = None
+    fds: list[int] = field(default_factory=list)
+    # A thread reading the sockets, woken through ``wake_fd`` before they close.
+    thread: threading.Thread | None = None
+    wake_fd: int | None = None
+    # Children told to exit (a shutdown message) get this long before SIGTERM...
+    exit_grace_s: float = 0.0
+    # ... and this long after it, before SIGKILL.
+    stop_grace_s: float = 3.0
+    closed: bool = False
+
+    def __call__(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        if self.thread is not None and self.wake_fd is not None:
+            os.write(self.wake_fd, b"x")
+            if self.thread is not threading.current_thread():
+                self.thread.join(5)
+        if self.exit_grace_s:
+            for proc in self.procs:
+                proc.join(self.exit_grace_s)
+        stop(self.procs, self.stop_grace_s)
+        for sock in self.sockets:
+            sock.close(linger=0)
+        self.ctx.term()
+        for fd in self.fds:
+            os.close(fd)
+        if self.tmpdir is not None:
+            shutil.rmtree(self.tmpdir, ignore_errors=True)
+
+
+@contextmanager
+def _omp_threads(num_threads: int | None) -> Iterator[None]:
+    if num_threads is None:
+        yield
+        return
+    saved = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = str(num_threads)
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+        else:
+            os.environ["OMP_NUM_THREADS"] = saved
+
+
+@contextmanager
+def _children_allowed() -> Iterator[None]:
+    """The engine core runs as a daemon process (so it never outlives its client), and
+    multiprocessing refuses daemons children. Ours are daemons too, watched by their
+    parent and stopped at its shutdown, so the rule's concern (orphans) is met here."""
+    config = multiprocessing.current_process()._config  # type: ignore[attr-defined]
+    was_daemon = config.get("daemon", False)
+    config["daemon"] = False
+    try:
+        yield
+    finally:
+        config["daemon"] = was_daemon

@@ -1,0 +1,95 @@
+"""kvserve's child processes (utils/processes.py): start, hand-shake, clean-up, with real
+spawned interpreters."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from multiprocessing.connection import Connection
+
+import pytest
+import zmq
+
+from kvserve.utils.processes import (
+    ChildResources,
+    pipe,
+    spawn,
+    startup_error,
+    stop,
+    wait_for_handshake,
+)
+
+
+def _say_ready(writer: Connection) -> None:
+    writer.send_bytes(os.environ["OMP_NUM_THREADS"].encode())
+    time.sleep(60)  # stays up until stopped
+
+
+def _die_at_start(writer: Connection) -> None:
+    sys.exit(3)
+
+
+def _never_answer(writer: Connection) -> None:
+    time.sleep(60)
+
+
+def test_the_handshake_carries_the_child_message_and_its_thread_share() -> None:
+    before = os.environ.get("OMP_NUM_THREADS")
+    reader, writer = pipe()
+    proc = spawn(_say_ready, (writer,), "Ready", num_threads=1)
+    writer.close()
+    try:
+        assert wait_for_handshake(reader, proc, 60, "ready child") == b"1"
+        assert reader.closed
+        assert os.environ.get("OMP_NUM_THREADS") == before  # only the child's environment
+    finally:
+        stop([proc])
+    assert not proc.is_alive()
+
+
+def test_a_child_that_dies_at_start_is_reported_at_once_with_its_exit_code() -> None:
+    reader, writer = pipe()
+    proc = spawn(_die_at_start, (writer,), "Dies")
+    writer.close()
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"dying child exited during startup \(exit code 3\)"):
+        wait_for_handshake(reader, proc, 600, "dying child")
+    assert time.monotonic() - started < 60  # not the 600 s timeout
+
+
+def test_a_silent_child_times_out_and_is_stopped() -> None:
+    reader, writer = pipe()
+    proc = spawn(_never_answer, (writer,), "Silent")
+    writer.close()
+    with pytest.raises(TimeoutError, match=r"silent child did not start within 0\.5 s"):
+        wait_for_handshake(reader, proc, 0.5, "silent child")
+    stop([proc], grace_s=5)
+    assert proc.exitcode is not None
+
+
+def test_startup_errors_keep_their_type_where_the_caller_can_act_on_it() -> None:
+    error = startup_error("ValueError", "bad flag")
+    assert type(error) is ValueError and str(error) == "bad flag"
+    assert type(startup_error("KeyError", "x")) is RuntimeError
+    assert type(startup_error(None, "x")) is RuntimeError
+
+
+def test_child_resources_release_everything_once(tmp_path: object) -> None:
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    sock = ctx.socket(zmq.PULL)
+    sock.bind("tcp://127.0.0.1:*")
+    reader, writer = pipe()
+    proc = spawn(_say_ready, (writer,), "Ready")
+    writer.close()
+    wait_for_handshake(reader, proc, 60, "ready child")
+    r, w = os.pipe()
+    tmpdir = str(tmp_path) + "/sockets"
+    os.mkdir(tmpdir)
+    resources = ChildResources(ctx, [sock], [proc], tmpdir=tmpdir, fds=[r, w])
+    resources()
+    resources()  # a second call (the finalizer after an explicit shutdown) does nothing
+    assert not proc.is_alive() and sock.closed and ctx.closed
+    assert not os.path.exists(tmpdir)
+    with pytest.raises(OSError):
+        os.fstat(r)
