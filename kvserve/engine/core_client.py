@@ -5,10 +5,13 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING
 
 from kvserve.config import EngineConfig
 from kvserve.protocol.engine_core import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
+
+if TYPE_CHECKING:
+    from kvserve.executor.abstract import Executor
 
 
 class EngineCoreClient(ABC):
@@ -53,14 +56,9 @@ class EngineCoreClient(ABC):
     def reset_prefix_cache(self) -> bool: ...
 
     @abstractmethod
-    def collective_rpc(
-        self,
-        method: str | Callable[..., Any],
-        timeout: float | None,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any] | None,
-    ) -> list[Any]:
-        """Calls ``method`` on every worker, between steps."""
+    def in_process_executor(self) -> Executor:
+        """The core's executor, for collective_rpc: only a core in this process has one
+        to give (ValueError otherwise)."""
 
     @abstractmethod
     def shutdown(self) -> None: ...

@@ -3,13 +3,15 @@ process, no sockets; each get_output() is one step."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING
 
 from kvserve.config import EngineConfig
 from kvserve.engine.core_client import EngineCoreClient
 from kvserve.engine_core.core import EngineCore
 from kvserve.protocol.engine_core import EngineCoreOutputs, EngineCoreRequest
+
+if TYPE_CHECKING:
+    from kvserve.executor.abstract import Executor
 
 
 class InprocClient(EngineCoreClient):
@@ -33,16 +35,9 @@ class InprocClient(EngineCoreClient):
     def reset_prefix_cache(self) -> bool:
         return self.engine_core.reset_prefix_cache()
 
-    def collective_rpc(
-        self,
-        method: str | Callable[..., Any],
-        timeout: float | None,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any] | None,
-    ) -> list[Any]:
-        # Between steps: this thread runs both the steps and this call.
-        executor = self.engine_core.model_executor
-        return list(executor.collective_rpc(method, timeout, args, kwargs))
+    def in_process_executor(self) -> Executor:
+        # Called between steps: this thread runs both the steps and the call.
+        return self.engine_core.model_executor
 
     def shutdown(self) -> None:
         self.engine_core.shutdown()

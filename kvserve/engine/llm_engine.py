@@ -121,7 +121,8 @@ class LLMEngine:
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> list[Any]:
-        return self.engine_core.collective_rpc(method, timeout, args, kwargs)
+        executor = self.engine_core.in_process_executor()
+        return list(executor.collective_rpc(method, timeout, args, kwargs))
 
     def shutdown(self) -> None:
         self.engine_core.shutdown()

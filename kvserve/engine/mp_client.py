@@ -22,7 +22,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from concurrent.futures import Future
 from multiprocessing.process import BaseProcess
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import msgspec
 import zmq
@@ -47,6 +47,9 @@ from kvserve.protocol.core_messages import (
 from kvserve.protocol.engine_core import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 from kvserve.utils.processes import ChildResources, startup_error, wait_for_handshake
 from kvserve.utils.startup import log_phase
+
+if TYPE_CHECKING:
+    from kvserve.executor.abstract import Executor
 
 logger = logging.getLogger(__name__)
 
@@ -286,13 +289,7 @@ class SyncMPClient(MPClient, EngineCoreClient):
     def get_stats(self) -> SchedulerStats:
         return msgspec.convert(self.call_utility("get_stats"), SchedulerStats)
 
-    def collective_rpc(
-        self,
-        method: str | Callable[..., Any],
-        timeout: float | None,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any] | None,
-    ) -> list[Any]:
+    def in_process_executor(self) -> Executor:
         # A callable and arbitrary arguments reach another process only as pickles,
         # which kvserve never sends.
         raise ValueError(
