@@ -3,7 +3,8 @@ over the paged KV cache and samples (the two-phase execute_model / sample_tokens
 
 Composed, as vLLM's v2 model runner, of components that each own their state: the
 request-state table (the one writer of sampled tokens), the KV connector, spec decode,
-the encoder runner, the logits runner, LoRA and, for a pooling model, the prompt pooler.
+the encoder runner, the logits runner, LoRA and the output head (logits to sample, or
+a pooling model's prompt pooler).
 A feature that is off is a no-op component, not a branch.
 """
 
@@ -46,7 +47,7 @@ from kvserve.worker.kv_cache_specs import make_kv_cache_spec, zeroed_tensor
 from kvserve.worker.kv_connector import NO_OP_KV_CONNECTOR, KVConnector, get_kv_connector
 from kvserve.worker.logits_runner import LogitsRunner
 from kvserve.worker.lora_runner import ActiveLoRARunner, LoRARunner
-from kvserve.worker.prompt_pooler import PromptPooler
+from kvserve.worker.output_head import make_output_head
 from kvserve.worker.request_states import KeepsRequestState, RequestStates
 from kvserve.worker.spec_decode_runner import make_spec_decode_runner
 from kvserve.worker.thread_governor import StepThreadGovernor
@@ -107,12 +108,9 @@ class ModelRunner:
         )
         self.sampler = Sampler()
         self.logits_runner = LogitsRunner(self.vocab_size)
-        # The pooling runner returns vectors instead of sampling (None: generate).
-        self.prompt_pooler = (
-            PromptPooler(model_config.pooler_config)
-            if model_config.is_pooling and model_config.pooler_config is not None
-            else None
-        )
+        # A pooling model returns vectors instead of sampling; an earlier pipeline stage
+        # returns neither (its hidden states go on to the next stage).
+        self.output_head = make_output_head(model_config, self.is_last_stage)
         self.execute_model_state: ExecuteModelState | None = None
         # The proposer and the RejectionSampler (a no-op without speculative_config).
         self.spec_decode = make_spec_decode_runner(config, self.device)
@@ -125,9 +123,9 @@ class ModelRunner:
         self.kv_connector_runner: KVConnector = NO_OP_KV_CONNECTOR
         # Everything that keeps per-request state forgets finished requests through this.
         self._request_owners: list[KeepsRequestState] = [
-            owner
-            for owner in (self.requests, self.drafter, self.prompt_pooler)
-            if owner is not None
+            self.requests,
+            self.drafter,
+            self.output_head,
         ]
 
     @property
@@ -337,21 +335,14 @@ class ModelRunner:
             kv_connector.step(scheduler_output) as kv_output,
         ):
             hidden_states = self.model(inputs.input_ids, inputs.positions, **mm_kwargs)
-        logits = None
-        num_sample = len(inputs.sample_rows)
-        pooler_output: dict[str, list[float]] = {}
-        if not self.is_last_stage:
-            pass  # an earlier pipeline stage: its output went to the next stage
-        elif self.prompt_pooler is not None:
-            pooler_output = self.prompt_pooler.pool_step(hidden_states, batch, inputs)
-        elif spec_metadata is not None:
-            logits = self.model.compute_logits(hidden_states[spec_metadata.logits_indices])
-        elif num_sample == scheduler_output.total_num_scheduled_tokens:
-            # One token per row and every row samples (pure decode): the rows are the
-            # logits rows already, no gather needed.
-            logits = self.model.compute_logits(hidden_states)
-        elif num_sample:
-            logits = self.model.compute_logits(hidden_states[inputs.logits_indices])
+        logits, pooler_output = self.output_head.compute(
+            self.model,
+            hidden_states,
+            batch,
+            inputs,
+            spec_metadata,
+            scheduler_output.total_num_scheduled_tokens,
+        )
         if self.device.type == "cuda":
             # Kernels run asynchronously: without this the forward's time would show up in
             # sampling, whose .cpu() waits for it moments later anyway.

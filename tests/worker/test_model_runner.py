@@ -24,6 +24,7 @@ from kvserve.protocol.scheduler_output import (
 from kvserve.sampling_params import SamplingParams
 from kvserve.utils.huge_pages import HUGE_PAGE_BYTES, anon_huge_bytes, live_regions, thp_enabled
 from kvserve.worker.model_runner import ModelRunner
+from kvserve.worker.output_head import PoolingHead
 
 BLOCK_SIZE = 4
 
@@ -268,19 +269,20 @@ def test_aborted_pooling_requests_leave_no_pooler_state(
     both partial folds, not only the last one and not only when a drafter exists."""
     path, _ = tiny
     runner = _make_runner(path, runner="pooling", pooler_config=PoolerConfig("MEAN"))
-    assert runner.prompt_pooler is not None
+    head = runner.output_head
+    assert isinstance(head, PoolingHead)
     sched = HandScheduler(runner)
     for req_id in ("p", "q"):
         sched.reqs[req_id] = ReqTrack(list(range(3, 13)), SamplingParams(temperature=0.0))
     out = sched.step({"p": 4, "q": 4})
     assert out.pooler_output == {}
-    assert runner.prompt_pooler.pending_req_ids() == {"p", "q"}
+    assert head.prompt_pooler.pending_req_ids() == {"p", "q"}
     runner.execute_model(
         SchedulerOutput([], CachedRequestData(), {}, 0, finished_req_ids={"p", "q"})
     )
     runner.sample_tokens()
     assert "p" not in runner.requests and "q" not in runner.requests
-    assert runner.prompt_pooler.pending_req_ids() == set()
+    assert head.prompt_pooler.pending_req_ids() == set()
 
 
 def test_default_model_weights_and_kv_cache_sit_on_huge_pages(llm: Any) -> None:
