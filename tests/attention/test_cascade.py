@@ -233,12 +233,14 @@ def test_builder_clamps_and_declines() -> None:
 def test_shared_prefix_batch_same_tokens_with_and_without_cascade(
     llm: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """32 requests sharing a 1,000-token prefix, each with its own question, greedy, 16
-    tokens: forced into the cascade path, every decode step takes it (recorded from the
-    real builder) and the tokens equal those of the same batch attended row by row (the
-    cost rule's choice for it) and HF's for the last request. The engine option that turns
-    cascade off is compared in tests/benchmarks/test_cascade.py."""
-    prompts = shared_prefix_prompts(llm.get_tokenizer(), 32, 1000)
+    """16 requests sharing a 408-token prefix (past MIN_COMMON_PREFIX_LEN, with twice
+    MIN_DECODE_ROWS rows), each with its own question, greedy, 16 tokens: forced into the
+    cascade path, every decode step takes it (recorded from the real builder) and the
+    tokens equal those of the same batch attended row by row (the cost rule's choice for
+    it) and HF's for the last request. The engine option that turns cascade off is
+    compared in tests/benchmarks/test_cascade.py."""
+    num_requests, prefix_len = 2 * MIN_DECODE_ROWS, MIN_COMMON_PREFIX_LEN + 152
+    prompts = shared_prefix_prompts(llm.get_tokenizer(), num_requests, prefix_len)
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     requests: list[Any] = [{"prompt_token_ids": p} for p in prompts]
 
@@ -259,15 +261,16 @@ def test_shared_prefix_batch_same_tokens_with_and_without_cascade(
     monkeypatch.setattr(builder, "build", recording_build)
     with forced():
         on = generate()
-    # 15 decode steps for 16 tokens, all of them over the prefix's 62 whole blocks.
-    assert prefix_lens.count(992) >= 15
+    # 15 decode steps for 16 tokens, all of them over the prefix's whole blocks.
+    block_size = builder.block_size
+    assert prefix_lens.count(prefix_len // block_size * block_size) >= 15
     prefix_lens.clear()
     off = generate()
     # The cost rule leaves this batch to the C++ kernel, row by row.
     assert not any(prefix_lens) or not ops.available()
     monkeypatch.undo()
     assert on == off
-    assert on[31] == hf_reference().greedy(prompts[31], 16)
+    assert on[-1] == hf_reference().greedy(prompts[-1], 16)
     assert_no_leak(llm)
 
 

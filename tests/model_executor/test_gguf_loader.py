@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType
-from transformers import AutoModelForCausalLM
 
 from kvserve.attention.backends.registry import get_attn_backend
 from kvserve.attention.backends.utils import make_common_attn_metadata
@@ -21,6 +20,7 @@ from kvserve.transformers_utils.arch_config import load_arch_config
 from kvserve.transformers_utils.model_resolver import resolve_model
 from kvserve.transformers_utils.tokenizer import get_tokenizer
 from tests.model_executor.conftest import gguf_writer
+from tests.reference import hf_reference
 
 _HF_TO_GGUF = {
     "input_layernorm": "attn_norm",
@@ -129,10 +129,7 @@ def test_smollm2_gguf_matches_transformers() -> None:
     with torch.no_grad(), set_forward_context(metadata):
         logits = model.compute_logits(model(torch.tensor(ids), torch.arange(len(ids))))
 
-    gguf_path = Path(resolved.path)
-    hf = AutoModelForCausalLM.from_pretrained(
-        str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32
-    )
+    hf = hf_reference().model  # transformers' own GGUF loader, float32
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits[0]
     torch.testing.assert_close(logits, ref, atol=1e-3, rtol=0)

@@ -119,7 +119,7 @@ def hf_greedy(
     extra = {}
     if images:
         extra = {"pixel_values": inputs["pixel_values"], "token_type_ids": inputs["token_type_ids"]}
-    out = model(input_ids=ids, use_cache=True, **extra)
+    out = model(input_ids=ids, use_cache=True, logits_to_keep=1, **extra)
     cache, tokens = out.past_key_values, [int(out.logits[0, -1].argmax())]
     while len(tokens) < max_tokens:
         out = model(input_ids=torch.tensor([tokens[-1:]]), cache=cache, use_cache=True)
