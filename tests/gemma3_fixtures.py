@@ -16,8 +16,8 @@ from typing import Any
 import pytest
 import torch
 
+from kvserve.benchmarks.peers_hf import one_gguf_parse
 from tests.engine_cache import EngineCache, engine_cache
-from tests.reference import one_gguf_parse
 
 GEMMA3 = "gemma-3-270m"
 GEMMA3_MAX_TOKENS = 32

@@ -2,41 +2,14 @@
 
 from __future__ import annotations
 
-import contextlib
 import functools
-from collections.abc import Iterator
 from typing import Any
 
-import gguf
 import torch
 
+from kvserve.benchmarks.peers_hf import one_gguf_parse
 from kvserve.benchmarks.quant_accuracy import teacher_forced_agreement
 from kvserve.transformers_utils.model_resolver import resolve_model
-
-
-@contextlib.contextmanager
-def one_gguf_parse() -> Iterator[None]:
-    """transformers parses a GGUF's metadata once for the tokenizer, once for the config
-    and once for the weights (~7 s each for SmolLM2's vocabulary on these machines, ~20 s
-    for Gemma's 262k tokens), and builds the same tensor-name map once per module of the
-    model (~400 times, 8 s). Both are pure: the reader is a read-only memory map, the map
-    a function of the architecture and the layer count, so here each is made once."""
-    real_reader, real_name_map = gguf.GGUFReader, gguf.get_tensor_name_map
-    readers: dict[str, Any] = {}
-
-    def shared_reader(path: Any, *args: Any, **kwargs: Any) -> Any:
-        if args or kwargs:
-            return real_reader(path, *args, **kwargs)
-        if str(path) not in readers:
-            readers[str(path)] = real_reader(path)
-        return readers[str(path)]
-
-    gguf.GGUFReader = shared_reader
-    gguf.get_tensor_name_map = functools.cache(real_name_map)
-    try:
-        yield
-    finally:
-        gguf.GGUFReader, gguf.get_tensor_name_map = real_reader, real_name_map
 
 
 class HFReference:

@@ -8,12 +8,43 @@ length counts as output; the rest of the batch's tokens are the cost of static b
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
+from unittest import mock
 
 from tqdm.auto import tqdm
 
 from kvserve.benchmarks.peers_workloads import EngineResult, PeerRequest
+
+
+@contextlib.contextmanager
+def one_gguf_parse() -> Iterator[None]:
+    """transformers parses a GGUF's metadata once for the tokenizer, once for the config
+    and once for the weights (~7 s each for SmolLM2's vocabulary on these machines, ~20 s
+    for Gemma's 262k tokens), and builds the same tensor-name map once per module of the
+    model (~400 times, 8 s). Both are pure: the reader is a read-only memory map, the map
+    a function of the architecture and the layer count, so here each is made once."""
+    import gguf
+
+    real_reader, real_name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    readers: dict[str, Any] = {}
+
+    def shared_reader(path: Any, *args: Any, **kwargs: Any) -> Any:
+        if args or kwargs:
+            return real_reader(path, *args, **kwargs)
+        if str(path) not in readers:
+            readers[str(path)] = real_reader(path)
+        return readers[str(path)]
+
+    with (
+        mock.patch.object(gguf, "GGUFReader", shared_reader),
+        mock.patch.object(gguf, "get_tensor_name_map", functools.cache(real_name_map)),
+    ):
+        yield
 
 
 class HFPeer:
@@ -24,9 +55,10 @@ class HFPeer:
         from transformers import AutoModelForCausalLM
 
         path = Path(gguf_path)
-        self.model = AutoModelForCausalLM.from_pretrained(
-            path.parent, gguf_file=path.name, dtype=torch.float32
-        ).eval()
+        with one_gguf_parse():
+            self.model = AutoModelForCausalLM.from_pretrained(
+                path.parent, gguf_file=path.name, dtype=torch.float32
+            ).eval()
         eos = self.model.generation_config.eos_token_id
         eos_ids = eos if isinstance(eos, list) else [eos]
         self.pad_id = int(self.model.generation_config.pad_token_id or eos_ids[0] or 0)
