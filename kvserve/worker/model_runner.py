@@ -336,12 +336,7 @@ class ModelRunner:
         ):
             hidden_states = self.model(inputs.input_ids, inputs.positions, **mm_kwargs)
         logits, pooler_output = self.output_head.compute(
-            self.model,
-            hidden_states,
-            batch,
-            inputs,
-            spec_metadata,
-            scheduler_output.total_num_scheduled_tokens,
+            self.model, hidden_states, batch, inputs, spec_metadata
         )
         if self.device.type == "cuda":
             # Kernels run asynchronously: without this the forward's time would show up in

@@ -36,7 +36,6 @@ class OutputHead(ABC):
         batch: InputBatch,
         inputs: StepInputs,
         spec_metadata: SpecDecodeMetadata | None,
-        total_num_scheduled_tokens: int,
     ) -> HeadOutput:
         """The logits are ``[S, V]``, one row per sampling row, or, in a step with drafts,
         the rows ``spec_metadata.logits_indices`` names; None when no row samples."""
@@ -57,7 +56,6 @@ class IntermediateStageHead(OutputHead):
         batch: InputBatch,
         inputs: StepInputs,
         spec_metadata: SpecDecodeMetadata | None,
-        total_num_scheduled_tokens: int,
     ) -> HeadOutput:
         return None, {}
 
@@ -76,12 +74,11 @@ class LogitsHead(OutputHead):
         batch: InputBatch,
         inputs: StepInputs,
         spec_metadata: SpecDecodeMetadata | None,
-        total_num_scheduled_tokens: int,
     ) -> HeadOutput:
         if spec_metadata is not None:
             return model.compute_logits(hidden_states[spec_metadata.logits_indices]), {}
         num_sample = len(inputs.sample_rows)
-        if num_sample == total_num_scheduled_tokens:
+        if num_sample == len(hidden_states):
             # One token per row and every row samples (pure decode): the rows are the
             # logits rows already, and a gather would only copy them.
             return model.compute_logits(hidden_states), {}
@@ -107,7 +104,6 @@ class PoolingHead(OutputHead):
         batch: InputBatch,
         inputs: StepInputs,
         spec_metadata: SpecDecodeMetadata | None,
-        total_num_scheduled_tokens: int,
     ) -> HeadOutput:
         return None, self.prompt_pooler.pool_step(hidden_states, batch, inputs)
 

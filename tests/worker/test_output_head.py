@@ -57,7 +57,7 @@ def test_pure_decode_projects_every_row(lm_head: ParallelLMHead) -> None:
     batch = _batch([[9], [10]])
     inputs = _inputs(batch, {"r0": 1, "r1": 1})
     hidden = torch.randn(2, HIDDEN)
-    logits, pooled = LogitsHead().compute(lm_head, hidden, batch, inputs, None, 2)
+    logits, pooled = LogitsHead().compute(lm_head, hidden, batch, inputs, None)
     assert logits is not None and pooled == {}
     torch.testing.assert_close(logits, hidden @ lm_head.weight.T)
 
@@ -67,7 +67,7 @@ def test_prefill_projects_only_the_rows_that_sample(lm_head: ParallelLMHead) -> 
     batch = _batch([[], []])
     inputs = _inputs(batch, {"r0": 2, "r1": 4})
     hidden = torch.randn(6, HIDDEN)
-    logits, pooled = LogitsHead().compute(lm_head, hidden, batch, inputs, None, 6)
+    logits, pooled = LogitsHead().compute(lm_head, hidden, batch, inputs, None)
     assert logits is not None and pooled == {}
     assert logits.shape == (1, VOCAB)
     torch.testing.assert_close(logits[0], lm_head.weight @ hidden[5])
@@ -76,7 +76,7 @@ def test_prefill_projects_only_the_rows_that_sample(lm_head: ParallelLMHead) -> 
 def test_no_sampling_row_gives_no_logits(lm_head: ParallelLMHead) -> None:
     batch = _batch([[], []])
     inputs = _inputs(batch, {"r0": 2, "r1": 3})
-    logits, pooled = LogitsHead().compute(lm_head, torch.randn(5, HIDDEN), batch, inputs, None, 5)
+    logits, pooled = LogitsHead().compute(lm_head, torch.randn(5, HIDDEN), batch, inputs, None)
     assert logits is None and pooled == {}
 
 
@@ -86,7 +86,7 @@ def test_drafts_project_the_rows_the_spec_metadata_names(lm_head: ParallelLMHead
     inputs = _inputs(batch, {"r0": 3})
     spec = SpecDecodeMetadata.make([[7, 8]], np.array([2]), CPU)
     hidden = torch.randn(3, HIDDEN)
-    logits, pooled = LogitsHead().compute(lm_head, hidden, batch, inputs, spec, 3)
+    logits, pooled = LogitsHead().compute(lm_head, hidden, batch, inputs, spec)
     assert logits is not None and pooled == {}
     torch.testing.assert_close(logits, hidden @ lm_head.weight.T)
     # Not only the one sampling row's last position, as without drafts.
@@ -100,7 +100,7 @@ def test_pooling_head_returns_finished_prompts_and_forgets_aborted_folds(
     batch = _batch([[], []])
     hidden = torch.randn(6, HIDDEN)
     logits, pooled = head.compute(
-        lm_head, hidden[:4], batch, _inputs(batch, {"r0": 2, "r1": 2}), None, 4
+        lm_head, hidden[:4], batch, _inputs(batch, {"r0": 2, "r1": 2}), None
     )
     assert logits is None and pooled == {}
     assert head.prompt_pooler.pending_req_ids() == {"r0", "r1"}
@@ -109,7 +109,7 @@ def test_pooling_head_returns_finished_prompts_and_forgets_aborted_folds(
     assert head.prompt_pooler.pending_req_ids() == {"r0"}
     batch.remove_request("r1")
     batch.num_computed_tokens_cpu[0] = 2
-    logits, pooled = head.compute(lm_head, hidden[4:6], batch, _inputs(batch, {"r0": 2}), None, 2)
+    logits, pooled = head.compute(lm_head, hidden[4:6], batch, _inputs(batch, {"r0": 2}), None)
     assert logits is None and set(pooled) == {"r0"}
     expected = torch.cat([hidden[:2], hidden[4:6]]).mean(0)
     torch.testing.assert_close(torch.tensor(pooled["r0"]), expected)
@@ -120,7 +120,7 @@ def test_earlier_stage_returns_nothing_even_when_rows_sample(lm_head: ParallelLM
     batch = _batch([[9], [10]])
     inputs = _inputs(batch, {"r0": 1, "r1": 1})
     head = IntermediateStageHead()
-    assert head.compute(lm_head, torch.randn(2, HIDDEN), batch, inputs, None, 2) == (None, {})
+    assert head.compute(lm_head, torch.randn(2, HIDDEN), batch, inputs, None) == (None, {})
     head.remove_requests({"r0"})  # nothing kept, nothing to forget
 
 
