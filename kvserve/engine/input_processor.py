@@ -10,7 +10,7 @@ import jinja2
 import msgspec
 
 from kvserve.config import LoRAConfig, ModelConfig, MultiModalConfig, SchedulerConfig
-from kvserve.inputs import PromptType
+from kvserve.inputs import UNPAIRED_SURROGATE, PromptType, unpaired_surrogate_path
 from kvserve.lora.peft_config import read_peft_config
 from kvserve.lora.request import LoRARequest
 from kvserve.pooling_params import PoolingParams
@@ -189,6 +189,8 @@ class InputProcessor:
             raise ValueError("prompt is empty: a prompt needs at least one token")
         if self.tokenizer is None:
             raise ValueError("text prompts need a tokenizer; pass prompt_token_ids instead")
+        if unpaired_surrogate_path(text) is not None:
+            raise ValueError(f"prompt {UNPAIRED_SURROGATE}")
         return text, list(self.tokenizer.encode(text, add_special_tokens=True))
 
     def _validate_prompt(self, ids: list[int]) -> None:

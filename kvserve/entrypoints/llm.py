@@ -15,7 +15,7 @@ from kvserve.engine.chat_media import extract_chat_images, has_image_parts, medi
 from kvserve.engine.input_processor import apply_chat_template
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.entrypoints.llm_beam_search import run_beam_search
-from kvserve.inputs import PromptType
+from kvserve.inputs import UNPAIRED_SURROGATE, PromptType, unpaired_surrogate_path
 from kvserve.lora.request import LoRARequest
 from kvserve.metrics.reader import Metric
 from kvserve.outputs import (
@@ -197,6 +197,10 @@ class LLM:
         token_prompts: list[PromptType] = []
         policy = media_policy(self.llm_engine.config.multimodal_config)
         for conversation in conversations:
+            path = unpaired_surrogate_path(conversation)
+            if path is not None:
+                field = ".".join(str(part) for part in ("messages", *path))
+                raise ValueError(f"{field} {UNPAIRED_SURROGATE}")
             images: list[object] = []
             if has_image_parts(conversation):
                 conversation, images = extract_chat_images(list(conversation), policy)

@@ -65,10 +65,27 @@ class Sampler(torch.nn.Module):
         logits.div_(temperature.unsqueeze(1).to(logits.dtype))
         logits = _apply_processors(logits, metadata, _active(metadata.logitsprocs.argmax_invariant))
         logits = apply_top_k_top_p(logits, metadata.top_k, metadata.top_p)
-        sampled = random_sample(logits.softmax(dim=-1), metadata.generators)
+        sampled = random_sample(_softmax_of_defined(logits), metadata.generators)
         if greedy is None:
             return sampled
         return torch.where(is_greedy, greedy, sampled)
+
+
+def _softmax_of_defined(logits: torch.Tensor) -> torch.Tensor:
+    """The softmax, with rows it leaves undefined (NaN) given a distribution: a penalty or
+    temperature near zero overflows logits to inf (and inf - inf is NaN), whose limit is
+    the largest logits alone; a row with every token masked takes the whole vocabulary.
+    Sampling a NaN row would otherwise give an index past the vocabulary, which fails
+    the next step's embedding lookup."""
+    probs = logits.softmax(dim=-1)
+    undefined = probs[:, 0].isnan()  # a NaN anywhere makes the whole row NaN
+    if bool(undefined.any()):
+        rows = logits[undefined].nan_to_num(
+            nan=float("-inf"), posinf=torch.finfo(logits.dtype).max, neginf=float("-inf")
+        )
+        rows[rows.isneginf().all(dim=-1)] = 0.0
+        probs[undefined] = rows.softmax(dim=-1)
+    return probs
 
 
 def _active(procs: Sequence[LogitsProcessor]) -> list[LogitsProcessor]:

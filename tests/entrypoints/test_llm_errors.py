@@ -31,6 +31,12 @@ pytestmark = pytest.mark.slow
         (lambda llm: llm.generate(["ok", ""], use_tqdm=False), "empty"),
         (lambda llm: llm.generate("hi", priority=[1], use_tqdm=False), "priority"),
         (lambda llm: llm.chat([{"content": "no role"}], use_tqdm=False), "role"),
+        # A lone surrogate is a legal str but not text: the tokenizer would raise a TypeError.
+        (lambda llm: llm.generate("a\ud800b", use_tqdm=False), "prompt holds an unpaired"),
+        (
+            lambda llm: llm.chat([{"role": "user", "content": "\udc00"}], use_tqdm=False),
+            r"messages\.0\.content holds an unpaired",
+        ),
     ],
 )
 def test_bad_input_raises_and_engine_keeps_serving(llm: Any, make_call: Any, message: str) -> None:

@@ -188,3 +188,25 @@ def test_compute_prompt_logprobs() -> None:
     assert torch.equal(lp.selected_token_ranks, ranks)
     assert compute_prompt_logprobs(logits, targets, 0).logprobs.shape == (7, 1)
     assert compute_prompt_logprobs(logits, targets, -1).logprobs.shape == (7, V + 1)
+
+
+def test_overflowed_or_fully_masked_rows_still_sample_a_token_of_the_vocabulary() -> None:
+    """A repetition penalty of 5e-324 (a fuzzed request) divides positive logits to inf;
+    the softmax of such a row is NaN, whose inverse-CDF sample was the index V itself,
+    and the next step's embedding lookup failed. Its limit is the overflowed tokens
+    alone; a row with every token masked samples from the whole vocabulary."""
+    logits = torch.full((3, V), -1.0)
+    logits[0, [3, 7]] = float("inf")  # overflowed: 3 or 7, nothing else
+    logits[1, 5] = float("nan")  # undefined entry: dropped, the rest stays a distribution
+    logits[2] = float("-inf")  # nothing allowed
+    params = [SamplingParams(temperature=1.0, seed=s) for s in range(3)]
+    seen: list[set[int]] = [set(), set(), set()]
+    for draw in range(40):
+        batch = make_batch(params, seeds=[draw, draw + 100, draw + 200])
+        out = sample(batch, logits).sampled_token_ids.tolist()
+        for row, token in enumerate(out):
+            assert 0 <= token < V
+            seen[row].add(token)
+    assert seen[0] == {3, 7}
+    assert 5 not in seen[1] and len(seen[1]) > 5
+    assert len(seen[2]) > 5

@@ -13,8 +13,10 @@ from pydantic import (
     Field,
     SerializerFunctionWrapHandler,
     model_serializer,
+    model_validator,
 )
 from pydantic.types import StringConstraints
+from pydantic_core import InitErrorDetails, PydanticCustomError, ValidationError
 
 from kvserve.entrypoints.openai.protocol_structured import (
     ChatCompletionToolsParam,
@@ -23,6 +25,7 @@ from kvserve.entrypoints.openai.protocol_structured import (
     ToolCall,
     ToolChoice,
 )
+from kvserve.inputs import UNPAIRED_SURROGATE, unpaired_surrogate_path
 from kvserve.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 # vLLM's default cap on logprobs per position; also OpenAI's top_logprobs limit.
@@ -55,9 +58,23 @@ class OpenAIBaseModel(BaseModel):
 
 
 class OpenAIRequestModel(OpenAIBaseModel):
-    """A request body: numbers must be finite ("nan", "inf" and 1e999 are 400s)."""
+    """A request body: numbers must be finite ("nan", "inf" and 1e999 are 400s), and
+    strings must be text: an unpaired surrogate escape would otherwise reach the tokenizer,
+    which refuses it with an exception the client would see as a 500."""
 
     model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _strings_are_text(cls, data: Any) -> Any:
+        path = unpaired_surrogate_path(data)
+        if path is not None:
+            # Raised with the field's own location, so the 400 names it as for any field.
+            error = PydanticCustomError("value_error", UNPAIRED_SURROGATE)
+            raise ValidationError.from_exception_data(
+                cls.__name__, [InitErrorDetails(type=error, loc=path, input=data)]
+            )
+        return data
 
 
 class ErrorInfo(OpenAIBaseModel):

@@ -7,6 +7,7 @@ shape naming the field; after all of them the shared server still serves and is 
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import httpx
@@ -79,6 +80,45 @@ def test_invalid_field_is_a_400_naming_it(
     assert error["type"] == "BadRequestError" and error["code"] == 400
     assert error["param"] == param, error
     assert "Traceback" not in error["message"]
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param", "where"),
+    [
+        (CMPL, {"prompt": "a\ud800b"}, "prompt", "prompt"),
+        (
+            CHAT,
+            {"messages": [{"role": "user", "content": "\udc00"}]},
+            "messages",
+            "messages.0.content",
+        ),
+        (CHAT, {"messages": HI, "stop": ["ok", "\ud83d"]}, "stop", "stop.1"),
+    ],
+)
+def test_an_unpaired_surrogate_escape_is_a_400_naming_its_field(
+    server: RemoteServer, path: str, body: dict[str, Any], param: str, where: str
+) -> None:
+    """ "\\ud800" alone is legal JSON but not text: the tokenizer refused it with a 500."""
+    content = json.dumps({"max_tokens": 2, **body})  # ASCII: the escape goes on the wire
+    assert "\\u" in content
+    response = httpx.post(
+        server.url(path),
+        content=content,
+        headers={"Content-Type": "application/json"},
+        timeout=60,
+    )
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and error["message"].startswith(f"{where}: "), error
+    assert "unpaired UTF-16 surrogate" in error["message"]
+
+
+def test_a_paired_surrogate_escape_is_text(server: RemoteServer) -> None:
+    content = json.dumps({"prompt": "smile \ud83d\ude00", "max_tokens": 2})
+    response = httpx.post(
+        server.url(CMPL), content=content, headers={"Content-Type": "application/json"}
+    )
+    assert response.status_code == 200, response.text
 
 
 def test_the_engine_survives_every_invalid_request(server: RemoteServer) -> None:
