@@ -72,12 +72,12 @@ def test_a_failing_step_fails_only_the_poisoned_request(core: EngineCore) -> Non
     free = _free_blocks(core)
     core.add_request(_request("alone", _greedy(8)))
     alone = _tokens(_run_all(core, "alone"))
-    # A NaN temperature (refused by SamplingParams, set afterwards here) makes the sampler
-    # draw an id outside the vocabulary; the next forward pass, of both requests, raises
-    # on it. Rerun one at a time, only the poisoned one fails again.
-    poisoned = SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True)
-    poisoned.temperature = float("nan")
-    core.add_request(_request("poisoned", poisoned))
+    # A prompt token outside the vocabulary (past add_request's check, straight into the
+    # scheduler) makes the forward pass of the batch, both requests, raise. Rerun one at
+    # a time, only the poisoned one fails again. (A NaN temperature did this before the
+    # sampler gave undefined rows a distribution.)
+    poisoned = _request("poisoned", _greedy(8), prompt=[*PROMPT[:-1], 10**9])
+    core.scheduler.add_request(Request.from_engine_core_request(poisoned, core.block_hasher))
     core.add_request(_request("same-batch", _greedy(8)))
     outputs = _run_all(core, "poisoned", "same-batch")
     finals = {o.request_id: o for o in outputs if o.finished}
