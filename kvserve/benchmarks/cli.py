@@ -1,4 +1,4 @@
-"""`kvserve bench serve|throughput|kvcache|peers|quantization|soak|startup|cascade|moe|kv-transfer|pipeline`: wires the benchmarks into the kvserve command."""
+"""`kvserve bench serve|throughput|kvcache|memdiff|peers|quantization|soak|startup|cascade|moe|kv-transfer|pipeline`: wires the benchmarks into the kvserve command."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from kvserve.benchmarks import (
     cascade,
     kv_transfer,
     kvcache,
+    memdiff,
     moe,
     peers,
     pipeline,
@@ -35,6 +36,11 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     offline = sub.add_parser("throughput", help="offline generation throughput (LLM class)")
     throughput.add_cli_args(offline)
     offline.set_defaults(func=throughput.main)
+    heap = sub.add_parser(
+        "memdiff", help="what grew per process between heap snapshots (KVSERVE_TRACEMALLOC_DIR)"
+    )
+    memdiff.add_cli_args(heap)
+    heap.set_defaults(func=memdiff.main)
     tiers = sub.add_parser("kvcache", help="TTFT: recompute vs KV cache tiers; int8 agreement")
     kvcache.add_cli_args(tiers)
     tiers.set_defaults(func=kvcache.main)

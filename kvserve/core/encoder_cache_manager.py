@@ -122,6 +122,11 @@ class EncoderCacheManager:
         for input_id in sorted(self.get_cached_input_ids(request)):
             self.free_encoder_input(request, input_id)
 
+    def request_census(self) -> dict[str, int]:
+        """Requests still holding an encoder output (cached outputs nobody holds are the
+        cache, bounded by cache_size, not per-request state)."""
+        return {"users": sum(len(users) for users in self.cached.values())}
+
     def get_freed_mm_hashes(self) -> list[str]:
         freed, self.freed = self.freed, []
         return freed

@@ -82,6 +82,13 @@ class KVCacheCoordinator(ABC):
     def get_blocks(self, request_id: str) -> tuple[list[KVCacheBlock], ...]:
         return tuple(list(m.req_to_blocks.get(request_id, ())) for m in self.single_type_managers)
 
+    def request_census(self) -> dict[str, int]:
+        return {
+            f"group_{m.kv_cache_group_id}.{key}": n
+            for m in self.single_type_managers
+            for key, n in m.request_census().items()
+        }
+
     def check_integrity(self) -> None:
         """Raises AssertionError if the managers and the pool disagree (for tests, debug).
 

@@ -189,6 +189,9 @@ class KVCacheManager:
     def take_events(self) -> list[KVCacheEvent]:
         return self.block_pool.take_events()
 
+    def request_census(self) -> dict[str, int]:
+        return self.coordinator.request_census()
+
     def check_integrity(self) -> None:
         """Raises AssertionError if the pool or the block tables break an invariant (tests)."""
         self.coordinator.check_integrity()

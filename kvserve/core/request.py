@@ -13,6 +13,7 @@ from kvserve.protocol.engine_core import EngineCoreRequest, FinishReason
 from kvserve.protocol.mm_inputs import MultiModalFeatureSpec
 from kvserve.sampling_params import SamplingParams
 from kvserve.structured_output.request import StructuredOutputRequest
+from kvserve.utils.census import per_request
 
 
 class RequestStatus(enum.IntEnum):
@@ -50,6 +51,7 @@ _FINISHED_REASONS = {
 BlockHasher = Callable[["Request"], list[Any]]
 
 
+@per_request
 class Request:
     def __init__(
         self,

@@ -117,6 +117,12 @@ class SingleTypeKVCacheManager(ABC):
             blocks[index] = null_block
         self.block_pool.free_blocks(removed)
 
+    def request_census(self) -> dict[str, int]:
+        return {
+            "req_to_blocks": len(self.req_to_blocks),
+            "num_cached_block": len(self.num_cached_block),
+        }
+
     def num_live_blocks(self, request_id: str) -> int:
         """Blocks a request really holds (null placeholders excluded)."""
         return sum(1 for b in self.req_to_blocks.get(request_id, ()) if not b.is_null)

@@ -304,6 +304,14 @@ class AsyncLLM(EngineClient):
     async def reset_prefix_cache(self) -> bool:
         return await self.engine_core.reset_prefix_cache_async()
 
+    async def request_census(self) -> dict[str, dict[str, int]]:
+        """Per process, what every owner of per-request state still holds (all 0 once
+        every request has ended; see utils/census.py)."""
+        return {
+            "api_server": self.front_end.request_census(),
+            **await self.engine_core.request_census_async(),
+        }
+
     async def get_scheduler_stats(self) -> SchedulerStats:
         """The core's current stats (a round trip to the engine-core process)."""
         return await self.engine_core.get_stats_async()

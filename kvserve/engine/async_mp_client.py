@@ -111,6 +111,9 @@ class AsyncMPClient(MPClient, AsyncEngineCoreClient):
     async def get_stats_async(self) -> SchedulerStats:
         return msgspec.convert(await self.call_utility_async("get_stats"), SchedulerStats)
 
+    async def request_census_async(self) -> dict[str, dict[str, int]]:
+        return dict(await self.call_utility_async("request_census"))
+
     def shutdown(self) -> None:
         if self._loop is not None and not self._loop.is_closed():
             if self._output_task is not None:

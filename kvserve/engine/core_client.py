@@ -18,6 +18,9 @@ class EngineCoreClient(ABC):
     """The blocking client LLMEngine drives: the core in this thread (InprocClient) or in
     a background process (SyncMPClient). AsyncLLM's client is AsyncEngineCoreClient."""
 
+    # The core's objects live in this process (they are counted once, see request_census).
+    runs_core_in_process: bool = False
+
     @staticmethod
     def make_client(
         config: EngineConfig,
@@ -56,6 +59,10 @@ class EngineCoreClient(ABC):
     def reset_prefix_cache(self) -> bool: ...
 
     @abstractmethod
+    def request_census(self) -> dict[str, dict[str, int]]:
+        """The core's per-request census, by process (EngineCore.request_census)."""
+
+    @abstractmethod
     def in_process_executor(self) -> Executor:
         """The core's executor, for collective_rpc: only a core in this process has one
         to give (ValueError otherwise)."""
@@ -86,6 +93,9 @@ class AsyncEngineCoreClient(ABC):
 
     @abstractmethod
     async def get_stats_async(self) -> SchedulerStats: ...
+
+    @abstractmethod
+    async def request_census_async(self) -> dict[str, dict[str, int]]: ...
 
     @abstractmethod
     def shutdown(self) -> None: ...

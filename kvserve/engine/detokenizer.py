@@ -11,6 +11,7 @@ from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 
 from kvserve.protocol.engine_core import EngineCoreRequest
+from kvserve.utils.census import per_request
 
 if TYPE_CHECKING:
     # Annotations only: transformers loads when a tokenizer is built, not on import.
@@ -36,6 +37,7 @@ def _safe_prompt_suffix(prompt: list[int], decode: Callable[[list[int]], str]) -
     return next((c for c in candidates if "\ufffd" not in decode(c)), [])
 
 
+@per_request
 class IncrementalDetokenizer:
     """Tracks output token ids only: used when there is no tokenizer or detokenize=False."""
 
@@ -160,6 +162,7 @@ class BaseIncrementalDetokenizer(IncrementalDetokenizer):
         return self._output_text[start:end]
 
 
+@per_request
 class FastIncrementalDetokenizer(BaseIncrementalDetokenizer):
     """Streams text with the Rust ``tokenizers.decoders.DecodeStream`` (fast tokenizers)."""
 
@@ -206,6 +209,7 @@ class FastIncrementalDetokenizer(BaseIncrementalDetokenizer):
         return text
 
 
+@per_request
 class SlowIncrementalDetokenizer(BaseIncrementalDetokenizer):
     """Prefix/read-offset decoding for tokenizers without a Rust backend."""
 

@@ -74,6 +74,10 @@ class EngineClient(ABC):
     async def get_scheduler_stats(self) -> SchedulerStats: ...
 
     @abstractmethod
+    async def request_census(self) -> dict[str, dict[str, int]]:
+        """Per process, every owner's live per-request entries (utils/census.py)."""
+
+    @abstractmethod
     def add_stat_logger(self, stat_logger: StatLoggerBase) -> None:
         """Feeds ``stat_logger`` every stats record from now on, beside the engine's own
         loggers (e.g. the web dashboard's history); nothing reaches it if stats are off."""

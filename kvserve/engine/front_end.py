@@ -19,6 +19,7 @@ from kvserve.metrics.loggers import StatLoggerBase
 from kvserve.metrics.stats import IterationStats, RequestStatsTracker
 from kvserve.protocol.engine_core import EngineCoreRequest, FinishReason, SchedulerStats
 from kvserve.transformers_utils.tokenizer import get_tokenizer
+from kvserve.utils.census import per_request_objects, prefixed
 
 
 class FrontEnd:
@@ -87,6 +88,14 @@ class FrontEnd:
             self.request_stats.add_request(
                 request.request_id, request.arrival_time, len(request.prompt_token_ids)
             )
+
+    def request_census(self) -> dict[str, int]:
+        """This process's per-request entries and objects (see utils/census.py)."""
+        return {
+            **prefixed("output_processor", self.output_processor.request_census()),
+            **prefixed("request_stats", self.request_stats.request_census()),
+            **per_request_objects(),
+        }
 
     def abort(self, request_ids: list[str]) -> list[str]:
         """Forgets the requests (user or child ids); returns the engine-core ids to abort."""

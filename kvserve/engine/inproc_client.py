@@ -17,6 +17,8 @@ if TYPE_CHECKING:
 class InprocClient(EngineCoreClient):
     """Runs the core in the caller's thread: get_output() performs one step."""
 
+    runs_core_in_process = True
+
     def __init__(self, config: EngineConfig, log_stats: bool = True) -> None:
         self.engine_core: EngineCore = EngineCore(config, log_stats=log_stats)
         self.engine_core.settle_heap()
@@ -34,6 +36,9 @@ class InprocClient(EngineCoreClient):
 
     def reset_prefix_cache(self) -> bool:
         return self.engine_core.reset_prefix_cache()
+
+    def request_census(self) -> dict[str, dict[str, int]]:
+        return self.engine_core.request_census()
 
     def in_process_executor(self) -> Executor:
         # Called between steps: this thread runs both the steps and the call.

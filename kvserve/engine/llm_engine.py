@@ -114,6 +114,16 @@ class LLMEngine:
     def reset_prefix_cache(self) -> bool:
         return self.engine_core.reset_prefix_cache()
 
+    def request_census(self) -> dict[str, dict[str, int]]:
+        """Per process, what every owner of per-request state still holds (all 0 once
+        every request has ended; see utils/census.py). A core in this process shares its
+        object counts with the front end's, so they are reported once, by the core."""
+        core = self.engine_core.request_census()
+        front = self.front_end.request_census()
+        if self.engine_core.runs_core_in_process:
+            front = {k: v for k, v in front.items() if not k.startswith("objects.")}
+        return {"front_end": front, **core}
+
     def collective_rpc(
         self,
         method: str | Callable[..., Any],

@@ -289,6 +289,9 @@ class SyncMPClient(MPClient, EngineCoreClient):
     def get_stats(self) -> SchedulerStats:
         return msgspec.convert(self.call_utility("get_stats"), SchedulerStats)
 
+    def request_census(self) -> dict[str, dict[str, int]]:
+        return dict(self.call_utility("request_census"))
+
     def in_process_executor(self) -> Executor:
         # A callable and arbitrary arguments reach another process only as pickles,
         # which kvserve never sends.

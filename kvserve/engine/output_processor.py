@@ -22,6 +22,7 @@ from kvserve.outputs import (
 )
 from kvserve.protocol.engine_core import EngineCoreOutput, EngineCoreRequest, FinishReason
 from kvserve.sampling_params import RequestOutputKind
+from kvserve.utils.census import per_request
 
 if TYPE_CHECKING:
     # Annotations only: transformers loads when a tokenizer is built, not on import.
@@ -39,6 +40,7 @@ def make_pooling_output(
     return PoolingRequestOutput(request_id, PoolingOutput(data), prompt_token_ids)
 
 
+@per_request
 class RequestOutputCollector:
     """Single-slot hand-off from the output loop to one request's consumer (async server).
 
@@ -85,6 +87,7 @@ class OutputProcessorOutput:
     reqs_to_abort: list[str]
 
 
+@per_request
 @dataclass
 class RequestState:
     """Front-end state of one engine-core request (one sample of a user request)."""
@@ -202,6 +205,12 @@ class OutputProcessor:
         self.log_stats = log_stats
         self.request_states: dict[str, RequestState] = {}
         self.parent_requests: dict[str, ParentRequest] = {}
+
+    def request_census(self) -> dict[str, int]:
+        return {
+            "request_states": len(self.request_states),
+            "parent_requests": len(self.parent_requests),
+        }
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.request_states)

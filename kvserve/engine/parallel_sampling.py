@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from kvserve.outputs import CompletionOutput
 from kvserve.sampling_params import RequestOutputKind, SamplingParams
+from kvserve.utils.census import per_request
 
 
+@per_request
 class ParentRequest:
     """Bookkeeping for a request with ``n`` samples.
 

@@ -36,6 +36,7 @@ from kvserve.protocol.runner_output import ModelRunnerOutput
 from kvserve.protocol.scheduler_output import SchedulerOutput
 from kvserve.structured_output.manager import StructuredOutputManager
 from kvserve.transformers_utils.tokenizer import get_tokenizer
+from kvserve.utils.census import per_request_objects, prefixed
 from kvserve.utils.startup import log_phase, startup_phase
 from kvserve.utils.threads import usable_cores
 
@@ -296,6 +297,25 @@ class EngineCore:
         reset = self.scheduler.reset_prefix_cache()
         self._publish_kv_events()
         return reset
+
+    def request_census(self) -> dict[str, dict[str, int]]:
+        """Per process ("engine_core", "worker_<rank>"): the live per-request entries of
+        every owner and the per-request objects alive (see utils/census.py). A worker in
+        this process shares its object counts, so they are counted once, here."""
+        core: dict[str, int] = {
+            **prefixed("scheduler", self.scheduler.request_census()),
+            **prefixed("structured_output", self.structured_output_manager.request_census()),
+            "batch_queue.batches": len(self.batch_queue.batches),
+        }
+        censuses = {"engine_core": core}
+        for rank, worker in enumerate(self.model_executor.collective_rpc("request_census")):
+            owners = prefixed("model_runner", worker["owners"])
+            if worker["pid"] == os.getpid():
+                core.update(prefixed(f"worker_{rank}", owners))
+            else:
+                censuses[f"worker_{rank}"] = {**owners, **worker["objects"]}
+        core.update(per_request_objects())
+        return censuses
 
     def shutdown(self) -> None:
         self.scheduler.shutdown()

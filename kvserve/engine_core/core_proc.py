@@ -40,6 +40,8 @@ from kvserve.protocol.engine_core import (
     FinishReason,
     SchedulerStats,
 )
+from kvserve.utils import memory_trace
+from kvserve.utils.heap_trim import HeapTrimmer
 from kvserve.utils.startup import log_phase
 
 logger = logging.getLogger(__name__)
@@ -75,6 +77,7 @@ class EngineCoreProc:
         self._carried_hits = 0
         self._utilities: dict[str, Callable[..., Any]] = {
             "reset_prefix_cache": self.engine_core.reset_prefix_cache,
+            "request_census": self.engine_core.request_census,
             "get_stats": self._snapshot_stats,
             "ping": lambda: "pong",
         }
@@ -90,8 +93,11 @@ class EngineCoreProc:
     # --- the loop --------------------------------------------------------------------
 
     def run_busy_loop(self) -> None:
+        heap = HeapTrimmer()
         while True:
             busy = self.engine_core.has_work()
+            if not busy:
+                heap.before_idle()
             # Block (no spin) when idle; when busy only peek, so the step is not delayed.
             events = dict(self.poller.poll(0 if busy else None))
             if self.parent_sentinel is not None and self.parent_sentinel in events:
@@ -103,6 +109,7 @@ class EngineCoreProc:
             if self.engine_core.has_work():
                 outputs, _ = self.engine_core.step()
                 self._send_outputs(outputs)
+                heap.after_work()
             elif changed:
                 # e.g. the last request was aborted: let the client see the idle state.
                 self._send_outputs(EngineCoreOutputs(timestamp=time.monotonic()))
@@ -208,6 +215,7 @@ class EngineCoreProc:
             )
         for name, seconds in (startup_phases or {}).items():
             log_phase(name, seconds)
+        memory_trace.start_from_env("engine_core")
 
         def _on_signal(signum: int, frame: Any) -> None:
             raise SystemExit(0)

@@ -20,6 +20,8 @@ import zmq
 
 from kvserve.config import EngineConfig
 from kvserve.executor import serial_utils as wire
+from kvserve.utils import memory_trace
+from kvserve.utils.heap_trim import HeapTrimmer
 from kvserve.worker.worker import Worker
 
 logger = logging.getLogger(__name__)
@@ -53,9 +55,11 @@ def call_worker(worker: Worker, rank: int, request: wire.RPCRequest) -> wire.RPC
 def serve(worker: Worker, rank: int, request_socket: Any, reply_socket: Any) -> None:
     decoder = msgspec.msgpack.Decoder(wire.WorkerInput)
     parent = os.getppid()
+    heap = HeapTrimmer()
     while True:
         # Wake up now and then to notice a parent killed without a goodbye (SIGKILL).
         if not request_socket.poll(PARENT_CHECK_MS):
+            heap.before_idle()
             if os.getppid() != parent:
                 logger.error("worker %d: the engine process is gone; exiting", rank)
                 return
@@ -67,6 +71,7 @@ def serve(worker: Worker, rank: int, request_socket: Any, reply_socket: Any) -> 
         # Ranks not asked stay silent unless they failed (a step costs one reply).
         if reply.has_result or reply.error is not None or message.reply_rank is None:
             reply_socket.send(wire.encode(reply))
+        heap.after_work()
 
 
 def run_worker(
@@ -87,6 +92,7 @@ def run_worker(
     # The engine core owns shutdown: its SIGTERM ends the worker, Ctrl-C goes to it alone.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+    memory_trace.start_from_env(f"worker_{rank}")
     import torch
 
     torch.set_num_threads(num_threads)  # this rank's share of the cores

@@ -11,8 +11,10 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from kvserve.protocol.engine_core import EngineCoreOutput
+from kvserve.utils.census import per_request
 
 
+@per_request
 @dataclass
 class RequestStateStats:
     """Front-end timestamps of one engine-core request."""
@@ -97,6 +99,9 @@ class RequestStatsTracker:
 
     def add_request(self, request_id: str, arrival_time: float, num_prompt_tokens: int) -> None:
         self.requests[request_id] = RequestStateStats(arrival_time, num_prompt_tokens)
+
+    def request_census(self) -> dict[str, int]:
+        return {"requests": len(self.requests)}
 
     def make_iteration_stats(
         self,

@@ -165,6 +165,19 @@ class SamplingBatch:
             self._cached = None
         self.logitsprocs.update_state(update)
 
+    def request_census(self) -> dict[str, int]:
+        """Per-row entries still held (row changes not yet handed over are applied first:
+        the next step would, and they are no request's state any more)."""
+        self._flush_if_moved()
+        self._apply_batch_update()
+        procs = {f"logits_processor.{k}": v for k, v in self.logitsprocs.request_census().items()}
+        return {
+            "rows": sum(p is not None for p in self.params),
+            "generators": len(self.generators),
+            "num_logprobs": len(self.num_logprobs),
+            **procs,
+        }
+
     # ---- per step ------------------------------------------------------------------------
 
     @property

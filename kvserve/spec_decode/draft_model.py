@@ -81,6 +81,9 @@ class DraftModelProposer(Proposer):
         for req_id in req_ids:
             self.num_draft_computed.pop(req_id, None)
 
+    def request_census(self) -> dict[str, int]:
+        return {"num_draft_computed": len(self.num_draft_computed)}
+
     @torch.inference_mode()
     def propose(self, inputs: ProposerInputs) -> list[list[int]]:
         table = inputs.block_table

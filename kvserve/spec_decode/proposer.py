@@ -56,6 +56,10 @@ class Proposer(ABC):
     def remove_requests(self, req_ids: set[str]) -> None:  # noqa: B027 - optional hook
         """Forgets finished requests (proposers that keep per-request state)."""
 
+    def request_census(self) -> dict[str, int]:
+        """Live per-request entries (none for a stateless proposer)."""
+        return {}
+
     # Hooks for proposers that run a model of their own (draft_model).
 
     def load_model(self) -> None:  # noqa: B027 - optional hook

@@ -26,8 +26,12 @@ from kvserve.structured_output.request import StructuredOutputRequest
 logger = logging.getLogger(__name__)
 
 # Compiled grammars kept (least recently used dropped first): an agent's few schemas
-# compile once, a stream of one-off schemas cannot grow the cache without bound.
+# compile once, a stream of one-off schemas cannot grow the cache without bound. At most
+# GRAMMAR_CACHE_SIZE of them and, where the backend reports their size (xgrammar's are
+# 0.1-10 MB with a 50k-token vocabulary), at most KVSERVE_GRAMMAR_CACHE_MB in all.
 GRAMMAR_CACHE_SIZE = 256
+GRAMMAR_CACHE_MB_ENV = "KVSERVE_GRAMMAR_CACHE_MB"
+DEFAULT_GRAMMAR_CACHE_MB = 512
 
 
 class StructuredOutputManager:
@@ -52,8 +56,15 @@ class StructuredOutputManager:
         self._tokenizer: Any = None
         self._backends: dict[str, StructuredOutputBackend] = {}
         self._lock = threading.Lock()
-        self._cache: OrderedDict[tuple[str, bytes], Any] = OrderedDict()
+        self._cache: OrderedDict[tuple[str, bytes], tuple[Any, int]] = OrderedDict()
+        self._cache_bytes = 0
+        self.max_cache_bytes = int(
+            float(os.environ.get(GRAMMAR_CACHE_MB_ENV, DEFAULT_GRAMMAR_CACHE_MB)) * 2**20
+        )
         self.num_compiles = 0  # cache misses, for tests and stats
+        # Its own lock: _lock is held through a first tokenizer load, which the engine
+        # loop must not wait for.
+        self._pending_lock = threading.Lock()
         self._pending: set[Future[StructuredOutputGrammar]] = set()
         # Half the cores at most: compiles must not starve the model's forward.
         workers = max(1, min(8, (os.cpu_count() or 2) // 2))
@@ -65,15 +76,28 @@ class StructuredOutputManager:
     def grammar_init(self, request: StructuredOutputRequest) -> None:
         """Starts compiling ``request``'s grammar; its ``grammar`` property tells when done."""
         future = self._executor.submit(self._new_grammar, request.params)
-        self._pending.add(future)
+        with self._pending_lock:
+            self._pending.add(future)
+        # A done future holds its grammar (a matcher over the whole vocabulary): kept in
+        # _pending, every structured request's matcher would outlive the request.
+        future.add_done_callback(self._forget_compile)
         request.set_future(future)
+
+    def _forget_compile(self, future: Future[StructuredOutputGrammar]) -> None:
+        with self._pending_lock:
+            self._pending.discard(future)
+
+    def request_census(self) -> dict[str, int]:
+        with self._pending_lock:
+            return {"pending_compiles": len(self._pending)}
 
     def wait_for_compiles(self, timeout: float) -> None:
         """Blocks until a pending compile finishes or ``timeout`` passes: an engine whose
         only requests wait for grammars sleeps here instead of spinning empty steps."""
-        self._pending = {f for f in self._pending if not f.done()}
-        if self._pending:
-            wait(self._pending, timeout, return_when=FIRST_COMPLETED)
+        with self._pending_lock:
+            pending = set(self._pending)
+        if pending:
+            wait(pending, timeout, return_when=FIRST_COMPLETED)
 
     def _new_grammar(self, params: StructuredOutputsParams) -> StructuredOutputGrammar:
         backend = self._backend(params._backend or resolve_backend(self.default_backend, params))
@@ -81,17 +105,29 @@ class StructuredOutputManager:
         # but different whitespace rules get different grammars.
         key = (backend.name, _spec_key(params))
         with self._lock:
-            compiled = self._cache.get(key)
-            if compiled is not None:
+            cached = self._cache.get(key)
+            if cached is not None:
                 self._cache.move_to_end(key)
-        if compiled is None:
-            compiled = backend.compile(params)
-            with self._lock:
-                self.num_compiles += 1
-                self._cache[key] = compiled
-                while len(self._cache) > GRAMMAR_CACHE_SIZE:
-                    self._cache.popitem(last=False)
+        if cached is not None:
+            return backend.new_grammar(cached[0])
+        compiled = backend.compile(params)
+        size = int(getattr(compiled, "memory_size_bytes", 0))
+        with self._lock:
+            self.num_compiles += 1
+            old = self._cache.pop(key, None)  # compiled twice at once: one entry stays
+            self._cache_bytes += size - (old[1] if old else 0)
+            self._cache[key] = (compiled, size)
+            while len(self._cache) > GRAMMAR_CACHE_SIZE or (
+                self._cache_bytes > self.max_cache_bytes and len(self._cache) > 1
+            ):
+                _, (_, dropped) = self._cache.popitem(last=False)
+                self._cache_bytes -= dropped
         return backend.new_grammar(compiled)
+
+    def cache_stats(self) -> tuple[int, int]:
+        """(grammars, bytes the backend reports for them) in the compile cache."""
+        with self._lock:
+            return len(self._cache), self._cache_bytes
 
     def _backend(self, name: str) -> StructuredOutputBackend:
         with self._lock:

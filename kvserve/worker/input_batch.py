@@ -109,6 +109,14 @@ class InputBatch:
         )
         return row
 
+    def request_census(self) -> dict[str, int]:
+        sampling = self.sampling_batch.request_census()
+        return {
+            "rows": len(self.req_id_to_index),
+            "row_states": sum(r is not None for r in self.requests),
+            **{f"sampling.{k}": v for k, v in sampling.items()},
+        }
+
     def remove_request(self, req_id: str) -> int | None:
         row = self.req_id_to_index.pop(req_id, None)
         if row is None:

@@ -40,6 +40,7 @@ from kvserve.protocol.scheduler_output import GrammarOutput, SchedulerOutput
 from kvserve.sample.sampler import Sampler
 from kvserve.sample.sampling_batch import SamplingBatch
 from kvserve.sample.spec_decode_metadata import SpecDecodeMetadata
+from kvserve.utils.census import census_of, prefixed
 from kvserve.worker.encoder_runner import make_encoder_runner
 from kvserve.worker.input_batch import InputBatch
 from kvserve.worker.input_preparation import InputPreparer, StepInputs
@@ -122,11 +123,11 @@ class ModelRunner:
         # Set with the KV caches (initialize_kv_cache); the no-op one until then.
         self.kv_connector_runner: KVConnector = NO_OP_KV_CONNECTOR
         # Everything that keeps per-request state forgets finished requests through this.
-        self._request_owners: list[KeepsRequestState] = [
-            self.requests,
-            self.drafter,
-            self.output_head,
-        ]
+        self._request_owners: dict[str, KeepsRequestState] = {
+            "requests": self.requests,
+            "drafter": self.drafter,
+            "output_head": self.output_head,
+        }
 
     @property
     def kv_connector(self) -> KVConnectorBase_V1 | None:
@@ -234,6 +235,13 @@ class ModelRunner:
         )
         self.requests.bind_batch(self.input_batch)
 
+    def request_census(self) -> dict[str, int]:
+        """Live per-request entries of every owner in the runner (see utils/census.py)."""
+        census = census_of(self._request_owners)
+        if self.input_batch is not None:
+            census.update(prefixed("input_batch", self.input_batch.request_census()))
+        return census
+
     def shutdown(self) -> None:
         self.encoder_runner.shutdown()
         self.kv_connector_runner.shutdown()
@@ -246,7 +254,7 @@ class ModelRunner:
             raise RuntimeError("initialize_kv_cache() must run before execute_model()")
         finished = scheduler_output.finished_req_ids
         if finished:
-            for owner in self._request_owners:
+            for owner in self._request_owners.values():
                 owner.remove_requests(finished)
         # Preempted and otherwise unscheduled requests leave the batch but keep their state.
         scheduled = scheduler_output.num_scheduled_tokens

@@ -45,6 +45,10 @@ class OutputHead(ABC):
         """Forget the per-request state of finished requests (the runner's one loop over
         request-state owners reaches the head here)."""
 
+    def request_census(self) -> dict[str, int]:
+        """Live per-request entries (none unless the head folds prompts)."""
+        return {}
+
 
 class IntermediateStageHead(OutputHead):
     """A pipeline stage before the last: the last stage computes logits and samples."""
@@ -109,6 +113,9 @@ class PoolingHead(OutputHead):
 
     def remove_requests(self, req_ids: set[str]) -> None:
         self.prompt_pooler.remove_requests(req_ids)
+
+    def request_census(self) -> dict[str, int]:
+        return {"pooler_states": len(self.prompt_pooler.pending_req_ids())}
 
 
 def make_output_head(model_config: ModelConfig, is_last_stage: bool) -> OutputHead:

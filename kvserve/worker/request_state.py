@@ -10,8 +10,10 @@ from kvserve.lora.request import LoRARequest
 from kvserve.pooling_params import PoolingParams
 from kvserve.protocol.mm_inputs import MultiModalFeatureSpec
 from kvserve.sampling_params import SamplingParams
+from kvserve.utils.census import per_request
 
 
+@per_request
 @dataclass
 class CachedRequestState:
     """Worker-side state of a request, kept while it is preempted too.

@@ -25,6 +25,8 @@ class KeepsRequestState(Protocol):
 
     def remove_requests(self, req_ids: set[str]) -> None: ...
 
+    def request_census(self) -> dict[str, int]: ...
+
 
 class RequestStates:
     """req_id -> CachedRequestState, kept while a request is preempted too."""
@@ -70,6 +72,9 @@ class RequestStates:
         )
         self._states[new.req_id] = state
         return state
+
+    def request_census(self) -> dict[str, int]:
+        return {"states": len(self._states)}
 
     def remove_requests(self, req_ids: Iterable[str]) -> None:
         batch = self._bound()

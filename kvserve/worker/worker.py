@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import gc
+import os
+from typing import Any
 
 import torch
 
@@ -16,6 +18,7 @@ from kvserve.protocol.kv_cache_interface import KVCacheConfig, KVCacheSpec
 from kvserve.protocol.runner_output import ModelRunnerOutput
 from kvserve.protocol.scheduler_output import GrammarOutput, SchedulerOutput
 from kvserve.sample.logits_processor.loader import load_logits_processors
+from kvserve.utils.census import per_request_objects
 from kvserve.worker.model_runner import ModelRunner
 from kvserve.worker.worker_base import WorkerBase
 
@@ -83,6 +86,12 @@ class Worker(WorkerBase):
 
     def get_kv_connector_handshake_metadata(self) -> dict[str, str] | None:
         return self.model_runner.kv_connector_runner.get_handshake_metadata()
+
+    def request_census(self) -> dict[str, Any]:
+        """This worker's per-request census, with its process id: a worker in the engine
+        core's process shares that process's object counts."""
+        census = self._model_runner.request_census() if self._model_runner else {}
+        return {"pid": os.getpid(), "owners": census, "objects": per_request_objects()}
 
     def check_health(self) -> None:
         if self._model_runner is None or self._model_runner.model is None:

@@ -4,6 +4,7 @@ bitmask, backend resolution and the registry (no model needed)."""
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 
 import numpy as np
@@ -71,6 +72,36 @@ def test_same_spec_compiles_once(manager: Any) -> None:
     assert first is not second, "each request needs its own matcher"
     compiled(manager, StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True))
     assert manager.num_compiles == 2, "options are part of the key"
+
+
+def test_the_compile_cache_is_bounded_in_bytes(manager: Any) -> None:
+    schemas = [
+        {"type": "object", "properties": {f"k{i}": {"type": "integer"}}, "required": [f"k{i}"]}
+        for i in range(4)
+    ]
+    compiled(manager, StructuredOutputsParams(json=schemas[0]))
+    _, one = manager.cache_stats()
+    assert one > 0, "xgrammar reports the size of what it compiled"
+    manager.max_cache_bytes = int(2.5 * one)
+    for schema in schemas[1:]:
+        compiled(manager, StructuredOutputsParams(json=schema))
+    entries, size = manager.cache_stats()
+    assert entries == 2 and size <= manager.max_cache_bytes, (entries, size, one)
+    compiled(manager, StructuredOutputsParams(json=schemas[3]))  # the newest stayed
+    assert manager.num_compiles == 4
+
+
+def test_a_finished_compile_leaves_the_manager(manager: Any) -> None:
+    # A compile the manager kept after it finished would keep the request's matcher alive
+    # for as long as the engine runs.
+    grammars = [compiled(manager, StructuredOutputsParams(json=SCHEMA)) for _ in range(3)]
+    assert all(g is not None for g in grammars)
+    # The manager forgets a compile in the future's done-callback, which runs on the
+    # compile thread just after the result is set.
+    deadline = time.monotonic() + 10
+    while manager.request_census()["pending_compiles"] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert manager.request_census() == {"pending_compiles": 0}
 
 
 def test_failed_compile_is_reported_on_the_request(manager: Any) -> None:

@@ -76,6 +76,9 @@ class NoEncoderPlanner:
     def make_stats(self) -> MultiModalStats | None:
         return None
 
+    def request_census(self) -> dict[str, int]:
+        return {}
+
     def check_integrity(self) -> None:
         pass
 
@@ -217,6 +220,9 @@ class EncoderPlanner(NoEncoderPlanner):
             self.mm_stats.vision_tower_runs += runs.vision_tower_runs
             self.mm_stats.ec_connector_loads += runs.ec_connector_loads
             self.mm_stats.ec_connector_saves += runs.ec_connector_saves
+
+    def request_census(self) -> dict[str, int]:
+        return {"counted_queries": len(self._mm_counted), **self.cache.request_census()}
 
     def check_integrity(self) -> None:
         self.cache.check_integrity()

@@ -60,6 +60,13 @@ class FailureIsolator:
         self._round_counted = False
         self.consecutive_unattributed_failures = 0
 
+    def request_census(self) -> dict[str, int]:
+        return {
+            "suspects": len(self._suspects),
+            "probe": len(self._probe),
+            "flush": len(self._flush_ids),
+        }
+
     @property
     def is_isolating(self) -> bool:
         return bool(self._suspects)

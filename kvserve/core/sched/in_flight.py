@@ -32,6 +32,9 @@ class InFlightBatches:
         # Ids scheduled in a batch whose output update_from_output has not applied yet.
         self.in_flight: set[str] = set()
 
+    def request_census(self) -> dict[str, int]:
+        return {"in_flight": len(self.in_flight)}
+
     def request_cap(self, num_live: int) -> int:
         """How many of the ``num_live`` requests this micro-batch may take."""
         if self.max_concurrent_batches == 1:

@@ -69,6 +69,9 @@ class NoKVTransfer:
     def may_hold_blocks(self) -> set[str]:
         return set()
 
+    def request_census(self) -> dict[str, int]:
+        return {}
+
     def has_delayed_frees(self) -> bool:
         return False
 
@@ -288,6 +291,15 @@ class KVTransferPlanner(NoKVTransfer):
     def has_delayed_frees(self) -> bool:
         # Blocks held for a connector's sends keep the engine stepping until released.
         return bool(self.delayed_free)
+
+    def request_census(self) -> dict[str, int]:
+        return {
+            "async_loads": len(self.async_loads),
+            "async_load_done": len(self.async_load_done),
+            "failed_async_loads": len(self.failed_async_loads),
+            "sync_loaded": len(self.sync_loaded),
+            "delayed_free": len(self.delayed_free),
+        }
 
     def make_stats(self) -> dict[str, dict[str, float]] | None:
         return self._connector.get_kv_connector_stats()

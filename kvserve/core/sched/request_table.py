@@ -32,6 +32,16 @@ class RequestTable:
     def __len__(self) -> int:
         return len(self.waiting) + len(self.running)
 
+    def request_census(self) -> dict[str, int]:
+        return {
+            "requests": len(self.requests),
+            "waiting": len(self.waiting),
+            "running": len(self.running),
+            "finished_req_ids": len(self.finished_req_ids),
+            "pending_outputs": len(self.pending_outputs),
+            "scheduled_times": len(self.scheduled_times),
+        }
+
     def add(self, request: Request) -> None:
         self.requests[request.request_id] = request
         self.waiting.add_request(request)

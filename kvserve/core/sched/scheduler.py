@@ -42,6 +42,7 @@ from kvserve.core.sched.utils import too_long_message
 from kvserve.distributed.kv_events import KVCacheEvent
 from kvserve.protocol.engine_core import EngineCoreOutput, EngineCoreOutputs, SchedulerStats
 from kvserve.protocol.scheduler_output import GrammarOutput, SchedulerOutput
+from kvserve.utils.census import CountsRequestState, census_of
 
 if TYPE_CHECKING:
     from kvserve.config import EngineConfig, LoRAConfig, SchedulerConfig, SpeculativeConfig
@@ -459,6 +460,18 @@ class Scheduler(SchedulerInterface):
 
     def make_stats(self) -> SchedulerStats | None:
         return make_scheduler_stats(self) if self.log_stats else None
+
+    def request_census(self) -> dict[str, int]:
+        """Live per-request entries of every collaborator (see utils/census.py)."""
+        owners: dict[str, CountsRequestState] = {
+            "table": self.table,
+            "kv_cache": self.kv_cache_manager,
+            "kv_transfer": self.kv_transfer,
+            "encoder": self.encoder,
+            "batches": self.batches,
+            "isolator": self.isolator,
+        }
+        return census_of(owners)
 
     def check_integrity(self) -> None:
         """Raises AssertionError if the queues, requests and KV cache disagree (tests,

@@ -56,6 +56,8 @@ from kvserve.entrypoints.openai.streaming import (
 from kvserve.entrypoints.web import register_web_ui
 from kvserve.entrypoints.web.routes import PUBLIC_PATHS as WEB_UI_PAGES
 from kvserve.entrypoints.web.routes import STATIC_PREFIX as WEB_UI_ASSETS
+from kvserve.utils import memory_trace
+from kvserve.utils.heap_trim import HeapTrimmer
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -186,8 +188,10 @@ def build_app(engine_client: EngineClient, args: argparse.Namespace) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         watch = asyncio.create_task(_watch_engine(app))
+        trim = asyncio.create_task(_trim_heap(HeapTrimmer()))
         yield
         watch.cancel()
+        trim.cancel()
 
     docs = not getattr(args, "disable_fastapi_docs", False)
     app = FastAPI(
@@ -297,6 +301,12 @@ def build_app(engine_client: EngineClient, args: argparse.Namespace) -> FastAPI:
     async def detokenize(request: DetokenizeRequest) -> Response:
         return _respond(await tokenization.create_detokenize(request))
 
+    if getattr(args, "enable_request_census", False):
+
+        @app.get("/debug/census")
+        async def request_census() -> JSONResponse:
+            return JSONResponse(await engine_client.request_census())
+
     register_web_ui(app, engine_client, args)
     _add_hardening_middleware(app, engine_client, args)
     if getattr(args, "allowed_origins", None):
@@ -351,6 +361,16 @@ def _chat_template(args: argparse.Namespace) -> str | None:
     return value
 
 
+async def _trim_heap(heap: HeapTrimmer) -> None:
+    """The server's own allocations (requests, responses, detokenized text) fragment
+    its heap too (utils/heap_trim.py); a trim takes milliseconds, between requests."""
+    if not heap.enabled:
+        return
+    while True:
+        await asyncio.sleep(heap.interval_s)
+        heap.trim()
+
+
 async def _watch_engine(app: FastAPI) -> None:
     """Stops the server once the engine core is dead: nothing can be served any more."""
     while not app.state.engine_client.errored:
@@ -363,6 +383,7 @@ async def _watch_engine(app: FastAPI) -> None:
 async def serve_http(args: argparse.Namespace, engine: EngineClient | None = None) -> int:
     """Serves ``engine`` (built from ``args`` if not given) until SIGTERM/SIGINT (or
     engine death), then shuts it down; the exit code."""
+    memory_trace.start_from_env("api_server")
     if engine is None:
         from kvserve.args.engine_args import EngineArgs
         from kvserve.engine.async_llm import AsyncLLM

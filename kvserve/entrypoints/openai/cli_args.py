@@ -61,6 +61,12 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="do not serve the chat playground (/) and the engine dashboard (/dashboard)",
     )
     parser.add_argument(
+        "--enable-request-census",
+        action="store_true",
+        help="serve GET /debug/census: per process, the per-request state every owner "
+        "still holds (all 0 when idle; for leak hunts, behind --api-key when one is set)",
+    )
+    parser.add_argument(
         "--uvicorn-log-level",
         default="info",
         choices=["critical", "error", "warning", "info", "debug", "trace"],

@@ -46,6 +46,8 @@ INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 StopString = Annotated[str, StringConstraints(max_length=MAX_STOP_STRING_CHARS)]
 ShortString = Annotated[str, StringConstraints(max_length=MAX_ID_CHARS)]
+# A vllm_xargs value: what a custom logits processor may read from extra_args.
+XArg = Annotated[str, StringConstraints(max_length=4096)] | int | float
 
 
 def random_uuid() -> str:
@@ -186,6 +188,8 @@ class _SamplingRequest(StructuredOutputsRequestFields, OpenAIRequestModel):
     # vLLM's field: handed to the KV connector (disaggregated prefill), e.g.
     # {"do_remote_decode": true, ...} to a producer; the answer carries the consumer's.
     kv_transfer_params: dict[str, Any] | None = None
+    # vLLM's field: request arguments for custom logits processors (SamplingParams.extra_args).
+    vllm_xargs: dict[ShortString, XArg | list[XArg]] | None = Field(None, max_length=64)
 
     def _sampling_params(
         self,
@@ -235,10 +239,14 @@ class _SamplingRequest(StructuredOutputsRequestFields, OpenAIRequestModel):
             include_stop_str_in_output=self.include_stop_str_in_output,
             output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY,
             structured_outputs=self.structured_outputs_params(),
-            extra_args=None
-            if self.kv_transfer_params is None
-            else {"kv_transfer_params": self.kv_transfer_params},
+            extra_args=self._extra_args(),
         )
+
+    def _extra_args(self) -> dict[str, Any] | None:
+        extra: dict[str, Any] = dict(self.vllm_xargs or {})
+        if self.kv_transfer_params is not None:
+            extra["kv_transfer_params"] = self.kv_transfer_params
+        return extra or None
 
     @property
     def include_usage(self) -> bool:

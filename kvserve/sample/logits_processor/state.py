@@ -69,3 +69,11 @@ class LogitsProcessors:
     def update_state(self, batch_update: BatchUpdate | None) -> None:
         for proc in self:
             proc.update_state(batch_update)
+
+    def request_census(self) -> dict[str, int]:
+        """Rows each processor keeps state for (processors that keep none are left out)."""
+        return {
+            type(proc).__name__: len(states)
+            for proc in self
+            if isinstance(states := getattr(proc, "states", None), dict)
+        }
