@@ -1,46 +1,41 @@
-"""The soak's clients: what one client does per request, and how each outcome is classed.
+"""The soak's clients: the loop each one runs, the basic actions, and how outcomes are tallied.
 
-Each client loops until the soak's deadline or request cap, drawing an action per
-request: a streamed or plain completion or chat completion (random prompt and output
-lengths), a stream it drops after a few chunks (a disconnect), a request it cancels
-mid-flight (an abort), or a malformed request that must be refused with a 4xx in
-OpenAI's error shape. Anything else is an error of a named kind; a 5xx is always one.
+Each client loops until the soak's deadline or request cap, drawing an action per request
+from its mix (soak_features.py builds the mixes): here the basic ones, a streamed or plain
+completion or chat completion (random prompt and output lengths), a stream it drops after
+a few chunks (a disconnect), a request it cancels mid-flight (an abort), or a malformed
+request that must be refused with a 4xx in OpenAI's error shape. An action returns its
+outcome or raises SoakError, an error of a named kind; a 5xx is always one.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
+import functools
 import random
 import time
 from collections import Counter
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
+
+from kvserve.benchmarks.soak_replies import SoakError, fetch_reply, status_error
 
 WORDS = (
     "the quick brown fox jumps over a lazy dog while seven wizards quietly hum old songs "
     "about rivers mountains cities and the long road home under a pale morning sky"
 ).split()
 
-# (kind, weight). Bad requests and drops are common enough to matter in a short run.
-ACTIONS = (
-    ("stream", 30),
-    ("stream_chat", 15),
-    ("plain", 15),
-    ("disconnect", 15),
-    ("abort", 10),
-    ("bad", 15),
-)
 
-
-def bad_requests(model: str) -> list[tuple[str, str, bytes | dict[str, Any]]]:
+@functools.cache
+def bad_requests(model: str) -> tuple[tuple[str, str, bytes | dict[str, Any]], ...]:
     """(name, path, body) of requests a server must refuse with a 4xx, never serve or 5xx."""
     comp = {"model": model, "prompt": "hello", "max_tokens": 4}
     chat = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
     c, ch = "/v1/completions", "/v1/chat/completions"
-    return [
+    return (
         ("invalid_json", c, b'{"model": "x", "prompt": '),
         ("missing_prompt", c, {"model": model, "max_tokens": 4}),
         ("negative_max_tokens", c, {**comp, "max_tokens": -1}),
@@ -57,7 +52,7 @@ def bad_requests(model: str) -> list[tuple[str, str, bytes | dict[str, Any]]]:
         # (A role the template does not know is accepted, as vLLM accepts custom roles.)
         ("message_not_an_object", ch, {**chat, "messages": ["hi"]}),
         ("string_seed", ch, {**chat, "seed": "x"}),
-    ]
+    )
 
 
 @dataclass
@@ -67,8 +62,8 @@ class SoakTally:
     outcomes: Counter[str] = field(default_factory=Counter)  # served, disconnected, ...
     errors: Counter[str] = field(default_factory=Counter)  # kind -> count
     error_examples: dict[str, str] = field(default_factory=dict)  # kind -> first message
-    latencies_s: list[float] = field(default_factory=list)  # served requests, end to end
-    ttfts_s: list[float] = field(default_factory=list)  # served streams
+    latencies_s: list[float] = field(default_factory=list)  # whole replies, end to end
+    ttfts_s: list[float] = field(default_factory=list)  # whole streams
     started: int = 0
 
     def error(self, kind: str, detail: str) -> None:
@@ -84,107 +79,107 @@ class ClientPlan:
     max_tokens: int
     max_prompt_words: int
     request_timeout_s: float
+    prefix_words: int = 400  # the feature mix's shared system prompts
+
+
+@dataclass
+class Outcome:
+    name: str
+    timed: bool = True  # a whole reply: its latency (and a stream's TTFT) are counted
+    ttft_s: float | None = None
+
+
+Action = Callable[[httpx.AsyncClient, ClientPlan, random.Random], Awaitable[Outcome]]
+Mix = Sequence[tuple[str, int, Action]]  # (kind, weight, action)
 
 
 async def run_client(
-    client: httpx.AsyncClient, plan: ClientPlan, tally: SoakTally, rng: random.Random
+    client: httpx.AsyncClient, plan: ClientPlan, tally: SoakTally, rng: random.Random, mix: Mix
 ) -> None:
     """One client's loop; ends at the deadline or once the soak's request cap is reached."""
-    kinds = [k for k, _ in ACTIONS]
-    weights = [w for _, w in ACTIONS]
-    bad = bad_requests(plan.model)
+    weights = [w for _, w, _ in mix]
     while time.monotonic() < plan.deadline and tally.started < plan.max_requests:
         tally.started += 1
-        kind = rng.choices(kinds, weights)[0]
+        kind, _, action = rng.choices(mix, weights)[0]
+        start = time.perf_counter()
         try:
-            if kind == "bad":
-                await _bad(client, rng.choice(bad), tally)
-            elif kind == "abort":
-                await _abort(client, plan, tally, rng)
-            else:
-                await asyncio.wait_for(
-                    _good(client, kind, plan, tally, rng), timeout=plan.request_timeout_s
-                )
+            outcome = await asyncio.wait_for(
+                action(client, plan, rng), timeout=plan.request_timeout_s
+            )
+        except SoakError as exc:
+            tally.error(exc.kind, f"{kind}: {exc}")
+            continue
         except TimeoutError:
             tally.error("timeout", f"{kind} took over {plan.request_timeout_s} s")
+            continue
         except httpx.HTTPError as exc:
             tally.error("transport", f"{kind}: {type(exc).__name__}: {exc}")
+            continue
+        tally.outcomes[outcome.name] += 1
+        if outcome.timed:
+            tally.latencies_s.append(time.perf_counter() - start)
+            if outcome.ttft_s is not None:
+                tally.ttfts_s.append(outcome.ttft_s)
 
 
-def _payload(kind: str, plan: ClientPlan, rng: random.Random) -> tuple[str, dict[str, Any]]:
-    text = " ".join(rng.choices(WORDS, k=rng.randint(1, plan.max_prompt_words)))
+def random_text(rng: random.Random, max_words: int) -> str:
+    return " ".join(rng.choices(WORDS, k=rng.randint(1, max_words)))
+
+
+def check_finish(finish_reason: str | None, allowed: tuple[str, ...] = ("stop", "length")) -> None:
+    if finish_reason not in allowed:
+        raise SoakError("bad_finish_reason", f"finish_reason {finish_reason!r}")
+
+
+def _payload(chat: bool, plan: ClientPlan, rng: random.Random) -> tuple[str, dict[str, Any]]:
+    text = random_text(rng, plan.max_prompt_words)
     body: dict[str, Any] = {"model": plan.model, "max_tokens": rng.randint(1, plan.max_tokens)}
-    if kind == "stream_chat":
+    if chat:
         return "/v1/chat/completions", {**body, "messages": [{"role": "user", "content": text}]}
     return "/v1/completions", {**body, "prompt": text}
 
 
-async def _good(
-    client: httpx.AsyncClient, kind: str, plan: ClientPlan, tally: SoakTally, rng: random.Random
-) -> None:
-    path, body = _payload(kind, plan, rng)
-    start = time.perf_counter()
-    if kind == "plain":
-        response = await client.post(path, json=body)
-        if _status_error(response.status_code, kind, response.text, tally):
-            return
-        choice = response.json()["choices"][0]
-        if choice.get("finish_reason") not in ("stop", "length"):
-            tally.error("bad_finish_reason", f"{kind}: {choice.get('finish_reason')!r}")
-            return
-        tally.latencies_s.append(time.perf_counter() - start)
-        tally.outcomes["served"] += 1
-        return
-    # A stream; "disconnect" drops it after a few chunks.
-    drop_after = rng.randint(1, 4) if kind == "disconnect" else None
-    body = {**body, "stream": True}
-    chunks, first, done = 0, None, False
-    async with client.stream("POST", path, json=body) as response:
-        if response.status_code != 200:
-            _status_error(response.status_code, kind, (await response.aread()).decode(), tally)
-            return
-        async for line in response.aiter_lines():
-            data = line.removeprefix("data:").strip()
-            if not line.startswith("data:") or not data:
-                continue
-            if data == "[DONE]":
-                done = True
-                break
-            if "error" in json.loads(data):
-                tally.error("stream_error", f"{kind}: {data}")
-                return
-            chunks += 1
-            first = first if first is not None else time.perf_counter() - start
-            if drop_after is not None and chunks >= drop_after:
-                break  # closing the response here is the disconnect the server must absorb
-    if drop_after is not None:
-        tally.outcomes["disconnected" if not done else "served"] += 1
-    elif not done:
-        tally.error("incomplete_stream", f"{kind}: {chunks} chunks and no [DONE]")
-    else:
-        tally.latencies_s.append(time.perf_counter() - start)
-        tally.ttfts_s.append(first if first is not None else 0.0)
-        tally.outcomes["served"] += 1
+async def plain(client: httpx.AsyncClient, plan: ClientPlan, rng: random.Random) -> Outcome:
+    path, body = _payload(False, plan, rng)
+    reply = await fetch_reply(client, path, body)
+    check_finish(reply.choice().finish_reason)
+    return Outcome("served")
 
 
-async def _abort(
-    client: httpx.AsyncClient, plan: ClientPlan, tally: SoakTally, rng: random.Random
-) -> None:
+async def stream(
+    client: httpx.AsyncClient, plan: ClientPlan, rng: random.Random, chat: bool = False
+) -> Outcome:
+    path, body = _payload(chat, plan, rng)
+    reply = await fetch_reply(client, path, {**body, "stream": True})
+    check_finish(reply.choice().finish_reason)
+    return Outcome("served", ttft_s=reply.ttft_s)
+
+
+async def stream_chat(client: httpx.AsyncClient, plan: ClientPlan, rng: random.Random) -> Outcome:
+    return await stream(client, plan, rng, chat=True)
+
+
+async def disconnect(client: httpx.AsyncClient, plan: ClientPlan, rng: random.Random) -> Outcome:
+    """A stream dropped after 1-4 chunks (served if it ended first)."""
+    path, body = _payload(False, plan, rng)
+    reply = await fetch_reply(client, path, {**body, "stream": True}, rng.randint(1, 4))
+    return Outcome("disconnected", timed=False) if reply.dropped else Outcome("served", timed=False)
+
+
+async def abort(client: httpx.AsyncClient, plan: ClientPlan, rng: random.Random) -> Outcome:
     """A plain request given up after a random short wait: the server sees it vanish."""
-    path, body = _payload("plain", plan, rng)
+    path, body = _payload(False, plan, rng)
     try:
         response = await asyncio.wait_for(client.post(path, json=body), rng.uniform(0.01, 0.5))
     except TimeoutError:
-        tally.outcomes["aborted"] += 1
-        return
-    if not _status_error(response.status_code, "abort", response.text, tally):
-        tally.outcomes["served"] += 1  # it finished before the client gave up
+        return Outcome("aborted", timed=False)
+    if response.status_code != 200:
+        raise status_error(response.status_code, response.text)
+    return Outcome("served", timed=False)  # it finished before the client gave up
 
 
-async def _bad(
-    client: httpx.AsyncClient, case: tuple[str, str, bytes | dict[str, Any]], tally: SoakTally
-) -> None:
-    name, path, body = case
+async def bad(client: httpx.AsyncClient, plan: ClientPlan, rng: random.Random) -> Outcome:
+    name, path, body = rng.choice(bad_requests(plan.model))
     if isinstance(body, bytes):
         headers = {"content-type": "application/json"}
         response = await client.post(path, content=body, headers=headers)
@@ -192,13 +187,12 @@ async def _bad(
         response = await client.post(path, json=body)
     status = response.status_code
     if status >= 500:
-        tally.error("http_5xx", f"bad request {name}: {status} {response.text}")
-    elif status < 400:
-        tally.error("bad_request_accepted", f"{name}: {status} {response.text}")
-    elif not _is_openai_error(response):
-        tally.error("bad_error_shape", f"{name}: {status} {response.text}")
-    else:
-        tally.outcomes["rejected"] += 1
+        raise SoakError("http_5xx", f"bad request {name}: {status} {response.text}")
+    if status < 400:
+        raise SoakError("bad_request_accepted", f"{name}: {status} {response.text}")
+    if not _is_openai_error(response):
+        raise SoakError("bad_error_shape", f"{name}: {status} {response.text}")
+    return Outcome("rejected", timed=False)
 
 
 def _is_openai_error(response: httpx.Response) -> bool:
@@ -209,8 +203,12 @@ def _is_openai_error(response: httpx.Response) -> bool:
     return isinstance(error, dict) and "message" in error
 
 
-def _status_error(status: int, kind: str, text: str, tally: SoakTally) -> bool:
-    if status == 200:
-        return False
-    tally.error("http_5xx" if status >= 500 else "http_4xx_on_good", f"{kind}: {status} {text}")
-    return True
+# Bad requests and drops are common enough to matter in a short run.
+BASIC_MIX: Mix = (
+    ("stream", 30, stream),
+    ("stream_chat", 15, stream_chat),
+    ("plain", 15, plain),
+    ("disconnect", 15, disconnect),
+    ("abort", 10, abort),
+    ("bad", 15, bad),
+)
