@@ -88,9 +88,10 @@ def _grammar(params: StructuredOutputsParams) -> xgr.Grammar:
         schema = json.loads(spec)
         if params.disable_additional_properties:
             schema = _no_additional_properties(schema)
-        return xgr.Grammar.from_json_schema(
+        grammar = xgr.Grammar.from_json_schema(
             json.dumps(schema), any_whitespace=not params.disable_any_whitespace
         )
+        return _without_raw_control_characters(grammar)
     if kind == "json_object":
         return xgr.Grammar.builtin_json_grammar()
     if kind == "regex":
@@ -111,6 +112,20 @@ def _grammar(params: StructuredOutputsParams) -> xgr.Grammar:
         ]
         return xgr.Grammar.from_structural_tag(items, triggers)
     return xgr.Grammar.from_structural_tag(tag)
+
+
+# xgrammar 0.2.9 writes the characters of a string with minLength/maxLength as this class,
+# which lets raw control characters through (invalid JSON: a soak against a random model
+# produced them); its unbounded strings exclude them, as the fix below does.
+_BOUNDED_STRING_CHAR = r"[^\"\\\r\n]"
+_JSON_STRING_CHAR = r"[^\0-\x1f\"\\\r\n]"
+
+
+def _without_raw_control_characters(grammar: xgr.Grammar) -> xgr.Grammar:
+    ebnf = str(grammar)
+    if _BOUNDED_STRING_CHAR not in ebnf:
+        return grammar
+    return xgr.Grammar.from_ebnf(ebnf.replace(_BOUNDED_STRING_CHAR, _JSON_STRING_CHAR))
 
 
 def _no_additional_properties(schema: Any) -> Any:

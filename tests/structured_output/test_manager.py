@@ -74,6 +74,31 @@ def test_same_spec_compiles_once(manager: Any) -> None:
     assert manager.num_compiles == 2, "options are part of the key"
 
 
+@pytest.mark.parametrize("backend", ["xgrammar", "guidance"])
+def test_a_bounded_string_admits_no_raw_control_character(
+    manager: Any, tokenizer: Any, backend: str
+) -> None:
+    # xgrammar 0.2.9 compiles maxLength strings to [^"\\\r\n]{0,n}: a soak against a
+    # random model got raw control characters (invalid JSON) in such strings.
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string", "maxLength": 16}},
+        "required": ["name"],
+    }
+    grammar = compiled(manager, StructuredOutputsParams(json=schema, _backend=backend))
+    for token in tokenizer.encode('{"name": "ab', add_special_tokens=False):
+        assert grammar.accept_tokens("r", [token])
+    mask = allowed(manager.grammar_bitmask([grammar])[0])
+    control = {
+        t
+        for t in range(len(tokenizer))
+        if (text := tokenizer.decode([t])) and all(ord(c) < 0x20 for c in text)
+    }
+    assert control, "the vocabulary has tokens of control characters"
+    assert not mask & control
+    assert tokenizer.encode("c", add_special_tokens=False)[0] in mask
+
+
 def test_the_compile_cache_is_bounded_in_bytes(manager: Any) -> None:
     schemas = [
         {"type": "object", "properties": {f"k{i}": {"type": "integer"}}, "required": [f"k{i}"]}

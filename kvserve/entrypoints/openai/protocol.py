@@ -54,6 +54,17 @@ def random_uuid() -> str:
     return uuid.uuid4().hex
 
 
+# Characters that str.splitlines() breaks lines at (and so httpx's aiter_lines and much
+# hand-written SSE code) but that JSON may carry raw inside a string: generated text can
+# hold them. Escaped, every event stays on its one data line.
+_SPLITLINES_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
+def sse_data(body: BaseModel) -> str:
+    """One server-sent event carrying ``body`` as JSON."""
+    return f"data: {body.model_dump_json().translate(_SPLITLINES_BREAKS)}\n\n"
+
+
 class OpenAIBaseModel(BaseModel):
     # Clients send fields we do not use (user, store, metadata...): accept and ignore them.
     model_config = ConfigDict(extra="allow")

@@ -9,6 +9,7 @@ from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 from fastapi import Request
+from jinja2 import TemplateError
 
 from kvserve.engine.chat_media import extract_chat_images, has_image_parts, media_policy
 from kvserve.engine.engine_client import EngineClient
@@ -23,6 +24,7 @@ from kvserve.entrypoints.openai.protocol import (
     DeltaMessage,
     OpenAIServingError,
     UsageInfo,
+    sse_data,
 )
 from kvserve.entrypoints.openai.serving_chat_tools import (
     ChatToolHandler,
@@ -77,6 +79,13 @@ class OpenAIServingChat(OpenAIServing):
             )
         except ValueError as exc:
             raise OpenAIServingError(str(exc), param="messages") from None
+        except (TypeError, TemplateError) as exc:
+            # The template met content of a shape it does not handle (e.g. a list of
+            # parts where it concatenates strings): the request's messages, not a fault.
+            raise OpenAIServingError(
+                f"the chat template cannot render these messages: {type(exc).__name__}: {exc}",
+                param="messages",
+            ) from None
         return text, await self.tokenize(text, add_special_tokens=False)
 
     async def create_chat_completion(
@@ -89,6 +98,12 @@ class OpenAIServingChat(OpenAIServing):
         messages = messages_for_template(request.messages)
         images: list[object] = []
         if has_image_parts(messages):
+            if self.engine_client.model_config.arch.multimodal is None:
+                architecture = self.engine_client.model_config.arch.architecture
+                raise OpenAIServingError(
+                    f"{architecture} is a text-only model: image_url parts are not supported",
+                    param="messages",
+                )
             # Loading and decoding run off the event loop; a bad image is the client's 400.
             policy = media_policy(self.engine_client.config.multimodal_config)
             try:
@@ -213,7 +228,7 @@ class OpenAIServingChat(OpenAIServing):
             body = ChatCompletionStreamResponse(
                 id=response_id, created=created, model=model, choices=choices, usage=usage
             )
-            return f"data: {body.model_dump_json()}\n\n"
+            return sse_data(body)
 
         try:
             # OpenAI's first chunk per choice names the role and carries no text.
@@ -265,5 +280,5 @@ class OpenAIServingChat(OpenAIServing):
             if request.include_usage:
                 yield chunk([], UsageInfo.of(prompt_tokens, sum(tokens)))
         except Exception as exc:
-            yield f"data: {self.engine_error(exc).to_response().model_dump_json()}\n\n"
+            yield sse_data(self.engine_error(exc).to_response())
         yield "data: [DONE]\n\n"

@@ -18,6 +18,7 @@ from kvserve.entrypoints.openai.protocol import (
     CompletionStreamResponse,
     OpenAIServingError,
     UsageInfo,
+    sse_data,
 )
 from kvserve.entrypoints.openai.serving_engine import OpenAIServing, merge_async_iterators
 from kvserve.outputs import Logprob, RequestOutput
@@ -238,7 +239,7 @@ class OpenAIServingCompletion(OpenAIServing):
                         )
                         if stream_usage:
                             chunk.usage = UsageInfo.of(prompt_tokens, sum(tokens))
-                        yield f"data: {chunk.model_dump_json()}\n\n"
+                        yield sse_data(chunk)
                     item = await anext(merged, None)
             if request.include_usage:
                 chunk = CompletionStreamResponse(
@@ -248,8 +249,8 @@ class OpenAIServingCompletion(OpenAIServing):
                     choices=[],
                     usage=UsageInfo.of(prompt_tokens, sum(tokens)),
                 )
-                yield f"data: {chunk.model_dump_json()}\n\n"
+                yield sse_data(chunk)
         except Exception as exc:
             # Headers are gone already: the error travels as an SSE event, as OpenAI does.
-            yield f"data: {self.engine_error(exc).to_response().model_dump_json()}\n\n"
+            yield sse_data(self.engine_error(exc).to_response())
         yield "data: [DONE]\n\n"

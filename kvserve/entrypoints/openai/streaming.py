@@ -18,7 +18,7 @@ from collections.abc import AsyncGenerator, AsyncIterator
 from fastapi.responses import StreamingResponse
 from starlette.types import Message, Receive, Scope, Send
 
-from kvserve.entrypoints.openai.protocol import OpenAIServingError
+from kvserve.entrypoints.openai.protocol import OpenAIServingError, sse_data
 
 logger = logging.getLogger(__name__)
 
@@ -49,8 +49,7 @@ async def stream_with_deadline(
             except TimeoutError:
                 assert timeout_s is not None
                 logger.info("stream ended by the request timeout (%g s)", timeout_s)
-                body = timeout_error(timeout_s).to_response().model_dump_json()
-                yield f"data: {body}\n\n"
+                yield sse_data(timeout_error(timeout_s).to_response())
                 yield "data: [DONE]\n\n"
                 return
             yield line

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from pydantic import ValidationError
 
@@ -83,3 +85,15 @@ def test_error_body_has_openai_shape() -> None:
             "code": 404,
         }
     }
+
+
+def test_an_sse_event_stays_one_line_for_splitlines_readers() -> None:
+    # Generated text may hold U+2028, U+2029 or U+0085: raw in JSON, but line breaks to
+    # str.splitlines(), which httpx's aiter_lines uses (a soak client saw half an event).
+    from kvserve.entrypoints.openai.protocol import ErrorInfo, sse_data
+
+    text = "a\u2028b\x85c\u2029d\n"
+    event = sse_data(ErrorInfo(message=text, type="t", code=400))
+    lines = event.splitlines()
+    assert lines[1:] == [""] and lines[0].startswith("data: ")
+    assert json.loads(lines[0].removeprefix("data: "))["message"] == text

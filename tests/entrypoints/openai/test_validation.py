@@ -67,6 +67,22 @@ INVALID: list[tuple[str, dict[str, Any], str]] = [
         {"prompt": "hi", "logit_bias": {str(i): 1 for i in range(MAX_LOGIT_BIAS_ENTRIES + 1)}},
         "logit_bias",
     ),
+    # an image for a text-only model (its chat template raised a TypeError: a 500)
+    (
+        CHAT,
+        {
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "text", "text": "what is this?"},
+                        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}},
+                    ],
+                }
+            ]
+        },
+        "messages",
+    ),
 ]
 
 
