@@ -106,10 +106,10 @@ class RssSampler:
             await asyncio.sleep(interval)
 
     def peak_mib(self) -> dict[str, float]:
-        return {role: round(v / MIB, 1) for role, v in self.peak.items()}
+        return {role: round(v / MIB, 2) for role, v in self.peak.items()}
 
     def last_mib(self) -> dict[str, float]:
-        return {role: round(v / MIB, 1) for role, v in self.last.items()}
+        return {role: round(v / MIB, 2) for role, v in self.last.items()}
 
     def series_mib(self) -> dict[str, list[tuple[float, float]]]:
         return {
