@@ -23,6 +23,10 @@ $(STAMP): pyproject.toml
 	# The web UI test runs the pages in a real headless browser: Debian's chromium.
 	command -v chromium >/dev/null && command -v chromedriver >/dev/null || \
 		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver)
+	# The engine core and workers run on jemalloc where it is installed: glibc's malloc keeps
+	# freed memory resident under serving traffic (kvserve/utils/allocator.py).
+	$(PY) -c "from kvserve.utils.allocator import jemalloc_library as j; raise SystemExit(j() is None)" || \
+		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libjemalloc2)
 	# Compile the C++ CPU kernels now (cached per machine) rather than in the first request.
 	$(PY) -c "import kvserve._custom_ops as ops; print('kvserve CPU kernels:', 'built' if ops.available() else 'unavailable, torch fallbacks in use')"
 	touch $(STAMP)

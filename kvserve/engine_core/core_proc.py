@@ -41,6 +41,7 @@ from kvserve.protocol.engine_core import (
     SchedulerStats,
 )
 from kvserve.utils import memory_trace
+from kvserve.utils.allocator import running_allocator
 from kvserve.utils.heap_trim import HeapTrimmer
 from kvserve.utils.startup import log_phase
 
@@ -94,6 +95,7 @@ class EngineCoreProc:
 
     def run_busy_loop(self) -> None:
         heap = HeapTrimmer()
+        logger.info("engine core allocator: %s", running_allocator())
         while True:
             busy = self.engine_core.has_work()
             if not busy:

@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from kvserve.engine.core_launcher import discard_prestarted_core, prestart_engine_core
+from kvserve.utils.allocator import exec_on_jemalloc
 from kvserve.utils.threads import configure_process_threads
 
 if TYPE_CHECKING:
@@ -202,6 +203,8 @@ def _command(argv: list[str]) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if argv is None and _command(sys.argv[1:]) == "serve":
+        exec_on_jemalloc()  # a long-running server: see utils/allocator.py
     argv = sys.argv[1:] if argv is None else argv
     # Before anything imports torch (the parser's sub-commands may). Not for benchmarks:
     # they run peers (HF, llama.cpp's OpenMP) in this process, and every engine must run

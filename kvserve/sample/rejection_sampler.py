@@ -6,8 +6,10 @@ standard rule (Leviathan et al., Chen et al.): draft token d with draft probabil
 accepted with probability min(1, p(d) / q(d)); on rejection a token is drawn from
 normalize(max(p - q, 0)); when every draft is accepted a bonus token is drawn from p. The
 emitted tokens are then distributed exactly as target samples. Deterministic proposers
-(n-gram lookup, a greedy draft model) have a one-hot q, so acceptance is p(d) and the
-recovered distribution is p without d.
+(n-gram lookup, a greedy draft model: no draft_probs) have a one-hot q, so acceptance is p(d)
+and the recovered distribution is p without d: both follow from drawing the token from p
+and accepting the draft when they agree, which spends one draw per emitted token, so
+seeded requests are reproducible whatever the drafts.
 
 p is the distribution the plain Sampler would sample from at that position: the logits
 processors, penalties, temperature, min-p and top-k/top-p all apply. Position j of a row
@@ -32,7 +34,7 @@ from kvserve.sample.ops.greedy import greedy_tokens
 from kvserve.sample.ops.logprobs import gather_logprobs
 from kvserve.sample.ops.penalties import apply_metadata_penalties
 from kvserve.sample.ops.topk_topp import apply_top_k_top_p, random_sample
-from kvserve.sample.sampler import _active, _apply_processors
+from kvserve.sample.sampler import _active, _apply_processors, _softmax_of_defined
 from kvserve.sample.spec_decode_metadata import SpecDecodeMetadata
 from kvserve.sampling_params import _SAMPLING_EPS
 
@@ -143,15 +145,18 @@ class RejectionSampler(torch.nn.Module):
             return token, pos < len(draft) and token == draft[pos]
         assert probs is not None
         p = probs[k]
-        if pos == len(draft):  # every draft accepted: the bonus token
-            return int(random_sample(p.unsqueeze(0).clone(), generators)[0]), False
+        if draft_probs is None or pos == len(draft):
+            # One-hot drafts (and the bonus token): the token is p's sample from the row's
+            # next draw, and the draft is accepted when it is that token. Acceptance is
+            # p(d) and a rejection yields p without d, as the general rule gives, but every
+            # emitted token costs one draw, as in plain decoding: a seeded request gets the
+            # same tokens however many drafts the scheduler let it verify each step, and
+            # the same as without speculation.
+            token = int(random_sample(p.unsqueeze(0).clone(), generators)[0])
+            return token, pos < len(draft) and token == draft[pos]
         token = draft[pos]
-        if draft_probs is None:
-            q = torch.zeros_like(p)
-            q[token] = 1.0
-        else:
-            # draft_probs rows skip each sampling row's bonus position.
-            q = draft_probs[int(spec.cu_num_logits[i]) - i + pos]
+        # draft_probs rows skip each sampling row's bonus position.
+        q = draft_probs[int(spec.cu_num_logits[i]) - i + pos]
         u = torch.rand(1, generator=generator, device=p.device)
         if float(u) * float(q[token]) <= float(p[token]) and float(p[token]) > 0:
             return token, True
@@ -194,4 +199,4 @@ def target_distribution(
     logits.div_(temperature.unsqueeze(1).to(logits.dtype))
     logits = _apply_processors(logits, metadata, _active(metadata.logitsprocs.argmax_invariant))
     logits = apply_top_k_top_p(logits, metadata.top_k, metadata.top_p)
-    return greedy, logits.softmax(dim=-1)
+    return greedy, _softmax_of_defined(logits)

@@ -2,7 +2,8 @@
 workers (MultiprocExecutor spawns them, or Ray's actors host them).
 
 One place for the three things both get wrong the same way when written twice: how a
-child starts (the spawn context, OpenMP's settings in its environment, a daemon parent
+child starts (the spawn context, OpenMP's settings and its C allocator in its
+environment, a daemon parent
 allowed daemon children), how its parent waits for its first message while watching
 it die (so a child that crashes at start is reported at once with its exit code, not
 when a timeout runs out), and what shutdown releases (sockets, pipes, a reader thread,
@@ -25,6 +26,8 @@ from typing import Any
 
 import zmq
 
+from kvserve.utils.allocator import child_allocator_environment
+from kvserve.utils.environ import environ_set
 from kvserve.utils.threads import child_thread_environment
 
 # A child's start-up error is raised again in its parent with its own type when it is
@@ -52,7 +55,12 @@ def spawn(
     proc = multiprocessing.get_context("spawn").Process(
         target=target, args=args, name=name, daemon=True
     )
-    with child_thread_environment(), _omp_threads(num_threads), _children_allowed():
+    with (
+        child_thread_environment(),
+        child_allocator_environment(),
+        _omp_threads(num_threads),
+        _children_allowed(),
+    ):
         proc.start()
     return proc
 
@@ -150,15 +158,8 @@ def _omp_threads(num_threads: int | None) -> Iterator[None]:
     if num_threads is None:
         yield
         return
-    saved = os.environ.get("OMP_NUM_THREADS")
-    os.environ["OMP_NUM_THREADS"] = str(num_threads)
-    try:
+    with environ_set({"OMP_NUM_THREADS": str(num_threads)}):
         yield
-    finally:
-        if saved is None:
-            os.environ.pop("OMP_NUM_THREADS", None)
-        else:
-            os.environ["OMP_NUM_THREADS"] = saved
 
 
 @contextmanager

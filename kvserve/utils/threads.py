@@ -26,6 +26,8 @@ import sys
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 
+from kvserve.utils.environ import environ_set
+
 # Up to this many usable cores, idle workers spin briefly and then sleep (the front end
 # shares the cores); above, they spin (OMP_WAIT_POLICY=ACTIVE).
 BOUNDED_SPIN_MAX_CORES = 4
@@ -90,13 +92,5 @@ def child_thread_environment() -> Iterator[dict[str, str]]:
     """The settings in ``os.environ`` while a child process is started (spawned
     children copy the environment when they start), restored afterwards."""
     settings = thread_settings()
-    saved = {key: os.environ.get(key) for key in settings}
-    os.environ.update(settings)
-    try:
+    with environ_set(settings):
         yield settings
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value

@@ -135,3 +135,28 @@ def test_seeded_rows_repeat_their_tokens() -> None:
     params = SamplingParams(temperature=1.0, seed=7)
     runs = [verify(make_batch([params]), [[1, 2]], logits) for _ in range(3)]
     assert runs[0] == runs[1] == runs[2]
+
+
+def test_a_seeded_row_emits_the_plain_sampler_tokens_whatever_its_drafts() -> None:
+    # The target distribution at each of 6 positions, whatever came before (synthetic).
+    torch.manual_seed(3)
+    position_logits = torch.randn(6, V)
+    params = [SamplingParams(temperature=1.0, seed=7)]
+
+    plain_batch = make_batch(params)
+    plain = [verify(plain_batch, [[]], position_logits[j : j + 1])[0][0] for j in range(6)]
+
+    def emitted_with(drafts_per_step: list[list[int]]) -> list[int]:
+        batch, out = make_batch(params), []
+        for draft in drafts_per_step:
+            start = len(out)
+            logits = position_logits[start : start + len(draft) + 1]
+            out += verify(batch, [draft], logits)[0]
+        return out[:6]
+
+    wrong = [(t + 1) % V for t in plain]
+    # Two drafts accepted and the third rejected; a rejection at once; all accepted (the
+    # bonus token follows); no drafts at all: the same six tokens every time.
+    assert emitted_with([[plain[0], plain[1], wrong[2]], [wrong[3]], [plain[4]]]) == plain
+    assert emitted_with([[wrong[0]], [plain[1], plain[2], plain[3], plain[4]]]) == plain
+    assert emitted_with([[]] * 6) == plain

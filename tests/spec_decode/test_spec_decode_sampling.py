@@ -94,3 +94,47 @@ def test_two_token_distribution_matches_the_target(tiny: tuple[Path, Any]) -> No
         draft = find_ngram_draft(np.append(tokens, t1), 1, 5, 1)
         always[(t1, t2)] = p1 if draft == [t2] else 0.0
     assert tv(always, joint) > 2 * bound
+
+
+def test_a_seed_gives_the_same_tokens_with_and_without_speculation(
+    tiny: tuple[Path, Any],
+) -> None:
+    # A seeded request's text must not depend on how many drafts the scheduler let it
+    # verify each step (the budget, the batch): under speculation it is the text of
+    # plain decoding. `bench soak` found seeded repeats that differed before each emitted
+    # token cost exactly one draw.
+    directory, model = tiny
+    order = np.random.default_rng(1).permutation(model.config.vocab_size).tolist()
+    # Every token occurs in each prompt, so each one sampled has an n-gram draft, and top-k
+    # keeps the drafts likely enough that some are accepted.
+    prompts = [{"prompt_token_ids": order + order[i : i + 8]} for i in range(0, 48, 6)]
+    params = [
+        SamplingParams(temperature=0.9, top_k=TOP_K, max_tokens=24, ignore_eos=True, seed=100 + i)
+        for i in range(len(prompts))
+    ]
+
+    def texts(llm: LLM, batch: list[int]) -> list[list[int]]:
+        outputs = llm.generate([prompts[i] for i in batch], [params[i] for i in batch],
+                               use_tqdm=False)  # fmt: skip
+        return [list(o.outputs[0].token_ids) for o in outputs]
+
+    everyone = list(range(len(prompts)))
+    plain = LLM(str(directory), kv_cache_memory=32 << 20, disable_log_stats=True)
+    try:
+        expected = texts(plain, everyone)
+    finally:
+        plain.llm_engine.shutdown()
+
+    ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
+    # A token budget of 8 cuts drafts when several requests decode in one step.
+    llm = LLM(str(directory), speculative_config=json.dumps(ngram), kv_cache_memory=32 << 20,
+              max_num_batched_tokens=8, enable_chunked_prefill=True)  # fmt: skip
+    try:
+        assert texts(llm, everyone) == expected
+        assert texts(llm, [3]) == [expected[3]]  # alone: every draft scheduled
+        assert texts(llm, everyone[::-1]) == expected[::-1]
+        stats = llm.llm_engine.engine_core.engine_core.scheduler.spec_decode.spec_decoding_stats
+        assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens  # some of each
+        assert_no_leak(llm)
+    finally:
+        llm.llm_engine.shutdown()

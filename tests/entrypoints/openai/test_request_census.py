@@ -23,6 +23,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import httpx
+import psutil
 import pytest
 
 from kvserve.utils.census import leftovers
@@ -243,6 +244,17 @@ def test_no_owner_keeps_per_request_state_after_every_kind_of_end(server: Remote
     assert census["engine_core"]["objects.kvserve.core.request.Request"] == 0
     assert httpx.get(server.url("/health"), timeout=10).status_code == 200
     server.wait_for_metrics(30, kv_cache_blocks_in_use=0, num_requests_running=0)
+
+
+def test_the_server_and_its_engine_core_run_on_jemalloc(server: RemoteServer) -> None:
+    # The allocator that keeps their memory flat over hours (utils/allocator.py): the
+    # server executed itself again with it (same pid), the core inherited it.
+    root = psutil.Process(server.proc.pid)
+    processes = [root, *root.children(recursive=True)]
+    assert len(processes) >= 2
+    for process in processes:
+        mapped = {m.path for m in process.memory_maps() if "libjemalloc" in m.path}
+        assert mapped, f"{process.pid} {process.cmdline()[:4]} runs without jemalloc"
 
 
 def test_the_census_endpoint_is_off_by_default() -> None:
