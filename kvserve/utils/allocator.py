@@ -1,4 +1,4 @@
-"""The C allocator kvserve's child processes run on: jemalloc where the machine has it.
+"""The C allocator kvserve's serving processes run on: jemalloc where the machine has it.
 
 Under glibc's malloc a serving process's resident memory climbs for hours although it
 frees all it allocates (measured in docs/robustness.md, "Memory over hours"): tensors of
@@ -39,8 +39,9 @@ CHOICES = ("auto", "jemalloc", "glibc")
 # Freed pages stay with jemalloc until HeapTrimmer purges them (idle, or every 30 s while
 # busy). Its default decay returns them continuously instead, and every page returned
 # while serving is faulted in again by the next step's tensors: with the defaults the
-# engine core took 1.7 million page faults in 30 s of serving (glibc: 60 thousand) and
-# served 7% fewer tokens per second; with decay off, 2 thousand and glibc's speed.
+# engine core took 1.7 million page faults in 30 s of serving (glibc: 0.06-0.4 million)
+# and served 7% fewer tokens per second; with decay off and the scheduled purges, 22
+# thousand and glibc's speed (docs/robustness.md).
 # Kept as set when the user configured jemalloc through MALLOC_CONF themselves.
 JEMALLOC_CONF = "dirty_decay_ms:-1,muzzy_decay_ms:-1"
 
