@@ -112,8 +112,7 @@ def exec_on_jemalloc() -> None:
     """Replaces this process by itself (same pid, same arguments) running on jemalloc,
     where KVSERVE_ALLOCATOR and the machine allow and it does not already; else returns.
     Only for a process that has started nothing yet: a command-line entry point."""
-    library = child_preload()
-    if library is None or running_allocator() == "jemalloc":
+    if running_allocator() == "jemalloc" or child_preload() is None:
         return
     with child_allocator_environment():
         environ = dict(os.environ)

@@ -9,9 +9,9 @@ every size) leave holes that later allocations rarely fill exactly, so the arena
 memory only grows. ``malloc_trim(0)`` releases every whole free page of every arena
 (madvise; the address space stays reserved), typically in a few milliseconds.
 
-kvserve's children run on jemalloc where the machine has it (utils/allocator.py), set to
-keep freed pages instead of returning them on its decay timer: returning them while busy
-costs a page fault per page on the next step's tensors (measured in docs/robustness.md).
+kvserve serve's processes run on jemalloc where the machine has it (utils/allocator.py),
+set to keep freed pages instead of returning them on its decay timer: returning them while
+busy costs a page fault per page on the next step's tensors (docs/robustness.md).
 There the trim purges every arena (``arena.<all>.purge``), so pages go back to the OS
 when the process goes idle, and at the same bounded rate while busy.
 
