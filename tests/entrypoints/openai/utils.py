@@ -16,6 +16,8 @@ import openai
 import psutil
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.forced_tokens import FORCED_TOKENS
+
 # Small enough to start fast and to make "beyond the context" cheap to provoke.
 MAX_MODEL_LEN = 512
 SERVER_ARGS = [
@@ -28,6 +30,10 @@ SERVER_ARGS = [
     "--uvicorn-log-level",
     "warning",
     "--disable-log-requests",
+    # Off unless a request asks (vllm_xargs): makes the model emit a given output, so the
+    # parsers and agent loops are tested on what a real model's output looks like.
+    "--logits-processors",
+    FORCED_TOKENS,
 ]
 
 
