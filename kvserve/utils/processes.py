@@ -16,7 +16,10 @@ import multiprocessing
 import os
 import shutil
 import socket
+import sys
 import threading
+import weakref
+from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -43,6 +46,58 @@ def startup_error(error_type: str | None, message: str) -> Exception:
     return STARTUP_ERROR_TYPES.get(error_type or "", RuntimeError)(message)
 
 
+# How many of its last stderr lines a child that fails at start is reported with.
+STDERR_TAIL_LINES = 25
+# What Python's spawn says in a child that re-ran an unguarded main script's kvserve call.
+_UNGUARDED_MAIN = "bootstrapping phase"
+UNGUARDED_MAIN_HINT = (
+    "the main script starts kvserve when it is imported: every process kvserve spawns "
+    "imports the main script again (multiprocessing's spawn start method), so the code "
+    'that creates the LLM or engine must sit under `if __name__ == "__main__":`'
+)
+
+
+class StderrTail:
+    """A child's stderr, passed through to ours as it comes, its last lines kept: a child
+    that dies at start is reported with what it said (its traceback), not only its exit
+    code."""
+
+    def __init__(self, read_fd: int, lines: int = STDERR_TAIL_LINES) -> None:
+        self._lines: deque[str] = deque(maxlen=lines)
+        self._thread = threading.Thread(
+            target=self._pump, args=(read_fd,), name="ChildStderr", daemon=True
+        )
+        self._thread.start()
+
+    def _pump(self, read_fd: int) -> None:
+        partial = b""
+        with os.fdopen(read_fd, "rb", buffering=0) as pipe:
+            while chunk := pipe.read(1 << 16):
+                _write_all(2, chunk)
+                *complete, partial = (partial + chunk).split(b"\n")
+                partial = partial[-4096:]  # a progress bar redraws one line with \r
+                self._lines.extend(line.decode(errors="replace") for line in complete)
+        if partial:
+            self._lines.append(partial.decode(errors="replace"))
+
+    def text(self, wait_s: float = 1.0) -> str:
+        """The last lines, once the child closed its stderr (it exited) or ``wait_s`` on."""
+        self._thread.join(wait_s)
+        return "\n".join(self._lines)
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    try:
+        while data:
+            data = data[os.write(fd, data) :]
+    except OSError:
+        pass  # our own stderr is gone: the lines are still kept for the report
+
+
+# Each child spawn() started, with the tail of its stderr (released with the process).
+_stderr_tails: weakref.WeakKeyDictionary[BaseProcess, StderrTail] = weakref.WeakKeyDictionary()
+
+
 def spawn(
     target: Callable[..., object],
     args: tuple[Any, ...],
@@ -55,14 +110,34 @@ def spawn(
     proc = multiprocessing.get_context("spawn").Process(
         target=target, args=args, name=name, daemon=True
     )
-    with (
-        child_thread_environment(),
-        child_allocator_environment(),
-        _omp_threads(num_threads),
-        _children_allowed(),
-    ):
-        proc.start()
+    read_fd, write_fd = os.pipe()
+    try:
+        with (
+            child_thread_environment(),
+            child_allocator_environment(),
+            _omp_threads(num_threads),
+            _children_allowed(),
+            _stderr_to(write_fd),
+        ):
+            proc.start()
+    finally:
+        os.close(write_fd)
+    _stderr_tails[proc] = StderrTail(read_fd)
     return proc
+
+
+@contextmanager
+def _stderr_to(fd: int) -> Iterator[None]:
+    """Our fd 2 is ``fd`` while a child is started, so that the child inherits it."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    os.dup2(fd, 2)
+    try:
+        yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)
+        os.close(saved)
 
 
 def pipe() -> tuple[Connection, Connection]:
@@ -75,23 +150,36 @@ def wait_for_handshake(
     reader: Connection, proc: BaseProcess, timeout: float | None, who: str
 ) -> bytes:
     """The child's first message (closing ``reader``); raises TimeoutError if none came
-    in ``timeout`` s while it lives, RuntimeError with its exit code if it died first."""
-    closed_by_child = False
+    in ``timeout`` s while it lives, RuntimeError with its exit code and its last lines
+    on stderr if it died (or closed its end of the pipe, dying) first."""
     try:
-        wait([reader, proc.sentinel], timeout)
+        ready = wait([reader, proc.sentinel], timeout)
         data = reader.recv_bytes() if reader.poll() else b""
     except EOFError:  # its end closed as it exits, maybe a moment before the sentinel
-        data, closed_by_child = b"", True
+        data = b""
     finally:
         reader.close()
     if data:
         return data
-    proc.join(5 if closed_by_child else 0)
-    if proc.is_alive():
+    if not ready:
         raise TimeoutError(f"{who} did not start within {timeout} s")
-    raise RuntimeError(
-        f"{who} exited during startup (exit code {proc.exitcode}); see its log above"
-    )
+    # It will never answer; give it a moment to exit so that its exit code and its last
+    # words are known (a child can take seconds to exit after a failed start).
+    proc.join(5)
+    raise RuntimeError(startup_failure(proc, who))
+
+
+def startup_failure(proc: BaseProcess, who: str) -> str:
+    """Why ``proc`` ended before its handshake: its exit code, its stderr's last lines,
+    and the fix when it is the unguarded main script."""
+    code = "still exiting" if proc.exitcode is None else f"exit code {proc.exitcode}"
+    tail = _stderr_tails[proc].text() if proc in _stderr_tails else ""
+    message = f"{who} exited during startup ({code})"
+    if _UNGUARDED_MAIN in tail:
+        message += ": " + UNGUARDED_MAIN_HINT
+    if tail:
+        message += f"; its last lines on stderr:\n{tail}"
+    return message
 
 
 def stop(procs: list[BaseProcess], grace_s: float = 3.0) -> None:

@@ -4,9 +4,11 @@ spawned interpreters."""
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 import time
 from multiprocessing.connection import Connection
+from pathlib import Path
 
 import pytest
 import zmq
@@ -27,6 +29,7 @@ def _say_ready(writer: Connection) -> None:
 
 
 def _die_at_start(writer: Connection) -> None:
+    print("cannot open the model file: no such file", file=sys.stderr)
     sys.exit(3)
 
 
@@ -53,9 +56,37 @@ def test_a_child_that_dies_at_start_is_reported_at_once_with_its_exit_code() -> 
     proc = spawn(_die_at_start, (writer,), "Dies")
     writer.close()
     started = time.monotonic()
-    with pytest.raises(RuntimeError, match=r"dying child exited during startup \(exit code 3\)"):
+    with pytest.raises(
+        RuntimeError, match=r"dying child exited during startup \(exit code 3\)"
+    ) as e:
         wait_for_handshake(reader, proc, 600, "dying child")
     assert time.monotonic() - started < 60  # not the 600 s timeout
+    # What it wrote on stderr says why; the parent's stderr saw it too.
+    assert "cannot open the model file: no such file" in str(e.value)
+
+
+_UNGUARDED_SCRIPT = """
+from kvserve import LLM
+
+llm = LLM(tensor_parallel_size=2, max_model_len=128)
+print(llm.generate(["Hello"])[0].outputs[0].text)
+"""
+
+
+def test_a_script_without_the_main_guard_fails_at_once_naming_the_guard(tmp_path: Path) -> None:
+    """Spawned workers import the main script again, which starts kvserve again in each:
+    the user gets the fix, not a 600 s start-up timeout."""
+    script = tmp_path / "unguarded.py"
+    script.write_text(_UNGUARDED_SCRIPT)
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=300, cwd=tmp_path
+    )
+    assert done.returncode != 0
+    last = done.stderr.strip().splitlines()
+    failure = next(line for line in last if line.startswith("RuntimeError: worker"))
+    assert "exited during startup (exit code 1)" in failure
+    assert 'if __name__ == "__main__":' in failure
+    assert "did not start within" not in done.stderr
 
 
 def test_a_silent_child_times_out_and_is_stopped() -> None:
