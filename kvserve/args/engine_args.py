@@ -404,7 +404,8 @@ class EngineArgs(MultiModalArgs, VllmCompatArgs):
             "--kv-events-config",
             default=None,
             help='KV cache events as JSON, e.g. \'{"enable_kv_cache_events": true, '
-            '"endpoint": "tcp://*:5557"}\'',
+            '"endpoint": "tcp://10.0.0.5:5557"}\' (default endpoint tcp://127.0.0.1:5557: '
+            "the events carry prompts' token ids, so other hosts are let in by address only)",
         )
         parser.add_argument(
             "--kv-transfer-config",

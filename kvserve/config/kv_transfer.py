@@ -16,7 +16,8 @@ class KVEventsConfig:
     # None: "zmq" when events are enabled, else "null".
     publisher: Literal["null", "zmq"] | None = None
     # The PUB socket binds here; subscribers connect. A "*" port binds any free port.
-    endpoint: str = "tcp://*:5557"
+    # Loopback unless configured: the events carry the prompts' token ids.
+    endpoint: str = "tcp://127.0.0.1:5557"
     # ROUTER socket answering replay requests from the ring buffer; None: no replay.
     replay_endpoint: str | None = None
     # Batches (one per engine step with events) kept for replay.

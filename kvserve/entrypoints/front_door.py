@@ -3,14 +3,19 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+import secrets
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
-from typing import Protocol
+from typing import Any, Protocol
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from kvserve.inputs import UNPAIRED_SURROGATE, unpaired_surrogate_path
+
 PROMETHEUS_TEXT = "text/plain; version=0.0.4"
+# Reachable without the front's key: the probe and (as on `kvserve serve`) the metrics.
+OPEN_PATHS = frozenset({"/health", "/metrics"})
 
 
 def openai_error(status: int, message: str, kind: str = "ServiceUnavailableError") -> JSONResponse:
@@ -18,6 +23,63 @@ def openai_error(status: int, message: str, kind: str = "ServiceUnavailableError
     return JSONResponse(
         {"error": {"message": message, "type": kind, "param": None, "code": status}},
         status_code=status,
+    )
+
+
+async def json_object_body(request: Request) -> dict[str, Any] | JSONResponse:
+    """The request's JSON object, or the 400 that says what is wrong with it: not JSON,
+    not an object, or a string the front could not forward (an unpaired surrogate escape
+    has no UTF-8 form, so re-encoding the body for the instance would fail)."""
+    try:
+        body = await request.json()
+    except ValueError:
+        return openai_error(400, "the request body is not JSON", "BadRequestError")
+    if not isinstance(body, dict):
+        return openai_error(400, "the request body must be a JSON object", "BadRequestError")
+    path = unpaired_surrogate_path(body)
+    if path is not None:
+        field = ".".join(str(p) for p in path)
+        return openai_error(400, f"{field} {UNPAIRED_SURROGATE}", "BadRequestError")
+    return body
+
+
+class UpstreamKeys:
+    """The key a front sends each instance behind it: ``--backend-api-key KEY`` (every
+    instance) or ``URL=KEY`` (that one; repeat). An instance with no key configured gets
+    the client's own Authorization header, as before keys were configurable."""
+
+    def __init__(self, specs: Sequence[str] = ()) -> None:
+        self.default: str | None = None
+        self.by_url: dict[str, str] = {}
+        for spec in specs:
+            url, sep, key = spec.rpartition("=")
+            if sep and url.startswith(("http://", "https://")):
+                self.by_url[url.rstrip("/")] = key
+            else:
+                self.default = spec
+
+    def headers(self, url: str, request: Request | None = None) -> dict[str, str]:
+        key = self.by_url.get(url, self.default)
+        if key is not None:
+            return {"authorization": f"Bearer {key}"}
+        if request is None:
+            return {}
+        return {k: v for k, v in request.headers.items() if k.lower() == "authorization"}
+
+
+def add_front_door_auth_args(parser: Any) -> None:
+    parser.add_argument(
+        "--api-key",
+        default=None,
+        help="require `Authorization: Bearer <key>` on every route but /health and /metrics",
+    )
+    parser.add_argument(
+        "--backend-api-key",
+        action="append",
+        default=[],
+        metavar="KEY|URL=KEY",
+        help="the key sent to the instances behind (their --api-key): one for all, or "
+        "URL=KEY per instance; repeat. Without it the client's Authorization is forwarded",
     )
 
 
@@ -38,10 +100,12 @@ class FrontDoor(Protocol):
 
 
 def build_front_door_app(
-    door: FrontDoor, running: Callable[[], AbstractAsyncContextManager[None]]
+    door: FrontDoor,
+    running: Callable[[], AbstractAsyncContextManager[None]],
+    api_key: str | None = None,
 ) -> FastAPI:
     """The app; ``running`` is entered for the app's lifetime (start and stop the front's
-    background work and close its HTTP client there)."""
+    background work and close its HTTP client there). ``api_key``: what clients must send."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -49,6 +113,17 @@ def build_front_door_app(
             yield
 
     app = FastAPI(lifespan=lifespan)
+    if api_key is not None:
+        expected = f"Bearer {api_key}".encode()
+
+        @app.middleware("http")
+        async def require_key(
+            request: Request, call_next: Callable[[Request], Awaitable[Response]]
+        ) -> Response:
+            given = request.headers.get("authorization", "").encode()
+            if request.url.path in OPEN_PATHS or secrets.compare_digest(given, expected):
+                return await call_next(request)
+            return openai_error(401, "a valid API key is required", "AuthenticationError")
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:

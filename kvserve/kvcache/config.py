@@ -57,6 +57,9 @@ class CacheEngineConfig:
     # redis://host:port/db or kvserve://host:port; None disables the remote tier.
     remote_url: str | None = None
     remote_serde: str = "raw"
+    # A file holding the remote store's secret: the cache server's token (its
+    # --auth-token-file) or Redis's password (AUTH).
+    remote_auth_token_file: str | None = None
     save_unfull_chunk: bool = False
     save_decode_cache: bool = False
     # Bound on every blocking remote operation; past it the operation is a miss.

@@ -98,8 +98,9 @@ class LookupServer:
     @classmethod
     def acquire(cls, engine: CacheEngine, key: str, tcp_host: str | None = None) -> LookupServer:
         """The server registered under ``key`` (its ipc address), started if none is.
-        ``tcp_host``: listen on a free TCP port of every interface instead and be reached
-        at that host (ranks on other machines: Ray nodes); ``address`` says where."""
+        ``tcp_host``: listen on a free TCP port of that address instead (this node's IP,
+        for ranks on other machines: Ray nodes), not of every interface; ``address`` says
+        where."""
 
         def same_engine(server: LookupServer) -> None:
             if server.engine is not engine:
@@ -117,7 +118,7 @@ class LookupServer:
         self._socket = self._ctx.socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.LINGER, 0)
         if tcp_host is not None:
-            port = self._socket.bind_to_random_port("tcp://*")
+            port = self._socket.bind_to_random_port(f"tcp://{tcp_host}")
             self.address = f"tcp://{tcp_host}:{port}"
         else:
             path = key.removeprefix("ipc://")

@@ -15,7 +15,7 @@ def test_defaults_and_publisher_resolution() -> None:
     assert (off.enable_kv_cache_events, off.publisher, off.endpoint) == (
         False,
         "null",
-        "tcp://*:5557",
+        "tcp://127.0.0.1:5557",  # loopback: the events carry prompts
     )
     assert (off.replay_endpoint, off.buffer_steps, off.topic) == (None, 10_000, "")
     assert KVEventsConfig(enable_kv_cache_events=True).publisher == "zmq"

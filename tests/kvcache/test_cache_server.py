@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import socket
 import struct
+from pathlib import Path
 
 import msgspec
+import pytest
 import torch
 
+from kvserve.kvcache.server.cli import main as cache_server_main
 from kvserve.kvcache.server.wire import encode_frame, recv_reply, send_request
 from kvserve.kvcache.stats import CacheStats
 from kvserve.kvcache.storage.cache_server_backend import CacheServerBackend
@@ -111,3 +114,38 @@ def test_server_down_is_a_miss_and_back(cache_server_factory: type) -> None:
     server.stop()
     assert backend.get(key(0)) is None and not backend.contains(key(0))
     backend.put(key(1), kv(1))  # quietly dropped
+
+
+def test_a_server_with_a_token_refuses_clients_without_it(
+    cache_server_factory: type, tmp_path: Path
+) -> None:
+    token_file = tmp_path / "token"
+    token_file.write_text("s3cret-token\n")
+    token_file.chmod(0o600)
+    server = cache_server_factory("--auth-token-file", str(token_file))
+    # The engine's backend with the token stores and reads.
+    keyed = CacheServerBackend(server.host, server.port, CacheStats(), auth_token="s3cret-token")
+    keyed.put(key(0), kv(0))
+    assert torch.equal(keyed.get(key(0)), kv(0))
+    # Without it, or with a wrong one, nothing is read or written: every op is a miss.
+    for token in (None, "guess"):
+        stranger = CacheServerBackend(
+            server.host, server.port, CacheStats(), auth_token=token, reconnect_interval=0
+        )
+        assert stranger.get(key(0)) is None and not stranger.contains(key(0))
+        stranger.put(key(1), kv(1))
+        assert keyed.get(key(1)) is None
+    # A raw client that skips AUTH gets an error and its connection closed.
+    with socket.create_connection((server.host, server.port), timeout=5) as s:
+        send_request(s, {"op": "GET", "key": key(0).to_string()})
+        assert recv_reply(s, 1 << 20)[0]["status"] == "error"
+        assert s.recv(1) == b""
+    assert torch.equal(keyed.get(key(0)), kv(0))  # still serving its rightful client
+
+
+def test_a_token_file_that_others_can_read_is_refused(tmp_path: Path) -> None:
+    token_file = tmp_path / "token"
+    token_file.write_text("s3cret-token\n")
+    token_file.chmod(0o644)
+    with pytest.raises(SystemExit, match="readable by other users"):
+        cache_server_main(["--port", "0", "--auth-token-file", str(token_file)])

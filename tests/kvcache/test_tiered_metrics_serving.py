@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import ipaddress
 import time
 from pathlib import Path
 
 import httpx
+import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -24,12 +26,35 @@ def tier_hits(server: RemoteServer) -> dict[str, float]:
     }
 
 
+def listeners(pid: int) -> list[tuple[str, int]]:
+    """(address, port) of every TCP socket listening in ``pid`` and its descendants: what a
+    port scan from the machine itself finds."""
+    root = psutil.Process(pid)
+    return [
+        (conn.laddr.ip, conn.laddr.port)
+        for proc in [root, *root.children(recursive=True)]
+        for conn in proc.net_connections(kind="inet")
+        if conn.status == psutil.CONN_LISTEN
+    ]
+
+
 def test_tier_hits_reach_prometheus(tmp_path: Path) -> None:
     config = tmp_path / "tiers.yaml"
     config.write_text("chunk_size: 256\nlocal_cpu: true\nmax_local_cpu_size: 64MiB\n")
     # Without the engine's own prefix cache the repeated prompt must come from the tier.
-    server = RemoteServer("--kv-cache-config", str(config), "--no-enable-prefix-caching")
+    # KV events on at their default address: with the tier, every socket a default
+    # server opens, none of which may listen beyond this machine.
+    server = RemoteServer(
+        "--kv-cache-config",
+        str(config),
+        "--no-enable-prefix-caching",
+        "--kv-events-config",
+        '{"enable_kv_cache_events": true}',
+    )
     try:
+        found = listeners(server.proc.pid)
+        assert {server.port, 5557} <= {port for _, port in found}  # HTTP and the events
+        assert all(ipaddress.ip_address(ip).is_loopback for ip, _ in found), found
         client = server.client()
         prompt = "Count with me: " + " ".join(str(i) for i in range(100, 175))
         ids = httpx.post(server.url("/tokenize"), json={"prompt": prompt}).json()["tokens"]

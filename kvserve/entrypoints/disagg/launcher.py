@@ -27,6 +27,8 @@ from typing import Any
 
 from kvserve.entrypoints.disagg.pool import Instance
 from kvserve.entrypoints.disagg.proxy import DisaggProxy, build_app
+from kvserve.entrypoints.front_door import UpstreamKeys
+from kvserve.entrypoints.openai.cli_args import API_KEY_ENV
 from kvserve.utils.health import wait_until_healthy
 from kvserve.utils.processes import free_port
 
@@ -84,14 +86,26 @@ def connector_configs(kv_tier: str | None, kv_port: int) -> tuple[dict[str, Any]
 
 
 class Child:
-    def __init__(self, name: str, model: str, port: int, config: dict[str, Any], extra: list[str]):
+    def __init__(
+        self,
+        name: str,
+        model: str,
+        port: int,
+        config: dict[str, Any],
+        extra: list[str],
+        api_key: str | None,
+    ):
         self.name = name
         self.url = f"http://127.0.0.1:{port}"
         command = [
             sys.executable, "-m", "kvserve.entrypoints.cli", "serve", model, "--port", str(port),
             "--kv-transfer-config", json.dumps(config), *extra,
         ]  # fmt: skip
-        self.proc = subprocess.Popen(command, start_new_session=True)
+        environment = dict(os.environ)
+        if api_key is not None:
+            # In the environment, not on the command line other users can list.
+            environment[API_KEY_ENV] = api_key
+        self.proc = subprocess.Popen(command, start_new_session=True, env=environment)
 
     def wait_healthy(self, deadline: float) -> None:
         if wait_until_healthy(self.url, self.proc, deadline, interval_s=0.5):
@@ -130,6 +144,11 @@ def add_disagg_parser(sub: Any) -> None:
         "sending it from producer to consumer",
     )  # fmt: skip
     parser.add_argument(
+        "--api-key", default=os.environ.get(API_KEY_ENV),
+        help="require `Authorization: Bearer <key>` at the proxy and at both instances "
+        "(the proxy sends it to them); default: $KVSERVE_API_KEY",
+    )  # fmt: skip
+    parser.add_argument(
         "--serve-args", default="",
         help='more `kvserve serve` flags for both instances, e.g. "--kv-cache-memory 256M"',
     )  # fmt: skip
@@ -150,8 +169,8 @@ def disagg_main(args: argparse.Namespace) -> int:
     # uvicorn installs its own handler (which ends uvicorn.run normally).
     signal.signal(signal.SIGTERM, _interrupt)
     try:
-        children.append(Child("producer", model, free_port(), producer_config, extra))
-        children.append(Child("consumer", model, free_port(), consumer_config, extra))
+        for name, config in (("producer", producer_config), ("consumer", consumer_config)):
+            children.append(Child(name, model, free_port(), config, extra, args.api_key))
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         for child in children:
             child.wait_healthy(deadline)
@@ -159,14 +178,17 @@ def disagg_main(args: argparse.Namespace) -> int:
         decode = Instance(consumer.url)
         if args.kv_tier is None:
             decode = Instance(consumer.url, "127.0.0.1", kv_port)
-        proxy = DisaggProxy([Instance(producer.url)], [decode])
+        proxy = DisaggProxy(
+            [Instance(producer.url)], [decode], UpstreamKeys([args.api_key] if args.api_key else [])
+        )
         print(
             f"kvserve disagg: proxy on http://{args.host}:{args.port} (producer "
             f"{producer.url}, consumer {consumer.url})",
             file=sys.stderr,
             flush=True,
         )
-        uvicorn.run(build_app(proxy), host=args.host, port=args.port, log_level="warning")
+        app = build_app(proxy, args.api_key)
+        uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     except KeyboardInterrupt:
         pass
     finally:

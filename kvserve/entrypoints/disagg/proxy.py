@@ -34,7 +34,13 @@ from fastapi.responses import Response, StreamingResponse
 
 from kvserve.entrypoints.disagg.metrics import ProxyMetrics
 from kvserve.entrypoints.disagg.pool import Instance, Pool
-from kvserve.entrypoints.front_door import build_front_door_app, openai_error
+from kvserve.entrypoints.front_door import (
+    UpstreamKeys,
+    add_front_door_auth_args,
+    build_front_door_app,
+    json_object_body,
+    openai_error,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +59,13 @@ def disaggregates(body: dict[str, Any]) -> bool:
 
 
 class DisaggProxy:
-    def __init__(self, prefill: list[Instance], decode: list[Instance]) -> None:
+    def __init__(
+        self,
+        prefill: list[Instance],
+        decode: list[Instance],
+        upstream_keys: UpstreamKeys | None = None,
+    ) -> None:
+        self.keys = upstream_keys or UpstreamKeys()
         self.prefill = Pool(prefill, "--prefill")
         self.decode = Pool(decode, "--decode")
         self.metrics = ProxyMetrics()
@@ -75,7 +87,7 @@ class DisaggProxy:
         return prefill
 
     async def run_prefill(
-        self, path: str, body: dict[str, Any], decoder: Instance, headers: dict[str, str]
+        self, path: str, body: dict[str, Any], decoder: Instance, request: Request
     ) -> tuple[dict[str, Any] | None, Response | None, str]:
         """(kv_transfer_params for the decoder, an error response to give the client
         instead, the prefiller's URL). A prefiller that cannot be reached has not seen the
@@ -88,7 +100,7 @@ class DisaggProxy:
                 answer = await self.client.post(
                     f"{prefiller.url}{path}",
                     json=self.prefill_body(body, decoder),
-                    headers=headers,
+                    headers=self.keys.headers(prefiller.url, request),
                 )
                 break
             except httpx.TransportError as exc:
@@ -119,13 +131,9 @@ class DisaggProxy:
 
     async def forward(self, request: Request, path: str) -> Response:
         start = time.perf_counter()
-        try:
-            body = await request.json()
-        except ValueError:
-            return openai_error(400, "the request body is not JSON", "BadRequestError")
-        if not isinstance(body, dict):
-            return openai_error(400, "the request body must be a JSON object", "BadRequestError")
-        headers = {k: v for k, v in request.headers.items() if k.lower() == "authorization"}
+        body = await json_object_body(request)
+        if isinstance(body, Response):
+            return body
         decoder = self.decode.pick()
         decoder.in_flight += 1  # held from now: concurrent requests spread over decoders
         released = False
@@ -141,7 +149,7 @@ class DisaggProxy:
             out_headers = {"x-kvserve-decode": decoder.url}
             decode_body = {k: v for k, v in body.items() if k != "kv_transfer_params"}
             if disaggregates(body):
-                params, failed, prefiller = await self.run_prefill(path, body, decoder, headers)
+                params, failed, prefiller = await self.run_prefill(path, body, decoder, request)
                 if failed is not None:
                     release()
                     return failed
@@ -151,7 +159,10 @@ class DisaggProxy:
             sent = time.perf_counter()
             upstream = await self.client.send(
                 self.client.build_request(
-                    "POST", f"{decoder.url}{path}", json=decode_body, headers=headers
+                    "POST",
+                    f"{decoder.url}{path}",
+                    json=decode_body,
+                    headers=self.keys.headers(decoder.url, request),
                 ),
                 stream=True,
             )
@@ -207,7 +218,9 @@ class DisaggProxy:
     async def models(self) -> Response:
         for instance in self.decode.instances:
             try:
-                answer = await self.client.get(f"{instance.url}/v1/models")
+                answer = await self.client.get(
+                    f"{instance.url}/v1/models", headers=self.keys.headers(instance.url)
+                )
             except httpx.TransportError:
                 continue
             return Response(answer.content, answer.status_code, media_type="application/json")
@@ -232,7 +245,7 @@ class DisaggProxy:
         return await any_up(self.prefill) and await any_up(self.decode)
 
 
-def build_app(proxy: DisaggProxy) -> FastAPI:
+def build_app(proxy: DisaggProxy, api_key: str | None = None) -> FastAPI:
     @asynccontextmanager
     async def running() -> AsyncIterator[None]:
         try:
@@ -240,7 +253,7 @@ def build_app(proxy: DisaggProxy) -> FastAPI:
         finally:
             await proxy.client.aclose()
 
-    return build_front_door_app(proxy, running)
+    return build_front_door_app(proxy, running, api_key)
 
 
 def add_proxy_arguments(parser: argparse.ArgumentParser) -> None:
@@ -262,6 +275,7 @@ def add_proxy_parser(sub: Any) -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     add_proxy_arguments(parser)
+    add_front_door_auth_args(parser)
     parser.set_defaults(func=proxy_main)
 
 
@@ -269,11 +283,13 @@ def make_proxy(args: argparse.Namespace) -> DisaggProxy:
     return DisaggProxy(
         [Instance.parse(spec, "--prefill") for spec in args.prefill],
         [Instance.parse(spec, "--decode") for spec in args.decode],
+        UpstreamKeys(args.backend_api_key),
     )
 
 
 def proxy_main(args: argparse.Namespace) -> int:
     import uvicorn
 
-    uvicorn.run(build_app(make_proxy(args)), host=args.host, port=args.port, log_level="warning")
+    app = build_app(make_proxy(args), args.api_key)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     return 0

@@ -7,9 +7,14 @@ import asyncio
 import importlib
 import json
 import logging
+import os
 
 from kvserve.args.engine_args import EngineArgs
 from kvserve.entrypoints.openai.compat_args import add_vllm_server_args, check_server_args
+
+# Where `--api-key` is read from when not given (vLLM's VLLM_API_KEY too): a key in the
+# environment is not in the process list other users of the machine can read.
+API_KEY_ENV = "KVSERVE_API_KEY"
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -23,9 +28,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument(
         "--api-key",
-        default=None,
+        default=os.environ.get(API_KEY_ENV) or os.environ.get("VLLM_API_KEY"),
         help="require `Authorization: Bearer <key>` on every route but /health, /version, "
-        "the OpenAPI schema and (unless --metrics-auth) /metrics",
+        f"the OpenAPI schema and (unless --metrics-auth) /metrics; default: ${API_KEY_ENV} "
+        "or $VLLM_API_KEY",
     )
     parser.add_argument(
         "--allowed-origins",

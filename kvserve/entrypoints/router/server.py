@@ -29,7 +29,13 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 
-from kvserve.entrypoints.front_door import build_front_door_app, openai_error
+from kvserve.entrypoints.front_door import (
+    UpstreamKeys,
+    add_front_door_auth_args,
+    build_front_door_app,
+    json_object_body,
+    openai_error,
+)
 from kvserve.entrypoints.router.backends import Backend, EventFollowers
 from kvserve.entrypoints.router.prefix_index import PrefixIndex
 
@@ -41,7 +47,12 @@ HEALTH_INTERVAL_S = 1.0
 
 class Router:
     def __init__(
-        self, backends: list[Backend], block_size: int, hash_seed: int, policy: str
+        self,
+        backends: list[Backend],
+        block_size: int,
+        hash_seed: int,
+        policy: str,
+        upstream_keys: UpstreamKeys | None = None,
     ) -> None:
         if not backends:
             raise ValueError("the router needs at least one --backend")
@@ -55,6 +66,7 @@ class Router:
         self._rotation = itertools.count()
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0))
         self.prefix_tokens_matched = 0
+        self.keys = upstream_keys or UpstreamKeys()
 
     def healthy(self) -> list[Backend]:
         return [b for b in self.backends if b.healthy]
@@ -65,7 +77,7 @@ class Router:
         backend.healthy = False
         self.followers.reset(backend)
 
-    async def tokenize(self, path: str, body: dict[str, Any]) -> list[int] | None:
+    async def tokenize(self, path: str, body: dict[str, Any], request: Request) -> list[int] | None:
         """The prompt's token ids from an instance, or None where the prompt is not one
         text or message list (token-id prompts pass through as they are)."""
         if path.endswith("/chat/completions"):
@@ -82,7 +94,11 @@ class Router:
             payload = {"prompt": prompt}
         for backend in sorted(self.healthy(), key=lambda b: b.in_flight):
             try:
-                answer = await self.client.post(f"{backend.url}/tokenize", json=payload)
+                answer = await self.client.post(
+                    f"{backend.url}/tokenize",
+                    json=payload,
+                    headers=self.keys.headers(backend.url, request),
+                )
             except httpx.TransportError as exc:
                 self.mark_down(backend, repr(exc))
                 continue
@@ -106,21 +122,20 @@ class Router:
         return next(b for b in healthy if b.url == url)
 
     async def forward(self, request: Request, path: str) -> Response:
-        try:
-            body = await request.json()
-        except ValueError:
-            return openai_error(400, "the request body is not JSON", "BadRequestError")
-        if not isinstance(body, dict):
-            return openai_error(400, "the request body must be a JSON object", "BadRequestError")
-        tokens = await self.tokenize(path, body) if self.policy == "prefix" else None
-        headers = {k: v for k, v in request.headers.items() if k.lower() == "authorization"}
+        body = await json_object_body(request)
+        if isinstance(body, Response):
+            return body
+        tokens = await self.tokenize(path, body, request) if self.policy == "prefix" else None
         # An instance that cannot be reached has not seen the request: try the next.
         while (backend := self.choose(tokens, body.get("cache_salt"))) is not None:
             backend.in_flight += 1  # from now: a non-streamed answer's headers come last
             try:
                 upstream = await self.client.send(
                     self.client.build_request(
-                        "POST", f"{backend.url}{path}", json=body, headers=headers
+                        "POST",
+                        f"{backend.url}{path}",
+                        json=body,
+                        headers=self.keys.headers(backend.url, request),
                     ),
                     stream=True,
                 )
@@ -183,7 +198,9 @@ class Router:
     async def models(self) -> Response:
         for backend in self.healthy():
             try:
-                answer = await self.client.get(f"{backend.url}/v1/models")
+                answer = await self.client.get(
+                    f"{backend.url}/v1/models", headers=self.keys.headers(backend.url)
+                )
             except httpx.TransportError as exc:
                 self.mark_down(backend, repr(exc))
                 continue
@@ -216,7 +233,7 @@ class Router:
         return "\n".join(lines) + "\n"
 
 
-def build_app(router: Router) -> FastAPI:
+def build_app(router: Router, api_key: str | None = None) -> FastAPI:
     @asynccontextmanager
     async def running() -> AsyncIterator[None]:
         router.followers.start()
@@ -228,7 +245,7 @@ def build_app(router: Router) -> FastAPI:
             router.followers.stop()
             await router.client.aclose()
 
-    return build_front_door_app(router, running)
+    return build_front_door_app(router, running, api_key)
 
 
 def add_router_parser(sub: Any) -> None:
@@ -247,6 +264,7 @@ def add_router_parser(sub: Any) -> None:
         "--prefix-caching-hash-seed", type=int, default=0, help="the instances' hash seed"
     )
     parser.add_argument("--policy", choices=POLICIES, default="prefix")
+    add_front_door_auth_args(parser)
     parser.set_defaults(func=router_main)
 
 
@@ -254,6 +272,14 @@ def router_main(args: argparse.Namespace) -> int:
     import uvicorn
 
     backends = [Backend.parse(spec) for spec in args.backend]
-    router = Router(backends, args.block_size, args.prefix_caching_hash_seed, args.policy)
-    uvicorn.run(build_app(router), host=args.host, port=args.port, log_level="warning")
+    router = Router(
+        backends,
+        args.block_size,
+        args.prefix_caching_hash_seed,
+        args.policy,
+        UpstreamKeys(args.backend_api_key),
+    )
+    uvicorn.run(
+        build_app(router, args.api_key), host=args.host, port=args.port, log_level="warning"
+    )
     return 0

@@ -9,6 +9,10 @@ import sys
 
 from kvserve.kvcache.config import parse_size
 from kvserve.kvcache.server.server import CacheServer
+from kvserve.utils.secret_file import read_secret_file
+
+logger = logging.getLogger(__name__)
+LOOPBACK = frozenset({"127.0.0.1", "localhost", "::1"})
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -20,6 +24,13 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--spill-dir", default=None, help="spill evicted chunks to this directory")
     parser.add_argument("--max-spill", type=parse_size, default=parse_size("10GiB"))
+    parser.add_argument(
+        "--auth-token-file",
+        default=None,
+        help="a file (mode 600) holding the token every client must present first (engines: "
+        "the tier's remote_auth_token_file); without it, anyone who reaches the port can "
+        "read and write chunks",
+    )
 
 
 def add_cache_server_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -32,6 +43,18 @@ def add_cache_server_parser(subparsers: argparse._SubParsersAction) -> argparse.
 
 
 async def _run(args: argparse.Namespace) -> None:
+    token = None
+    if args.auth_token_file is not None:
+        try:
+            token = read_secret_file(args.auth_token_file, "--auth-token-file")
+        except ValueError as exc:
+            raise SystemExit(f"kvserve cache-server: {exc}") from None
+    elif args.host not in LOOPBACK:
+        logger.warning(
+            "kvserve cache-server on %s without --auth-token-file: anyone who reaches it "
+            "can read and write KV chunks",
+            args.host,
+        )
     server = CacheServer(
         args.host,
         args.port,
@@ -39,6 +62,7 @@ async def _run(args: argparse.Namespace) -> None:
         max_payload_bytes=args.max_payload,
         spill_dir=args.spill_dir,
         max_spill_bytes=args.max_spill,
+        auth_token=token,
     )
     host, port = await server.start()
     # Tests and scripts read this line to learn the port when --port 0 was given.

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 from collections import OrderedDict
 from typing import Any
 
@@ -39,8 +40,12 @@ class CacheServer:
         spill_dir: str | None = None,
         max_spill_bytes: int = 10 << 30,
         frame_timeout: float = 30.0,
+        auth_token: str | None = None,
     ) -> None:
         self.host, self.port = host, port
+        # Every connection's first request must be an AUTH with this token.
+        self._token = None if auth_token is None else auth_token.encode()
+        self.auth_failures = 0
         self.max_bytes = max_bytes
         # No single value may be larger than memory (or the explicit cap, if smaller).
         self.max_payload_bytes = min(max_payload_bytes or max_bytes, max_bytes)
@@ -71,6 +76,7 @@ class CacheServer:
     # -- connections ---------------------------------------------------------------------
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        authenticated = self._token is None
         try:
             while True:
                 try:
@@ -83,6 +89,13 @@ class CacheServer:
                         raise ProtocolError(f"header of {header_len} bytes exceeds the cap")
                     raw = await asyncio.wait_for(reader.readexactly(header_len), self.frame_timeout)
                     header = decode_header(raw)
+                    if not authenticated:
+                        # Refused before any payload is read: no memory for strangers.
+                        self._authenticate(header)
+                        authenticated = True
+                        writer.write(encode_frame({"status": "ok"}))
+                        await writer.drain()
+                        continue
                     if header["len"] > self.max_payload_bytes:
                         raise ProtocolError(
                             f"payload of {header['len']} bytes exceeds the cap of "
@@ -117,10 +130,24 @@ class CacheServer:
             except (ConnectionError, OSError):
                 pass
 
+    def _authenticate(self, header: dict[str, Any]) -> None:
+        token = header.get("token")
+        assert self._token is not None
+        if (
+            header.get("op") == "AUTH"
+            and isinstance(token, str)
+            and secrets.compare_digest(token.encode(), self._token)
+        ):
+            return
+        self.auth_failures += 1
+        raise ProtocolError("unauthenticated: the first request must be AUTH with the token")
+
     async def _dispatch(
         self, header: dict[str, Any], payload: bytes
     ) -> tuple[dict, bytes | memoryview]:
         op = header.get("op")
+        if op == "AUTH":  # again, or to a server without a token: nothing to change
+            return {"status": "ok"}, b""
         if op == "HEALTH":
             return self.health(), b""
         key = header.get("key")

@@ -5,7 +5,9 @@ A frame, each way:
     header length (u32, big-endian) | msgpack header (a map) | payload (header["len"] bytes)
 
 Requests: {"op": "PUT", "key": str, "meta": map, "len": n} + payload; {"op": "GET", "key"};
-{"op": "EXISTS", "key"}; {"op": "DELETE", "key"}; {"op": "HEALTH"}.
+{"op": "EXISTS", "key"}; {"op": "DELETE", "key"}; {"op": "HEALTH"}; {"op": "AUTH", "token"},
+the first request of a connection to a server that has a token (any other is refused and
+the connection closed).
 Replies: {"status": "ok" | "miss" | "error", ...}; a GET hit carries "meta" and a payload.
 Header and payload lengths are capped; a frame over a cap is an error and ends the connection.
 """
@@ -20,7 +22,7 @@ import msgspec
 
 LENGTH = struct.Struct(">I")
 MAX_HEADER_BYTES = 1 << 16
-OPS = ("PUT", "GET", "EXISTS", "DELETE", "HEALTH")
+OPS = ("PUT", "GET", "EXISTS", "DELETE", "HEALTH", "AUTH")
 
 
 class ProtocolError(ValueError):

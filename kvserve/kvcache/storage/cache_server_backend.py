@@ -33,9 +33,11 @@ class CacheServerBackend(StorageBackend):
         serde_name: str = "raw",
         timeout: float = 5.0,
         reconnect_interval: float = 1.0,
+        auth_token: str | None = None,
     ) -> None:
         super().__init__(stats)
         self.host, self.port = host, port
+        self.auth_token = auth_token
         self.serde = serde_name
         self.timeout = timeout
         self.health_state = RemoteHealth(f"kvserve://{host}:{port}", reconnect_interval)
@@ -50,8 +52,7 @@ class CacheServerBackend(StorageBackend):
         with self._lock:
             try:
                 if self._sock is None:
-                    self._sock = socket.create_connection((self.host, self.port), self.timeout)
-                    self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                    self._sock = self._connect()
                 send_request(self._sock, header, payload)
                 reply = recv_reply(self._sock, MAX_REPLY_PAYLOAD)
             except (OSError, ProtocolError) as exc:
@@ -63,6 +64,17 @@ class CacheServerBackend(StorageBackend):
         if reply[0].get("status") == "error":
             self.stats.add(self.name, errors=1)
         return reply
+
+    def _connect(self) -> socket.socket:
+        sock = socket.create_connection((self.host, self.port), self.timeout)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if self.auth_token is not None:
+            send_request(sock, {"op": "AUTH", "token": self.auth_token})
+            reply, _ = recv_reply(sock, 0)
+            if reply.get("status") != "ok":
+                sock.close()
+                raise ProtocolError(f"the cache server refused the token: {reply.get('error')}")
+        return sock
 
     def _close_locked(self) -> None:
         if self._sock is not None:

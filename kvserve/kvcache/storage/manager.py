@@ -14,6 +14,7 @@ from kvserve.kvcache.key import CacheEngineKey
 from kvserve.kvcache.stats import CacheStats
 from kvserve.kvcache.storage.base import StorageBackend
 from kvserve.kvcache.storage.local_cpu import LocalCPUBackend
+from kvserve.utils.secret_file import read_secret_file
 
 
 def create_backends(config: CacheEngineConfig, stats: CacheStats) -> list[StorageBackend]:
@@ -30,10 +31,16 @@ def create_backends(config: CacheEngineConfig, stats: CacheStats) -> list[Storag
         )
     if config.remote_url:
         scheme, host, port, db = parse_remote_url(config.remote_url)
+        token_file = config.remote_auth_token_file
         common = {
             "serde_name": config.remote_serde,
             "timeout": config.blocking_timeout_secs,
             "reconnect_interval": config.remote_reconnect_interval_secs,
+            "auth_token": (
+                None
+                if token_file is None
+                else read_secret_file(token_file, "remote_auth_token_file")
+            ),
         }
         if scheme == "redis":
             from kvserve.kvcache.storage.redis_backend import RedisBackend

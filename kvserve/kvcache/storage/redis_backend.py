@@ -43,6 +43,7 @@ class RedisBackend(StorageBackend):
         serde_name: str = "raw",
         timeout: float = 5.0,
         reconnect_interval: float = 1.0,
+        auth_token: str | None = None,
     ) -> None:
         super().__init__(stats)
         self.serde = serde_name
@@ -51,6 +52,7 @@ class RedisBackend(StorageBackend):
             host=host,
             port=port,
             db=db,
+            password=auth_token,
             socket_timeout=timeout,
             socket_connect_timeout=timeout,
             # No client-side retries: a failure is a miss now, and RemoteHealth throttles.

@@ -21,6 +21,9 @@ from tests.entrypoints.openai.utils import SERVER_ARGS, _free_port
 
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
 MODEL = "SmolLM2-135M-Instruct"
+# Every instance requires this key and only the proxies send it: the tests reach the
+# instances through keyed fronts, as an operator's fleet would be set up.
+INSTANCE_KEY = "instance-key"
 
 
 def p2p_producer() -> dict[str, Any]:
@@ -39,8 +42,11 @@ def p2p_consumer(kv_port: int, policy: str = "recompute", timeout_s: float = 8.0
 class Process:
     """A kvserve sub-command in its own process group, its output in a temp file."""
 
-    def __init__(self, name: str, args: list[str], port: int | None = None) -> None:
+    def __init__(
+        self, name: str, args: list[str], port: int | None = None, key: str = "EMPTY"
+    ) -> None:
         self.name = name
+        self.key = key  # what its clients send (its --api-key, where it has one)
         self.port = port or _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile("w+", prefix=f"kvserve-{name}-", suffix=".log")
@@ -62,7 +68,7 @@ class Process:
         raise RuntimeError(f"{self.name} did not become healthy:\n{self.output()}")
 
     def client(self) -> openai.OpenAI:
-        return openai.OpenAI(base_url=f"{self.url}/v1", api_key="EMPTY", max_retries=0)
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=self.key, max_retries=0)
 
     def metrics(self) -> dict[tuple[str, str], float]:
         """(sample name, its kind/instance/stage label) -> value."""
@@ -86,19 +92,26 @@ class Process:
 
 
 def serve(name: str, transfer: dict[str, Any] | None) -> Process:
-    args = ["serve", *SERVER_ARGS]
+    args = ["serve", *SERVER_ARGS, "--api-key", INSTANCE_KEY]
     if transfer is not None:
         args += ["--kv-transfer-config", json.dumps(transfer)]
-    return Process(name, args)
+    return Process(name, args, key=INSTANCE_KEY)
 
 
-def proxy(name: str, prefill: list[Process], decode: list[tuple[Process, int | None]]) -> Process:
-    args = ["proxy"]
+def proxy(
+    name: str,
+    prefill: list[Process],
+    decode: list[tuple[Process, int | None]],
+    api_key: str | None = None,
+) -> Process:
+    args = ["proxy", "--backend-api-key", INSTANCE_KEY]
     for p in prefill:
         args += ["--prefill", p.url]
     for d, kv_port in decode:
         args += ["--decode", d.url if kv_port is None else f"{d.url}=127.0.0.1:{kv_port}"]
-    return Process(name, args)
+    if api_key is None:
+        return Process(name, args)
+    return Process(name, [*args, "--api-key", api_key], key=api_key)
 
 
 def blocks_in_use(server: Process) -> float:

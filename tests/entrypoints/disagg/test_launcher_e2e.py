@@ -22,6 +22,7 @@ from tests.kvcache.conftest import RedisServer, find_redis_server
 pytestmark = pytest.mark.slow
 
 TOPICS = ["ocean tides", "volcanoes", "honey bees"]
+KEY = "disagg-test-key"
 
 
 @pytest.fixture(scope="module")
@@ -58,11 +59,17 @@ def _metric(url: str, name: str, kind: str) -> float:
 @pytest.mark.parametrize("kv_path", ["p2p", "redis"])
 def test_disagg_answers_and_stops_on_sigterm(kv_path: str, request: pytest.FixtureRequest) -> None:
     tier = [] if kv_path == "p2p" else ["--kv-tier", request.getfixturevalue("redis").url]
-    launcher = Process("disagg", ["disagg", *tier, "--serve-args", shlex.join(SERVER_ARGS)])
+    # The key guards the proxy and both instances; the proxy sends it on.
+    launcher = Process(
+        "disagg",
+        ["disagg", *tier, "--api-key", KEY, "--serve-args", shlex.join(SERVER_ARGS)],
+        key=KEY,
+    )
     try:
         launcher.wait_healthy(timeout=600)
         producer, consumer = _urls(launcher)
-        plain = openai.OpenAI(base_url=f"{producer}/v1", api_key="EMPTY", max_retries=0)
+        assert httpx.get(f"{producer}/v1/models", timeout=10).status_code == 401
+        plain = openai.OpenAI(base_url=f"{producer}/v1", api_key=KEY, max_retries=0)
         for topic in TOPICS:
             reference = plain.completions.create(
                 model=MODEL, prompt=_prompt(topic), max_tokens=8, temperature=0.0

@@ -10,6 +10,7 @@ kv_load_failure_policy "recompute" still answers with the plain tokens, the one 
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -37,6 +38,7 @@ TOPICS = [
     "the printing press", "lighthouses", "desert foxes", "paper airplanes",
 ]  # fmt: skip
 MAX_TOKENS = 8
+PROXY_KEY = "proxy-key"
 
 
 def _prompt(topic: str) -> str:
@@ -78,7 +80,7 @@ def fleet() -> Iterator[Fleet]:
             engine.wait_healthy()
         p1, p2, d1, d2 = engines
         proxies = [
-            proxy("proxy-1p1d", [p1], [(d1, d1_kv)]),
+            proxy("proxy-1p1d", [p1], [(d1, d1_kv)], api_key=PROXY_KEY),
             proxy("proxy-2p1d", [p1, p2], [(d1, d1_kv)]),
             proxy("proxy-1p2d", [p1], [(d1, d1_kv), (d2, d2_kv)]),
         ]
@@ -198,10 +200,25 @@ def test_client_errors_and_disconnects_pass_through(fleet: Fleet) -> None:
     with pytest.raises(openai.BadRequestError) as bad:
         fleet.one_one.client().completions.create(model=MODEL, prompt="", max_tokens=4)
     assert bad.value.body["param"] == "prompt"  # type: ignore[index]
+    # Text the proxy cannot forward (no UTF-8 form; json.dumps escapes it) is its own 400.
+    bad_text = httpx.post(
+        f"{fleet.one_one.url}/v1/completions",
+        content=json.dumps({"model": MODEL, "prompt": "\ud800", "max_tokens": 4}),
+        headers={"authorization": f"Bearer {PROXY_KEY}", "content-type": "application/json"},
+        timeout=30,
+    )
+    assert bad_text.status_code == 400 and "prompt" in bad_text.json()["error"]["message"]
+    # The proxy's key is required; the instances' is the proxy's to send.
+    unkeyed = openai.OpenAI(base_url=f"{fleet.one_one.url}/v1", api_key="EMPTY", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        unkeyed.completions.create(model=MODEL, prompt="Hello", max_tokens=4)
+    with pytest.raises(openai.AuthenticationError):
+        fleet.p1.client().with_options(api_key=PROXY_KEY).models.list()
     # A client that leaves a stream: the decoder aborts the request and frees its blocks.
     aborts = fleet.one_one.metrics()[("kvserve_proxy_client_aborts_total", "")]
     with httpx.stream(
         "POST", f"{fleet.one_one.url}/v1/completions", timeout=60,
+        headers={"authorization": f"Bearer {PROXY_KEY}"},
         json={"model": MODEL, "prompt": _prompt("long stories"), "max_tokens": 400,
               "ignore_eos": True, "stream": True},
     ) as response:  # fmt: skip

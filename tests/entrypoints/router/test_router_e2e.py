@@ -29,6 +29,9 @@ from tests.entrypoints.openai.utils import SERVER_ARGS, _free_port
 pytestmark = pytest.mark.slow
 
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+MODEL = "SmolLM2-135M-Instruct"
+# Every instance requires this key; only the routers send it.
+INSTANCE_KEY = "instance-key"
 TOPICS = ["ocean tides", "volcanoes", "honey bees", "glaciers", "the printing press"]
 
 
@@ -78,7 +81,7 @@ class Instance:
         }
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kvserve.entrypoints.cli", "serve", "--port", str(self.port),
-             *SERVER_ARGS, "--kv-events-config", json.dumps(events)],
+             *SERVER_ARGS, "--kv-events-config", json.dumps(events), "--api-key", INSTANCE_KEY],
             stdout=self.log, stderr=subprocess.STDOUT, env=ENV, start_new_session=True,
         )  # fmt: skip
 
@@ -103,22 +106,25 @@ class Instance:
 
 
 class RouterProcess:
-    def __init__(self, instances: list[Instance], policy: str) -> None:
+    def __init__(self, instances: list[Instance], policy: str, api_key: str | None = None) -> None:
         self.url = f"http://127.0.0.1:{_free_port()}"
         self.log = tempfile.NamedTemporaryFile("w+", prefix="kvserve-router-", suffix=".log")
         backends = [arg for i in instances for arg in ("--backend", i.backend_arg)]
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kvserve.entrypoints.cli", "--log-level", "INFO", "router",
-             "--port", self.url.rsplit(":", 1)[1], "--policy", policy, *backends],
+             "--port", self.url.rsplit(":", 1)[1], "--policy", policy, *backends,
+             "--backend-api-key", INSTANCE_KEY, *(["--api-key", api_key] if api_key else [])],
             stdout=self.log, stderr=subprocess.STDOUT, env=ENV,
         )  # fmt: skip
         _wait_healthy(self.url, self.proc, self.log)
-        self.client = openai.OpenAI(base_url=f"{self.url}/v1", api_key="EMPTY", max_retries=0)
+        self.client = openai.OpenAI(
+            base_url=f"{self.url}/v1", api_key=api_key or "EMPTY", max_retries=0
+        )
 
     def complete(self, prompt: str) -> str:
         """Sends one completion; returns the instance that served it."""
         raw = self.client.completions.with_raw_response.create(
-            model="SmolLM2-135M-Instruct", prompt=prompt, max_tokens=4, temperature=0.0
+            model=MODEL, prompt=prompt, max_tokens=4, temperature=0.0
         )
         assert raw.parse().choices[0].text is not None
         return raw.headers["x-kvserve-backend"]
@@ -228,5 +234,34 @@ def test_router_survives_an_instance_and_uses_it_again(fleet: list[Instance]) ->
         assert router.complete(first[0]) == victim.url
         router.wait_index_settled(blocks)
         assert router.complete(first[1]) == victim.url
+    finally:
+        router.stop()
+
+
+def test_router_requires_its_key_sends_the_instances_theirs_and_refuses_non_text(
+    fleet: list[Instance],
+) -> None:
+    router = RouterProcess(fleet, "prefix", api_key="router-key")
+    try:
+        assert router.complete("The capital of France is") in {i.url for i in fleet}
+        unkeyed = openai.OpenAI(base_url=f"{router.url}/v1", api_key="EMPTY", max_retries=0)
+        with pytest.raises(openai.AuthenticationError):
+            unkeyed.completions.create(model=MODEL, prompt="Hello", max_tokens=2)
+        with pytest.raises(openai.AuthenticationError):  # the router's key is not theirs
+            openai.OpenAI(
+                base_url=f"{fleet[0].url}/v1", api_key="router-key", max_retries=0
+            ).models.list()
+        # A body the router cannot forward (no UTF-8 form; json.dumps escapes it, as a
+        # client in another language might send it): its own 400, and it stays up.
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "\udc00"}]}
+        bad = httpx.post(
+            f"{router.url}/v1/chat/completions",
+            content=json.dumps(body),
+            headers={"authorization": "Bearer router-key", "content-type": "application/json"},
+            timeout=30,
+        )
+        assert bad.status_code == 400, bad.text
+        assert "messages.0.content" in bad.json()["error"]["message"]
+        assert router.client.models.list().data
     finally:
         router.stop()
