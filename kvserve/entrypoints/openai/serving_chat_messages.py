@@ -44,31 +44,42 @@ def messages_for_template(
 def _openai_shape(messages: list[Message]) -> list[Message]:
     out: list[Message] = []
     names: dict[str, str] = {}  # tool_call_id -> function name, for tool results
-    for i, msg in enumerate(messages):
+    for i, msg in _expand_anthropic_blocks(messages):
         if not isinstance(msg, Mapping) or not isinstance(msg.get("role"), str):
             out.append(msg)  # apply_chat_template reports it
             continue
         role = msg["role"]
-        content = msg.get("content")
-        if isinstance(content, list) and role in ("assistant", "user"):
-            blocks = _anthropic_blocks(content, role, i)
-            if blocks is not None:
-                out.extend(blocks)
-                for block in blocks:
-                    names.update(_call_names(block.get("tool_calls") or [], i))
-                continue
         if role == "assistant" and msg.get("tool_calls"):
             calls = msg["tool_calls"]
             if not isinstance(calls, list):
                 raise ValueError(f"messages[{i}].tool_calls must be a list")
-            names.update(_call_names(calls, i))
-            msg = {**msg, "content": content or "", "tool_calls": [_call(c, i) for c in calls]}
+            calls = [_call(c, i) for c in calls]
+            names.update(
+                (c["id"], c["function"]["name"]) for c in calls if isinstance(c.get("id"), str)
+            )
+            msg = {**msg, "content": msg.get("content") or "", "tool_calls": calls}
         elif role == "tool":
-            msg = {**msg, "content": _text(content, i)}
+            msg = {**msg, "content": _text(msg.get("content"), i)}
             call_id = msg.get("tool_call_id")
             if not msg.get("name") and isinstance(call_id, str) and call_id in names:
                 msg["name"] = names[call_id]  # some templates label results by function
         out.append(dict(msg))
+    return out
+
+
+def _expand_anthropic_blocks(messages: list[Message]) -> list[tuple[int, Any]]:
+    """(index in the request, message), with Anthropic's tool blocks as OpenAI messages."""
+    out: list[tuple[int, Any]] = []
+    for i, msg in enumerate(messages):
+        content = msg.get("content") if isinstance(msg, Mapping) else None
+        role = msg.get("role") if isinstance(msg, Mapping) else None
+        blocks = None
+        if isinstance(content, list) and role in ("assistant", "user"):
+            blocks = _anthropic_blocks(content, role, i)
+        if blocks is None:
+            out.append((i, msg))
+        else:
+            out.extend((i, m) for m in blocks)
     return out
 
 
@@ -84,14 +95,6 @@ def _call(call: Any, i: int) -> dict[str, Any]:
         except ValueError:
             pass  # the model wrote invalid JSON: the template shows it as it was
     return {**call, "type": "function", "function": {**function, "arguments": arguments}}
-
-
-def _call_names(calls: list[Any], i: int) -> dict[str, str]:
-    return {
-        c["id"]: _call(c, i)["function"]["name"]
-        for c in calls
-        if isinstance(c, Mapping) and isinstance(c.get("id"), str)
-    }
 
 
 def _text(content: Any, i: int) -> str:
