@@ -46,8 +46,7 @@ def _openai_shape(messages: list[Message]) -> list[Message]:
     names: dict[str, str] = {}  # tool_call_id -> function name, for tool results
     for i, msg in _expand_anthropic_blocks(messages):
         if not isinstance(msg, Mapping) or not isinstance(msg.get("role"), str):
-            out.append(msg)  # apply_chat_template reports it
-            continue
+            raise ValueError(f"messages[{i}] must be a dict with a 'role' string")
         role = msg["role"]
         if role == "assistant" and msg.get("tool_calls"):
             calls = msg["tool_calls"]

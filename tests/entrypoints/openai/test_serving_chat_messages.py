@@ -77,3 +77,19 @@ def test_a_template_without_tools_gets_hermes_text(messages: list[dict[str, Any]
 def test_plain_chats_pass_through() -> None:
     messages = [{"role": "user", "content": [{"type": "text", "text": "Hi"}]}]
     assert messages_for_template(messages, None, template_has_tools=False) == (messages, None)
+
+
+@pytest.mark.parametrize(
+    "messages",
+    [
+        [{"content": "no role"}],
+        [{"role": "assistant", "content": None, "tool_calls": {"id": "c1"}}],
+        [{"role": "assistant", "content": None, "tool_calls": [{"function": {"name": 1}}]}],
+        [{"role": "tool", "tool_call_id": "c1", "content": [{"type": "image_url"}]}],
+    ],
+    ids=["no-role", "calls-not-a-list", "nameless-call", "image-result"],
+)
+def test_malformed_tool_turns_are_value_errors(messages: list[dict[str, Any]]) -> None:
+    # render_prompt answers them with a 400 on messages.
+    with pytest.raises(ValueError, match=r"messages\[0\]"):
+        messages_for_template(messages, TOOLS, template_has_tools=False)
