@@ -175,7 +175,6 @@ def build_app(engine_client: EngineClient, args: argparse.Namespace) -> FastAPI:
         models,
         chat_template=_chat_template(args),
         tool_call_parser=getattr(args, "tool_call_parser", None),
-        enable_auto_tool_choice=getattr(args, "enable_auto_tool_choice", False),
     )
     completion = OpenAIServingCompletion(engine_client, models)
     tokenization = OpenAIServingTokenization(chat)

@@ -47,14 +47,16 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument(
         "--enable-auto-tool-choice",
         action="store_true",
-        help='let the model decide to call tools (tool_choice "auto", the default when a '
-        "request has tools); needs --tool-call-parser",
+        help='accepted for vLLM\'s command lines: tool_choice "auto" (the default when a '
+        "request has tools) is always on",
     )
     parser.add_argument(
         "--tool-call-parser",
-        default=None,
-        help="how to read tool calls out of the model's text: hermes (<tool_call>{...}"
-        "</tool_call>), llama3_json, or a parser registered with ToolParserManager",
+        default="auto",
+        help="how to read tool calls out of the model's text: auto (the default: chosen from "
+        "the chat template and the tokenizer, logged at startup), hermes, llama3_json, "
+        "mistral, pythonic, qwen3_coder, granite, or a parser registered with "
+        "ToolParserManager",
     )
     parser.add_argument(
         "--disable-log-requests",
@@ -176,9 +178,7 @@ def _origins(value: str) -> list[str]:
 
 
 def serve_main(args: argparse.Namespace) -> int:
-    if args.enable_auto_tool_choice and not args.tool_call_parser:
-        raise SystemExit("--enable-auto-tool-choice needs --tool-call-parser")
-    if args.tool_call_parser:
+    if args.tool_call_parser != "auto":
         from kvserve.entrypoints.openai.tool_parsers import ToolParserManager
 
         try:
@@ -187,7 +187,8 @@ def serve_main(args: argparse.Namespace) -> int:
             raise SystemExit(f"--tool-call-parser: {exc}") from None
     check_server_args(args)
     # Request lines and the periodic stats line are INFO: show them unless asked not to.
-    names = ["kvserve.metrics"] + (
+    # The tool call parser's choice is logged once at startup, whatever the request logging.
+    names = ["kvserve.metrics", "kvserve.entrypoints.openai.serving_chat"] + (
         [] if args.disable_log_requests else ["kvserve.entrypoints.openai"]
     )
     for name in names:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
@@ -26,17 +27,19 @@ from kvserve.entrypoints.openai.protocol import (
     UsageInfo,
     sse_data,
 )
-from kvserve.entrypoints.openai.serving_chat_tools import (
-    ChatToolHandler,
-    ChoiceToolStreamer,
-    messages_for_template,
-)
+from kvserve.entrypoints.openai.serving_chat_messages import messages_for_template
+from kvserve.entrypoints.openai.serving_chat_tools import ChatToolHandler, ChoiceToolStreamer
 from kvserve.entrypoints.openai.serving_engine import OpenAIServing, merge_async_iterators
 from kvserve.entrypoints.openai.serving_models import OpenAIServingModels
 from kvserve.entrypoints.openai.tool_parsers import ToolParser, ToolParserManager
+from kvserve.entrypoints.openai.tool_parsers.auto_select import (
+    resolve_tool_parser,
+    template_supports_tools,
+)
 from kvserve.outputs import RequestOutput
 
 Merged = AsyncGenerator[tuple[int, RequestOutput], None]
+logger = logging.getLogger(__name__)
 
 
 class OpenAIServingChat(OpenAIServing):
@@ -47,17 +50,24 @@ class OpenAIServingChat(OpenAIServing):
         chat_template: str | None = None,
         response_role: str = "assistant",
         tool_call_parser: str | None = None,
-        enable_auto_tool_choice: bool = False,
     ) -> None:
+        """``tool_call_parser``: a parser's name, or "auto"/None to pick one from the
+        template (tool_choice "auto" is always available, as vLLM's
+        --enable-auto-tool-choice makes it)."""
         super().__init__(engine_client, models)
         self.chat_template = chat_template
         self.response_role = response_role
-        self.tool_parser: ToolParser | None = (
-            ToolParserManager.get_tool_parser(tool_call_parser)(self.tokenizer)
-            if tool_call_parser
-            else None
+        choice = resolve_tool_parser(tool_call_parser, self._template(None), self.tokenizer)
+        logger.info("tool call parser: %s (%s)", choice.name, choice.reason)
+        self.tool_parser: ToolParser = ToolParserManager.get_tool_parser(choice.name)(
+            self.tokenizer
         )
-        self.enable_auto_tool_choice = enable_auto_tool_choice
+
+    def _template(self, chat_template: str | None) -> Any:
+        """The template that renders: the request's, the server's, or the tokenizer's."""
+        if chat_template or self.chat_template:
+            return chat_template or self.chat_template
+        return self.tokenizer.chat_template if self.tokenizer is not None else None
 
     async def render_prompt(
         self,
@@ -67,8 +77,14 @@ class OpenAIServingChat(OpenAIServing):
         chat_template: str | None,
         tools: list[dict[str, Any]] | None = None,
     ) -> tuple[str, list[int]]:
-        """The templated prompt text and its token ids (the template holds BOS already)."""
+        """The templated prompt text and its token ids (the template holds BOS already).
+
+        Tool turns are normalised first (serving_chat_messages.py), so every endpoint that
+        renders chat messages here takes agents' tool round trips on any template."""
         try:
+            messages, tools = messages_for_template(
+                messages, tools, template_supports_tools(self._template(chat_template))
+            )
             text = apply_chat_template(
                 self.tokenizer,
                 messages,
@@ -93,9 +109,9 @@ class OpenAIServingChat(OpenAIServing):
     ) -> ChatCompletionResponse | AsyncIterator[str]:
         """A ChatCompletionResponse, or (stream=True) an iterator of SSE lines."""
         model = self.models.resolve(request.model)
-        tools = ChatToolHandler(request, self.tool_parser, self.enable_auto_tool_choice)
+        tools = ChatToolHandler(request, self.tool_parser)
         add_generation_prompt = request.add_generation_prompt and not request.continue_final_message
-        messages = messages_for_template(request.messages)
+        messages = request.messages
         images: list[object] = []
         if has_image_parts(messages):
             if self.engine_client.model_config.arch.multimodal is None:
@@ -128,6 +144,8 @@ class OpenAIServingChat(OpenAIServing):
                         "it cannot be combined with response_format or structured_outputs"
                     )
                 params = params.clone(structured_outputs=tool_grammar)
+            if tools.mode == "auto" and self.tool_parser.keeps_special_tokens:
+                params = params.clone(skip_special_tokens=False)
         except ValueError as exc:
             raise self.bad_request(exc) from None
         base_id = self.request_id(raw_request, request.request_id, "chatcmpl")

@@ -37,7 +37,6 @@ class ChatToolHandler:
         self,
         request: ChatCompletionRequest,
         tool_parser: ToolParser | None,
-        enable_auto_tool_choice: bool,
     ) -> None:
         self.tools = {t.function.name: t.function for t in request.tools or []}
         self.parser = tool_parser
@@ -53,16 +52,14 @@ class ChatToolHandler:
                 )
             self.mode: ToolMode = "named"
         elif choice is None:
-            self.mode = "auto" if self.tools and enable_auto_tool_choice else "none"
+            self.mode = "auto" if self.tools and tool_parser is not None else "none"
         else:
             self.mode = choice
         if self.mode != "none" and not self.tools:
             raise OpenAIServingError(f"tool_choice {self.mode!r} needs tools", param="tool_choice")
-        if self.mode == "auto" and (not enable_auto_tool_choice or tool_parser is None):
+        if self.mode == "auto" and tool_parser is None:
             raise OpenAIServingError(
-                '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser '
-                "to be set",
-                param="tool_choice",
+                '"auto" tool choice needs a tool call parser', param="tool_choice"
             )
 
     @property
@@ -184,25 +181,3 @@ def _complete_array_items(text: str) -> list[dict[str, Any]]:
             break
         items.append(item)
     return items
-
-
-def messages_for_template(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Assistant tool_calls with their JSON-text arguments as dicts, as chat templates expect."""
-    out = []
-    for msg in messages:
-        calls = msg.get("tool_calls") if isinstance(msg, dict) else None
-        if isinstance(calls, list):
-            msg = {**msg, "tool_calls": [_call_for_template(c) for c in calls]}
-        out.append(msg)
-    return out
-
-
-def _call_for_template(call: Any) -> Any:
-    function = call.get("function") if isinstance(call, dict) else None
-    if not isinstance(function, dict) or not isinstance(function.get("arguments"), str):
-        return call
-    try:
-        arguments = json.loads(function["arguments"])
-    except ValueError:
-        return call
-    return {**call, "function": {**function, "arguments": arguments}}

@@ -35,6 +35,8 @@ class ExtractedToolCallInformation:
 
 class ToolParser(ABC):
     name: ClassVar[str]
+    # Its call markers are special tokens, which detokenizing would otherwise drop.
+    keeps_special_tokens: ClassVar[bool] = False
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
