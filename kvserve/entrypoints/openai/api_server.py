@@ -8,7 +8,7 @@ import contextlib
 import logging
 import secrets
 import signal
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Mapping
 from typing import Any, TypeVar
 
 import uvicorn
@@ -53,6 +53,7 @@ from kvserve.entrypoints.openai.streaming import (
     stream_with_deadline,
     timeout_error,
 )
+from kvserve.entrypoints.openai.tenants import bearer_keys, current_tenant
 from kvserve.entrypoints.web import register_web_ui
 from kvserve.entrypoints.web.routes import PUBLIC_PATHS as WEB_UI_PAGES
 from kvserve.entrypoints.web.routes import STATIC_PREFIX as WEB_UI_ASSETS
@@ -140,9 +141,11 @@ class ApiKeyMiddleware:
     The key is compared in constant time (secrets.compare_digest).
     """
 
-    def __init__(self, app: ASGIApp, api_key: str, metrics_auth: bool = False) -> None:
+    def __init__(
+        self, app: ASGIApp, keys: Mapping[bytes, str | None], metrics_auth: bool = False
+    ) -> None:
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
+        self.keys = keys  # accepted Authorization values -> their tenant (tenants.py)
         self.open_paths = OPEN_PATHS | WEB_UI_PAGES | (set() if metrics_auth else {"/metrics"})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -153,12 +156,20 @@ class ApiKeyMiddleware:
             and not scope["path"].startswith(WEB_UI_ASSETS + "/")
         ):
             given = dict(scope["headers"]).get(b"authorization", b"")
-            if not secrets.compare_digest(given, self.expected):
+            # Every key is compared, so the time taken does not say which one matched.
+            matched = [k for k in self.keys if secrets.compare_digest(given, k)]
+            if not matched:
                 err = OpenAIServingError(
                     "Incorrect or missing API key.", status=401, err_type="AuthenticationError"
                 )
                 await _error(err)(scope, receive, send)
                 return
+            token = current_tenant.set(self.keys[matched[0]])
+            try:
+                await self.app(scope, receive, send)
+            finally:
+                current_tenant.reset(token)
+            return
         await self.app(scope, receive, send)
 
 
@@ -324,11 +335,10 @@ def _add_hardening_middleware(
     app: FastAPI, engine_client: EngineClient, args: argparse.Namespace
 ) -> None:
     """API key, admission control and the body-size bound (outermost last)."""
-    if getattr(args, "api_key", None):
+    keys = bearer_keys(getattr(args, "api_key", None), getattr(args, "api_key_file", None))
+    if keys:
         app.add_middleware(
-            ApiKeyMiddleware,
-            api_key=args.api_key,
-            metrics_auth=getattr(args, "metrics_auth", False),
+            ApiKeyMiddleware, keys=keys, metrics_auth=getattr(args, "metrics_auth", False)
         )
     max_queued = getattr(args, "max_queued_requests", None)
     if max_queued is not None:

@@ -34,6 +34,14 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "or $VLLM_API_KEY",
     )
     parser.add_argument(
+        "--api-key-file",
+        default=None,
+        metavar="PATH",
+        help="several API keys, one 'KEY TENANT' per line (mode 600): each tenant's KV "
+        "(prefix cache, tier chunks) is kept apart from every other's, and /metrics counts "
+        "per tenant; may be combined with --api-key",
+    )
+    parser.add_argument(
         "--allowed-origins",
         type=_origins,
         default=None,

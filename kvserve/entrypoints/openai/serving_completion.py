@@ -21,6 +21,7 @@ from kvserve.entrypoints.openai.protocol import (
     sse_data,
 )
 from kvserve.entrypoints.openai.serving_engine import OpenAIServing, merge_async_iterators
+from kvserve.entrypoints.openai.tenants import tenant_cache_salt
 from kvserve.outputs import Logprob, RequestOutput
 
 Merged = AsyncGenerator[tuple[int, RequestOutput], None]
@@ -106,7 +107,7 @@ class OpenAIServingCompletion(OpenAIServing):
             request_id,
             self.max_model_len,
             request.priority,
-            request.cache_salt,
+            tenant_cache_salt(request.cache_salt),
         )
 
     async def _prompts(

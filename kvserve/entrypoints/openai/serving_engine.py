@@ -27,6 +27,7 @@ from kvserve.entrypoints.openai.protocol import (
     random_uuid,
 )
 from kvserve.entrypoints.openai.serving_models import OpenAIServingModels
+from kvserve.entrypoints.openai.tenants import counted, current_tenant, tenant_cache_salt
 from kvserve.inputs import TokensPrompt
 from kvserve.lora.request import LoRARequest
 from kvserve.outputs import Logprob, RequestOutput
@@ -134,14 +135,16 @@ class OpenAIServing:
                 len(prompt["prompt_token_ids"]),
                 msgspec.json.encode(params).decode(),
             )
-        return self.engine_client.generate(
+        outputs = self.engine_client.generate(
             prompt,
             params,
             request_id,
             priority=priority,
-            cache_salt=cache_salt,
+            cache_salt=tenant_cache_salt(cache_salt),
             lora_request=lora_request,
         )
+        tenant = current_tenant.get()
+        return outputs if tenant is None else counted(outputs, tenant)
 
     @staticmethod
     def engine_error(exc: BaseException) -> OpenAIServingError:

@@ -21,6 +21,11 @@ from tests.forced_tokens import FORCED_TOKENS
 # Small enough to start fast and to make "beyond the context" cheap to provoke.
 MAX_MODEL_LEN = 512
 SERVER_ARGS = [
+    # Off unless a request asks (vllm_xargs): makes the model emit a given output, so the
+    # parsers and agent loops are tested on what a real model's output looks like. First:
+    # it takes a list, which would swallow a model path given after these arguments.
+    "--logits-processors",
+    FORCED_TOKENS,
     "--kv-cache-memory",
     "96M",
     "--max-model-len",
@@ -30,10 +35,6 @@ SERVER_ARGS = [
     "--uvicorn-log-level",
     "warning",
     "--disable-log-requests",
-    # Off unless a request asks (vllm_xargs): makes the model emit a given output, so the
-    # parsers and agent loops are tested on what a real model's output looks like.
-    "--logits-processors",
-    FORCED_TOKENS,
 ]
 
 
