@@ -176,6 +176,7 @@ def build_app(engine_client: EngineClient, args: argparse.Namespace) -> FastAPI:
         chat_template=_chat_template(args),
         tool_call_parser=getattr(args, "tool_call_parser", None),
         enable_auto_tool_choice=getattr(args, "enable_auto_tool_choice", False),
+        reasoning_parser=getattr(args, "reasoning_parser", None),
     )
     completion = OpenAIServingCompletion(engine_client, models)
     tokenization = OpenAIServingTokenization(chat)
