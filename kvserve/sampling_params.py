@@ -28,6 +28,13 @@ def _bad(field: str, why: str, value: Any) -> ValueError:
     return ValueError(f"{field} {why}, got {value!r}")
 
 
+class ReasoningTokens(msgspec.Struct, kw_only=True):
+    """A thinking model's think-start and think-end token ids (its reasoning parser's)."""
+
+    start_token_ids: list[int]
+    end_token_ids: list[int]
+
+
 class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     """One grammar constraint on a request's output (vLLM's StructuredOutputsParams).
 
@@ -47,6 +54,9 @@ class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     whitespace_pattern: str | None = None
     # The backend that runs it; the input processor fills it in from the engine's setting.
     _backend: str | None = None
+    # Set by the API server for a thinking model: the grammar constrains only the tokens
+    # after the reasoning ends (vLLM's reasoning_ended), not the reasoning itself.
+    _reasoning: ReasoningTokens | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.json, dict):

@@ -86,7 +86,7 @@ class Request:
         self.structured_output_request: StructuredOutputRequest | None = None
         if sampling_params.structured_outputs is not None:
             self.structured_output_request = StructuredOutputRequest(
-                sampling_params.structured_outputs
+                sampling_params.structured_outputs, prompt_token_ids
             )
             self.status = RequestStatus.WAITING_FOR_FSM
         self.stop_reason: int | str | None = None
@@ -145,12 +145,20 @@ class Request:
         dropped = self.num_output_tokens - num_output_tokens
         if dropped <= 0:
             return
-        del self._output_token_ids[num_output_tokens:]
         so_request = self.structured_output_request
         grammar = so_request.grammar if so_request is not None else None
         if grammar is not None:
-            # The matcher took those tokens too; the rerun feeds it their replacements.
-            grammar.rollback(dropped)
+            # The matcher took those tokens too (but reasoning tokens, which it never
+            # saw); the rerun feeds it their replacements.
+            gate = so_request.reasoning_gate if so_request is not None else None
+            taken = (
+                dropped
+                if gate is None
+                else gate.truncate(self.num_output_tokens, num_output_tokens)
+            )
+            if taken:
+                grammar.rollback(taken)
+        del self._output_token_ids[num_output_tokens:]
         del self._all_token_ids[len(self._all_token_ids) - dropped :]
         del self.block_hashes[self.num_tokens // block_size :]
 

@@ -276,6 +276,14 @@ class InputProcessor:
         return out
 
 
+# apply_chat_template's own arguments: a template variable may not override them.
+_TEMPLATE_ARGS = frozenset(
+    {"conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+     "continue_final_message", "tokenize", "padding", "truncation", "max_length",
+     "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"}
+)  # fmt: skip
+
+
 def apply_chat_template(
     tokenizer: PreTrainedTokenizerBase | None,
     messages: list[dict[str, Any]],
@@ -283,8 +291,13 @@ def apply_chat_template(
     chat_template: str | None = None,
     tools: list[dict[str, Any]] | None = None,
     continue_final_message: bool = False,
+    chat_template_kwargs: Mapping[str, Any] | None = None,
 ) -> str:
-    """Renders a conversation to the prompt text the model was trained on (not tokenized)."""
+    """Renders a conversation to the prompt text the model was trained on (not tokenized).
+    ``chat_template_kwargs``: more variables for the template (``enable_thinking``)."""
+    reserved = _TEMPLATE_ARGS.intersection(chat_template_kwargs or {})
+    if reserved:
+        raise ValueError(f"chat_template_kwargs may not set {', '.join(sorted(reserved))}")
     if add_generation_prompt and continue_final_message:
         raise ValueError("add_generation_prompt and continue_final_message cannot both be True")
     if tokenizer is None:
@@ -308,6 +321,7 @@ def apply_chat_template(
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message,
             tokenize=False,
+            **(chat_template_kwargs or {}),
         )
     except jinja2.TemplateError as e:
         raise ValueError(f"the chat template failed on these messages: {e}") from e

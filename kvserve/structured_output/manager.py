@@ -145,20 +145,24 @@ class StructuredOutputManager:
         self,
         grammars: Sequence[StructuredOutputGrammar],
         drafts: Sequence[list[int]] | None = None,
+        free_rows: Sequence[int] | None = None,
     ) -> np.ndarray:
         """[rows, ceil(V/32)] int32: grammar i's rows allow the tokens it allows next, then
         after each of its drafts (``drafts[i]``, accepted into the matcher to fill the next
-        row and rolled back after), one row per position a speculative step samples."""
+        row and rolled back after), one row per position a speculative step samples.
+        ``free_rows[i]``: its first rows are still reasoning (ReasoningGate), left
+        unmasked; the grammar starts at the row after, with the drafts from there."""
         drafts = drafts if drafts is not None else [[] for _ in grammars]
+        free_rows = free_rows if free_rows is not None else [0] * len(grammars)
         num = sum(1 + len(d) for d in drafts)
         if num > self._bitmask.shape[0]:
             self._bitmask = torch.full((num, self._bitmask.shape[1]), -1, dtype=torch.int32)
         bitmask = self._bitmask[:num]
         bitmask.fill_(-1)
         row = 0
-        for grammar, tokens in zip(grammars, drafts, strict=True):
+        for grammar, tokens, free in zip(grammars, drafts, free_rows, strict=True):
             accepted = 0
-            for position in range(1 + len(tokens)):
+            for position in range(free, 1 + len(tokens)):
                 if not grammar.is_terminated():
                     grammar.fill_bitmask(bitmask, row + position)
                 if position < len(tokens) and grammar.accept_tokens("draft", [tokens[position]]):
@@ -178,4 +182,5 @@ class StructuredOutputManager:
 def _spec_key(params: StructuredOutputsParams) -> bytes:
     import msgspec
 
-    return msgspec.msgpack.encode(params)
+    # Where the reasoning ends is the request's, not the grammar's: one compile serves both.
+    return msgspec.msgpack.encode(msgspec.structs.replace(params, _reasoning=None))

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
 from kvserve.sampling_params import StructuredOutputsParams
+from kvserve.structured_output.reasoning_gate import ReasoningGate
 
 if TYPE_CHECKING:
     from kvserve.structured_output.backend_types import StructuredOutputGrammar
@@ -17,8 +19,16 @@ class StructuredOutputRequest:
     Pure Python (no grammar library import), so the scheduler can ask it questions.
     """
 
-    def __init__(self, params: StructuredOutputsParams) -> None:
+    def __init__(
+        self, params: StructuredOutputsParams, prompt_token_ids: Sequence[int] = ()
+    ) -> None:
         self.params = params
+        # A thinking model's request: the grammar waits for the reasoning to end.
+        self.reasoning_gate = (
+            ReasoningGate(params._reasoning, prompt_token_ids)
+            if params._reasoning is not None
+            else None
+        )
         self._future: Future[StructuredOutputGrammar] | None = None
         self._grammar: StructuredOutputGrammar | None = None
         self._error: str | None = None

@@ -5,6 +5,8 @@ Request life with a grammar:
   WAITING_FOR_FSM (compiling on the manager's threads; others run past it) -> WAITING once
   the grammar is ready, or FINISHED_ERROR if it failed to compile -> RUNNING; each token it
   samples is masked by its matcher, accepted into it, and the grammar's completion ends it.
+  A thinking model's request (its params name the think tokens) samples freely until its
+  think-end token; the grammar starts with the token after (ReasoningGate).
 Preemption keeps the matcher: the request recomputes its tokens, not its grammar state.
 """
 
@@ -51,22 +53,29 @@ class GrammarTracker:
         req_ids: list[str] = []
         grammars = []
         drafts: list[list[int]] = []
+        free_rows: list[int] = []
         for req_id in scheduler_output.num_scheduled_tokens:
             request = requests.get(req_id)
-            if request is None or request.structured_output_request is None:
+            so_request = request.structured_output_request if request is not None else None
+            if request is None or so_request is None:
                 continue
-            grammar = request.structured_output_request.grammar
+            grammar = so_request.grammar
             # schedule() counted the step's tokens as computed: caught up means it samples.
             if grammar is None or request.num_computed_tokens < request.num_tokens:
                 continue
             # One row per position it samples: the next token and one after each draft.
             spec = scheduler_output.scheduled_spec_decode_tokens.get(req_id, [])
+            gate = so_request.reasoning_gate
+            free = gate.reasoning_positions(spec) if gate is not None else 0
+            if free == 1 + len(spec):
+                continue  # reasoning through the whole step: nothing to mask
             req_ids += [req_id] * (1 + len(spec))
             grammars.append(grammar)
             drafts.append(list(spec))
+            free_rows.append(free)
         if not req_ids:
             return None
-        bitmask = self.structured_output_manager.grammar_bitmask(grammars, drafts)
+        bitmask = self.structured_output_manager.grammar_bitmask(grammars, drafts, free_rows)
         return GrammarOutput(req_ids, bitmask)
 
     @staticmethod
@@ -77,6 +86,10 @@ class GrammarTracker:
         grammar = so_request.grammar if so_request is not None else None
         if grammar is None:
             return False
+        assert so_request is not None
+        gate = so_request.reasoning_gate
+        if gate is not None and not gate.takes(token_id, request.num_output_tokens):
+            return False  # reasoning (or its end token): free text, not the grammar's
         if not grammar.accept_tokens(request.request_id, [token_id]):
             # Only possible when the token was sampled without the mask (a bug): say so, and
             # let the length cap or EOS end the request.

@@ -80,9 +80,13 @@ class SpecDecodeTracker:
         drafts = draft_token_ids[: max(limit, 0)]
         constrained = request.structured_output_request
         if constrained is not None and drafts:
+            # Drafts up to a thinking model's think-end token are free reasoning.
+            gate = constrained.reasoning_gate
+            free = min(gate.reasoning_positions(drafts), len(drafts)) if gate is not None else 0
             grammar = constrained.grammar
             ok = grammar is not None and not grammar.is_terminated()
-            drafts = grammar.validate_tokens(drafts) if grammar is not None and ok else []
+            checked = grammar.validate_tokens(drafts[free:]) if grammar is not None and ok else []
+            drafts = drafts[:free] + checked
         request.spec_token_ids = drafts
 
     def make_stats(self) -> SpecDecodingStats | None:

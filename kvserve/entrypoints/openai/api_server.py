@@ -186,6 +186,7 @@ def build_app(engine_client: EngineClient, args: argparse.Namespace) -> FastAPI:
         models,
         chat_template=_chat_template(args),
         tool_call_parser=getattr(args, "tool_call_parser", None),
+        reasoning_parser=getattr(args, "reasoning_parser", None),
     )
     completion = OpenAIServingCompletion(engine_client, models)
     tokenization = OpenAIServingTokenization(chat)

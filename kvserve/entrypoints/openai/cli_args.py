@@ -67,6 +67,13 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "ToolParserManager",
     )
     parser.add_argument(
+        "--reasoning-parser",
+        default=None,
+        help="split a thinking model's output into reasoning_content and content: "
+        "deepseek_r1, qwen3, auto (from the chat template's <think> tags; none when it has "
+        "none), or a parser registered with ReasoningParserManager",
+    )
+    parser.add_argument(
         "--disable-log-requests",
         action="store_true",
         help="do not log each request's id and sampling parameters",
@@ -193,6 +200,13 @@ def serve_main(args: argparse.Namespace) -> int:
             ToolParserManager.get_tool_parser(args.tool_call_parser)
         except ValueError as exc:
             raise SystemExit(f"--tool-call-parser: {exc}") from None
+    if args.reasoning_parser and args.reasoning_parser != "auto":
+        from kvserve.entrypoints.openai.reasoning_parsers import ReasoningParserManager
+
+        try:
+            ReasoningParserManager.get_reasoning_parser(args.reasoning_parser)
+        except ValueError as exc:
+            raise SystemExit(f"--reasoning-parser: {exc}") from None
     check_server_args(args)
     # Request lines and the periodic stats line are INFO: show them unless asked not to.
     # The tool call parser's choice is logged once at startup, whatever the request logging.

@@ -348,6 +348,10 @@ class ChatCompletionRequest(_SamplingRequest):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template: str | None = None
+    # Variables for the chat template, e.g. {"enable_thinking": false} (Qwen3).
+    chat_template_kwargs: dict[ShortString, Any] | None = Field(None, max_length=64)
+    # With --reasoning-parser: false drops reasoning_content (the content is still split).
+    include_reasoning: bool = True
 
     def requested_max_tokens(self) -> int | None:
         return (
@@ -368,6 +372,9 @@ class ChatCompletionRequest(_SamplingRequest):
 class ChatMessage(OpenAIBaseModel):
     role: str
     content: str | None = None
+    # A thinking model's reasoning (--reasoning-parser); ``reasoning`` is vLLM's newer name.
+    reasoning_content: str | None = None
+    reasoning: str | None = None
     tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
@@ -406,6 +413,8 @@ class ChatCompletionResponse(OpenAIBaseModel):
 class DeltaMessage(OpenAIBaseModel):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
 
     @model_serializer(mode="wrap")

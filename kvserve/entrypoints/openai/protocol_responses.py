@@ -54,6 +54,21 @@ class ResponseOutputMessage(OpenAIBaseModel):
     content: list[ResponseOutputText] = Field(default_factory=list)
 
 
+class ResponseReasoningText(OpenAIBaseModel):
+    type: Literal["reasoning_text"] = "reasoning_text"
+    text: str
+
+
+class ResponseReasoningItem(OpenAIBaseModel):
+    """A thinking model's reasoning (--reasoning-parser), the item before the message."""
+
+    id: str = Field(default_factory=lambda: f"rs_{random_uuid()}")
+    type: Literal["reasoning"] = "reasoning"
+    summary: list[Any] = Field(default_factory=list)
+    content: list[ResponseReasoningText] = Field(default_factory=list)
+    status: Literal["in_progress", "completed", "incomplete"] = "in_progress"
+
+
 class InputTokensDetails(OpenAIBaseModel):
     cached_tokens: int = 0
 
@@ -89,7 +104,7 @@ class ResponsesResponse(OpenAIBaseModel):
     created_at: int = Field(default_factory=lambda: int(time.time()))
     model: str
     status: Literal["in_progress", "completed", "incomplete", "failed"] = "in_progress"
-    output: list[ResponseOutputMessage] = Field(default_factory=list)
+    output: list[ResponseReasoningItem | ResponseOutputMessage] = Field(default_factory=list)
     usage: ResponseUsage | None = None
     instructions: str | None = None
     max_output_tokens: int | None = None
@@ -107,4 +122,9 @@ class ResponsesResponse(OpenAIBaseModel):
 
     @property
     def output_text(self) -> str:
-        return "".join(part.text for item in self.output for part in item.content)
+        return "".join(
+            part.text
+            for item in self.output
+            if isinstance(item, ResponseOutputMessage)
+            for part in item.content
+        )

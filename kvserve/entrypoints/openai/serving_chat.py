@@ -27,7 +27,12 @@ from kvserve.entrypoints.openai.protocol import (
     UsageInfo,
     sse_data,
 )
+from kvserve.entrypoints.openai.reasoning_parsers import ReasoningParser, make_reasoning_parser
 from kvserve.entrypoints.openai.serving_chat_messages import messages_for_template
+from kvserve.entrypoints.openai.serving_chat_reasoning import (
+    ChatReasoningHandler,
+    ChoiceReasoningStreamer,
+)
 from kvserve.entrypoints.openai.serving_chat_tools import ChatToolHandler, ChoiceToolStreamer
 from kvserve.entrypoints.openai.serving_engine import OpenAIServing, merge_async_iterators
 from kvserve.entrypoints.openai.serving_models import OpenAIServingModels
@@ -50,6 +55,7 @@ class OpenAIServingChat(OpenAIServing):
         chat_template: str | None = None,
         response_role: str = "assistant",
         tool_call_parser: str | None = None,
+        reasoning_parser: str | None = None,
     ) -> None:
         """``tool_call_parser``: a parser's name, or "auto"/None to pick one from the
         template (tool_choice "auto" is always available, as vLLM's
@@ -61,6 +67,9 @@ class OpenAIServingChat(OpenAIServing):
         logger.info("tool call parser: %s (%s)", choice.name, choice.reason)
         self.tool_parser: ToolParser = ToolParserManager.get_tool_parser(choice.name)(
             self.tokenizer
+        )
+        self.reasoning_parser: ReasoningParser | None = make_reasoning_parser(
+            reasoning_parser, self.tokenizer, chat_template
         )
 
     def _template(self, chat_template: str | None) -> Any:
@@ -76,6 +85,7 @@ class OpenAIServingChat(OpenAIServing):
         continue_final_message: bool,
         chat_template: str | None,
         tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> tuple[str, list[int]]:
         """The templated prompt text and its token ids (the template holds BOS already).
 
@@ -92,6 +102,7 @@ class OpenAIServingChat(OpenAIServing):
                 chat_template=chat_template or self.chat_template,
                 tools=tools,
                 continue_final_message=continue_final_message,
+                chat_template_kwargs=chat_template_kwargs,
             )
         except ValueError as exc:
             raise OpenAIServingError(str(exc), param="messages") from None
@@ -132,7 +143,9 @@ class OpenAIServingChat(OpenAIServing):
             request.continue_final_message,
             request.chat_template,
             [t.model_dump(exclude_none=True) for t in request.tools] if request.tools else None,
+            request.chat_template_kwargs,
         )
+        reasoning = ChatReasoningHandler(self.reasoning_parser, text, request.include_reasoning)
         max_tokens = self.check_length(len(prompt_ids), request.requested_max_tokens(), "messages")
         try:
             params = request.to_sampling_params(max_tokens, self.default_sampling_params)
@@ -146,6 +159,7 @@ class OpenAIServingChat(OpenAIServing):
                 params = params.clone(structured_outputs=tool_grammar)
             if tools.mode == "auto" and self.tool_parser.keeps_special_tokens:
                 params = params.clone(skip_special_tokens=False)
+            params = reasoning.sampling_params(params)
         except ValueError as exc:
             raise self.bad_request(exc) from None
         base_id = self.request_id(raw_request, request.request_id, "chatcmpl")
@@ -165,7 +179,9 @@ class OpenAIServingChat(OpenAIServing):
         )
         response_id = self.response_id(base_id, "chatcmpl")
         if not request.stream:
-            return await self._full(request, merged, len(prompt_ids), model, response_id, tools)
+            return await self._full(
+                request, merged, len(prompt_ids), model, response_id, tools, reasoning
+            )
         try:
             first = await anext(merged)
         except Exception as exc:
@@ -173,7 +189,9 @@ class OpenAIServingChat(OpenAIServing):
             raise self.engine_error(exc) from None
         # The engine's prompt (with images, their expanded placeholders) is the one counted.
         num_prompt = len(first[1].prompt_token_ids or prompt_ids)
-        return self._stream(request, merged, first, num_prompt, model, response_id, tools)
+        return self._stream(
+            request, merged, first, num_prompt, model, response_id, tools, reasoning
+        )
 
     async def _full(
         self,
@@ -183,6 +201,7 @@ class OpenAIServingChat(OpenAIServing):
         model: str,
         response_id: str,
         tools: ChatToolHandler,
+        reasoning: ChatReasoningHandler,
     ) -> ChatCompletionResponse:
         final: RequestOutput | None = None
         try:
@@ -198,12 +217,17 @@ class OpenAIServingChat(OpenAIServing):
             logprobs = None
             if request.logprobs and c.logprobs is not None:
                 logprobs = self.chat_logprobs(c.token_ids, c.logprobs, request.top_logprobs or 0)
-            content, tool_calls = tools.parse(c.text) if tools.parses_output else (c.text, [])
+            thought, text = reasoning.split(c.text)
+            content, tool_calls = tools.parse(text) if tools.parses_output else (text, [])
             choices.append(
                 ChatCompletionResponseChoice(
                     index=c.index,
                     message=ChatMessage(
-                        role=self.response_role, content=content, tool_calls=tool_calls
+                        role=self.response_role,
+                        content=content if thought is None else content or None,
+                        reasoning_content=thought,
+                        reasoning=thought,
+                        tool_calls=tool_calls,
                     ),
                     logprobs=logprobs,
                     finish_reason=tools.finish_reason(c.finish_reason, bool(tool_calls)),
@@ -230,12 +254,14 @@ class OpenAIServingChat(OpenAIServing):
         model: str,
         response_id: str,
         tools: ChatToolHandler,
+        reasoning: ChatReasoningHandler,
     ) -> AsyncGenerator[str, None]:
         created = int(time.time())
         tokens = [0] * request.n
         streamers: list[ChoiceToolStreamer | None] = [
             tools.streamer() if tools.parses_output else None for _ in range(request.n)
         ]
+        thinkers: list[ChoiceReasoningStreamer] = [reasoning.streamer() for _ in range(request.n)]
         stream_usage = (
             request.stream_options is not None and request.stream_options.continuous_usage_stats
         )
@@ -270,16 +296,27 @@ class OpenAIServingChat(OpenAIServing):
                             logprobs = self.chat_logprobs(
                                 c.token_ids, c.logprobs, request.top_logprobs or 0
                             )
-                        delta = DeltaMessage(content=c.text)
+                        finished = c.finish_reason is not None
+                        # The reasoning first: tool calls are read from the content only.
+                        thought, text = thinkers[c.index].feed(c.text, finished)
+                        delta = DeltaMessage(content=None if thought and not text else text)
                         finish_reason = c.finish_reason
                         streamer = streamers[c.index]
                         if streamer is not None:
-                            content, calls = streamer.feed(c.text, c.finish_reason is not None)
+                            content, calls = streamer.feed(text, finished)
                             delta = DeltaMessage(content=content or None, tool_calls=calls or None)
                             finish_reason = tools.finish_reason(
                                 finish_reason, streamer.tools_called
                             )
-                        if not (delta.content or delta.tool_calls or finish_reason or logprobs):
+                        if thought:
+                            delta.reasoning_content = delta.reasoning = thought
+                        if not (
+                            delta.content
+                            or thought
+                            or delta.tool_calls
+                            or finish_reason
+                            or logprobs
+                        ):
                             continue
                         usage = UsageInfo.of(prompt_tokens, sum(tokens)) if stream_usage else None
                         yield chunk(

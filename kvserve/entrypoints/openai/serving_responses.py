@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 from collections import OrderedDict
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Any
 
 from fastapi import Request
@@ -21,11 +21,14 @@ from kvserve.entrypoints.openai.protocol_responses import (
     IncompleteDetails,
     ResponseOutputMessage,
     ResponseOutputText,
+    ResponseReasoningItem,
+    ResponseReasoningText,
     ResponsesRequest,
     ResponsesResponse,
     ResponseUsage,
 )
 from kvserve.entrypoints.openai.serving_chat import OpenAIServingChat
+from kvserve.entrypoints.openai.serving_chat_reasoning import ChatReasoningHandler
 from kvserve.entrypoints.openai.serving_engine import OpenAIServing
 from kvserve.outputs import RequestOutput
 
@@ -110,8 +113,11 @@ class OpenAIServingResponses(OpenAIServing):
             [*system, *conversation], True, False, None
         )
         max_tokens = self.check_length(len(prompt_ids), request.max_output_tokens, "input")
+        reasoning = ChatReasoningHandler(self.chat.reasoning_parser, text, include=True)
         try:
-            params = request.to_sampling_params(max_tokens, self.default_sampling_params)
+            params = reasoning.sampling_params(
+                request.to_sampling_params(max_tokens, self.default_sampling_params)
+            )
         except ValueError as exc:
             raise self.bad_request(exc) from None
         request_id = self.request_id(raw_request, request.request_id, "resp")
@@ -144,27 +150,27 @@ class OpenAIServingResponses(OpenAIServing):
                 raise self.engine_error(exc) from None
             assert final is not None
             sample = final.outputs[0]
-            self._finish(
-                response, final, len(prompt_ids), sample.text, len(sample.token_ids), conversation
-            )
+            thought, content = reasoning.split(sample.text)
+            self._finish(response, final, len(prompt_ids), thought, content, len(sample.token_ids))
+            self._store(response, conversation)
             return response
         try:
             first = await anext(outputs)
         except Exception as exc:
             await outputs.aclose()
             raise self.engine_error(exc) from None
-        return self._stream(response, outputs, first, len(prompt_ids), conversation)
+        return self._stream(response, outputs, first, len(prompt_ids), conversation, reasoning)
 
     def _finish(
         self,
         response: ResponsesResponse,
         final: RequestOutput,
         prompt_tokens: int,
+        thought: str | None,
         text: str,
         output_tokens: int,
-        conversation: list[dict[str, str]],
-    ) -> ResponseOutputMessage:
-        """Completes ``response`` from the last output (stores it if asked)."""
+    ) -> tuple[ResponseReasoningItem | None, ResponseOutputMessage]:
+        """Completes ``response`` from the last output: its reasoning (if any) and message."""
         sample = final.outputs[0]
         incomplete = sample.finish_reason == "length"
         response.status = "incomplete" if incomplete else "completed"
@@ -173,15 +179,22 @@ class OpenAIServingResponses(OpenAIServing):
         message = ResponseOutputMessage(
             status=response.status, content=[ResponseOutputText(text=text)]
         )
-        response.output = [message]
+        item = None
+        if thought is not None:
+            item = ResponseReasoningItem(
+                status=response.status, content=[ResponseReasoningText(text=thought)]
+            )
+        response.output = [message] if item is None else [item, message]
         response.usage = ResponseUsage.of(
             prompt_tokens, output_tokens, final.num_cached_tokens or 0
         )
+        return item, message
+
+    def _store(self, response: ResponsesResponse, conversation: list[dict[str, str]]) -> None:
         if response.store:
             self.store[response.id] = (response, conversation)
             while len(self.store) > MAX_STORED_RESPONSES:
                 self.store.popitem(last=False)
-        return message
 
     async def _stream(
         self,
@@ -190,6 +203,7 @@ class OpenAIServingResponses(OpenAIServing):
         first: RequestOutput,
         prompt_tokens: int,
         conversation: list[dict[str, str]],
+        reasoning: ChatReasoningHandler,
     ) -> AsyncGenerator[str, None]:
         sequence = 0
 
@@ -199,13 +213,13 @@ class OpenAIServingResponses(OpenAIServing):
             sequence += 1
             return f"event: {kind}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n"
 
-        message = ResponseOutputMessage()
-        where = {"item_id": message.id, "output_index": 0, "content_index": 0}
+        items = _StreamItems(event)
         yield event("response.created", response=response.model_dump())
         yield event("response.in_progress", response=response.model_dump())
-        yield event("response.output_item.added", output_index=0, item=message.model_dump())
-        empty = ResponseOutputText(text="").model_dump()
-        yield event("response.content_part.added", part=empty, **where)
+        if reasoning.parser is None:  # no reasoning item can come: the message opens at once
+            for line in items.open_message():
+                yield line
+        thinker = reasoning.streamer()
         text: list[str] = []
         output_tokens = 0
         try:
@@ -215,22 +229,90 @@ class OpenAIServingResponses(OpenAIServing):
                 while output is not None:
                     self.check_output(output)
                     final = output
-                    output_tokens += len(output.outputs[0].token_ids)
-                    delta = output.outputs[0].text
+                    sample = output.outputs[0]
+                    output_tokens += len(sample.token_ids)
+                    thought, delta = thinker.feed(sample.text, sample.finish_reason is not None)
+                    for line in items.reason(thought):
+                        yield line
                     if delta:
+                        for line in items.open_message():
+                            yield line
                         text.append(delta)
-                        yield event("response.output_text.delta", delta=delta, logprobs=[], **where)
+                        yield event(
+                            "response.output_text.delta", delta=delta, logprobs=[], **items.where
+                        )
                     output = await anext(outputs, None)
-            done = self._finish(
-                response, final, prompt_tokens, "".join(text), output_tokens, conversation
+            for line in items.open_message():  # closes the reasoning, if it is open
+                yield line
+            item, done = self._finish(
+                response, final, prompt_tokens, items.thought, "".join(text), output_tokens
             )
-            done.id = message.id
+            self._store(response, conversation)
+            if item is not None and items.reasoning is not None:
+                item.id = items.reasoning.id
+            assert items.message is not None
+            done.id = items.message.id
+            where = items.where
             part = done.content[0].model_dump()
             yield event("response.output_text.done", text=part["text"], logprobs=[], **where)
             yield event("response.content_part.done", part=part, **where)
-            yield event("response.output_item.done", output_index=0, item=done.model_dump())
+            index = where["output_index"]
+            yield event("response.output_item.done", output_index=index, item=done.model_dump())
             kind = "response.completed" if response.status == "completed" else "response.incomplete"
             yield event(kind, response=response.model_dump())
         except Exception as exc:
             error = self.engine_error(exc)
             yield event("error", code=str(error.status), message=error.message, param=error.param)
+
+
+class _StreamItems:
+    """The output items one stream opens, in order: a reasoning item when the model
+    reasons, then the message (which closes the reasoning). ``where`` addresses the text
+    of the open one."""
+
+    def __init__(self, event: Callable[..., str]) -> None:
+        self.event = event
+        self.reasoning: ResponseReasoningItem | None = None
+        self.thoughts: list[str] = []
+        self.message: ResponseOutputMessage | None = None
+        self.where: dict[str, Any] = {}
+
+    @property
+    def thought(self) -> str | None:
+        return "".join(self.thoughts) if self.reasoning is not None else None
+
+    def reason(self, delta: str) -> list[str]:
+        if not delta or self.message is not None:
+            return []
+        lines = []
+        if self.reasoning is None:
+            self.reasoning = ResponseReasoningItem()
+            self.where = {"item_id": self.reasoning.id, "output_index": 0, "content_index": 0}
+            item = self.reasoning.model_dump()
+            lines.append(self.event("response.output_item.added", output_index=0, item=item))
+        self.thoughts.append(delta)
+        lines.append(self.event("response.reasoning_text.delta", delta=delta, **self.where))
+        return lines
+
+    def open_message(self) -> list[str]:
+        if self.message is not None:
+            return []
+        lines = []
+        if self.reasoning is not None:
+            text = "".join(self.thoughts)
+            self.reasoning.status = "completed"
+            self.reasoning.content = [ResponseReasoningText(text=text)]
+            lines.append(self.event("response.reasoning_text.done", text=text, **self.where))
+            item = self.reasoning.model_dump()
+            lines.append(self.event("response.output_item.done", output_index=0, item=item))
+        self.message = ResponseOutputMessage()
+        index = 0 if self.reasoning is None else 1
+        self.where = {"item_id": self.message.id, "output_index": index, "content_index": 0}
+        empty = ResponseOutputText(text="").model_dump()
+        lines.append(
+            self.event(
+                "response.output_item.added", output_index=index, item=self.message.model_dump()
+            )
+        )
+        lines.append(self.event("response.content_part.added", part=empty, **self.where))
+        return lines
