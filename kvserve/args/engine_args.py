@@ -107,6 +107,8 @@ class EngineArgs(MultiModalArgs, VllmCompatArgs):
     # A SpeculativeConfig, a dict of its fields, or the JSON text of --speculative-config.
     speculative_config: SpeculativeConfig | dict[str, Any] | str | None = None
     max_logprobs: int = 20
+    # vLLM's: LLM.sleep / wake_up and the server's /sleep, /wake_up and /is_sleeping.
+    enable_sleep_mode: bool = False
     # vLLM's LLM passes True; the server (and LLMEngine/AsyncLLM.from_engine_args) reads it.
     disable_log_stats: bool = False
     # Loading local files (kvserve does not download): see transformers_utils.local_model.
@@ -198,6 +200,7 @@ class EngineArgs(MultiModalArgs, VllmCompatArgs):
             model_registrations=_model_registrations(),
             logits_processors=self._logits_processors(),
             max_logprobs=self.max_logprobs,
+            enable_sleep_mode=self.enable_sleep_mode,
             generation_config=self.generation_config,
             override_generation_config=self._generation_overrides(),
             load_format=self.load_format,
@@ -354,6 +357,11 @@ class EngineArgs(MultiModalArgs, VllmCompatArgs):
         parser.add_argument(
             "--max-logprobs", type=int, default=20,
             help="most logprobs / prompt_logprobs a request may ask for (-1: no limit)",
+        )  # fmt: skip
+        parser.add_argument(
+            "--enable-sleep-mode", action="store_true",
+            help="let the engine sleep (free its KV cache, and its weights at level 2) and "
+            "wake up: the server's /sleep, /wake_up and /is_sleeping routes",
         )  # fmt: skip
         parser.add_argument(
             "--disable-log-stats", action="store_true", help="do not log engine statistics"

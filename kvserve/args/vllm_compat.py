@@ -58,9 +58,6 @@ IGNORED_ARGS: dict[str, IgnoredArg] = {
     "disable_custom_all_reduce": IgnoredArg(
         "GPU-only", "single-worker engine: no all-reduce kernels", cli="flag"
     ),
-    "enable_sleep_mode": IgnoredArg(
-        "GPU-only", "sleep mode frees GPU memory for RL loops; not implemented", cli="flag"
-    ),
     "calculate_kv_scales": IgnoredArg(
         "GPU-only", "fp8 KV cache scales; kvserve's KV dtypes need none", cli="flag"
     ),
@@ -138,7 +135,6 @@ class VllmCompatArgs:
     swap_space: float | None = None
     cpu_offload_gb: float | None = None
     disable_custom_all_reduce: bool | None = None
-    enable_sleep_mode: bool | None = None
     calculate_kv_scales: bool | None = None
     trust_remote_code: bool | None = None
     hf_token: Any = None

@@ -50,6 +50,8 @@ class ModelConfig:
     logits_processors: tuple[str | type, ...] = ()
     # vLLM's cap on logprobs / prompt_logprobs per request (-1: the whole vocabulary).
     max_logprobs: int = 20
+    # vLLM's: the engine may sleep (free its KV cache, and its weights at level 2).
+    enable_sleep_mode: bool = False
     # Where default sampling parameters come from: "auto" (the model's generation config),
     # "vllm" (none) or a folder with a generation_config.json; overrides go on top.
     generation_config: str = "auto"

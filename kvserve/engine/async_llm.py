@@ -20,7 +20,7 @@ from kvserve.args.engine_args import EngineArgs
 from kvserve.config import EngineConfig
 from kvserve.engine.async_mp_client import AsyncMPClient
 from kvserve.engine.engine_client import EngineClient
-from kvserve.engine.exceptions import EngineDeadError
+from kvserve.engine.exceptions import EngineBusyError, EngineDeadError, EngineSleepingError
 from kvserve.engine.front_end import FrontEnd
 from kvserve.engine.input_processor import InputProcessor
 from kvserve.engine.output_processor import OutputProcessor, RequestOutputCollector
@@ -35,6 +35,7 @@ from kvserve.protocol.engine_core import (
     FinishReason,
     SchedulerStats,
 )
+from kvserve.protocol.sleep_mode import check_sleep_level, check_wake_tags
 from kvserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -78,6 +79,9 @@ class AsyncLLM(EngineClient):
         self._stats_logger_task: asyncio.Task[None] | None = None
         # Orders the sends of requests with images (the processor cache's protocol).
         self._mm_send_lock = asyncio.Lock()
+        # Sleep mode: the core's sleeping state as its last reply left it, so that a
+        # request is refused here at once instead of failing in the core.
+        self._sleeping = False
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs, **kwargs: Any) -> AsyncLLM:
@@ -117,6 +121,8 @@ class AsyncLLM(EngineClient):
         """Validates (ValueError) and submits one request; its outputs arrive in the queue."""
         if self.errored:
             raise self.dead_error
+        if self._sleeping:
+            raise EngineSleepingError()
         self._ensure_output_handler()
         process = functools.partial(
             self.input_processor.process_inputs,
@@ -303,6 +309,35 @@ class AsyncLLM(EngineClient):
 
     async def reset_prefix_cache(self) -> bool:
         return await self.engine_core.reset_prefix_cache_async()
+
+    async def sleep(self, level: int = 1) -> None:
+        """vLLM's sleep mode: the core frees its KV cache (and its weights, level 2) and
+        keeps its process; requests are refused (EngineSleepingError) until wake_up.
+        EngineBusyError while requests are in flight (their KV would go)."""
+        if not self.config.model_config.enable_sleep_mode:
+            raise ValueError("sleep mode is off: start the engine with enable_sleep_mode")
+        check_sleep_level(level)
+        unfinished = self.output_processor.get_num_unfinished_requests()
+        if unfinished:
+            raise EngineBusyError(
+                f"cannot sleep with {unfinished} request(s) in flight: "
+                "let them finish or abort them first"
+            )
+        # Refuse new requests from now on, not from when the core answers.
+        self._sleeping = True
+        try:
+            self._sleeping = await self.engine_core.sleep_async(level)
+        except BaseException:
+            self._sleeping = await self.is_sleeping()
+            raise
+
+    async def wake_up(self, tags: list[str] | None = None) -> None:
+        """Gives back what sleep freed: every tag, or those of ("weights", "kv_cache");
+        requests are taken again once none sleeps."""
+        self._sleeping = await self.engine_core.wake_up_async(check_wake_tags(tags))
+
+    async def is_sleeping(self) -> bool:
+        return await self.engine_core.is_sleeping_async()
 
     async def request_census(self) -> dict[str, dict[str, int]]:
         """Per process, what every owner of per-request state still holds (all 0 once

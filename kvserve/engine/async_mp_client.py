@@ -114,6 +114,15 @@ class AsyncMPClient(MPClient, AsyncEngineCoreClient):
     async def request_census_async(self) -> dict[str, dict[str, int]]:
         return dict(await self.call_utility_async("request_census"))
 
+    async def sleep_async(self, level: int) -> bool:
+        return bool(await self.call_utility_async("sleep", level))
+
+    async def wake_up_async(self, tags: list[str] | None) -> bool:
+        return bool(await self.call_utility_async("wake_up", tags))
+
+    async def is_sleeping_async(self) -> bool:
+        return bool(await self.call_utility_async("is_sleeping"))
+
     def shutdown(self) -> None:
         if self._loop is not None and not self._loop.is_closed():
             if self._output_task is not None:

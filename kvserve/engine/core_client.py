@@ -63,6 +63,17 @@ class EngineCoreClient(ABC):
         """The core's per-request census, by process (EngineCore.request_census)."""
 
     @abstractmethod
+    def sleep(self, level: int) -> bool:
+        """EngineCore.sleep: frees the KV cache (and the weights, level 2)."""
+
+    @abstractmethod
+    def wake_up(self, tags: list[str] | None) -> bool:
+        """EngineCore.wake_up; returns whether some tag still sleeps."""
+
+    @abstractmethod
+    def is_sleeping(self) -> bool: ...
+
+    @abstractmethod
     def in_process_executor(self) -> Executor:
         """The core's executor, for collective_rpc: only a core in this process has one
         to give (ValueError otherwise)."""
@@ -96,6 +107,15 @@ class AsyncEngineCoreClient(ABC):
 
     @abstractmethod
     async def request_census_async(self) -> dict[str, dict[str, int]]: ...
+
+    @abstractmethod
+    async def sleep_async(self, level: int) -> bool: ...
+
+    @abstractmethod
+    async def wake_up_async(self, tags: list[str] | None) -> bool: ...
+
+    @abstractmethod
+    async def is_sleeping_async(self) -> bool: ...
 
     @abstractmethod
     def shutdown(self) -> None: ...

@@ -74,6 +74,17 @@ class EngineClient(ABC):
     async def get_scheduler_stats(self) -> SchedulerStats: ...
 
     @abstractmethod
+    async def sleep(self, level: int = 1) -> None:
+        """Frees the KV cache (and the weights, level 2); EngineBusyError with requests
+        in flight; generate() raises EngineSleepingError until wake_up."""
+
+    @abstractmethod
+    async def wake_up(self, tags: list[str] | None = None) -> None: ...
+
+    @abstractmethod
+    async def is_sleeping(self) -> bool: ...
+
+    @abstractmethod
     async def request_census(self) -> dict[str, dict[str, int]]:
         """Per process, every owner's live per-request entries (utils/census.py)."""
 

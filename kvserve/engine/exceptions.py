@@ -1,4 +1,5 @@
-"""Errors the engine front end raises when the engine core cannot answer."""
+"""Errors the engine front end raises when the engine core cannot answer (or, asleep
+or busy, may not)."""
 
 from __future__ import annotations
 
@@ -13,3 +14,14 @@ class EngineDeadError(Exception):
         super().__init__(
             message or "EngineCore process died unexpectedly; see its log above for the cause"
         )
+
+
+class EngineSleepingError(RuntimeError):
+    """The engine sleeps (sleep mode): it takes no request until it is woken up."""
+
+    def __init__(self) -> None:
+        super().__init__("the model is sleeping: POST /wake_up (LLM.wake_up) before generating")
+
+
+class EngineBusyError(Exception):
+    """Sleep was asked of an engine with requests in flight, whose KV it would free."""

@@ -40,6 +40,15 @@ class InprocClient(EngineCoreClient):
     def request_census(self) -> dict[str, dict[str, int]]:
         return self.engine_core.request_census()
 
+    def sleep(self, level: int) -> bool:
+        return self.engine_core.sleep(level)
+
+    def wake_up(self, tags: list[str] | None) -> bool:
+        return self.engine_core.wake_up(tags)
+
+    def is_sleeping(self) -> bool:
+        return self.engine_core.is_sleeping()
+
     def in_process_executor(self) -> Executor:
         # Called between steps: this thread runs both the steps and the call.
         return self.engine_core.model_executor

@@ -12,6 +12,7 @@ from prometheus_client import CollectorRegistry
 from kvserve.args.engine_args import EngineArgs
 from kvserve.config import EngineConfig
 from kvserve.engine.core_client import EngineCoreClient
+from kvserve.engine.exceptions import EngineBusyError, EngineSleepingError
 from kvserve.engine.front_end import FrontEnd
 from kvserve.engine.input_processor import InputProcessor
 from kvserve.engine.output_processor import OutputProcessor
@@ -21,6 +22,7 @@ from kvserve.metrics.loggers import PrometheusStatLogger
 from kvserve.metrics.reader import Metric, get_metrics_snapshot
 from kvserve.outputs import AnyRequestOutput
 from kvserve.pooling_params import PoolingParams
+from kvserve.protocol.sleep_mode import check_sleep_level, check_wake_tags
 from kvserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -50,6 +52,8 @@ class LLMEngine:
         self.tokenizer: Any = self.front_end.tokenizer
         self.input_processor: InputProcessor = self.front_end.input_processor
         self.output_processor: OutputProcessor = self.front_end.output_processor
+        # Sleep mode: the core's sleeping state as its last reply left it.
+        self._sleeping = False
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs, **kwargs: Any) -> LLMEngine:
@@ -66,7 +70,10 @@ class LLMEngine:
         cache_salt: str | None = None,
         lora_request: LoRARequest | None = None,
     ) -> None:
-        """Validates and queues one request; raises ValueError on bad input, adding nothing."""
+        """Validates and queues one request; raises ValueError on bad input, adding nothing
+        (EngineSleepingError while the engine sleeps)."""
+        if self._sleeping:
+            raise EngineSleepingError()
         request, prompt_text = self.input_processor.process_inputs(
             request_id,
             prompt,
@@ -113,6 +120,25 @@ class LLMEngine:
 
     def reset_prefix_cache(self) -> bool:
         return self.engine_core.reset_prefix_cache()
+
+    def sleep(self, level: int = 1) -> None:
+        """vLLM's sleep mode (enable_sleep_mode): frees the KV cache, and the weights at
+        level 2, keeping the process; generation waits for wake_up. Needs an idle engine."""
+        if not self.config.model_config.enable_sleep_mode:
+            raise ValueError("sleep mode is off: create the engine with enable_sleep_mode=True")
+        check_sleep_level(level)
+        if self.has_unfinished_requests():
+            raise EngineBusyError(
+                f"cannot sleep with {self.get_num_unfinished_requests()} unfinished request(s)"
+            )
+        self._sleeping = self.engine_core.sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Gives back what sleep freed: all of it, or the tags' ("weights", "kv_cache")."""
+        self._sleeping = self.engine_core.wake_up(check_wake_tags(tags))
+
+    def is_sleeping(self) -> bool:
+        return self.engine_core.is_sleeping()
 
     def request_census(self) -> dict[str, dict[str, int]]:
         """Per process, what every owner of per-request state still holds (all 0 once

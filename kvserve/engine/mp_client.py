@@ -292,6 +292,15 @@ class SyncMPClient(MPClient, EngineCoreClient):
     def request_census(self) -> dict[str, dict[str, int]]:
         return dict(self.call_utility("request_census"))
 
+    def sleep(self, level: int) -> bool:
+        return bool(self.call_utility("sleep", level))
+
+    def wake_up(self, tags: list[str] | None) -> bool:
+        return bool(self.call_utility("wake_up", tags))
+
+    def is_sleeping(self) -> bool:
+        return bool(self.call_utility("is_sleeping"))
+
     def in_process_executor(self) -> Executor:
         # A callable and arbitrary arguments reach another process only as pickles,
         # which kvserve never sends.

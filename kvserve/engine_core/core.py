@@ -34,6 +34,7 @@ from kvserve.protocol.kv_cache_interface import (
 )
 from kvserve.protocol.runner_output import ModelRunnerOutput
 from kvserve.protocol.scheduler_output import SchedulerOutput
+from kvserve.protocol.sleep_mode import SLEEP_TAGS, check_sleep_level, check_wake_tags
 from kvserve.structured_output.manager import StructuredOutputManager
 from kvserve.transformers_utils.tokenizer import get_tokenizer
 from kvserve.utils.census import per_request_objects, prefixed
@@ -93,6 +94,8 @@ class EngineCore:
         )
         # Running totals per step phase; kept, like the other stats, only when logged.
         self.step_times: StepTimes | None = StepTimes() if log_stats else None
+        # Sleep mode: the tags (protocol/sleep_mode.py) whose memory the workers gave back.
+        self.asleep_tags: set[str] = set()
 
     def settle_heap(self) -> None:
         """Freezes what is alive now (modules, tokenizer tables, imported libraries),
@@ -172,6 +175,8 @@ class EngineCore:
             request.mm_features = self.scheduler.encoder.receive_features(
                 request.mm_features, self.config.model_config.arch.architecture
             )
+        if self.asleep_tags:
+            raise ValueError("the model is sleeping: wake it up (wake_up) before generating")
         vocab_size = self.config.model_config.vocab_size
         bad = [t for t in request.prompt_token_ids if not 0 <= t < vocab_size]
         if bad:
@@ -297,6 +302,41 @@ class EngineCore:
         reset = self.scheduler.reset_prefix_cache()
         self._publish_kv_events()
         return reset
+
+    def sleep(self, level: int = 1) -> bool:
+        """vLLM's sleep: every worker frees its KV cache (and its weights, level 2); the
+        prefix cache, whose blocks' contents go, is reset. Only an idle engine sleeps
+        (ValueError otherwise): its requests' KV would go with it. True: asleep."""
+        if not self.config.model_config.enable_sleep_mode:
+            raise ValueError("sleep mode is off: start the engine with enable_sleep_mode")
+        check_sleep_level(level)
+        # Finished requests the workers have yet to hear of are no obstacle: their blocks
+        # are free, and the next step tells the workers.
+        unfinished = self.scheduler.get_num_unfinished_requests()
+        if unfinished or self.batch_queue:
+            raise ValueError(
+                f"cannot sleep with {unfinished} request(s) in flight: "
+                "let them finish or abort them first"
+            )
+        # Every cached block's contents go: none may be found by its hash after waking.
+        if not self.reset_prefix_cache():
+            raise ValueError("cannot sleep while KV blocks are in use (transfers in flight)")
+        freed = sum(self.model_executor.collective_rpc("sleep", args=(level,)))
+        self.asleep_tags = set(SLEEP_TAGS)
+        logger.info("sleeping at level %d: %.1f MiB freed across workers", level, freed / 2**20)
+        return True
+
+    def wake_up(self, tags: list[str] | None = None) -> bool:
+        """Gives the workers back what sleep freed, for ``tags`` (None: all of
+        SLEEP_TAGS); returns whether some tag still sleeps."""
+        tags = check_wake_tags(tags)
+        self.model_executor.collective_rpc("wake_up", args=(tags,))
+        self.asleep_tags.difference_update(tags)
+        logger.info("woke up %s; still asleep: %s", tags, sorted(self.asleep_tags) or "none")
+        return self.is_sleeping()
+
+    def is_sleeping(self) -> bool:
+        return bool(self.asleep_tags)
 
     def request_census(self) -> dict[str, dict[str, int]]:
         """Per process ("engine_core", "worker_<rank>"): the live per-request entries of

@@ -79,6 +79,9 @@ class EngineCoreProc:
         self._utilities: dict[str, Callable[..., Any]] = {
             "reset_prefix_cache": self.engine_core.reset_prefix_cache,
             "request_census": self.engine_core.request_census,
+            "sleep": self.engine_core.sleep,
+            "wake_up": self.engine_core.wake_up,
+            "is_sleeping": self.engine_core.is_sleeping,
             "get_stats": self._snapshot_stats,
             "ping": lambda: "pong",
         }

@@ -231,6 +231,19 @@ class LLM:
     def reset_prefix_cache(self) -> bool:
         return self.llm_engine.reset_prefix_cache()
 
+    def sleep(self, level: int = 1) -> None:
+        """vLLM's sleep mode (``enable_sleep_mode=True``): frees the KV cache (level 1)
+        and the weights too (level 2), keeping the process; call between generate()s."""
+        self.llm_engine.sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Gives back what sleep freed (``tags``: some of "weights", "kv_cache"); level 2's
+        weights are loaded from the model's files again."""
+        self.llm_engine.wake_up(tags)
+
+    def is_sleeping(self) -> bool:
+        return self.llm_engine.is_sleeping()
+
     def get_metrics(self) -> list[Metric]:
         """vLLM's metrics reader: every metric (Counter, Gauge, Vector, Histogram) with its
         ``name`` (``kvserve:...``) and value(s); needs ``LLM(disable_log_stats=False)``."""

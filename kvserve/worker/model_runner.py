@@ -50,6 +50,7 @@ from kvserve.worker.logits_runner import LogitsRunner
 from kvserve.worker.lora_runner import ActiveLoRARunner, LoRARunner
 from kvserve.worker.output_head import make_output_head
 from kvserve.worker.request_states import KeepsRequestState, RequestStates
+from kvserve.worker.sleep_mode import WorkerSleepMode, named_module_tensors
 from kvserve.worker.spec_decode_runner import make_spec_decode_runner
 from kvserve.worker.thread_governor import StepThreadGovernor
 
@@ -122,6 +123,12 @@ class ModelRunner:
         self.encoder_runner = make_encoder_runner(config, self.device)
         # Set with the KV caches (initialize_kv_cache); the no-op one until then.
         self.kv_connector_runner: KVConnector = NO_OP_KV_CONNECTOR
+        # Sleep mode: the KV cache's (and the weights') memory handed back and returned.
+        self.sleep_mode = WorkerSleepMode(
+            kv_tensors=lambda: list(self.kv_caches.values()),
+            weight_tensors=lambda: dict(named_module_tensors(self.model)),
+            load_weights=lambda: dict(named_module_tensors(self._get_model())),
+        )
         # Everything that keeps per-request state forgets finished requests through this.
         self._request_owners: dict[str, KeepsRequestState] = {
             "requests": self.requests,
@@ -137,6 +144,18 @@ class ModelRunner:
     # ---- setup ---------------------------------------------------------------------------
 
     def load_model(self) -> None:
+        self.model = self._get_model()
+        if self.config.cache_config.attention_sinks:
+            self._enable_attention_sinks()
+        self.drafter.load_model()
+        self.encoder_runner.set_model(self.model)
+        if self.config.lora_config is not None:
+            manager = LoRAModelManager(self.model, self.config.lora_config)
+            self.lora_runner = ActiveLoRARunner(manager)
+
+    def _get_model(self) -> Any:
+        """The target model loaded from its files (at start-up, and on waking from a
+        level-2 sleep)."""
         mc = self.config.model_config
         quantization = mc.quantization
         if mc.quantization_is_default and (self.device.type != "cpu" or not ops.available()):
@@ -149,14 +168,15 @@ class ModelRunner:
             arch = dataclasses.replace(
                 arch, max_position_embeddings=max(arch.max_position_embeddings, self.max_model_len)
             )
-        self.model = get_model(mc.resolved, arch, self.device, self.dtype, quantization)
-        if self.config.cache_config.attention_sinks:
-            self._enable_attention_sinks()
-        self.drafter.load_model()
-        self.encoder_runner.set_model(self.model)
-        if self.config.lora_config is not None:
-            manager = LoRAModelManager(self.model, self.config.lora_config)
-            self.lora_runner = ActiveLoRARunner(manager)
+        return get_model(mc.resolved, arch, self.device, self.dtype, quantization)
+
+    def sleep(self, level: int) -> int:
+        """Hands back the KV cache's memory, and the weights' at level 2 (sleep_mode.py);
+        the bytes freed."""
+        if level == 2 and self.config.lora_config is not None:
+            # The adapters wrap the layers, so the reloaded model's tensors have other names.
+            raise ValueError("sleep level 2 is not supported with enable_lora; use level 1")
+        return self.sleep_mode.sleep(level)
 
     def _enable_attention_sinks(self) -> None:
         """StreamingLLM: every full-attention layer sees the sink tokens plus a window."""

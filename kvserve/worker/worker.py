@@ -93,6 +93,14 @@ class Worker(WorkerBase):
         census = self._model_runner.request_census() if self._model_runner else {}
         return {"pid": os.getpid(), "owners": census, "objects": per_request_objects()}
 
+    def sleep(self, level: int = 1) -> int:
+        """vLLM's sleep mode: frees the KV cache (and the weights, level 2); the bytes freed."""
+        return self.model_runner.sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Gives back what sleep freed: every tag, or those of ("weights", "kv_cache")."""
+        self.model_runner.sleep_mode.wake_up(tags)
+
     def check_health(self) -> None:
         if self._model_runner is None or self._model_runner.model is None:
             raise RuntimeError(f"worker {self.rank} has no model loaded")

@@ -48,6 +48,7 @@ from kvserve.entrypoints.openai.serving_engine import INTERNAL_ERROR_MESSAGE
 from kvserve.entrypoints.openai.serving_models import OpenAIServingModels
 from kvserve.entrypoints.openai.serving_responses import OpenAIServingResponses
 from kvserve.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
+from kvserve.entrypoints.openai.sleep_routes import register_sleep_routes
 from kvserve.entrypoints.openai.streaming import (
     GuardedStreamingResponse,
     stream_with_deadline,
@@ -317,6 +318,14 @@ def build_app(engine_client: EngineClient, args: argparse.Namespace) -> FastAPI:
         @app.get("/debug/census")
         async def request_census() -> JSONResponse:
             return JSONResponse(await engine_client.request_census())
+
+    if engine_client.config.model_config.enable_sleep_mode:
+
+        def engine_for(model: str | None) -> EngineClient:
+            models.resolve(model)  # a 404 for a model this server does not serve
+            return engine_client
+
+        register_sleep_routes(app, engine_for)
 
     register_web_ui(app, engine_client, args)
     _add_hardening_middleware(app, engine_client, args)

@@ -15,7 +15,7 @@ from fastapi import Request
 
 from kvserve.distributed.kv_transfer.kv_connector.base import KV_LOAD_FAILURE_PREFIX
 from kvserve.engine.engine_client import EngineClient
-from kvserve.engine.exceptions import EngineDeadError
+from kvserve.engine.exceptions import EngineDeadError, EngineSleepingError
 from kvserve.entrypoints.openai.protocol import (
     ChatCompletionLogProb,
     ChatCompletionLogProbs,
@@ -153,7 +153,7 @@ class OpenAIServing:
             return exc
         if isinstance(exc, ValueError):
             return OpenAIServing.bad_request(exc)
-        if isinstance(exc, EngineDeadError):
+        if isinstance(exc, (EngineDeadError, EngineSleepingError)):
             return OpenAIServingError(str(exc), status=503)
         # The server's own failure: logged with its traceback, the client gets no internals.
         logger.error("request failed inside the server", exc_info=exc)
