@@ -18,7 +18,7 @@ class ModelSource:
 
 
 def add_multi_model_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    group = parser.add_argument_group("several models (README: multi-model serving)")
+    group = parser.add_argument_group("several models (docs/multi_model.md)")
     group.add_argument(
         "--model",
         dest="models",
