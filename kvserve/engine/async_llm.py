@@ -339,6 +339,10 @@ class AsyncLLM(EngineClient):
     async def is_sleeping(self) -> bool:
         return await self.engine_core.is_sleeping_async()
 
+    @property
+    def sleeping(self) -> bool:
+        return self._sleeping
+
     async def request_census(self) -> dict[str, dict[str, int]]:
         """Per process, what every owner of per-request state still holds (all 0 once
         every request has ended; see utils/census.py)."""

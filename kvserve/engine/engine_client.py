@@ -84,6 +84,12 @@ class EngineClient(ABC):
     @abstractmethod
     async def is_sleeping(self) -> bool: ...
 
+    @property
+    @abstractmethod
+    def sleeping(self) -> bool:
+        """Whether the engine slept as of its last sleep or wake_up (no core round trip)."""
+        ...
+
     @abstractmethod
     async def request_census(self) -> dict[str, dict[str, int]]:
         """Per process, every owner's live per-request entries (utils/census.py)."""

@@ -8,7 +8,7 @@ import contextlib
 import logging
 import secrets
 import signal
-from collections.abc import AsyncIterator, Awaitable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any, TypeVar
 
 import uvicorn
@@ -32,6 +32,8 @@ from kvserve.entrypoints.openai.lora_protocol import (
     LoadLoRAAdapterRequest,
     UnloadLoRAAdapterRequest,
 )
+from kvserve.entrypoints.openai.model_router import ModelLease, ModelRouter
+from kvserve.entrypoints.openai.model_sources import ModelSource, model_sources
 from kvserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -41,13 +43,12 @@ from kvserve.entrypoints.openai.protocol import (
     TokenizeCompletionRequest,
 )
 from kvserve.entrypoints.openai.protocol_responses import ResponsesRequest
-from kvserve.entrypoints.openai.serving_chat import OpenAIServingChat
-from kvserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
-from kvserve.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
 from kvserve.entrypoints.openai.serving_engine import INTERNAL_ERROR_MESSAGE
-from kvserve.entrypoints.openai.serving_models import OpenAIServingModels
-from kvserve.entrypoints.openai.serving_responses import OpenAIServingResponses
-from kvserve.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
+from kvserve.entrypoints.openai.serving_stack import (
+    ServingStack,
+    build_serving_stack,
+    serving_models,
+)
 from kvserve.entrypoints.openai.sleep_routes import register_sleep_routes
 from kvserve.entrypoints.openai.streaming import (
     GuardedStreamingResponse,
@@ -102,13 +103,17 @@ async def _until_disconnect(
     return task.result()
 
 
-def _respond(result: Any, args: argparse.Namespace | None = None) -> Response:
+def _respond(
+    result: Any, args: argparse.Namespace | None = None, lease: ModelLease | None = None
+) -> Response:
+    """The HTTP response for a handler's result; a stream releases ``lease`` when closed."""
     if isinstance(result, Response):
         return result
     if isinstance(result, AsyncIterator):
         timeout_s = getattr(args, "request_timeout", None)
+        content = stream_with_deadline(result, timeout_s)
         return GuardedStreamingResponse(
-            stream_with_deadline(result, timeout_s),
+            content if lease is None else lease.hold(content),
             stall_timeout_s=getattr(args, "stream_stall_timeout", None),
         )
     return JSONResponse(result.model_dump())
@@ -174,32 +179,15 @@ class ApiKeyMiddleware:
         await self.app(scope, receive, send)
 
 
-def build_app(engine_client: EngineClient, args: argparse.Namespace) -> FastAPI:
-    """The FastAPI app over ``engine_client`` (an AsyncLLM); ``args`` from add_serve_args."""
-    lora_modules = dict(getattr(args, "lora_modules", None) or [])
-    lora_config = engine_client.config.lora_config
-    if lora_modules and lora_config is None:
-        raise ValueError("--lora-modules needs --enable-lora")
-    models = OpenAIServingModels(engine_client.model_config, lora_config, lora_modules)
-    embedding = OpenAIServingEmbedding(engine_client, models)
-    chat = OpenAIServingChat(
-        engine_client,
-        models,
-        chat_template=_chat_template(args),
-        tool_call_parser=getattr(args, "tool_call_parser", None),
-        reasoning_parser=getattr(args, "reasoning_parser", None),
-    )
-    completion = OpenAIServingCompletion(engine_client, models)
-    tokenization = OpenAIServingTokenization(chat)
-    responses = OpenAIServingResponses(
-        chat, enable_store=getattr(args, "enable_store_responses", False)
-    )
-    for serving in (chat, completion, responses):
-        serving.log_requests = not getattr(args, "disable_log_requests", False)
+def build_app(router: ModelRouter, args: argparse.Namespace) -> FastAPI:
+    """The FastAPI app over ``router``'s models (its default one loaded); ``args`` from
+    add_serve_args. Admission control and the web UI follow the default model."""
+    default_stack = router.loaded_stacks()[0]
+    engine_client = default_stack.engine_client
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        watch = asyncio.create_task(_watch_engine(app))
+        watch = asyncio.create_task(_watch_engines(app))
         trim = asyncio.create_task(_trim_heap(HeapTrimmer()))
         yield
         watch.cancel()
@@ -215,8 +203,33 @@ def build_app(engine_client: EngineClient, args: argparse.Namespace) -> FastAPI:
         redoc_url="/redoc" if docs else None,
     )
     app.state.engine_client = engine_client
+    app.state.router = router
     app.state.server = None  # set by run_server, so a dead engine can stop uvicorn
     request_timeout: float | None = getattr(args, "request_timeout", None)
+
+    async def serve(
+        raw_request: Request, model: str | None, work: Callable[[ServingStack], Awaitable[Any]]
+    ) -> Response:
+        """Runs ``work`` on the stack of the model a request names (loaded first if need
+        be, within the request's timeout and disconnect rules) and responds."""
+
+        stream_lease: list[ModelLease] = []
+
+        async def leased() -> Any:
+            lease = await router.acquire(model)
+            try:
+                result = await work(lease.stack)
+            except BaseException:
+                lease.release()
+                raise
+            if isinstance(result, AsyncIterator):
+                stream_lease.append(lease)  # the model stays loaded until the stream ends
+            else:
+                lease.release()
+            return result
+
+        result = await _until_disconnect(raw_request, leased(), request_timeout)
+        return _respond(result, args, stream_lease[0] if stream_lease else None)
 
     @app.exception_handler(OpenAIServingError)
     async def serving_error(_: Request, exc: OpenAIServingError) -> JSONResponse:
@@ -250,7 +263,7 @@ def build_app(engine_client: EngineClient, args: argparse.Namespace) -> FastAPI:
     @app.get("/health")
     async def health() -> Response:
         try:
-            await engine_client.check_health()
+            await router.check_health()
         except Exception as exc:
             return _error(OpenAIServingError(f"engine is not healthy: {exc}", status=503))
         return Response(status_code=200)
@@ -265,33 +278,51 @@ def build_app(engine_client: EngineClient, args: argparse.Namespace) -> FastAPI:
 
     @app.get("/v1/models")
     async def show_models() -> JSONResponse:
-        return JSONResponse(models.show_available_models().model_dump())
+        return JSONResponse(router.show_models().model_dump())
 
     @app.post("/v1/completions")
     async def create_completion(request: CompletionRequest, raw_request: Request) -> Response:
-        work = completion.create_completion(request, raw_request)
-        return _respond(await _until_disconnect(raw_request, work, request_timeout), args)
+        return await serve(
+            raw_request,
+            request.model,
+            lambda stack: stack.completion.create_completion(request, raw_request),
+        )
 
     @app.post("/v1/chat/completions")
     async def create_chat_completion(
         request: ChatCompletionRequest, raw_request: Request
     ) -> Response:
-        work = chat.create_chat_completion(request, raw_request)
-        return _respond(await _until_disconnect(raw_request, work, request_timeout), args)
+        return await serve(
+            raw_request,
+            request.model,
+            lambda stack: stack.chat.create_chat_completion(request, raw_request),
+        )
 
     @app.post("/v1/responses")
     async def create_response(request: ResponsesRequest, raw_request: Request) -> Response:
-        work = responses.create_response(request, raw_request)
-        return _respond(await _until_disconnect(raw_request, work, request_timeout), args)
+        return await serve(
+            raw_request,
+            request.model,
+            lambda stack: stack.responses.create_response(request, raw_request),
+        )
 
     @app.get("/v1/responses/{response_id}")
     async def retrieve_response(response_id: str) -> Response:
-        return _respond(responses.retrieve(response_id))
+        # Stored with the model that answered; the default model's 404 otherwise.
+        stacks = router.loaded_stacks()
+        holder = next((s for s in stacks if response_id in s.responses.store), stacks[0])
+        return _respond(holder.responses.retrieve(response_id))
 
     @app.post("/v1/embeddings")
     async def create_embedding(request: EmbeddingRequest, raw_request: Request) -> Response:
-        work = embedding.create_embedding(request, raw_request)
-        return _respond(await _until_disconnect(raw_request, work, request_timeout), args)
+        return await serve(
+            raw_request,
+            request.model,
+            lambda stack: stack.embedding.create_embedding(request, raw_request),
+        )
+
+    # Adapters are the default model's (their base model must match its weights).
+    models = default_stack.models
 
     @app.post("/v1/load_lora_adapter")
     async def load_lora_adapter(request: LoadLoRAAdapterRequest) -> Response:
@@ -306,28 +337,47 @@ def build_app(engine_client: EngineClient, args: argparse.Namespace) -> FastAPI:
         )
 
     @app.post("/tokenize")
-    async def tokenize(request: TokenizeChatRequest | TokenizeCompletionRequest) -> Response:
-        return _respond(await tokenization.create_tokenize(request))
+    async def tokenize(
+        request: TokenizeChatRequest | TokenizeCompletionRequest, raw_request: Request
+    ) -> Response:
+        return await serve(
+            raw_request,
+            request.model,
+            lambda stack: stack.tokenization.create_tokenize(request),
+        )
 
     @app.post("/detokenize")
-    async def detokenize(request: DetokenizeRequest) -> Response:
-        return _respond(await tokenization.create_detokenize(request))
+    async def detokenize(request: DetokenizeRequest, raw_request: Request) -> Response:
+        return await serve(
+            raw_request,
+            request.model,
+            lambda stack: stack.tokenization.create_detokenize(request),
+        )
 
     if getattr(args, "enable_request_census", False):
 
         @app.get("/debug/census")
         async def request_census() -> JSONResponse:
-            return JSONResponse(await engine_client.request_census())
+            lease = await router.acquire(None)
+            try:
+                return JSONResponse(await lease.stack.engine_client.request_census())
+            finally:
+                lease.release()
 
     if engine_client.config.model_config.enable_sleep_mode:
 
-        def engine_for(model: str | None) -> EngineClient:
-            models.resolve(model)  # a 404 for a model this server does not serve
-            return engine_client
+        @contextlib.asynccontextmanager
+        async def engine_for(model: str | None) -> AsyncIterator[EngineClient]:
+            # Held for the call: the model cannot be unloaded while it sleeps or wakes.
+            lease = await router.acquire(model)
+            try:
+                yield lease.stack.engine_client
+            finally:
+                lease.release()
 
         register_sleep_routes(app, engine_for)
 
-    register_web_ui(app, engine_client, args)
+    register_web_ui(app, router.default, args)
     _add_hardening_middleware(app, engine_client, args)
     if getattr(args, "allowed_origins", None):
         app.add_middleware(
@@ -369,17 +419,6 @@ def _add_hardening_middleware(
         app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_body)
 
 
-def _chat_template(args: argparse.Namespace) -> str | None:
-    """--chat-template is a file path or the template text itself."""
-    value: str | None = getattr(args, "chat_template", None)
-    if value is None:
-        return None
-    with contextlib.suppress(OSError):
-        with open(value, encoding="utf-8") as f:
-            return f.read()
-    return value
-
-
 async def _trim_heap(heap: HeapTrimmer) -> None:
     """The server's own allocations (requests, responses, detokenized text) fragment
     its heap too (utils/heap_trim.py); a trim takes milliseconds, between requests."""
@@ -390,26 +429,43 @@ async def _trim_heap(heap: HeapTrimmer) -> None:
         heap.trim()
 
 
-async def _watch_engine(app: FastAPI) -> None:
-    """Stops the server once the engine core is dead: nothing can be served any more."""
-    while not app.state.engine_client.errored:
+async def _watch_engines(app: FastAPI) -> None:
+    """With one model, stops the server once its engine core is dead: nothing can be
+    served any more. With several, a dead engine's model is unloaded (its requests got
+    503s; the next one loads it again) and the others keep serving."""
+    router: ModelRouter = app.state.router
+    while not (router.single and app.state.engine_client.errored):
         await asyncio.sleep(ENGINE_WATCH_INTERVAL_S)
+        if not router.single:
+            router.unload_dead_engines()
     logger.error("the engine core died; shutting the server down")
     if app.state.server is not None:
         app.state.server.should_exit = True
 
 
-async def serve_http(args: argparse.Namespace, engine: EngineClient | None = None) -> int:
-    """Serves ``engine`` (built from ``args`` if not given) until SIGTERM/SIGINT (or
-    engine death), then shuts it down; the exit code."""
+async def serve_http(
+    args: argparse.Namespace,
+    engine: EngineClient | None = None,
+    sources: list[ModelSource] | None = None,
+) -> int:
+    """Serves ``sources`` (model_sources(args) if not given), the first on ``engine``
+    (started here if not given), until SIGTERM/SIGINT (or, with one model, engine death),
+    then shuts every engine down; the exit code."""
     memory_trace.start_from_env("api_server")
+    sources = sources if sources is not None else model_sources(args)
     if engine is None:
-        from kvserve.args.engine_args import EngineArgs
-        from kvserve.engine.async_llm import AsyncLLM
-
-        engine = AsyncLLM.from_engine_args(EngineArgs.from_cli_args(args))
+        engine = start_engine(sources[0], True)
+    router = ModelRouter(
+        sources,
+        start_engine,
+        lambda client, models: build_serving_stack(
+            client, models or serving_models(client, args), args
+        ),
+        getattr(args, "max_loaded_models", None),
+    )
     try:
-        app = build_app(engine, args)
+        router.adopt(engine)
+        app = build_app(router, args)
         config = uvicorn.Config(
             app,
             host=args.host,
@@ -430,10 +486,22 @@ async def serve_http(args: argparse.Namespace, engine: EngineClient | None = Non
             signal.signal(sig, lambda *_: None)
         await server.serve()
         # Checked before shutdown(), after which the core is gone on purpose.
-        engine_died = engine.errored
+        engine_died = router.single and engine.errored
     finally:
-        engine.shutdown()
+        router.shutdown()
+        engine.shutdown()  # the first engine, whether or not the router adopted it
     return 1 if engine_died else 0
+
+
+def start_engine(source: ModelSource, first: bool) -> EngineClient:
+    """A model's AsyncLLM (its engine core process started, the model loaded). Only the
+    first model reports to /metrics: the metrics have one registry and one engine."""
+    from kvserve.engine.async_llm import AsyncLLM
+    from kvserve.metrics.loggers import LoggingStatLogger
+
+    if first or source.engine_args.disable_log_stats:
+        return AsyncLLM.from_engine_args(source.engine_args)
+    return AsyncLLM.from_engine_args(source.engine_args, stat_loggers=[LoggingStatLogger()])
 
 
 def run_server(args: argparse.Namespace) -> int:

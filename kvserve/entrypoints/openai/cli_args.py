@@ -11,6 +11,7 @@ import os
 
 from kvserve.args.engine_args import EngineArgs
 from kvserve.entrypoints.openai.compat_args import add_vllm_server_args, check_server_args
+from kvserve.entrypoints.openai.model_sources import add_multi_model_args, model_sources
 
 # Where `--api-key` is read from when not given (vLLM's VLLM_API_KEY too): a key in the
 # environment is not in the process list other users of the machine can read.
@@ -19,7 +20,15 @@ API_KEY_ENV = "KVSERVE_API_KEY"
 
 def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Engine flags plus the HTTP server's own."""
-    EngineArgs.add_cli_args(parser, with_model=True)
+    # The positional model is one of the served models (model_sources() lists them all).
+    parser.add_argument(
+        "model_path",
+        nargs="?",
+        default=None,
+        metavar="model",
+        help="GGUF file, HF directory or a known name (default: SmolLM2-135M-Instruct)",
+    )
+    EngineArgs.add_cli_args(parser, with_model=False)
     parser.add_argument(
         "--host",
         default="127.0.0.1",
@@ -110,6 +119,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         'name=path or JSON \'{"name": ..., "path": ...}\'; needs --enable-lora',
     )
     add_limit_args(parser)
+    add_multi_model_args(parser)
     add_vllm_server_args(parser)
     return parser
 
@@ -220,18 +230,18 @@ def serve_main(args: argparse.Namespace) -> int:
 
 
 async def _serve(args: argparse.Namespace) -> int:
-    from kvserve.args.engine_args import EngineArgs
     from kvserve.engine.async_llm import AsyncLLM
 
-    # The engine core is spawned first; the web stack (FastAPI and the OpenAI routes,
-    # about a second of imports) is imported here while the core loads the model.
+    # The first model's engine core is spawned first; the web stack (FastAPI and the
+    # OpenAI routes, about a second of imports) is imported here while it loads the model.
+    sources = model_sources(args)
     engine = AsyncLLM.from_engine_args(
-        EngineArgs.from_cli_args(args),
+        sources[0].engine_args,
         also_while_starting=lambda: importlib.import_module(_API_SERVER),
     )
     from kvserve.entrypoints.openai.api_server import serve_http
 
-    return await serve_http(args, engine)
+    return await serve_http(args, engine, sources)
 
 
 _API_SERVER = "kvserve.entrypoints.openai.api_server"

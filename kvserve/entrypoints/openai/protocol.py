@@ -452,6 +452,8 @@ class ModelCard(OpenAIBaseModel):
     # A LoRA adapter's base model (vLLM's field); None for the base model itself.
     parent: str | None = None
     max_model_len: int | None = None
+    # With several models (kvserve serve --model ...): loaded, loading, unloaded, sleeping.
+    status: str | None = None
 
 
 class ModelList(OpenAIBaseModel):

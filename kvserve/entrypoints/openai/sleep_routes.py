@@ -4,7 +4,8 @@ parameters: weights, kv_cache; none: all) and ``GET /is_sleeping`` -> ``{"is_sle
 vLLM serves them in its dev mode (VLLM_SERVER_DEV_MODE); kvserve with --enable-sleep-mode,
 and behind --api-key like every route that is not open. Each takes an optional ``model``
 query parameter: ``engine_for`` maps it to the engine it acts on (404 for a model not
-served), so a server of several models points each call at the right one.
+served), holding that model loaded for the call, so a server of several models points
+each call at the right one.
 
 While the engine sleeps, generation requests get a 503 (serving_engine.engine_error).
 """
@@ -12,6 +13,7 @@ While the engine sleeps, generation requests get a 503 (serving_engine.engine_er
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import AbstractAsyncContextManager
 from typing import Annotated
 
 from fastapi import FastAPI, Query
@@ -22,17 +24,19 @@ from kvserve.engine.exceptions import EngineBusyError
 from kvserve.entrypoints.openai.protocol import OpenAIServingError
 from kvserve.protocol.sleep_mode import check_sleep_level, check_wake_tags
 
+EngineFor = Callable[[str | None], AbstractAsyncContextManager[EngineClient]]
 
-def register_sleep_routes(app: FastAPI, engine_for: Callable[[str | None], EngineClient]) -> None:
+
+def register_sleep_routes(app: FastAPI, engine_for: EngineFor) -> None:
     @app.post("/sleep")
     async def sleep(level: int = 1, model: str | None = None) -> Response:
         try:
             check_sleep_level(level)
         except ValueError as exc:
             raise OpenAIServingError(str(exc), param="level") from None
-        engine = engine_for(model)
         try:
-            await engine.sleep(level)
+            async with engine_for(model) as engine:
+                await engine.sleep(level)
         except EngineBusyError as exc:
             # The requests' KV would go with the cache: the caller retries once they end.
             raise OpenAIServingError(str(exc), status=409, err_type="ConflictError") from None
@@ -46,9 +50,11 @@ def register_sleep_routes(app: FastAPI, engine_for: Callable[[str | None], Engin
             check_wake_tags(tags)
         except ValueError as exc:
             raise OpenAIServingError(str(exc), param="tags") from None
-        await engine_for(model).wake_up(tags)
+        async with engine_for(model) as engine:
+            await engine.wake_up(tags)
         return Response(status_code=200)
 
     @app.get("/is_sleeping")
     async def is_sleeping(model: str | None = None) -> JSONResponse:
-        return JSONResponse({"is_sleeping": await engine_for(model).is_sleeping()})
+        async with engine_for(model) as engine:
+            return JSONResponse({"is_sleeping": await engine.is_sleeping()})

@@ -10,27 +10,36 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import Protocol
 
 from fastapi import APIRouter, FastAPI, Query
 from fastapi.responses import FileResponse, JSONResponse
 from fastapi.staticfiles import StaticFiles
 
-from kvserve.engine.engine_client import EngineClient
 from kvserve.metrics.history import StatsHistory
+from kvserve.metrics.loggers import StatLoggerBase
 
 STATIC_DIR = Path(__file__).parent / "static"
 STATIC_PREFIX = "/static"
 PUBLIC_PATHS = frozenset({"/", "/dashboard"})
 
 
-def register_web_ui(app: FastAPI, engine_client: EngineClient, args: argparse.Namespace) -> None:
+class StatsSource(Protocol):
+    """A served model, whose engine's stats (across its reloads) the dashboard records."""
+
+    name: str
+
+    def add_stat_logger(self, stat_logger: StatLoggerBase) -> None: ...
+
+
+def register_web_ui(app: FastAPI, model: StatsSource, args: argparse.Namespace) -> None:
     """Serves the web UI on ``app`` unless ``--disable-web-ui`` (then neither ``app`` nor
-    ``engine_client`` is touched); the dashboard's history records the engine's stats
+    ``model`` is touched); the dashboard's history records the model's engine stats
     from now on."""
     if getattr(args, "disable_web_ui", False):
         return
-    history = StatsHistory(engine_client.model_config.served_model_name or "model")
-    engine_client.add_stat_logger(history)
+    history = StatsHistory(model.name)
+    model.add_stat_logger(history)
     mount_web_ui(app, history)
 
 
