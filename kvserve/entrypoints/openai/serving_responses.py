@@ -1,7 +1,9 @@
 """`POST /v1/responses`: OpenAI's Responses API over the chat template, whole or streamed.
 
-Input is text or a list of messages (text content, or input_text / output_text parts);
-``instructions`` become a system message placed first. One assistant message comes back.
+Input is text or a list of items (responses_input: messages, function calls and their
+outputs), rendered as chat messages; ``instructions`` become a system message placed first.
+Output is an assistant message and/or function calls (responses_tools: function tools,
+tool_choice, parallel_tool_calls, as on the chat path).
 Responses are kept (for ``GET /v1/responses/{id}`` and ``previous_response_id``) only when
 the server runs with ``--enable-store-responses``, in memory and bounded.
 """
@@ -19,55 +21,19 @@ from fastapi import Request
 from kvserve.entrypoints.openai.protocol import OpenAIServingError
 from kvserve.entrypoints.openai.protocol_responses import (
     IncompleteDetails,
-    ResponseOutputMessage,
-    ResponseOutputText,
     ResponsesRequest,
     ResponsesResponse,
     ResponseUsage,
 )
+from kvserve.entrypoints.openai.responses_input import input_messages
+from kvserve.entrypoints.openai.responses_tools import ResponsesTools
 from kvserve.entrypoints.openai.serving_chat import OpenAIServingChat
+from kvserve.entrypoints.openai.serving_chat_tools import messages_for_template
 from kvserve.entrypoints.openai.serving_engine import OpenAIServing
 from kvserve.outputs import RequestOutput
 
 # Stored responses kept at most (oldest dropped first), with their conversations.
 MAX_STORED_RESPONSES = 1024
-_ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
-
-
-def _message_text(content: Any, index: int) -> str:
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        texts: list[str] = []
-        for part in content:
-            kind = part.get("type") if isinstance(part, dict) else None
-            if kind not in ("input_text", "output_text", "text"):
-                raise OpenAIServingError(
-                    f"input[{index}]: only text content is supported, got a {kind!r} part",
-                    param="input",
-                )
-            texts.append(str(part.get("text", "")))
-        return "".join(texts)
-    raise OpenAIServingError(f"input[{index}].content must be text or parts", param="input")
-
-
-def input_messages(request: ResponsesRequest) -> list[dict[str, str]]:
-    """The request's input as chat messages (instructions not included)."""
-    if isinstance(request.input, str):
-        return [{"role": "user", "content": request.input}]
-    messages: list[dict[str, str]] = []
-    for i, item in enumerate(request.input):
-        role = _ROLES.get(str(item.get("role")))
-        if item.get("type", "message") != "message" or role is None:
-            raise OpenAIServingError(
-                f"input[{i}]: only messages with role user, assistant, system or developer "
-                f"are supported, got {item.get('type', 'message')!r} / {item.get('role')!r}",
-                param="input",
-            )
-        messages.append({"role": role, "content": _message_text(item.get("content"), i)})
-    if not messages:
-        raise OpenAIServingError("input must not be empty", param="input")
-    return messages
 
 
 class OpenAIServingResponses(OpenAIServing):
@@ -76,14 +42,14 @@ class OpenAIServingResponses(OpenAIServing):
         self.chat = chat
         self.enable_store = enable_store
         # id -> (response, the conversation it answered, without instructions).
-        self.store: OrderedDict[str, tuple[ResponsesResponse, list[dict[str, str]]]] = OrderedDict()
+        self.store: OrderedDict[str, tuple[ResponsesResponse, list[dict[str, Any]]]] = OrderedDict()
 
     def retrieve(self, response_id: str) -> ResponsesResponse:
         if response_id not in self.store:
             raise OpenAIServingError(f"Response with id {response_id!r} not found.", status=404)
         return self.store[response_id][0]
 
-    def _history(self, request: ResponsesRequest) -> list[dict[str, str]]:
+    def _history(self, request: ResponsesRequest) -> list[dict[str, Any]]:
         if request.previous_response_id is None:
             return []
         if not self.enable_store:
@@ -93,25 +59,36 @@ class OpenAIServingResponses(OpenAIServing):
             )
         previous = self.retrieve(request.previous_response_id)
         _, conversation = self.store[previous.id]
-        return [*conversation, {"role": "assistant", "content": previous.output_text}]
+        return [*conversation, *input_messages([i.model_dump() for i in previous.output])]
 
     async def create_response(
         self, request: ResponsesRequest, raw_request: Request | None = None
     ) -> ResponsesResponse | AsyncIterator[str]:
         """A ResponsesResponse, or (stream=True) an iterator of SSE events."""
         model = self.models.resolve(request.model)
-        if request.tools:
-            raise OpenAIServingError("tools are not supported on /v1/responses", param="tools")
-        conversation = [*self._history(request), *input_messages(request)]
+        tools = ResponsesTools(request, self.chat)
+        conversation = [*self._history(request), *input_messages(request.input)]
         system = (
             [{"role": "system", "content": request.instructions}] if request.instructions else []
         )
         text, prompt_ids = await self.chat.render_prompt(
-            [*system, *conversation], True, False, None
+            messages_for_template([*system, *conversation]),
+            True,
+            False,
+            None,
+            tools.template_tools or None,
         )
         max_tokens = self.check_length(len(prompt_ids), request.max_output_tokens, "input")
         try:
             params = request.to_sampling_params(max_tokens, self.default_sampling_params)
+            tool_grammar = tools.structured_outputs()
+            if tool_grammar is not None:
+                if params.structured_outputs is not None:
+                    raise ValueError(
+                        "tool_choice required or a named function is enforced by a grammar: "
+                        "it cannot be combined with structured_outputs"
+                    )
+                params = params.clone(structured_outputs=tool_grammar)
         except ValueError as exc:
             raise self.bad_request(exc) from None
         request_id = self.request_id(raw_request, request.request_id, "resp")
@@ -125,6 +102,9 @@ class OpenAIServingResponses(OpenAIServing):
             previous_response_id=request.previous_response_id,
             metadata=request.metadata,
             store=request.store and self.enable_store,
+            tools=request.tools or [],
+            tool_choice=request.tool_choice or ("auto" if request.tools else "none"),
+            parallel_tool_calls=request.parallel_tool_calls is not False,
         )
         outputs = self.generate(
             {"prompt_token_ids": prompt_ids, "prompt": text},
@@ -144,36 +124,31 @@ class OpenAIServingResponses(OpenAIServing):
                 raise self.engine_error(exc) from None
             assert final is not None
             sample = final.outputs[0]
-            self._finish(
-                response, final, len(prompt_ids), sample.text, len(sample.token_ids), conversation
-            )
+            self._finish(response, final, len(prompt_ids), len(sample.token_ids), conversation)
+            response.output = tools.output_items(sample.text, response.status == "incomplete")
             return response
         try:
             first = await anext(outputs)
         except Exception as exc:
             await outputs.aclose()
             raise self.engine_error(exc) from None
-        return self._stream(response, outputs, first, len(prompt_ids), conversation)
+        return self._stream(response, outputs, first, len(prompt_ids), conversation, tools)
 
     def _finish(
         self,
         response: ResponsesResponse,
         final: RequestOutput,
         prompt_tokens: int,
-        text: str,
         output_tokens: int,
-        conversation: list[dict[str, str]],
-    ) -> ResponseOutputMessage:
-        """Completes ``response`` from the last output (stores it if asked)."""
+        conversation: list[dict[str, Any]],
+    ) -> None:
+        """Completes ``response``'s status and usage from the last output (stores it if
+        asked: the caller sets its output items)."""
         sample = final.outputs[0]
         incomplete = sample.finish_reason == "length"
         response.status = "incomplete" if incomplete else "completed"
         if incomplete:
             response.incomplete_details = IncompleteDetails(reason="max_output_tokens")
-        message = ResponseOutputMessage(
-            status=response.status, content=[ResponseOutputText(text=text)]
-        )
-        response.output = [message]
         response.usage = ResponseUsage.of(
             prompt_tokens, output_tokens, final.num_cached_tokens or 0
         )
@@ -181,7 +156,6 @@ class OpenAIServingResponses(OpenAIServing):
             self.store[response.id] = (response, conversation)
             while len(self.store) > MAX_STORED_RESPONSES:
                 self.store.popitem(last=False)
-        return message
 
     async def _stream(
         self,
@@ -189,7 +163,8 @@ class OpenAIServingResponses(OpenAIServing):
         outputs: AsyncGenerator[RequestOutput, None],
         first: RequestOutput,
         prompt_tokens: int,
-        conversation: list[dict[str, str]],
+        conversation: list[dict[str, Any]],
+        tools: ResponsesTools,
     ) -> AsyncGenerator[str, None]:
         sequence = 0
 
@@ -199,14 +174,11 @@ class OpenAIServingResponses(OpenAIServing):
             sequence += 1
             return f"event: {kind}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n"
 
-        message = ResponseOutputMessage()
-        where = {"item_id": message.id, "output_index": 0, "content_index": 0}
+        items = tools.streamer()
         yield event("response.created", response=response.model_dump())
         yield event("response.in_progress", response=response.model_dump())
-        yield event("response.output_item.added", output_index=0, item=message.model_dump())
-        empty = ResponseOutputText(text="").model_dump()
-        yield event("response.content_part.added", part=empty, **where)
-        text: list[str] = []
+        for kind, body in items.start():
+            yield event(kind, **body)
         output_tokens = 0
         try:
             async with contextlib.aclosing(outputs):
@@ -215,20 +187,16 @@ class OpenAIServingResponses(OpenAIServing):
                 while output is not None:
                     self.check_output(output)
                     final = output
-                    output_tokens += len(output.outputs[0].token_ids)
-                    delta = output.outputs[0].text
-                    if delta:
-                        text.append(delta)
-                        yield event("response.output_text.delta", delta=delta, logprobs=[], **where)
+                    sample = output.outputs[0]
+                    output_tokens += len(sample.token_ids)
+                    for kind, body in items.feed(sample.text, sample.finish_reason is not None):
+                        yield event(kind, **body)
                     output = await anext(outputs, None)
-            done = self._finish(
-                response, final, prompt_tokens, "".join(text), output_tokens, conversation
-            )
-            done.id = message.id
-            part = done.content[0].model_dump()
-            yield event("response.output_text.done", text=part["text"], logprobs=[], **where)
-            yield event("response.content_part.done", part=part, **where)
-            yield event("response.output_item.done", output_index=0, item=done.model_dump())
+            self._finish(response, final, prompt_tokens, output_tokens, conversation)
+            done, output_items = items.finish(response.status == "incomplete")
+            response.output = output_items
+            for kind, body in done:
+                yield event(kind, **body)
             kind = "response.completed" if response.status == "completed" else "response.incomplete"
             yield event(kind, response=response.model_dump())
         except Exception as exc:
