@@ -36,7 +36,8 @@ def test_echo_with_max_tokens_0_scores_the_prompt_only(
     assert "".join(lp.tokens) == prompt and len(lp.tokens) == len(ids)
     assert lp.token_logprobs[0] is None and lp.top_logprobs is not None
     assert lp.top_logprobs[0] is None  # nothing predicts the first token
-    for token, logprob, top in zip(lp.tokens[1:], lp.token_logprobs[1:], lp.top_logprobs[1:]):
+    rows = zip(lp.tokens[1:], lp.token_logprobs[1:], lp.top_logprobs[1:], strict=True)
+    for token, logprob, top in rows:
         assert logprob is not None and logprob <= 0 and top is not None
         assert top[token] == logprob and 1 <= len(top) <= 2  # the prompt's token and the best
 
