@@ -71,13 +71,17 @@ class OpenAIServingResponses(OpenAIServing):
         system = (
             [{"role": "system", "content": request.instructions}] if request.instructions else []
         )
-        text, prompt_ids = await self.chat.render_prompt(
-            messages_for_template([*system, *conversation]),
-            True,
-            False,
-            None,
-            tools.template_tools or None,
-        )
+        try:
+            text, prompt_ids = await self.chat.render_prompt(
+                messages_for_template([*system, *conversation]),
+                True,
+                False,
+                None,
+                tools.template_tools or None,
+            )
+        except OpenAIServingError as exc:
+            exc.param = "input"  # the messages rendered are this request's input
+            raise
         max_tokens = self.check_length(len(prompt_ids), request.max_output_tokens, "input")
         try:
             params = request.to_sampling_params(max_tokens, self.default_sampling_params)
