@@ -111,6 +111,8 @@ class EngineArgs(MultiModalArgs, VllmCompatArgs):
     enable_sleep_mode: bool = False
     # vLLM's LLM passes True; the server (and LLMEngine/AsyncLLM.from_engine_args) reads it.
     disable_log_stats: bool = False
+    # Prometheus series are named "<prefix>:<name>"; "vllm" gives vLLM's exact names.
+    metrics_prefix: str = "kvserve"
     # Loading local files (kvserve does not download): see transformers_utils.local_model.
     revision: str | None = None
     tokenizer_revision: str | None = None
@@ -259,6 +261,7 @@ class EngineArgs(MultiModalArgs, VllmCompatArgs):
                 else None
             ),
             multimodal_config=self._multimodal_config(),
+            metrics_prefix=self.metrics_prefix,
         )
 
     def _structured_outputs_config(self) -> StructuredOutputsConfig:
@@ -366,6 +369,11 @@ class EngineArgs(MultiModalArgs, VllmCompatArgs):
         parser.add_argument(
             "--disable-log-stats", action="store_true", help="do not log engine statistics"
         )
+        parser.add_argument(
+            "--metrics-prefix", default="kvserve",
+            help='name the Prometheus series "<prefix>:<name>"; "vllm" gives the names vLLM\'s '
+            "Grafana dashboard and vLLM-aware routers read (vllm:num_requests_waiting, ...)",
+        )  # fmt: skip
         parser.add_argument(
             "--revision", default=None,
             help="snapshot of a model in the Hugging Face cache layout (local files only)",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 from kvserve.config.features import LoRAConfig, SpeculativeConfig, StructuredOutputsConfig
@@ -27,8 +28,15 @@ class EngineConfig:
     # None: LoRA off (enable_lora=False).
     lora_config: LoRAConfig | None = None
     multimodal_config: MultiModalConfig = field(default_factory=MultiModalConfig)
+    # Prometheus series names: "<metrics_prefix>:<name>".
+    metrics_prefix: str = "kvserve"
 
     def __post_init__(self) -> None:
+        if not re.fullmatch(r"[a-zA-Z_][a-zA-Z0-9_]*", self.metrics_prefix):
+            raise ValueError(
+                f"metrics_prefix must be a Prometheus name (letters, digits, _), got "
+                f"{self.metrics_prefix!r}"
+            )
         if self.speculative_config is not None:
             self.speculative_config.resolve_draft_model(self.model_config)
         context_len = self.model_config.max_model_len

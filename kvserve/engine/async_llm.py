@@ -61,7 +61,10 @@ class AsyncLLM(EngineClient):
                 if not log_stats
                 else [
                     LoggingStatLogger(),
-                    PrometheusStatLogger(config.model_config.served_model_name or "model"),
+                    PrometheusStatLogger(
+                        config.model_config.served_model_name or "model",
+                        prefix=config.metrics_prefix,
+                    ),
                 ]
             )
         self.front_end = FrontEnd(config, log_stats, stat_loggers)

@@ -38,7 +38,9 @@ class LLMEngine:
         self.stat_logger: PrometheusStatLogger | None = None
         if log_stats:
             self.stat_logger = PrometheusStatLogger(
-                config.model_config.served_model_name or "model", registry=CollectorRegistry()
+                config.model_config.served_model_name or "model",
+                registry=CollectorRegistry(),
+                prefix=config.metrics_prefix,
             )
         self.front_end = FrontEnd(config, log_stats, [self.stat_logger] if self.stat_logger else [])
         # The core runs in this thread, or in its own process behind ZMQ.

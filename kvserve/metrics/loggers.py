@@ -17,7 +17,7 @@ from kvserve.protocol.engine_core import STEP_PHASES, SchedulerStats, StepTimes
 
 logger = logging.getLogger(__name__)
 
-PREFIX = "kvserve:"
+DEFAULT_PREFIX = "kvserve"
 # Seconds; the same spread vLLM uses, from a fast decode step to a long request.
 _LATENCY_BUCKETS = [
     0.001,
@@ -117,7 +117,8 @@ class LoggingStatLogger(StatLoggerBase):
 
 
 class PrometheusStatLogger(StatLoggerBase):
-    """vLLM's metric names under the ``kvserve:`` prefix, labelled with model_name.
+    """vLLM's metric names under ``<prefix>:`` (``kvserve:`` by default, ``vllm:`` for
+    tools that read vLLM's series), labelled with model_name.
 
     Constructing a second logger on the same registry unregisters the first one's
     metrics, so tests and restarted engines in one process do not collide.
@@ -125,7 +126,12 @@ class PrometheusStatLogger(StatLoggerBase):
 
     _live: ClassVar[dict[int, PrometheusStatLogger]] = {}
 
-    def __init__(self, model_name: str, registry: CollectorRegistry | None = None) -> None:
+    def __init__(
+        self,
+        model_name: str,
+        registry: CollectorRegistry | None = None,
+        prefix: str = DEFAULT_PREFIX,
+    ) -> None:
         self.registry = registry if registry is not None else prometheus_client.REGISTRY
         previous = self._live.get(id(self.registry))
         if previous is not None:
@@ -134,19 +140,26 @@ class PrometheusStatLogger(StatLoggerBase):
         self.model_name = model_name
         labels = ["model_name"]
         reg = self.registry
+        self.prefix = prefix = prefix + ":"
 
         def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(PREFIX + name, doc, labels, registry=reg)
+            return Gauge(prefix + name, doc, labels, registry=reg)
 
         def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
-            return Counter(PREFIX + name, doc, labels + list(extra), registry=reg)
+            return Counter(prefix + name, doc, labels + list(extra), registry=reg)
 
         def histogram(name: str, doc: str) -> Histogram:
-            return Histogram(PREFIX + name, doc, labels, buckets=_LATENCY_BUCKETS, registry=reg)
+            return Histogram(prefix + name, doc, labels, buckets=_LATENCY_BUCKETS, registry=reg)
 
         self.num_requests_running = gauge("num_requests_running", "Requests in model execution")
         self.num_requests_waiting = gauge("num_requests_waiting", "Requests waiting to run")
         self.kv_cache_usage_perc = gauge("kv_cache_usage_perc", "KV cache usage, 1 = full")
+        # vLLM's older name of the same gauge, still what some routers and dashboards read.
+        self.gpu_cache_usage_perc = (
+            gauge("gpu_cache_usage_perc", "KV cache usage, 1 = full (vLLM's older name)")
+            if prefix == "vllm:"
+            else None
+        )
         self.kv_cache_blocks_in_use = gauge(
             "kv_cache_blocks_in_use", "KV cache blocks held by requests (0 when idle)"
         )
@@ -210,10 +223,12 @@ class PrometheusStatLogger(StatLoggerBase):
             self.engine_busy,
             self.engine_steps,
         ]
-        self.spec_decoding = SpecDecodingProm(reg, PREFIX, model_name)
+        self.spec_decoding = SpecDecodingProm(reg, prefix, model_name)
         self._collectors += self.spec_decoding.collectors
-        self.multimodal = MultiModalProm(reg, PREFIX, model_name)
+        self.multimodal = MultiModalProm(reg, prefix, model_name)
         self._collectors += self.multimodal.collectors
+        if self.gpu_cache_usage_perc is not None:
+            self._collectors.append(self.gpu_cache_usage_perc)
         # The scheduler reports preemptions as a running total; the counter takes deltas.
         self._last_num_preemptions = 0
         # KV connector totals (tier hits, bytes, ...): counters made as metrics first appear.
@@ -228,6 +243,8 @@ class PrometheusStatLogger(StatLoggerBase):
             self.num_requests_running.labels(name).set(scheduler_stats.num_running_reqs)
             self.num_requests_waiting.labels(name).set(scheduler_stats.num_waiting_reqs)
             self.kv_cache_usage_perc.labels(name).set(scheduler_stats.kv_cache_usage)
+            if self.gpu_cache_usage_perc is not None:
+                self.gpu_cache_usage_perc.labels(name).set(scheduler_stats.kv_cache_usage)
             self.kv_cache_blocks_in_use.labels(name).set(scheduler_stats.kv_cache_blocks_in_use)
             self.prefix_cache_queries.labels(name).inc(scheduler_stats.prefix_cache_queries)
             self.prefix_cache_hits.labels(name).inc(scheduler_stats.prefix_cache_hits)
@@ -275,7 +292,7 @@ class PrometheusStatLogger(StatLoggerBase):
             counter = self._connector_counters.get(metric)
             if counter is None:
                 counter = Counter(
-                    PREFIX + "kv_connector_" + metric,
+                    self.prefix + "kv_connector_" + metric,
                     f"KV connector running total: {metric}",
                     ["model_name", "kind"],
                     registry=self.registry,

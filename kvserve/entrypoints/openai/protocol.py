@@ -269,7 +269,9 @@ class _SamplingRequest(StructuredOutputsRequestFields, OpenAIRequestModel):
 
 class CompletionRequest(_SamplingRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1, le=INT64_MAX)
+    # 0 only with echo: the prompt's log-probs, nothing generated (check_length refuses it
+    # otherwise, naming max_tokens).
+    max_tokens: int | None = Field(16, ge=0, le=INT64_MAX)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     suffix: str | None = None

@@ -28,7 +28,11 @@ class ResponsesRequest(_SamplingRequest):
     # OpenAI stores by default; this server only when started with --enable-store-responses.
     store: bool = True
     previous_response_id: ShortString | None = None
+    # Function tools in the Responses shape ({"type": "function", "name", "parameters",
+    # ...}, flat); responses_tools checks them, naming the offending one.
     tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
     metadata: dict[str, Any] | None = None
 
     def to_sampling_params(
@@ -37,6 +41,9 @@ class ResponsesRequest(_SamplingRequest):
         if self.n != 1:
             raise ValueError(f"n must be 1 for /v1/responses, got {self.n}")
         return self._sampling_params(max_tokens, None, self.stream, defaults)
+
+
+ItemStatus = Literal["in_progress", "completed", "incomplete"]
 
 
 class ResponseOutputText(OpenAIBaseModel):
@@ -50,7 +57,7 @@ class ResponseOutputMessage(OpenAIBaseModel):
     id: str = Field(default_factory=lambda: f"msg_{random_uuid()}")
     type: Literal["message"] = "message"
     role: Literal["assistant"] = "assistant"
-    status: Literal["in_progress", "completed", "incomplete"] = "in_progress"
+    status: ItemStatus = "in_progress"
     content: list[ResponseOutputText] = Field(default_factory=list)
 
 
@@ -67,6 +74,21 @@ class ResponseReasoningItem(OpenAIBaseModel):
     summary: list[Any] = Field(default_factory=list)
     content: list[ResponseReasoningText] = Field(default_factory=list)
     status: Literal["in_progress", "completed", "incomplete"] = "in_progress"
+
+
+class ResponseFunctionToolCall(OpenAIBaseModel):
+    """A function call the model made; the client answers with a function_call_output
+    item of the same call_id."""
+
+    id: str = Field(default_factory=lambda: f"fc_{random_uuid()}")
+    type: Literal["function_call"] = "function_call"
+    call_id: str
+    name: str
+    arguments: str  # JSON text
+    status: ItemStatus = "completed"
+
+
+ResponseOutputItem = ResponseReasoningItem | ResponseOutputMessage | ResponseFunctionToolCall
 
 
 class InputTokensDetails(OpenAIBaseModel):
@@ -104,7 +126,7 @@ class ResponsesResponse(OpenAIBaseModel):
     created_at: int = Field(default_factory=lambda: int(time.time()))
     model: str
     status: Literal["in_progress", "completed", "incomplete", "failed"] = "in_progress"
-    output: list[ResponseReasoningItem | ResponseOutputMessage] = Field(default_factory=list)
+    output: list[ResponseOutputItem] = Field(default_factory=list)
     usage: ResponseUsage | None = None
     instructions: str | None = None
     max_output_tokens: int | None = None
@@ -114,8 +136,8 @@ class ResponsesResponse(OpenAIBaseModel):
     incomplete_details: IncompleteDetails | None = None
     error: dict[str, Any] | None = None
     metadata: dict[str, Any] | None = None
-    parallel_tool_calls: bool = False
-    tool_choice: str = "none"
+    parallel_tool_calls: bool = True
+    tool_choice: str | dict[str, Any] = "auto"
     tools: list[Any] = Field(default_factory=list)
     store: bool = False
     text: dict[str, Any] = Field(default_factory=lambda: {"format": {"type": "text"}})

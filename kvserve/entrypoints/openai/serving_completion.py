@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from fastapi import Request
@@ -22,9 +22,29 @@ from kvserve.entrypoints.openai.protocol import (
 )
 from kvserve.entrypoints.openai.serving_engine import OpenAIServing, merge_async_iterators
 from kvserve.entrypoints.openai.tenants import tenant_cache_salt
-from kvserve.outputs import Logprob, RequestOutput
+from kvserve.outputs import CompletionOutput, Logprob, RequestOutput
 
 Merged = AsyncGenerator[tuple[int, RequestOutput], None]
+
+
+def _prompt_only(request: CompletionRequest) -> bool:
+    """echo with max_tokens 0 (evaluation harnesses' loglikelihood shape): the prompt and its
+    log-probs. The engine samples at least one token, so one is generated and dropped, as
+    vLLM does."""
+    return request.echo and request.max_tokens == 0
+
+
+def _without_tokens(sample: CompletionOutput) -> CompletionOutput:
+    """``sample`` as if it had reached max_tokens 0 (its one token dropped)."""
+    finished = sample.finish_reason in ("stop", "length")
+    return replace(
+        sample,
+        text="",
+        token_ids=[],
+        logprobs=None if sample.logprobs is None else [],
+        finish_reason="length" if finished else sample.finish_reason,
+        stop_reason=None if finished else sample.stop_reason,
+    )
 
 
 @dataclass
@@ -52,7 +72,9 @@ class OpenAIServingCompletion(OpenAIServing):
         base_id = self.request_id(raw_request, request.request_id, "cmpl")
         generators = []
         for i, prompt in enumerate(prompts):
-            max_tokens = self.check_length(len(prompt.token_ids), request.max_tokens)
+            max_tokens = self.check_length(
+                len(prompt.token_ids), 1 if _prompt_only(request) else request.max_tokens
+            )
             request_id = base_id if len(prompts) == 1 else f"{base_id}-{i}"
             if request.use_beam_search:
                 generators.append(
@@ -155,15 +177,17 @@ class OpenAIServingCompletion(OpenAIServing):
             raise self.engine_error(exc) from None
         choices: list[CompletionResponseChoice] = []
         completion_tokens = 0
+        drop = _prompt_only(request)
         for prompt_idx in sorted(finals):
             output, prompt = finals[prompt_idx], prompts[prompt_idx]
             for c in output.outputs:
-                completion_tokens += len(c.token_ids)
-                text = prompt.text + c.text if request.echo else c.text
+                sample = _without_tokens(c) if drop else c
+                completion_tokens += len(sample.token_ids)
+                text = prompt.text + sample.text if request.echo else sample.text
                 logprobs = None
-                if request.logprobs is not None and c.logprobs is not None:
-                    ids = c.token_ids
-                    rows: list[dict[int, Logprob] | None] = list(c.logprobs)
+                if request.logprobs is not None and sample.logprobs is not None:
+                    ids = sample.token_ids
+                    rows: list[dict[int, Logprob] | None] = list(sample.logprobs)
                     if request.echo and output.prompt_logprobs is not None:
                         ids = prompt.token_ids + ids
                         rows = list(output.prompt_logprobs) + rows
@@ -173,8 +197,8 @@ class OpenAIServingCompletion(OpenAIServing):
                         index=prompt_idx * request.n + c.index,
                         text=text,
                         logprobs=logprobs,
-                        finish_reason=c.finish_reason,
-                        stop_reason=c.stop_reason,
+                        finish_reason=sample.finish_reason,
+                        stop_reason=sample.stop_reason,
                     )
                 )
         prompt_tokens = sum(len(p.token_ids) for p in prompts)
@@ -204,6 +228,7 @@ class OpenAIServingCompletion(OpenAIServing):
         stream_usage = (
             request.stream_options is not None and request.stream_options.continuous_usage_stats
         )
+        drop = _prompt_only(request)
         try:
             async with contextlib.aclosing(merged):
                 item: tuple[int, RequestOutput] | None = first
@@ -212,17 +237,18 @@ class OpenAIServingCompletion(OpenAIServing):
                     self.check_output(output)
                     for c in output.outputs:
                         i = prompt_idx * request.n + c.index
-                        text = c.text
+                        sample = _without_tokens(c) if drop else c
+                        text = sample.text
                         if request.echo and text_len[i] == 0 and tokens[i] == 0:
                             text = prompts[prompt_idx].text + text
                         logprobs = None
-                        if request.logprobs is not None and c.logprobs:
+                        if request.logprobs is not None and sample.logprobs:
                             logprobs = self.completion_logprobs(
-                                c.token_ids, c.logprobs, text_len[i]
+                                sample.token_ids, sample.logprobs, text_len[i]
                             )
-                        tokens[i] += len(c.token_ids)
+                        tokens[i] += len(sample.token_ids)
                         text_len[i] += len(text)
-                        if not (text or c.finish_reason or logprobs):
+                        if not (text or sample.finish_reason or logprobs):
                             continue  # the detokenizer is holding back a partial character
                         chunk = CompletionStreamResponse(
                             id=response_id,
@@ -233,8 +259,8 @@ class OpenAIServingCompletion(OpenAIServing):
                                     index=i,
                                     text=text,
                                     logprobs=logprobs,
-                                    finish_reason=c.finish_reason,
-                                    stop_reason=c.stop_reason,
+                                    finish_reason=sample.finish_reason,
+                                    stop_reason=sample.stop_reason,
                                 )
                             ],
                         )

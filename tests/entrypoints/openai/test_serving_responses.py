@@ -146,7 +146,7 @@ def test_streaming_events_as_the_sdk_expects(server: RemoteServer) -> None:
 def test_bad_input_is_a_400_and_the_server_keeps_serving(server: RemoteServer) -> None:
     client = server.client()
     bad: list[Any] = [
-        [{"type": "function_call", "name": "f", "arguments": "{}", "call_id": "c"}],
+        [{"type": "function_call", "name": "f", "arguments": "{}"}],  # no call_id
         [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}],
         [],
     ]
