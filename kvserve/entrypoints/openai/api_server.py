@@ -55,7 +55,11 @@ from kvserve.entrypoints.openai.streaming import (
     stream_with_deadline,
     timeout_error,
 )
-from kvserve.entrypoints.openai.tenants import bearer_keys, current_tenant
+from kvserve.entrypoints.openai.tenants import (
+    bearer_keys,
+    current_tenant,
+    enable_tenant_metrics,
+)
 from kvserve.entrypoints.web import register_web_ui
 from kvserve.entrypoints.web.routes import PUBLIC_PATHS as WEB_UI_PAGES
 from kvserve.entrypoints.web.routes import STATIC_PREFIX as WEB_UI_ASSETS
@@ -396,6 +400,8 @@ def _add_hardening_middleware(
 ) -> None:
     """API key, admission control and the body-size bound (outermost last)."""
     keys = bearer_keys(getattr(args, "api_key", None), getattr(args, "api_key_file", None))
+    if any(tenant is not None for tenant in keys.values()):
+        enable_tenant_metrics(engine_client.config.metrics_prefix)
     if keys:
         app.add_middleware(
             ApiKeyMiddleware, keys=keys, metrics_auth=getattr(args, "metrics_auth", False)

@@ -29,17 +29,32 @@ current_tenant: contextvars.ContextVar[str | None] = contextvars.ContextVar(
     "kvserve_tenant", default=None
 )
 
-_REQUESTS = Counter(
-    "kvserve:tenant_requests_total", "Generation requests per tenant (--api-key-file)", ["tenant"]
-)
-_PROMPT_TOKENS = Counter(
-    "kvserve:tenant_prompt_tokens_total", "Prompt tokens per tenant", ["tenant"]
-)
-_CACHED_TOKENS = Counter(
-    "kvserve:tenant_cached_prompt_tokens_total",
-    "Prompt tokens per tenant found in the prefix cache or the KV tier",
-    ["tenant"],
-)
+
+class TenantCounters:
+    """/metrics per tenant, registered only by a server that has tenants."""
+
+    def __init__(self, prefix: str) -> None:
+        self.requests = Counter(
+            f"{prefix}:tenant_requests", "Generation requests per tenant", ["tenant"]
+        )
+        self.prompt_tokens = Counter(
+            f"{prefix}:tenant_prompt_tokens", "Prompt tokens per tenant", ["tenant"]
+        )
+        self.cached_tokens = Counter(
+            f"{prefix}:tenant_cached_prompt_tokens",
+            "Prompt tokens per tenant found in the prefix cache or the KV tier",
+            ["tenant"],
+        )
+
+
+_counters: TenantCounters | None = None
+
+
+def enable_tenant_metrics(prefix: str) -> None:
+    """Registers the per-tenant series (once per process: one Prometheus registry)."""
+    global _counters
+    if _counters is None:
+        _counters = TenantCounters(prefix)
 
 
 def load_api_keys(path: str) -> dict[str, str]:
@@ -86,12 +101,14 @@ async def counted(
 ) -> AsyncGenerator[RequestOutput, None]:
     """``outputs``, counting the request's prompt and cached tokens for ``tenant``; closing
     it closes ``outputs`` (which aborts the request in the engine)."""
-    _REQUESTS.labels(tenant).inc()
+    assert _counters is not None, "tenants without enable_tenant_metrics()"
+    counters = _counters
+    counters.requests.labels(tenant).inc()
     first = True
     async with contextlib.aclosing(outputs):
         async for output in outputs:
             if first:
                 first = False
-                _PROMPT_TOKENS.labels(tenant).inc(len(output.prompt_token_ids or ()))
-                _CACHED_TOKENS.labels(tenant).inc(output.num_cached_tokens or 0)
+                counters.prompt_tokens.labels(tenant).inc(len(output.prompt_token_ids or ()))
+                counters.cached_tokens.labels(tenant).inc(output.num_cached_tokens or 0)
             yield output
