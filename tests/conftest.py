@@ -16,6 +16,10 @@ pytest_plugins = ["tests.gemma3_fixtures"]
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Every engine a test starts (and every process it spawns) authenticates the KV it shares:
+# tiers across processes, shared storage and P2P refuse to start without a secret, and the
+# secure path is the one tested. Tests of the opt-out and of the refusal unset it.
+os.environ.setdefault("KVSERVE_KV_SECRET", "kvserve-tests-kv-secret-0123456789")
 
 
 def pytest_configure(config: pytest.Config) -> None:

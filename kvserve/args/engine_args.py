@@ -20,6 +20,7 @@ from kvserve.config import (
     DeviceConfig,
     EngineConfig,
     KVEventsConfig,
+    KVSecurityConfig,
     KVTransferConfig,
     LoRAConfig,
     ModelConfig,
@@ -94,6 +95,10 @@ class EngineArgs(MultiModalArgs, VllmCompatArgs):
     kv_transfer_config: KVTransferConfig | dict[str, Any] | str | None = None
     # YAML file of the tiered KV cache; on its own it turns on TieredCacheConnector.
     kv_cache_config: str | None = None
+    # The MAC secret of KV that leaves the engine (else env KVSERVE_KV_SECRET), and the
+    # opt-out that lets a shared store run without one (docs/kv_cache_tier.md#security).
+    kv_secret_file: str | None = None
+    allow_unauthenticated_kv: bool = False
     disable_cascade_attn: bool = False
     # vLLM's: no tokenizer is loaded; prompts are token ids and outputs carry no text.
     skip_tokenizer_init: bool = False
@@ -249,6 +254,7 @@ class EngineArgs(MultiModalArgs, VllmCompatArgs):
                 else KVEventsConfig.from_cli(self.kv_events_config)
             ),
             kv_transfer_config=self._transfer_config(),
+            kv_security_config=KVSecurityConfig(self.kv_secret_file, self.allow_unauthenticated_kv),
             structured_outputs_config=self._structured_outputs_config(),
             speculative_config=(
                 None
@@ -436,6 +442,17 @@ class EngineArgs(MultiModalArgs, VllmCompatArgs):
             help="YAML file configuring the tiered KV cache (CPU, disk, Redis, cache server); "
             "enables TieredCacheConnector unless --kv-transfer-config names another connector",
         )
+        parser.add_argument(
+            "--kv-secret-file", default=None, metavar="PATH",
+            help="file holding the secret that authenticates (MACs) KV leaving the engine: "
+            "tiers, P2P transfers, the encoder cache; every engine sharing KV needs the same "
+            "(default: the environment variable KVSERVE_KV_SECRET)",
+        )  # fmt: skip
+        parser.add_argument(
+            "--allow-unauthenticated-kv", action="store_true",
+            help="let Redis, the cache server, shared storage and P2P run without a KV "
+            "secret: KV any writer of them plants is then loaded",
+        )  # fmt: skip
         parser.add_argument(
             "--attention-sinks", type=int, default=0,
             help="StreamingLLM: full-attention layers keep this many first tokens plus a "

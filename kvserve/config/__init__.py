@@ -13,7 +13,7 @@ from kvserve.config.features import (
     StructuredOutputsConfig,
 )
 from kvserve.config.json_args import dataclass_from_json
-from kvserve.config.kv_transfer import KVEventsConfig, KVTransferConfig
+from kvserve.config.kv_transfer import KVEventsConfig, KVSecurityConfig, KVTransferConfig
 from kvserve.config.model import (
     DEFAULT_MODEL,
     KV_CACHE_DTYPES,
@@ -37,6 +37,7 @@ __all__ = [
     "EngineConfig",
     "GiB",
     "KVEventsConfig",
+    "KVSecurityConfig",
     "KVTransferConfig",
     "LoRAConfig",
     "ModelConfig",

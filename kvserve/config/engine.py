@@ -6,7 +6,7 @@ import re
 from dataclasses import dataclass, field
 
 from kvserve.config.features import LoRAConfig, SpeculativeConfig, StructuredOutputsConfig
-from kvserve.config.kv_transfer import KVEventsConfig, KVTransferConfig
+from kvserve.config.kv_transfer import KVEventsConfig, KVSecurityConfig, KVTransferConfig
 from kvserve.config.model import ModelConfig
 from kvserve.config.multimodal import MultiModalConfig
 from kvserve.config.runtime import CacheConfig, DeviceConfig, ParallelConfig, SchedulerConfig
@@ -21,6 +21,7 @@ class EngineConfig:
     device_config: DeviceConfig = field(default_factory=DeviceConfig)
     kv_transfer_config: KVTransferConfig | None = None
     kv_events_config: KVEventsConfig | None = None
+    kv_security_config: KVSecurityConfig = field(default_factory=KVSecurityConfig)
     structured_outputs_config: StructuredOutputsConfig = field(
         default_factory=StructuredOutputsConfig
     )

@@ -47,6 +47,16 @@ class KVEventsConfig:
         return dataclass_from_json(cls, value, "--kv-events-config")
 
 
+@dataclass(frozen=True)
+class KVSecurityConfig:
+    """Authentication of KV that leaves the engine (kvserve.kvcache.integrity): the file
+    holding the MAC secret (else the environment variable KVSERVE_KV_SECRET), and the
+    operator's opt-out that lets stores other hosts can write run without one."""
+
+    kv_secret_file: str | None = None
+    allow_unauthenticated_kv: bool = False
+
+
 _KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
 
 

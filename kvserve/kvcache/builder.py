@@ -11,6 +11,7 @@ from typing import ClassVar
 
 from kvserve.kvcache.cache_engine import CacheEngine
 from kvserve.kvcache.config import CacheEngineConfig
+from kvserve.kvcache.integrity import PLAIN, KVAuthenticator
 from kvserve.kvcache.key import CacheEngineMetadata
 from kvserve.kvcache.shared import SharedByKey
 
@@ -20,13 +21,19 @@ class CacheEngineBuilder:
 
     @classmethod
     def get_or_create(
-        cls, instance_id: str, config: CacheEngineConfig, metadata: CacheEngineMetadata
+        cls,
+        instance_id: str,
+        config: CacheEngineConfig,
+        metadata: CacheEngineMetadata,
+        auth: KVAuthenticator = PLAIN,
     ) -> CacheEngine:
         def same_config(engine: CacheEngine) -> None:
             if engine.config != config or engine.metadata != metadata:
                 raise ValueError(f"CacheEngine {instance_id!r} exists with another config")
 
-        return cls._shared.acquire(instance_id, lambda: CacheEngine(config, metadata), same_config)
+        return cls._shared.acquire(
+            instance_id, lambda: CacheEngine(config, metadata, auth=auth), same_config
+        )
 
     @classmethod
     def release(cls, instance_id: str) -> None:

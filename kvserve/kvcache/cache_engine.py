@@ -21,6 +21,7 @@ import torch
 
 from kvserve.kvcache.chunking import Chunk, ChunkedTokenDatabase
 from kvserve.kvcache.config import CacheEngineConfig
+from kvserve.kvcache.integrity import PLAIN, KVAuthenticator
 from kvserve.kvcache.key import CacheEngineKey, CacheEngineMetadata
 from kvserve.kvcache.stats import CacheStats
 from kvserve.kvcache.storage.base import StorageBackend
@@ -49,13 +50,14 @@ class CacheEngine:
         metadata: CacheEngineMetadata,
         backends: list[StorageBackend] | None = None,
         stats: CacheStats | None = None,
+        auth: KVAuthenticator = PLAIN,
     ) -> None:
         self.config = config
         self.metadata = metadata
         self.stats = stats or CacheStats()
         self.token_db = ChunkedTokenDatabase(metadata, config.chunk_size, config.hash_seed)
         self.storage = StorageManager(
-            backends if backends is not None else create_backends(config, self.stats)
+            backends if backends is not None else create_backends(config, self.stats, auth)
         )
         self._pins: dict[str, list[tuple[StorageBackend, CacheEngineKey]]] = {}
         self._pin_lock = threading.Lock()

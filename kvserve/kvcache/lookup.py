@@ -57,6 +57,7 @@ class TierCounts(msgspec.Struct):
     bytes_retrieved: int = 0
     evictions: int = 0
     errors: int = 0
+    auth_failures: int = 0
 
 
 class EngineStats(msgspec.Struct):

@@ -10,6 +10,10 @@ what a writer with a different serde stored.
   head_size] each head_size vector gets one float32 scale (absmax / 127). Payload is the
   int8 values then the float32 scales: 1 + 4/head_size bytes per element, about 3.8x smaller
   than float32 at head_size 64.
+
+A value that leaves the engine is sealed (seal_chunk): the payload followed by a MAC over
+the chunk's key, its metadata and its bytes (kvserve.kvcache.integrity); open_chunk gives
+the payload back, or None when the MAC fails. The plain authenticator adds nothing.
 """
 
 from __future__ import annotations
@@ -19,7 +23,10 @@ import warnings
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 import torch
+
+from kvserve.kvcache.integrity import KVAuthenticator
 
 Buffer = bytes | bytearray | memoryview
 
@@ -68,6 +75,22 @@ class ChunkMeta:
         if serde not in SERDES:
             raise ValueError(f"bad chunk serde {serde!r}")
         return cls(tuple(shape), dtype, serde)
+
+
+def mac_header(meta: ChunkMeta) -> bytes:
+    """The bytes of meta the MAC covers (shape, hence token count; dtype; serde)."""
+    return msgspec.msgpack.encode(meta.to_dict())
+
+
+def seal_chunk(auth: KVAuthenticator, key: str, meta: ChunkMeta, payload: Buffer) -> Buffer:
+    return auth.seal(key, mac_header(meta), payload)
+
+
+def open_chunk(
+    auth: KVAuthenticator, key: str, meta: ChunkMeta, blob: Buffer, source: str
+) -> Buffer | None:
+    """The payload of a sealed value, or None (a miss) when it fails authentication."""
+    return auth.open(key, mac_header(meta), blob, source)
 
 
 def _frombuffer(payload: Buffer, dtype: torch.dtype, count: int, offset: int = 0) -> torch.Tensor:

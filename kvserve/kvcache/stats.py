@@ -26,6 +26,7 @@ class TierStats:
     bytes_retrieved: int = 0
     evictions: int = 0
     errors: int = 0  # corrupt values, failed or timed-out remote calls, dropped writes
+    auth_failures: int = 0  # values whose MAC failed (planted or foreign): misses as well
 
 
 @dataclass
@@ -106,6 +107,7 @@ class CacheStatsCollector:
             ("bytes_retrieved", "Bytes read from the tier"),
             ("evictions", "Chunks evicted from the tier"),
             ("errors", "Corrupt values, failed remote calls and dropped writes"),
+            ("auth_failures", "Values that failed authentication (not loaded; misses too)"),
         ):
             family = CounterMetricFamily(p + field_name, doc, labels=["tier"])
             for tier, values in sorted(snap_tiers.items()):

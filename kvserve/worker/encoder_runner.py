@@ -231,5 +231,5 @@ def make_encoder_runner(config: EngineConfig, device: torch.device) -> EncoderRu
     ec_connector = None
     if ec is not None:
         name = config.model_config.served_model_name or str(config.model_config.model)
-        ec_connector = ECConnector(ec, name)
+        ec_connector = ECConnector(ec, name, config.kv_security_config)
     return MultiModalEncoderRunner(device, mm_arch.bidirectional_items, ec_connector)

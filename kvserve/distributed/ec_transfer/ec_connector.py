@@ -5,7 +5,10 @@ Separate from the KV connectors: it moves an item's encoder output (its soft-tok
 embeddings), keyed by the item's content hash and the model, never KV blocks. The worker
 asks it before running the vision tower and hands it every output it computes. The
 tiers are kvcache's storage backends (a disk directory or Redis), whose formats carry
-shape, dtype and a checksum: nothing is unpickled, a damaged entry is a miss.
+shape, dtype and a checksum: nothing is unpickled, a damaged entry is a miss. Both tiers are
+written by other instances, so entries are sealed with the KV secret (a MAC over the key,
+header and bytes; kvserve.kvcache.integrity) and one that fails it is a miss; without a
+secret the connector refuses to start unless the operator allowed unauthenticated KV.
 """
 
 from __future__ import annotations
@@ -15,7 +18,8 @@ import urllib.parse
 
 import torch
 
-from kvserve.config import ECTransferConfig
+from kvserve.config import ECTransferConfig, KVSecurityConfig
+from kvserve.kvcache.integrity import kv_authenticator
 from kvserve.kvcache.key import CacheEngineKey
 from kvserve.kvcache.stats import CacheStats
 from kvserve.kvcache.storage.base import StorageBackend
@@ -30,13 +34,19 @@ _DISK_BYTES = 8 << 30
 class ECConnector:
     """Loads and saves one model's encoder outputs by item hash."""
 
-    def __init__(self, config: ECTransferConfig, model_name: str) -> None:
+    def __init__(
+        self, config: ECTransferConfig, model_name: str, security: KVSecurityConfig
+    ) -> None:
         self.model_name = model_name
         self.stats = CacheStats()
         self.backend: StorageBackend
+        where = config.ec_storage_path if config.ec_connector == "disk" else config.ec_redis_url
+        auth = kv_authenticator(security, f"the encoder cache's {config.ec_connector} {where}")
         if config.ec_connector == "disk":
             assert config.ec_storage_path is not None
-            self.backend = LocalDiskBackend(config.ec_storage_path, _DISK_BYTES, self.stats)
+            self.backend = LocalDiskBackend(
+                config.ec_storage_path, _DISK_BYTES, self.stats, auth=auth
+            )
         else:
             # Imported only for it: the redis client costs every engine ~0.1 s of start-up.
             from kvserve.kvcache.storage.redis_backend import RedisBackend
@@ -45,7 +55,7 @@ class ECConnector:
             url = urllib.parse.urlsplit(config.ec_redis_url)
             db = int(url.path.lstrip("/") or 0)
             self.backend = RedisBackend(
-                url.hostname or "localhost", url.port or 6379, db, self.stats
+                url.hostname or "localhost", url.port or 6379, db, self.stats, auth=auth
             )
 
     def _key(self, mm_hash: str) -> CacheEngineKey:

@@ -2,6 +2,9 @@
 
 One blocking TCP connection, guarded by a lock, opened lazily and dropped on any error.
 Every failure or timeout is a miss; after one, calls are skipped for the reconnect interval.
+With a KV secret the values are sealed here (payload then a MAC over key, metadata and
+payload) and opened here: the server stores them as opaque bytes and needs no secret. One
+that fails its MAC is a miss counted in auth_failures, and deleted.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from typing import Any
 import torch
 
 from kvserve.kvcache import serde
+from kvserve.kvcache.integrity import PLAIN, KVAuthenticator
 from kvserve.kvcache.key import CacheEngineKey
 from kvserve.kvcache.server.wire import ProtocolError, recv_reply, send_request
 from kvserve.kvcache.stats import CacheStats
@@ -34,11 +38,13 @@ class CacheServerBackend(StorageBackend):
         timeout: float = 5.0,
         reconnect_interval: float = 1.0,
         auth_token: str | None = None,
+        auth: KVAuthenticator = PLAIN,
     ) -> None:
         super().__init__(stats)
         self.host, self.port = host, port
         self.auth_token = auth_token
         self.serde = serde_name
+        self.auth = auth
         self.timeout = timeout
         self.health_state = RemoteHealth(f"kvserve://{host}:{port}", reconnect_interval)
         self._lock = threading.Lock()
@@ -95,19 +101,29 @@ class CacheServerBackend(StorageBackend):
         if reply is None or reply[0].get("status") != "ok":
             self.stats.add(self.name, misses=1)
             return None
-        header, payload = reply
+        header, blob = reply
         try:
-            kv = serde.decode(serde.ChunkMeta.from_dict(header.get("meta")), payload)
+            meta = serde.ChunkMeta.from_dict(header.get("meta"))
+            payload = serde.open_chunk(
+                self.auth, key.to_string(), meta, blob, self.health_state.name
+            )
+            kv = None if payload is None else serde.decode(meta, payload)
         except ValueError:
             self.remove(key)
             self.stats.add(self.name, misses=1, errors=1)
             return None
-        self.stats.add(self.name, hits=1, bytes_retrieved=len(payload))
+        if kv is None:
+            self.remove(key)
+            self.stats.add(self.name, misses=1, auth_failures=1)
+            return None
+        self.stats.add(self.name, hits=1, bytes_retrieved=len(blob))
         return kv
 
     def put(self, key: CacheEngineKey, kv: torch.Tensor) -> None:
-        meta, payload = serde.encode(kv, self.serde)
-        header = {"op": "PUT", "key": key.to_string(), "meta": meta.to_dict()}
+        name = key.to_string()
+        meta, plain = serde.encode(kv, self.serde)
+        payload = serde.seal_chunk(self.auth, name, meta, plain)
+        header = {"op": "PUT", "key": name, "meta": meta.to_dict()}
         reply = self._request(header, payload)
         if reply is not None and reply[0].get("status") == "ok":
             self.stats.add(self.name, bytes_stored=len(payload))

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from kvserve.kvcache.config import CacheEngineConfig, parse_remote_url
+from kvserve.kvcache.integrity import PLAIN, KVAuthenticator
 from kvserve.kvcache.key import CacheEngineKey
 from kvserve.kvcache.stats import CacheStats
 from kvserve.kvcache.storage.base import StorageBackend
@@ -17,7 +18,11 @@ from kvserve.kvcache.storage.local_cpu import LocalCPUBackend
 from kvserve.utils.secret_file import read_secret_file
 
 
-def create_backends(config: CacheEngineConfig, stats: CacheStats) -> list[StorageBackend]:
+def create_backends(
+    config: CacheEngineConfig, stats: CacheStats, auth: KVAuthenticator = PLAIN
+) -> list[StorageBackend]:
+    """The tiers config turns on; disk and remote values are sealed with auth (the CPU
+    tier's stay in this process's memory, where a MAC would guard nothing)."""
     backends: list[StorageBackend] = []
     if config.local_cpu and config.max_local_cpu_size > 0:
         backends.append(LocalCPUBackend(config.max_local_cpu_size, stats, config.local_cpu_serde))
@@ -26,7 +31,11 @@ def create_backends(config: CacheEngineConfig, stats: CacheStats) -> list[Storag
 
         backends.append(
             LocalDiskBackend(
-                config.local_disk, config.max_local_disk_size, stats, config.local_disk_serde
+                config.local_disk,
+                config.max_local_disk_size,
+                stats,
+                config.local_disk_serde,
+                auth=auth,
             )
         )
     if config.remote_url:
@@ -41,6 +50,7 @@ def create_backends(config: CacheEngineConfig, stats: CacheStats) -> list[Storag
                 if token_file is None
                 else read_secret_file(token_file, "remote_auth_token_file")
             ),
+            "auth": auth,
         }
         if scheme == "redis":
             from kvserve.kvcache.storage.redis_backend import RedisBackend

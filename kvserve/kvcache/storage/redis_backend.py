@@ -4,7 +4,10 @@ Each chunk is two Redis keys: `kvserve:kv:<key>` holds the payload and `kvserve:
 holds msgpack metadata (shape, dtype, serde, payload_len, crc32). The value is written
 before the metadata, and readers look at the metadata first, so a reader never sees a
 half-written chunk. A value that does not match its metadata's length or checksum is a miss
-and both keys are deleted. Every failure or timeout is a miss, never an exception; after one,
+and both keys are deleted. With a KV secret the value is sealed (payload then a MAC over
+key, metadata and payload): one that fails it was planted by a writer without the secret,
+a miss counted in auth_failures, and is deleted so that the next store puts the engine's
+own chunk there. Every failure or timeout is a miss, never an exception; after one,
 calls are skipped for remote_reconnect_interval_secs (see RemoteHealth).
 """
 
@@ -21,6 +24,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from kvserve.kvcache import serde
+from kvserve.kvcache.integrity import PLAIN, KVAuthenticator
 from kvserve.kvcache.key import CacheEngineKey
 from kvserve.kvcache.stats import CacheStats
 from kvserve.kvcache.storage.base import RemoteHealth, StorageBackend
@@ -44,9 +48,11 @@ class RedisBackend(StorageBackend):
         timeout: float = 5.0,
         reconnect_interval: float = 1.0,
         auth_token: str | None = None,
+        auth: KVAuthenticator = PLAIN,
     ) -> None:
         super().__init__(stats)
         self.serde = serde_name
+        self.auth = auth
         self.health_state = RemoteHealth(f"redis://{host}:{port}/{db}", reconnect_interval)
         self.client = redis.Redis(
             host=host,
@@ -91,18 +97,24 @@ class RedisBackend(StorageBackend):
                 )
             if header.get("crc32") != zlib.crc32(payload):
                 raise ValueError("checksum mismatch")
-            kv = serde.decode(meta, payload)
+            opened = serde.open_chunk(self.auth, name, meta, payload, self.health_state.name)
+            kv = None if opened is None else serde.decode(meta, opened)
         except (ValueError, msgspec.DecodeError) as exc:
             logger.warning("corrupt KV chunk %s in Redis (%s); deleting, a miss", name, exc)
             self._call(lambda: self.client.delete(META_PREFIX + name, VALUE_PREFIX + name), 0)
             self.stats.add(self.name, misses=1, errors=1)
+            return None
+        if kv is None:
+            self._call(lambda: self.client.delete(META_PREFIX + name, VALUE_PREFIX + name), 0)
+            self.stats.add(self.name, misses=1, auth_failures=1)
             return None
         self.stats.add(self.name, hits=1, bytes_retrieved=len(payload))
         return kv
 
     def put(self, key: CacheEngineKey, kv: torch.Tensor) -> None:
         name = key.to_string()
-        meta, payload = serde.encode(kv, self.serde)
+        meta, plain = serde.encode(kv, self.serde)
+        payload = serde.seal_chunk(self.auth, name, meta, plain)
         header = msgspec.msgpack.encode(
             {**meta.to_dict(), "payload_len": len(payload), "crc32": zlib.crc32(payload)}
         )

@@ -18,11 +18,13 @@ from kvserve.distributed.kv_transfer.kv_connector.connectors.p2p_params import (
     prompt_hash,
 )
 from kvserve.distributed.kv_transfer.kv_connector.connectors.p2p_wire import (
+    AUTH_FAILED,
     Arrival,
     LayerHeader,
     PeerSender,
     Receiver,
 )
+from kvserve.kvcache.integrity import KeyedKVAuthenticator
 
 
 def _port() -> int:
@@ -181,3 +183,31 @@ def test_params() -> None:
     with pytest.raises(ValueError, match="num_tokens must be an integer"):
         check_params({"do_remote_prefill": True, "transfer_id": "x", "num_tokens": True})
     assert prompt_hash([1, 2, 3]) == prompt_hash([1, 2, 3]) != prompt_hash([1, 2, 4])
+
+
+@pytest.mark.parametrize("how", ["forged", "moved"])
+def test_an_unauthenticated_layer_refuses_the_transfer(context: zmq.Context, how: str) -> None:
+    secret = b"the engines' shared KV secret..."
+    port = _port()
+    receiver = Receiver(
+        f"tcp://127.0.0.1:{port}", 1 << 30, ttl_s=60, auth=KeyedKVAuthenticator(secret)
+    )
+    # forged: a peer's own secret. moved: the right secret, but the MAC was made for
+    # another transfer (a valid layer replayed under another transfer id).
+    auth = KeyedKVAuthenticator(secret if how == "moved" else b"an attacker's own secret")
+    if how == "moved":
+        genuine = auth.tag
+        auth.tag = lambda key, header, payload: genuine(  # type: ignore[method-assign]
+            key.replace("planted", "genuine"), header.replace(b"planted", b"genuine"), payload
+        )
+    sender = PeerSender(context, f"tcp://127.0.0.1:{port}", timeout_s=5, auth=auth)
+    try:
+        [layer] = _layers(1)
+        sender.send_layer("r", _header("planted", 0, 1, layer), layer)
+        assert _wait(lambda: receiver.take("planted")) == AUTH_FAILED
+        assert receiver.auth_failures == 1
+        [(req_id, ok, _, _)] = _wait(sender.take_done)  # type: ignore[misc]
+        assert (req_id, ok) == ("r", False)
+    finally:
+        sender.close()
+        receiver.close()

@@ -9,8 +9,10 @@ from typing import Any
 
 import pytest
 from safetensors import safe_open
+from safetensors.torch import save_file
 
 from kvserve.entrypoints.llm import LLM
+from kvserve.kvcache.integrity import KeyedKVAuthenticator
 from tests.conftest import TEST_KV_CACHE_MEMORY
 from tests.distributed.kv_transfer.helpers import (
     GREEDY,
@@ -112,4 +114,35 @@ def test_damaged_entry_is_recomputed(reader: Any, storage: Path, tmp_path: Path,
     # Every loaded block was reported bad: rolled back to token 0 and recomputed.
     assert second.num_cached_tokens == 0
     assert not marker.exists()
+    assert_no_leak(reader)
+
+
+@pytest.mark.parametrize("how", ["forged", "copied"])
+def test_planted_layer_file_is_rejected(reader: Any, storage: Path, how: str) -> None:
+    tok = reader.get_tokenizer()
+    ids = prompt_ids(tok, f"planted files ({how})")
+    other = [ids[1], *ids[1:]]  # as long, another first block: another entry
+    expected = hf_reference().greedy(ids, GREEDY.max_tokens)
+    before = entries(storage)
+    reader.generate({"prompt_token_ids": ids}, GREEDY, use_tqdm=False)
+    [entry] = entries(storage) - before
+    victim = sorted((storage / entry).iterdir())[0]
+    if how == "forged":  # right name, format and shape; bytes and MAC of a secretless peer
+        with safe_open(str(victim), framework="pt") as f:
+            kv, metadata = f.get_tensor("kv"), dict(f.metadata())
+        metadata["mac"] = KeyedKVAuthenticator(b"an attacker's own secret").tag("x", b"", b"").hex()
+        save_file({"kv": kv * 0 + 1}, str(victim), metadata)
+    else:  # a valid file of another prompt's entry, copied over this one's
+        before = entries(storage)
+        reader.generate({"prompt_token_ids": other}, GREEDY, use_tqdm=False)
+        [source] = entries(storage) - before
+        victim.write_bytes((storage / source / victim.name).read_bytes())
+    connector = core_of(reader).scheduler.connector
+    failures = (connector.get_kv_connector_stats() or {}).get("auth_failures", {})
+    reader.reset_prefix_cache()
+    [second] = reader.generate({"prompt_token_ids": ids}, GREEDY, use_tqdm=False)
+    assert second.outputs[0].token_ids == expected
+    assert second.num_cached_tokens == 0  # the load failed: recomputed from token 0
+    counted = connector.get_kv_connector_stats()["auth_failures"]
+    assert counted["shared_storage"] == failures.get("shared_storage", 0) + 1
     assert_no_leak(reader)

@@ -1,7 +1,9 @@
-"""Helpers shared by connectors: block tables per KV cache group, layer-to-group maps."""
+"""Helpers shared by connectors: block tables per KV cache group, layer-to-group maps,
+and the worker side's running totals."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Protocol
 
@@ -80,3 +82,22 @@ def check_connector_layout(
             f"(supported: full attention and sliding windows over {min_window} tokens)"
         )
     return windows
+
+
+# A worker in the engine core's process (uniproc) leaves its totals (transfer seconds, KV
+# that failed authentication) here for the scheduler side's stats, per engine id; workers
+# of other processes (mp, TP) keep theirs to themselves.
+_WORKER_TOTALS: dict[str, dict[str, dict[str, float]]] = {}
+_TOTALS_LOCK = threading.Lock()
+
+
+def worker_totals(engine_id: str) -> dict[str, dict[str, float]]:
+    """A copy of what the engine's worker side counted: {metric: {kind: total}}."""
+    with _TOTALS_LOCK:
+        return {m: dict(v) for m, v in _WORKER_TOTALS.get(engine_id, {}).items()}
+
+
+def add_worker_total(engine_id: str, metric: str, kind: str, value: float) -> None:
+    with _TOTALS_LOCK:
+        totals = _WORKER_TOTALS.setdefault(engine_id, {}).setdefault(metric, {})
+        totals[kind] = totals.get(kind, 0.0) + value

@@ -16,6 +16,11 @@ Under tensor parallelism every rank has its own sender and receiver: a producer 
 only to the consumer rank with its TP rank, and each layer says which rank of which TP
 size sent it; a receiver refuses a transfer sent by another rank or TP size (its KV heads
 are not this rank's).
+
+Each layer's message carries a third frame, the MAC (kvserve.kvcache.integrity) over the
+transfer id and layer name, the raw header (shape, dtype, token count, prompt hash, rank)
+and the bytes, computed on the sender's thread. A receiver with a KV secret refuses the
+whole transfer at a layer that fails it (AUTH_FAILED): the consumer recomputes the prompt.
 """
 
 from __future__ import annotations
@@ -30,9 +35,12 @@ import msgspec
 import torch
 import zmq
 
+from kvserve.kvcache.integrity import PLAIN, KVAuthenticator
+
 logger = logging.getLogger(__name__)
 
 POLL_MS = 20
+AUTH_FAILED = "a layer failed authentication (sent without this engine's KV secret)"
 
 
 class LayerHeader(msgspec.Struct, tag="layer"):
@@ -65,6 +73,10 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     return memoryview(array.data).cast("B")
 
 
+def mac_key(header: LayerHeader) -> str:
+    return f"{header.transfer_id}/{header.layer_name}"
+
+
 def tensor_from(payload: bytes, header: LayerHeader) -> torch.Tensor:
     dtype = getattr(torch, header.dtype, None)
     if not isinstance(dtype, torch.dtype):
@@ -86,9 +98,16 @@ class _Transfer:
 class PeerSender:
     """Sends to one consumer address from its own thread (ZMQ sockets are single-threaded)."""
 
-    def __init__(self, context: zmq.Context, address: str, timeout_s: float) -> None:
+    def __init__(
+        self,
+        context: zmq.Context,
+        address: str,
+        timeout_s: float,
+        auth: KVAuthenticator = PLAIN,
+    ) -> None:
         self.address = address
         self.timeout_s = timeout_s
+        self.auth = auth
         self._jobs: queue.Queue[tuple[str, LayerHeader, torch.Tensor]] = queue.Queue()
         self._socket = context.socket(zmq.DEALER)
         self._socket.setsockopt(zmq.LINGER, 0)
@@ -159,9 +178,11 @@ class PeerSender:
             transfer = _Transfer(req_id, now + self.timeout_s, now)
             self._transfers[header.transfer_id] = transfer
         payload = tensor_bytes(blocks)
+        raw = _encoder.encode(header)
+        tag = self.auth.tag(mac_key(header), raw, payload)
         try:
             # Queued locally (no high-water mark): the send never blocks on a slow peer.
-            self._socket.send_multipart([_encoder.encode(header), payload], copy=False)
+            self._socket.send_multipart([raw, payload, tag], copy=False)
         except zmq.ZMQError as exc:
             self._finish(header.transfer_id, False, repr(exc))
             return
@@ -200,8 +221,17 @@ class Arrival:
 
 class Receiver:
     def __init__(
-        self, bind: str, max_buffer_bytes: int, ttl_s: float, tp_rank: int = 0, tp_size: int = 1
+        self,
+        bind: str,
+        max_buffer_bytes: int,
+        ttl_s: float,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        auth: KVAuthenticator = PLAIN,
     ) -> None:
+        self.auth = auth
+        self.source = f"the P2P receiver at {bind}"
+        self.auth_failures = 0  # layers refused for their MAC (read by tests and stats)
         self.max_buffer_bytes = max_buffer_bytes
         self.ttl_s = ttl_s
         self.tp_rank = tp_rank
@@ -267,15 +297,16 @@ class Receiver:
             self._expire()
 
     def _on_message(self, frames: list[bytes]) -> None:
-        if len(frames) != 3:
-            logger.warning("KV receiver: a message of %d frames, expected 3", len(frames))
+        if len(frames) != 4:
+            logger.warning("KV receiver: a message of %d frames, expected 4", len(frames))
             return
-        identity, raw, payload = frames
+        identity, raw, payload, tag = frames
         try:
             header = _decoder.decode(raw)
             if not isinstance(header, LayerHeader):
                 raise ValueError("not a layer")
-            tensor = tensor_from(payload, header)
+            authentic = self.auth.verify(mac_key(header), raw, payload, tag, self.source)
+            tensor = tensor_from(payload, header) if authentic else None
         except (msgspec.DecodeError, ValueError, RuntimeError) as exc:
             logger.warning("KV receiver: a malformed layer: %s", exc)
             return
@@ -292,7 +323,10 @@ class Receiver:
                 arrival.first_at = arrival.created
                 self._arrivals[transfer_id] = arrival
             why = ""
-            if (header.tp_rank, header.tp_size) != (self.tp_rank, self.tp_size):
+            if tensor is None:
+                self.auth_failures += 1
+                why = AUTH_FAILED
+            elif (header.tp_rank, header.tp_size) != (self.tp_rank, self.tp_size):
                 why = (
                     f"sent by TP rank {header.tp_rank} of tp_size {header.tp_size} to TP rank "
                     f"{self.tp_rank} of tp_size {self.tp_size}: other KV heads"
@@ -304,6 +338,7 @@ class Receiver:
                 self._failed[transfer_id] = why
                 reply = Ack(transfer_id, False, why)
             else:
+                assert tensor is not None
                 arrival.layers[header.layer_name] = tensor
                 arrival.num_bytes += len(payload)
                 arrival.last_at = time.monotonic()

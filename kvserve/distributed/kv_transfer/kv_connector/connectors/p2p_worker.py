@@ -15,12 +15,13 @@ has ended it; a load that failed on any rank fails on all.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvserve.distributed.kv_transfer.kv_connector.base import KVConnectorMetadata
+from kvserve.distributed.kv_transfer.kv_connector.connectors.p2p_wire import AUTH_FAILED
+from kvserve.distributed.kv_transfer.kv_connector.utils import add_worker_total
 
 if TYPE_CHECKING:
     import torch
@@ -31,27 +32,9 @@ if TYPE_CHECKING:
     )
     from kvserve.distributed.parallel_state import GroupCoordinator
     from kvserve.forward_context import ForwardContext
+    from kvserve.kvcache.integrity import KVAuthenticator
 
 logger = logging.getLogger(__name__)
-
-# A worker in the engine core's process (uniproc) leaves its totals (transfer seconds)
-# here for the scheduler side's stats, per engine id; workers of other processes (mp, TP)
-# keep theirs to themselves.
-_WORKER_TOTALS: dict[str, dict[str, dict[str, float]]] = {}
-_TOTALS_LOCK = threading.Lock()
-
-
-def worker_totals(engine_id: str) -> dict[str, dict[str, float]]:
-    """A copy of what the engine's worker side counted: {metric: {kind: total}}."""
-    with _TOTALS_LOCK:
-        return {m: dict(v) for m, v in _WORKER_TOTALS.get(engine_id, {}).items()}
-
-
-def _add_total(engine_id: str, metric: str, kind: str, value: float) -> None:
-    with _TOTALS_LOCK:
-        totals = _WORKER_TOTALS.setdefault(engine_id, {}).setdefault(metric, {})
-        totals[kind] = totals.get(kind, 0.0) + value
-
 
 # How a load ended on one rank, as gathered: None still on the way, True copied in, False failed.
 _LOAD_STATE = {None: 0, True: 1, False: 2}
@@ -102,7 +85,10 @@ class P2pWorkerSide:
 
         def _get_connector_metadata(self) -> KVConnectorMetadata: ...
 
-    def _init_worker_side(self, receiver: Receiver | None, tp_rank: int, tp_size: int) -> None:
+    def _init_worker_side(
+        self, receiver: Receiver | None, tp_rank: int, tp_size: int, auth: KVAuthenticator
+    ) -> None:
+        self._auth = auth
         self._tp_rank = tp_rank
         self._tp_size = tp_size
         self._tp: GroupCoordinator | None = None
@@ -122,7 +108,7 @@ class P2pWorkerSide:
         self._load_errors: set[int] = set()
         self._receiver = receiver
         # This rank's own view: transfers it copied in or saw fail (tests read it per rank).
-        self.rank_transfers = {"received": 0, "failed": 0}
+        self.rank_transfers = {"received": 0, "failed": 0, "auth_failures": 0}
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self._kv_caches = dict(kv_caches)
@@ -187,7 +173,7 @@ class P2pWorkerSide:
 
             if self._zmq_context is None:
                 self._zmq_context = zmq.Context()
-            sender = PeerSender(self._zmq_context, address, self.send_timeout_s)
+            sender = PeerSender(self._zmq_context, address, self.send_timeout_s, self._auth)
             self._senders[address] = sender
         return sender
 
@@ -199,7 +185,7 @@ class P2pWorkerSide:
             for req_id, ok, _num_bytes, seconds in sender.take_done():
                 self._in_flight.discard(req_id)
                 if ok:
-                    _add_total(self.engine_id, "transfer_seconds", "sent", seconds)
+                    add_worker_total(self.engine_id, "transfer_seconds", "sent", seconds)
         self._finished |= finished_req_ids
         self._poll_recvs(finished_req_ids)
         # The same lists on every rank (same metadata, same finished ids): one gather.
@@ -267,6 +253,9 @@ class P2pWorkerSide:
                 continue
             if why is not None:
                 logger.warning("KV load of transfer %s failed: %s", spec.transfer_id, why)
+            if why == AUTH_FAILED:
+                self.rank_transfers["auth_failures"] += 1
+                add_worker_total(self.engine_id, "transfer_auth_failures", "received", 1)
             self.rank_transfers["failed" if why else "received"] += 1
             self._recv_ended[req_id] = why is None
 
@@ -291,7 +280,7 @@ class P2pWorkerSide:
                 cache.device
             )
         seconds = max(arrival.last_at - arrival.first_at, 0.0)
-        _add_total(self.engine_id, "transfer_seconds", "received", seconds)
+        add_worker_total(self.engine_id, "transfer_seconds", "received", seconds)
         return None
 
     def get_block_ids_with_load_errors(self) -> set[int]:

@@ -56,9 +56,12 @@ from kvserve.distributed.kv_transfer.kv_connector.connectors.p2p_worker import (
     P2pMetadata,
     P2pWorkerSide,
     SaveSpec,
+)
+from kvserve.distributed.kv_transfer.kv_connector.utils import (
+    follow_scheduled_blocks,
     worker_totals,
 )
-from kvserve.distributed.kv_transfer.kv_connector.utils import follow_scheduled_blocks
+from kvserve.kvcache.integrity import kv_authenticator
 
 if TYPE_CHECKING:
     from kvserve.config import EngineConfig
@@ -125,6 +128,10 @@ class P2pZmqConnector(P2pWorkerSide, KVConnectorBase_V1):
                 f"(the port producers send to), got {port!r}"
             )
         self.kv_port = port
+        auth = kv_authenticator(
+            config.kv_security_config,
+            f"P2P KV transfer over the network ({transfer.kv_role}, {self.kv_host})",
+        )
         self.send_timeout_s = float(transfer.get_from_extra_config("send_timeout_s", 30.0))
         self.recv_timeout_s = float(transfer.get_from_extra_config("recv_timeout_s", 30.0))
         self.bytes_per_block = 0
@@ -162,8 +169,9 @@ class P2pZmqConnector(P2pWorkerSide, KVConnectorBase_V1):
                 float(transfer.get_from_extra_config("buffer_ttl_s", 120.0)),
                 tp_rank,
                 self.tp_size,
+                auth,
             )
-        self._init_worker_side(receiver, tp_rank, self.tp_size)
+        self._init_worker_side(receiver, tp_rank, self.tp_size, auth)
 
     def _count(self, metric: str, kind: str, value: float = 1.0) -> None:
         totals = self._stats.setdefault(metric, {})

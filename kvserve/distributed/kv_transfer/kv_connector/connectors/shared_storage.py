@@ -22,6 +22,12 @@ renamed into place by wait_for_save, so a reader in another process never sees h
 entry. A later request whose tokens start with a stored prefix loads it (the longest one),
 layer by layer in wait_for_layer_load. A missing, truncated or mismatched file is a load
 error reported through get_block_ids_with_load_errors, never a crash.
+
+Other processes and hosts write the directory, so each layer file carries a MAC (metadata
+"mac"; kvserve.kvcache.integrity) over its entry and layer name, its format, block size,
+dtype and shape, and its bytes: a file that fails it (forged, or a valid one copied under
+another prefix's name) is a load error too, counted as kv_connector_auth_failures. Without
+a KV secret the connector refuses to start unless unauthenticated KV is allowed.
 """
 
 from __future__ import annotations
@@ -44,10 +50,13 @@ from kvserve.distributed.kv_transfer.kv_connector.base import (
     KVConnectorRole,
 )
 from kvserve.distributed.kv_transfer.kv_connector.utils import (
+    add_worker_total,
     check_connector_layout,
     follow_scheduled_blocks,
     layer_to_group,
+    worker_totals,
 )
+from kvserve.kvcache.integrity import kv_authenticator
 
 if TYPE_CHECKING:
     import torch
@@ -125,6 +134,8 @@ class SharedStorageConnector(KVConnectorBase_V1):
         self._windows = check_connector_layout(kv_cache_config, "SharedStorageConnector", 0)
         self._layer_group = layer_to_group(kv_cache_config)
         self.root = os.path.abspath(str(path))
+        self._auth = kv_authenticator(config.kv_security_config, f"the shared storage {self.root}")
+        self._engine_id = str(self.kv_transfer_config.engine_id)
         os.makedirs(self.root, exist_ok=True)
         self.block_size = config.cache_config.block_size
         parallel = config.parallel_config
@@ -179,6 +190,13 @@ class SharedStorageConnector(KVConnectorBase_V1):
 
     def _layer_file(self, entry_dir: str, layer_name: str) -> str:
         return os.path.join(entry_dir, layer_name.replace(os.sep, "_") + ".safetensors")
+
+    def _mac_key(self, key: str, layer_name: str) -> str:
+        """What a layer file's MAC binds it to: its entry (prefix and rank) and layer."""
+        return f"{os.path.basename(self._entry_dir(key))}/{layer_name}"
+
+    def _mac_header(self, kv: torch.Tensor) -> bytes:
+        return f"{FORMAT}|{self.block_size}|{kv.dtype}|{list(kv.shape)}".encode()
 
     # ---- scheduler side --------------------------------------------------------------------
 
@@ -301,7 +319,16 @@ class SharedStorageConnector(KVConnectorBase_V1):
         cache = self._kv_caches[layer_name]
         path = self._layer_file(self._entry_dir(spec.key), layer_name)
         try:
-            kv = _read_layer(path)
+            kv, mac = _read_layer(path)
+            if not self._auth.verify(
+                self._mac_key(spec.key, layer_name),
+                self._mac_header(kv),
+                _tensor_bytes(kv),
+                bytes.fromhex(mac),
+                f"the shared storage {self.root}",
+            ):
+                add_worker_total(self._engine_id, "auth_failures", "shared_storage", 1)
+                raise ValueError("the file failed authentication")
             # K and V (2) or MLA's one latent (1), then blocks, then the page.
             expected = (cache.shape[0], kv.shape[1], *cache.shape[2:])
             if tuple(kv.shape) != expected or kv.shape[1] < spec.end_block:
@@ -339,7 +366,15 @@ class SharedStorageConnector(KVConnectorBase_V1):
             block_ids = spec.block_ids[self._layer_group.get(layer_name, 0)]
             ids = torch.tensor(block_ids, dtype=torch.long, device=kv_layer.device)
             blocks = kv_layer[:, ids].to("cpu").contiguous()
-            metadata = {"format": FORMAT, "block_size": str(self.block_size)}
+            metadata = {
+                "format": FORMAT,
+                "block_size": str(self.block_size),
+                "mac": self._auth.tag(
+                    self._mac_key(spec.key, layer_name),
+                    self._mac_header(blocks),
+                    _tensor_bytes(blocks),
+                ).hex(),
+            }
             save_file({"kv": blocks}, self._layer_file(temp_dir, layer_name), metadata)
 
     def wait_for_save(self) -> None:
@@ -374,18 +409,28 @@ class SharedStorageConnector(KVConnectorBase_V1):
                 for group_ids in spec.block_ids:
                     self._load_errors.update(group_ids)
 
+    def get_kv_connector_stats(self) -> dict[str, dict[str, float]] | None:
+        return worker_totals(self._engine_id) or None
+
     def shutdown(self) -> None:
         for temp_dir in self._save_dirs.values():
             shutil.rmtree(temp_dir, ignore_errors=True)
         self._save_dirs = {}
 
 
-def _read_layer(path: str) -> torch.Tensor:
-    """The "kv" tensor of one layer file; raises on a missing, foreign or damaged file."""
+def _read_layer(path: str) -> tuple[torch.Tensor, str]:
+    """The "kv" tensor of one layer file and its MAC (hex); raises on a missing, foreign
+    or damaged file."""
     from safetensors import safe_open
 
     with safe_open(path, framework="pt", device="cpu") as f:
         metadata = f.metadata() or {}
         if metadata.get("format") != FORMAT:
             raise ValueError(f"not a {FORMAT} file (format={metadata.get('format')!r})")
-        return f.get_tensor("kv")
+        return f.get_tensor("kv"), metadata.get("mac", "")
+
+
+def _tensor_bytes(kv: torch.Tensor) -> memoryview:
+    import torch
+
+    return memoryview(kv.contiguous().view(-1).view(torch.uint8).numpy().data).cast("B")

@@ -45,6 +45,7 @@ from kvserve.distributed.kv_transfer.kv_connector.utils import (
     layer_to_group,
 )
 from kvserve.kvcache.config import load_cache_engine_config
+from kvserve.kvcache.integrity import kv_authenticator
 from kvserve.kvcache.lookup import EngineStats, LookupClient, lookup_address
 
 if TYPE_CHECKING:
@@ -103,8 +104,13 @@ class TieredCacheConnector(TieredCacheWorker, KVConnectorBase_V1):
         self._instance_id = f"{self.kv_transfer_config.engine_id}"
         self.async_loading = self.cache_config.enable_async_loading
         self._lookup_client: LookupClient | None = None
+        # Both roles check: the scheduler side fails at start, before any worker runs.
+        remote = self.cache_config.remote_url
+        auth = kv_authenticator(
+            config.kv_security_config, None if remote is None else f"the KV tier's {remote}"
+        )
         if role == KVConnectorRole.WORKER:
-            self._init_worker(config, self.cache_config)
+            self._init_worker(config, self.cache_config, auth)
         else:
             # The CacheEngines live with the workers: ask every rank's lookup service.
             self._lookup_client = LookupClient(

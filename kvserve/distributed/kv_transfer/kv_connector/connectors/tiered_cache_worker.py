@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     from kvserve.forward_context import ForwardContext
     from kvserve.kvcache.cache_engine import CacheEngine
     from kvserve.kvcache.config import CacheEngineConfig
+    from kvserve.kvcache.integrity import KVAuthenticator
 
 logger = logging.getLogger(__name__)
 
@@ -78,7 +79,9 @@ class TieredCacheWorker:
 
         def _get_connector_metadata(self) -> KVConnectorMetadata: ...
 
-    def _init_worker(self, config: EngineConfig, cache_config: CacheEngineConfig) -> None:
+    def _init_worker(
+        self, config: EngineConfig, cache_config: CacheEngineConfig, auth: KVAuthenticator
+    ) -> None:
         """This rank's CacheEngine (keys carry worker_id = its global rank: TP ranks hold
         other heads, PP stages other layers) and the lookup service the scheduler asks."""
         from kvserve.distributed.parallel_state import get_world_group
@@ -93,7 +96,9 @@ class TieredCacheWorker:
             worker_id=rank,
             kv_dtype=config.cache_config.kv_dtype(config.model_config.dtype),
         )
-        self._engine = CacheEngineBuilder.get_or_create(self._instance_id, cache_config, metadata)
+        self._engine = CacheEngineBuilder.get_or_create(
+            self._instance_id, cache_config, metadata, auth
+        )
         self._lookup_address = lookup_address(self._instance_id, rank)
         # Ray may place ranks on other machines than the engine core: TCP on this node's
         # address, announced through the handshake. Otherwise an ipc path both sides know.
