@@ -91,7 +91,7 @@ class InputProcessor:
                 raise ValueError(
                     f"multi_modal_data: {self.model_config.arch.architecture} is a text-only model"
                 )
-            prompt_text, prompt_token_ids, mm_features = self.mm_inputs.process(prompt)
+            prompt_text, prompt_token_ids, mm_features = self.mm_inputs.process(prompt, cache_salt)
         else:
             prompt_text, prompt_token_ids = self._tokenize(prompt)
         self._validate_prompt(prompt_token_ids)

@@ -49,7 +49,7 @@ class MultiModalInputs:
         return self._processor
 
     def process(
-        self, prompt: Mapping[str, Any]
+        self, prompt: Mapping[str, Any], cache_salt: str | None = None
     ) -> tuple[str, list[int], list[MultiModalFeatureSpec]]:
         if self.arch is None:
             raise ValueError(
@@ -76,7 +76,9 @@ class MultiModalInputs:
                 raise ValueError("mm_processor_kwargs must be a dict")
             kwargs.update(request_kwargs)
         add_special = prompt.get("add_special_tokens", True)
-        processed = self.processor.process(text, items, kwargs, add_special_tokens=add_special)
+        processed = self.processor.process(
+            text, items, kwargs, add_special_tokens=add_special, cache_salt=cache_salt
+        )
         if self.arch.bidirectional_items and self.max_num_batched_tokens is not None:
             for i, feature in enumerate(processed.features):
                 if feature.mm_position.length > self.max_num_batched_tokens:

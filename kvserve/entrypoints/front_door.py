@@ -4,13 +4,14 @@
 from __future__ import annotations
 
 import secrets
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any, Protocol
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from kvserve.entrypoints.openai.tenants import bearer_keys, current_tenant
 from kvserve.inputs import UNPAIRED_SURROGATE, unpaired_surrogate_path
 
 PROMETHEUS_TEXT = "text/plain; version=0.0.4"
@@ -74,6 +75,14 @@ def add_front_door_auth_args(parser: Any) -> None:
         help="require `Authorization: Bearer <key>` on every route but /health and /metrics",
     )
     parser.add_argument(
+        "--api-key-file",
+        default=None,
+        metavar="PATH",
+        help="the instances' tenants ('KEY TENANT' per line, as given to their "
+        "--api-key-file): clients' keys are checked here and forwarded, and each tenant's "
+        "requests are routed by its own cached prefixes",
+    )
+    parser.add_argument(
         "--backend-api-key",
         action="append",
         default=[],
@@ -81,6 +90,17 @@ def add_front_door_auth_args(parser: Any) -> None:
         help="the key sent to the instances behind (their --api-key): one for all, or "
         "URL=KEY per instance; repeat. Without it the client's Authorization is forwarded",
     )
+
+
+def front_door_keys(args: Any) -> Mapping[bytes, str | None]:
+    """The keys a front's clients must send; tenants need the instances to see each
+    client's own key, so they exclude --backend-api-key."""
+    if args.api_key_file and args.backend_api_key:
+        raise SystemExit(
+            "--api-key-file and --backend-api-key exclude each other: the instances tell "
+            "tenants apart by the key each client sends, which the front forwards"
+        )
+    return bearer_keys(args.api_key, args.api_key_file)
 
 
 class FrontDoor(Protocol):
@@ -102,10 +122,11 @@ class FrontDoor(Protocol):
 def build_front_door_app(
     door: FrontDoor,
     running: Callable[[], AbstractAsyncContextManager[None]],
-    api_key: str | None = None,
+    keys: Mapping[bytes, str | None] | None = None,
 ) -> FastAPI:
     """The app; ``running`` is entered for the app's lifetime (start and stop the front's
-    background work and close its HTTP client there). ``api_key``: what clients must send."""
+    background work and close its HTTP client there). ``keys``: the Authorization values
+    clients must send (openai/tenants.py: bearer_keys), each with its tenant."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -113,17 +134,24 @@ def build_front_door_app(
             yield
 
     app = FastAPI(lifespan=lifespan)
-    if api_key is not None:
-        expected = f"Bearer {api_key}".encode()
+    if keys:
 
         @app.middleware("http")
         async def require_key(
             request: Request, call_next: Callable[[Request], Awaitable[Response]]
         ) -> Response:
-            given = request.headers.get("authorization", "").encode()
-            if request.url.path in OPEN_PATHS or secrets.compare_digest(given, expected):
+            if request.url.path in OPEN_PATHS:
                 return await call_next(request)
-            return openai_error(401, "a valid API key is required", "AuthenticationError")
+            given = request.headers.get("authorization", "").encode()
+            # Every key is compared, so the time taken does not say which one matched.
+            matched = [k for k in keys if secrets.compare_digest(given, k)]
+            if not matched:
+                return openai_error(401, "a valid API key is required", "AuthenticationError")
+            token = current_tenant.set(keys[matched[0]])
+            try:
+                return await call_next(request)
+            finally:
+                current_tenant.reset(token)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:

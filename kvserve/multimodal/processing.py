@@ -45,8 +45,11 @@ class MultiModalProcessor:
         mm_data: Mapping[str, Sequence[object]],
         mm_processor_kwargs: Mapping[str, Any] | None,
         add_special_tokens: bool = True,
+        cache_salt: str | None = None,
     ) -> ProcessedPrompt:
-        """``add_special_tokens``: False for a chat template's text (it holds BOS)."""
+        """``add_special_tokens``: False for a chat template's text (it holds BOS).
+        ``cache_salt``: hashed into every item's identifier, so that requests of different
+        salts (tenants) share no processor-cache, encoder-cache or EC-connector entry."""
         raise NotImplementedError
 
 
@@ -109,6 +112,7 @@ class Gemma3MultiModalProcessor(MultiModalProcessor):
         mm_data: Mapping[str, Sequence[object]],
         mm_processor_kwargs: Mapping[str, Any] | None,
         add_special_tokens: bool = True,
+        cache_salt: str | None = None,
     ) -> ProcessedPrompt:
         unknown = sorted(set(mm_data) - set(self.modalities))
         if unknown:
@@ -126,7 +130,8 @@ class Gemma3MultiModalProcessor(MultiModalProcessor):
         for i, image in enumerate(images):
             field = f"multi_modal_data['image'][{i}]"
             pixels = to_rgb_array(field, image, self.policy)
-            mm_hash = MultiModalHasher.hash_kwargs(image=pixels, **kwargs)
+            salt = {} if cache_salt is None else {"cache_salt": cache_salt}
+            mm_hash = MultiModalHasher.hash_kwargs(image=pixels, **kwargs, **salt)
             data = self.cache.peek(mm_hash)
             if data is None:
                 data = self._process_item(field, pixels, kwargs)

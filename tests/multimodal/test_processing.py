@@ -70,3 +70,13 @@ def test_cached_items_are_not_processed_again(model_dir: tuple[Path, Any]) -> No
     assert {f.identifier for f in again.features} == {first.features[0].identifier}
     with pytest.raises(ValueError, match="image soft tokens of its own"):
         proc.process("<bos><image_soft_token> <start_of_image>", {"image": [image]}, {})
+    # Another salt (another tenant): its own identifiers, so no cached entry of the first
+    # (processor, encoder or EC-connector cache) can serve it; its own salt again does.
+    salted = proc.process(TWO, {"image": [image, image]}, {}, cache_salt="tenant:b")
+    assert proc.num_processed == 4 and salted.token_ids == first.token_ids
+    assert {f.identifier for f in salted.features}.isdisjoint(
+        f.identifier for f in first.features
+    )
+    cache.commit(salted.features)
+    proc.process(TWO, {"image": [image, image]}, {}, cache_salt="tenant:b")
+    assert proc.num_processed == 4

@@ -29,6 +29,7 @@ from kvserve.entrypoints.disagg.pool import Instance
 from kvserve.entrypoints.disagg.proxy import DisaggProxy, build_app
 from kvserve.entrypoints.front_door import UpstreamKeys
 from kvserve.entrypoints.openai.cli_args import API_KEY_ENV
+from kvserve.entrypoints.openai.tenants import bearer_keys
 from kvserve.utils.health import wait_until_healthy
 from kvserve.utils.processes import free_port
 
@@ -187,7 +188,7 @@ def disagg_main(args: argparse.Namespace) -> int:
             file=sys.stderr,
             flush=True,
         )
-        app = build_app(proxy, args.api_key)
+        app = build_app(proxy, bearer_keys(args.api_key, None))
         uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     except KeyboardInterrupt:
         pass

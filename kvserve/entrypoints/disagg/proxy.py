@@ -24,7 +24,7 @@ import argparse
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -38,6 +38,7 @@ from kvserve.entrypoints.front_door import (
     UpstreamKeys,
     add_front_door_auth_args,
     build_front_door_app,
+    front_door_keys,
     json_object_body,
     openai_error,
 )
@@ -245,7 +246,7 @@ class DisaggProxy:
         return await any_up(self.prefill) and await any_up(self.decode)
 
 
-def build_app(proxy: DisaggProxy, api_key: str | None = None) -> FastAPI:
+def build_app(proxy: DisaggProxy, keys: Mapping[bytes, str | None] | None = None) -> FastAPI:
     @asynccontextmanager
     async def running() -> AsyncIterator[None]:
         try:
@@ -253,7 +254,7 @@ def build_app(proxy: DisaggProxy, api_key: str | None = None) -> FastAPI:
         finally:
             await proxy.client.aclose()
 
-    return build_front_door_app(proxy, running, api_key)
+    return build_front_door_app(proxy, running, keys)
 
 
 def add_proxy_arguments(parser: argparse.ArgumentParser) -> None:
@@ -290,6 +291,6 @@ def make_proxy(args: argparse.Namespace) -> DisaggProxy:
 def proxy_main(args: argparse.Namespace) -> int:
     import uvicorn
 
-    app = build_app(make_proxy(args), args.api_key)
+    app = build_app(make_proxy(args), front_door_keys(args))
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     return 0

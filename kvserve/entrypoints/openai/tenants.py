@@ -88,12 +88,17 @@ def bearer_keys(api_key: str | None, key_file: str | None) -> Mapping[bytes, str
     return accepted
 
 
-def tenant_cache_salt(client_salt: str | None) -> str | None:
-    """The salt a request's KV is hashed with: its tenant's, then the client's own."""
-    tenant = current_tenant.get()
+def tenant_salt(tenant: str | None, client_salt: str | None) -> str | None:
+    """The salt a request's KV is hashed with: its tenant's, then the client's own (the
+    router computes the same, so that its prefix index matches the instances' blocks)."""
     if tenant is None:
         return client_salt
     return f"tenant:{tenant}" if client_salt is None else f"tenant:{tenant}|{client_salt}"
+
+
+def tenant_cache_salt(client_salt: str | None) -> str | None:
+    """The salt of the request being handled (its tenant from the API key it sent)."""
+    return tenant_salt(current_tenant.get(), client_salt)
 
 
 async def counted(

@@ -21,7 +21,7 @@ import asyncio
 import itertools
 import logging
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -33,9 +33,11 @@ from kvserve.entrypoints.front_door import (
     UpstreamKeys,
     add_front_door_auth_args,
     build_front_door_app,
+    front_door_keys,
     json_object_body,
     openai_error,
 )
+from kvserve.entrypoints.openai.tenants import current_tenant, tenant_salt
 from kvserve.entrypoints.router.backends import Backend, EventFollowers
 from kvserve.entrypoints.router.prefix_index import PrefixIndex
 
@@ -126,8 +128,9 @@ class Router:
         if isinstance(body, Response):
             return body
         tokens = await self.tokenize(path, body, request) if self.policy == "prefix" else None
+        salt = tenant_salt(current_tenant.get(), body.get("cache_salt"))
         # An instance that cannot be reached has not seen the request: try the next.
-        while (backend := self.choose(tokens, body.get("cache_salt"))) is not None:
+        while (backend := self.choose(tokens, salt)) is not None:
             backend.in_flight += 1  # from now: a non-streamed answer's headers come last
             try:
                 upstream = await self.client.send(
@@ -233,7 +236,7 @@ class Router:
         return "\n".join(lines) + "\n"
 
 
-def build_app(router: Router, api_key: str | None = None) -> FastAPI:
+def build_app(router: Router, keys: Mapping[bytes, str | None] | None = None) -> FastAPI:
     @asynccontextmanager
     async def running() -> AsyncIterator[None]:
         router.followers.start()
@@ -245,7 +248,7 @@ def build_app(router: Router, api_key: str | None = None) -> FastAPI:
             router.followers.stop()
             await router.client.aclose()
 
-    return build_front_door_app(router, running, api_key)
+    return build_front_door_app(router, running, keys)
 
 
 def add_router_parser(sub: Any) -> None:
@@ -279,7 +282,6 @@ def router_main(args: argparse.Namespace) -> int:
         args.policy,
         UpstreamKeys(args.backend_api_key),
     )
-    uvicorn.run(
-        build_app(router, args.api_key), host=args.host, port=args.port, log_level="warning"
-    )
+    app = build_app(router, front_door_keys(args))
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     return 0

@@ -84,3 +84,17 @@ def test_forget_and_block_size_mismatch() -> None:
         index.apply("a", [bad])
     with pytest.raises(ValueError, match="positive"):
         PrefixIndex(0)
+
+
+def test_a_tenants_requests_go_where_its_own_prefix_lives() -> None:
+    """The router salts as the instances do (tenants.tenant_salt): a tenant's prefix on
+    one instance draws that tenant's next turn, not another tenant's same prompt."""
+    from kvserve.entrypoints.openai.tenants import tenant_salt
+
+    index = PrefixIndex(BLOCK)
+    alpha = tenant_salt("alpha", None)
+    index.apply("a", [_stored(_engine_hashes(CONVERSATION, alpha), CONVERSATION)])
+    loads = {"a": (1,), "b": (0,)}
+    assert index.choose(CONVERSATION, loads, alpha) == "a"
+    assert index.choose(CONVERSATION, loads, tenant_salt("beta", None)) == "b"  # nothing cached
+    assert tenant_salt("alpha", "mine") != tenant_salt("beta", "mine") != "mine"

@@ -40,7 +40,7 @@ def test_pages_are_public_and_the_stats_need_the_key() -> None:
     app = FastAPI()
     mount_web_ui(app, history)
     # The server's own middleware, as build_app adds it with --api-key.
-    app.add_middleware(ApiKeyMiddleware, api_key="secret")
+    app.add_middleware(ApiKeyMiddleware, keys={b"Bearer secret": None})
     client = TestClient(app)
     for path, marker in (("/", "playground.js"), ("/dashboard", "dashboard.js")):
         page = client.get(path)
