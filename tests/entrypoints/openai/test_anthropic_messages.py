@@ -1,0 +1,259 @@
+"""Anthropic's Messages API (`/v1/messages`, `/v1/messages/count_tokens`) against a real
+`kvserve serve`, driven by the official anthropic client.
+
+The shared server (its chatml template has no tool support) covers text, streaming, stop
+reasons, grammar-forced tool calls and errors; a second server with a tool template, the
+hermes parser and an API key covers the tool_result round trip, tool calls the model
+writes itself (forced tokens) under Anthropic's default tool_choice, and x-api-key auth.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import anthropic
+import httpx
+import jsonschema
+import pytest
+
+import kvserve
+from tests.entrypoints.openai.utils import RemoteServer
+from tests.forced_tokens import forced_xargs
+
+pytestmark = pytest.mark.slow
+
+KEY = "anthropic-test-key"
+TEMPLATE = (
+    Path(kvserve.__file__).parent / "entrypoints/chat_templates/tool_chat_template_hermes.jinja"
+)
+WEATHER = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 20},
+        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+    },
+    "required": ["city", "unit"],
+}
+TOOLS: list[Any] = [
+    {"name": "get_weather", "description": "Current weather in a city", "input_schema": WEATHER},
+    {
+        "name": "get_time",
+        "description": "Current time in a timezone",
+        "input_schema": {"type": "object", "properties": {"timezone": {"type": "string"}}},
+    },
+]
+SYSTEM = "You are a concise assistant."
+ASK: list[Any] = [{"role": "user", "content": "What is the weather like in Paris today?"}]
+# A 1x1 PNG.
+PNG = base64.b64encode(
+    bytes.fromhex(
+        "89504e470d0a1a0a0000000d4948445200000001000000010806000000"
+        "1f15c4890000000d49444154789c6360f8cfc000000301010018dd8db40000000049454e44ae426082"
+    )
+).decode()
+
+
+@pytest.fixture(scope="module")
+def client(server: RemoteServer) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=server.base_url, api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def model(server: RemoteServer) -> str:
+    return server.client().models.list().data[0].id
+
+
+def create(client: anthropic.Anthropic, model: str, **kwargs: Any) -> Any:
+    kwargs.setdefault("messages", ASK)
+    kwargs.setdefault("max_tokens", 24)
+    return client.messages.create(model=model, temperature=0, **kwargs)
+
+
+def text_of(message: Any) -> str:
+    return "".join(b.text for b in message.content if b.type == "text")
+
+
+def test_reply_is_the_chat_endpoints_greedy_reply(
+    client: anthropic.Anthropic, server: RemoteServer, model: str
+) -> None:
+    message = create(client, model, system=SYSTEM)
+    chat = server.client().chat.completions.create(
+        model=model,
+        messages=[{"role": "system", "content": SYSTEM}, *ASK],
+        max_tokens=24,
+        temperature=0,
+    )
+    assert message.id.startswith("msg_") and message.type == "message"
+    assert message.role == "assistant" and message.model == model
+    assert text_of(message) == chat.choices[0].message.content
+    assert message.usage.input_tokens == chat.usage.prompt_tokens
+    assert message.usage.output_tokens == chat.usage.completion_tokens
+    expected = {"length": "max_tokens", "stop": "end_turn"}[chat.choices[0].finish_reason]
+    assert message.stop_reason == expected and message.stop_sequence is None
+
+
+def test_stream_accumulates_to_the_same_message(client: anthropic.Anthropic, model: str) -> None:
+    full = create(client, model, system=[{"type": "text", "text": SYSTEM}])
+    kinds: list[str] = []
+    with client.messages.stream(
+        model=model, max_tokens=24, temperature=0, system=SYSTEM, messages=ASK
+    ) as stream:
+        for event in stream:
+            kinds.append(event.type)
+        streamed = stream.get_final_message()
+    assert kinds[0] == "message_start" and kinds[-1] == "message_stop"
+    assert {"content_block_start", "content_block_delta", "content_block_stop"} <= set(kinds)
+    assert text_of(streamed) == text_of(full)
+    assert streamed.stop_reason == full.stop_reason
+    assert streamed.usage.input_tokens == full.usage.input_tokens
+    assert streamed.usage.output_tokens == full.usage.output_tokens
+
+
+def test_stop_sequence_and_max_tokens(client: anthropic.Anthropic, model: str) -> None:
+    text = text_of(create(client, model))
+    stop = text.split()[2]
+    stopped = create(client, model, stop_sequences=[stop])
+    assert stopped.stop_reason == "stop_sequence" and stopped.stop_sequence == stop
+    assert text_of(stopped) == text[: text.index(stop)]
+    short = create(client, model, max_tokens=3)
+    assert short.stop_reason == "max_tokens" and short.usage.output_tokens == 3
+
+
+@pytest.mark.parametrize(
+    "tool_choice",
+    [{"type": "tool", "name": "get_weather"}, {"type": "any", "disable_parallel_tool_use": True}],
+)
+def test_forced_tool_use(client: anthropic.Anthropic, model: str, tool_choice: Any) -> None:
+    message = create(client, model, tools=TOOLS, tool_choice=tool_choice, max_tokens=60)
+    assert message.stop_reason == "tool_use"
+    [call] = [b for b in message.content if b.type == "tool_use"]
+    assert call.id.startswith("toolu_")
+    schema = next(t["input_schema"] for t in TOOLS if t["name"] == call.name)
+    jsonschema.validate(call.input, schema)
+    if tool_choice["type"] == "tool":
+        assert call.name == "get_weather"
+
+
+def test_streamed_tool_use_input_json_deltas(client: anthropic.Anthropic, model: str) -> None:
+    choice = {"type": "tool", "name": "get_weather"}
+    full = create(client, model, tools=TOOLS, tool_choice=choice, max_tokens=60)
+    partial: list[str] = []
+    with client.messages.stream(
+        model=model, max_tokens=60, temperature=0, messages=ASK, tools=TOOLS, tool_choice=choice
+    ) as stream:
+        for event in stream:
+            if event.type == "content_block_delta" and event.delta.type == "input_json_delta":
+                partial.append(event.delta.partial_json)
+        streamed = stream.get_final_message()
+    [call] = full.content
+    assert len(partial) > 1, "the arguments should stream as they are generated"
+    assert json.loads("".join(partial)) == call.input
+    [streamed_call] = streamed.content
+    assert streamed_call.type == "tool_use" and streamed_call.name == "get_weather"
+    assert streamed_call.input == call.input and streamed.stop_reason == "tool_use"
+
+
+def test_count_tokens_is_the_prompts_length(client: anthropic.Anthropic, model: str) -> None:
+    conversation: Any = [
+        *ASK,
+        {"role": "assistant", "content": [{"type": "text", "text": "Sunny, 21 degrees."}]},
+        {"role": "user", "content": [{"type": "text", "text": "And tomorrow?"}]},
+    ]
+    system: Any = [{"type": "text", "text": SYSTEM}, {"type": "text", "text": "Be brief."}]
+    counted = client.messages.count_tokens(model=model, system=system, messages=conversation)
+    message = create(client, model, system=system, messages=conversation, max_tokens=1)
+    assert counted.input_tokens == message.usage.input_tokens > 20
+
+
+def test_bad_requests_get_anthropics_error_shape(
+    client: anthropic.Anthropic, server: RemoteServer, model: str
+) -> None:
+    with pytest.raises(anthropic.BadRequestError) as bad:
+        create(client, model, messages=[{"role": "user", "content": 5}])
+    assert bad.value.status_code == 400
+    body: Any = bad.value.body
+    assert body["type"] == "error" and body["error"]["type"] == "invalid_request_error"
+    assert "messages" in body["error"]["message"]
+    image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": PNG}}
+    with pytest.raises(anthropic.BadRequestError, match="text-only"):
+        create(client, model, messages=[{"role": "user", "content": [image]}])
+    with pytest.raises(anthropic.NotFoundError) as missing:
+        create(client, model="no-such-model")
+    assert missing.value.body["error"]["type"] == "not_found_error"  # type: ignore[index]
+    # Fields the server does not serve are ignored, as Anthropic does; the server still serves.
+    message = create(client, model, max_tokens=2, extra_body={"thinking": {"type": "disabled"}})
+    assert message.usage.output_tokens == 2
+    assert httpx.get(server.url("/health")).status_code == 200
+
+
+# ---------------------------------------------------------------- a tool-template server
+
+
+@pytest.fixture(scope="module")
+def tool_server() -> Iterator[RemoteServer]:
+    remote = RemoteServer(
+        "--api-key", KEY, "--chat-template", str(TEMPLATE),
+        "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+    )  # fmt: skip
+    yield remote
+    remote.stop()
+
+
+@pytest.fixture(scope="module")
+def tool_client(tool_server: RemoteServer) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=tool_server.base_url, api_key=KEY, max_retries=0)
+
+
+def test_x_api_key_or_bearer(
+    tool_server: RemoteServer, tool_client: anthropic.Anthropic, model: str
+) -> None:
+    wrong = anthropic.Anthropic(base_url=tool_server.base_url, api_key="wrong", max_retries=0)
+    with pytest.raises(anthropic.AuthenticationError) as denied:
+        wrong.messages.count_tokens(model=model, messages=ASK)
+    assert denied.value.body["error"]["type"] == "authentication_error"  # type: ignore[index]
+    assert tool_client.messages.count_tokens(model=model, messages=ASK).input_tokens > 0
+    bearer = anthropic.Anthropic(base_url=tool_server.base_url, auth_token=KEY, max_retries=0)
+    assert bearer.messages.count_tokens(model=model, messages=ASK).input_tokens > 0
+
+
+def test_tool_result_round_trip(tool_client: anthropic.Anthropic, model: str) -> None:
+    choice = {"type": "tool", "name": "get_weather"}
+    first = create(tool_client, model, tools=TOOLS, tool_choice=choice, max_tokens=60)
+    [call] = first.content
+    result = {"type": "tool_result", "tool_use_id": call.id, "content": "18 C, clear sky"}
+    conversation: Any = [
+        *ASK,
+        {"role": "assistant", "content": [b.model_dump() for b in first.content]},
+        {"role": "user", "content": [result]},
+    ]
+    second = create(tool_client, model, messages=conversation, tools=TOOLS, max_tokens=16)
+    assert second.stop_reason in ("end_turn", "max_tokens")
+    assert text_of(second) and not [b for b in second.content if b.type == "tool_use"]
+    assert second.usage.input_tokens > first.usage.input_tokens
+    counted = tool_client.messages.count_tokens(model=model, messages=conversation, tools=TOOLS)
+    assert counted.input_tokens == second.usage.input_tokens
+
+
+def test_default_tool_choice_parses_the_models_call(
+    tool_client: anthropic.Anthropic, model: str, tokenizer: Any
+) -> None:
+    """No tool_choice is Anthropic's auto: the model's own call is parsed (hermes)."""
+    text = '<tool_call>\n{"name": "get_time", "arguments": {"timezone": "CET"}}\n</tool_call>'
+    ids = [*tokenizer.encode(text, add_special_tokens=False), tokenizer.eos_token_id]
+    body = {"vllm_xargs": forced_xargs(ids)}
+    message = create(tool_client, model, tools=TOOLS, max_tokens=60, extra_body=body)
+    assert message.stop_reason == "tool_use"
+    [call] = message.content
+    assert (call.type, call.name, call.input) == ("tool_use", "get_time", {"timezone": "CET"})
+    with tool_client.messages.stream(
+        model=model, max_tokens=60, messages=ASK, tools=TOOLS, extra_body=body
+    ) as stream:
+        streamed = stream.get_final_message()
+    assert [(b.type, b.name, b.input) for b in streamed.content] == [
+        ("tool_use", "get_time", {"timezone": "CET"})
+    ]
+    assert streamed.stop_reason == "tool_use"
