@@ -67,10 +67,15 @@ def model(server: RemoteServer) -> str:
     return server.client().models.list().data[0].id
 
 
+# This client version has no temperature argument (the server takes the field): greedy.
+GREEDY = {"temperature": 0}
+
+
 def create(client: anthropic.Anthropic, model: str, **kwargs: Any) -> Any:
     kwargs.setdefault("messages", ASK)
     kwargs.setdefault("max_tokens", 24)
-    return client.messages.create(model=model, temperature=0, **kwargs)
+    kwargs["extra_body"] = {**GREEDY, **kwargs.get("extra_body", {})}
+    return client.messages.create(model=model, **kwargs)
 
 
 def text_of(message: Any) -> str:
@@ -100,7 +105,7 @@ def test_stream_accumulates_to_the_same_message(client: anthropic.Anthropic, mod
     full = create(client, model, system=[{"type": "text", "text": SYSTEM}])
     kinds: list[str] = []
     with client.messages.stream(
-        model=model, max_tokens=24, temperature=0, system=SYSTEM, messages=ASK
+        model=model, max_tokens=24, system=SYSTEM, messages=ASK, extra_body=GREEDY
     ) as stream:
         for event in stream:
             kinds.append(event.type)
@@ -143,7 +148,12 @@ def test_streamed_tool_use_input_json_deltas(client: anthropic.Anthropic, model:
     full = create(client, model, tools=TOOLS, tool_choice=choice, max_tokens=60)
     partial: list[str] = []
     with client.messages.stream(
-        model=model, max_tokens=60, temperature=0, messages=ASK, tools=TOOLS, tool_choice=choice
+        model=model,
+        max_tokens=60,
+        messages=ASK,
+        tools=TOOLS,
+        tool_choice=choice,
+        extra_body=GREEDY,
     ) as stream:
         for event in stream:
             if event.type == "content_block_delta" and event.delta.type == "input_json_delta":
