@@ -251,19 +251,19 @@ def test_tool_result_round_trip(tool_client: anthropic.Anthropic, model: str) ->
 def test_default_tool_choice_parses_the_models_call(
     tool_client: anthropic.Anthropic, model: str, tokenizer: Any
 ) -> None:
-    """No tool_choice is Anthropic's auto: the model's own call is parsed (hermes)."""
-    text = '<tool_call>\n{"name": "get_time", "arguments": {"timezone": "CET"}}\n</tool_call>'
+    """No tool_choice is Anthropic's auto: the model's own text and call (hermes) become a
+    text block and a tool_use block, whole and streamed."""
+    text = 'Let me check.\n<tool_call>\n{"name": "get_time", "arguments": {"timezone": "CET"}}\n</tool_call>'
     ids = [*tokenizer.encode(text, add_special_tokens=False), tokenizer.eos_token_id]
     body = {"vllm_xargs": forced_xargs(ids)}
     message = create(tool_client, model, tools=TOOLS, max_tokens=60, extra_body=body)
-    assert message.stop_reason == "tool_use"
-    [call] = message.content
-    assert (call.type, call.name, call.input) == ("tool_use", "get_time", {"timezone": "CET"})
     with tool_client.messages.stream(
         model=model, max_tokens=60, messages=ASK, tools=TOOLS, extra_body=body
     ) as stream:
         streamed = stream.get_final_message()
-    assert [(b.type, b.name, b.input) for b in streamed.content] == [
-        ("tool_use", "get_time", {"timezone": "CET"})
-    ]
-    assert streamed.stop_reason == "tool_use"
+    for reply in (message, streamed):
+        assert reply.stop_reason == "tool_use"
+        assert [b.type for b in reply.content] == ["text", "tool_use"]
+        assert text_of(reply).strip() == "Let me check."
+        call = reply.content[1]
+        assert (call.name, call.input) == ("get_time", {"timezone": "CET"})
