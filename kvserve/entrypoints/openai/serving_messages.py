@@ -61,7 +61,6 @@ from kvserve.entrypoints.openai.protocol_structured import (
     ToolChoice,
 )
 from kvserve.entrypoints.openai.serving_chat import OpenAIServingChat
-from kvserve.entrypoints.openai.serving_chat_tools import messages_for_template
 
 
 class AnthropicServingMessages:
@@ -91,7 +90,7 @@ class AnthropicServingMessages:
             )
         tools = chat_tools(request)
         _, prompt_ids = await self.chat.render_prompt(
-            messages_for_template(messages),
+            messages,
             add_generation_prompt=True,
             continue_final_message=False,
             chat_template=None,
