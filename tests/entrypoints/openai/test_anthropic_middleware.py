@@ -29,7 +29,7 @@ def _app() -> FastAPI:
 
 def test_x_api_key_or_bearer_on_v1_messages() -> None:
     app = _app()
-    app.add_middleware(ApiKeyMiddleware, api_key=KEY)
+    app.add_middleware(ApiKeyMiddleware, keys={f"Bearer {KEY}".encode(): None})
     app.add_middleware(AnthropicErrorMiddleware)
     client = TestClient(app)
     path = "/v1/messages/count_tokens"
