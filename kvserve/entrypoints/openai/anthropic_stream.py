@@ -52,7 +52,7 @@ class MessageStreamConverter:
         self.last_chunk: dict[str, Any] = {}
         self.num_blocks = 0
         self.open_block: int | None = None
-        self.open_is_text = False
+        self.open_kind: str | None = None
         # The chat stream's tool call index -> its content block index.
         self.tool_blocks: dict[int, int] = {}
         self.input_tokens = 0
@@ -87,13 +87,16 @@ class MessageStreamConverter:
             self.output_tokens = usage["completion_tokens"]
         for choice in chunk["choices"]:
             delta = choice["delta"]
+            thinking: str | None = delta.get("reasoning_content")
             content: str | None = delta.get("content")
             calls: list[dict[str, Any]] = delta.get("tool_calls") or []
-            if not (content or calls or choice.get("finish_reason")):
+            if not (thinking or content or calls or choice.get("finish_reason")):
                 continue  # the role chunk: message_start waits for the usage
             events += self._start(chunk)
+            if thinking:
+                events += self._running_block("thinking", thinking)
             if content:
-                events += self._text(content)
+                events += self._running_block("text", content)
             for call in calls:
                 events += self._tool_call(call)
             if choice.get("finish_reason"):
@@ -116,9 +119,9 @@ class MessageStreamConverter:
             sse_event("ping", {"type": "ping"}),
         ]
 
-    def _open(self, block: dict[str, Any], is_text: bool) -> list[str]:
+    def _open(self, block: dict[str, Any]) -> list[str]:
         events = self._close()
-        self.open_block, self.open_is_text = self.num_blocks, is_text
+        self.open_block, self.open_kind = self.num_blocks, block["type"]
         self.num_blocks += 1
         body = {"type": "content_block_start", "index": self.open_block, "content_block": block}
         return [*events, sse_event("content_block_start", body)]
@@ -133,14 +136,17 @@ class MessageStreamConverter:
         body = {"type": "content_block_delta", "index": index, "delta": delta}
         return sse_event("content_block_delta", body)
 
-    def _text(self, text: str) -> list[str]:
-        events = (
-            []
-            if self.open_is_text and self.open_block is not None
-            else self._open({"type": "text", "text": ""}, is_text=True)
-        )
+    def _running_block(self, kind: str, text: str) -> list[str]:
+        """``text`` appended to the open block of ``kind`` ("text" or "thinking"), or to a
+        new one."""
+        events: list[str] = []
+        if self.open_block is None or self.open_kind != kind:
+            # No signature: the reasoning is the server's own, nothing to verify.
+            block = {"type": kind, kind: ""} | ({"signature": ""} if kind == "thinking" else {})
+            events = self._open(block)
         assert self.open_block is not None
-        return [*events, self._delta(self.open_block, {"type": "text_delta", "text": text})]
+        delta = {"type": f"{kind}_delta", kind: text}
+        return [*events, self._delta(self.open_block, delta)]
 
     def _tool_call(self, call: dict[str, Any]) -> list[str]:
         events: list[str] = []
@@ -152,7 +158,7 @@ class MessageStreamConverter:
                 "name": function.get("name") or "",
                 "input": {},
             }
-            events = self._open(block, is_text=False)
+            events = self._open(block)
             assert self.open_block is not None
             self.tool_blocks[call["index"]] = self.open_block
         arguments = function.get("arguments")

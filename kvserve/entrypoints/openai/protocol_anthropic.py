@@ -146,6 +146,14 @@ class TextBlock(BaseModel):
     text: str
 
 
+class ThinkingBlock(BaseModel):
+    """A thinking model's reasoning (--reasoning-parser); unsigned: nothing to verify."""
+
+    type: Literal["thinking"] = "thinking"
+    thinking: str
+    signature: str = ""
+
+
 class ToolUseBlock(BaseModel):
     type: Literal["tool_use"] = "tool_use"
     id: str
@@ -163,7 +171,7 @@ class AnthropicMessagesResponse(BaseModel):
     type: Literal["message"] = "message"
     role: Literal["assistant"] = "assistant"
     model: str
-    content: list[TextBlock | ToolUseBlock] = Field(default_factory=list)
+    content: list[ThinkingBlock | TextBlock | ToolUseBlock] = Field(default_factory=list)
     stop_reason: StopReason | None = None
     stop_sequence: str | None = None
     usage: AnthropicUsage

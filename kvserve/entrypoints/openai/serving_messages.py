@@ -44,6 +44,7 @@ from kvserve.entrypoints.openai.protocol_anthropic import (
     MessageParam,
     TextBlock,
     TextBlockParam,
+    ThinkingBlock,
     ThinkingBlockParam,
     ToolChoiceAny,
     ToolChoiceNone,
@@ -248,7 +249,9 @@ def _content(parts: list[dict[str, Any]]) -> str | list[dict[str, Any]]:
 
 def message_of(response: ChatCompletionResponse) -> AnthropicMessagesResponse:
     choice = response.choices[0]
-    content: list[TextBlock | ToolUseBlock] = []
+    content: list[ThinkingBlock | TextBlock | ToolUseBlock] = []
+    if choice.message.reasoning_content:
+        content.append(ThinkingBlock(thinking=choice.message.reasoning_content))
     if choice.message.content:
         content.append(TextBlock(text=choice.message.content))
     content += [_tool_use(call) for call in choice.message.tool_calls]

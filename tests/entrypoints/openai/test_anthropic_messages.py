@@ -1,15 +1,16 @@
 """Anthropic's Messages API (`/v1/messages`, `/v1/messages/count_tokens`) against a real
 `kvserve serve`, driven by the official anthropic client.
 
-All on the shared server: its chatml template has no tool support, so tool turns render in
-the chat path's hermes fallback form and the model's own calls (forced tokens) are read by
-the hermes parser.
+On the shared server: its chatml template has no tool support, so tool turns render in the
+chat path's hermes fallback form and the model's own calls (forced tokens) are read by the
+hermes parser. A second server runs a reasoning parser, for thinking blocks.
 """
 
 from __future__ import annotations
 
 import base64
 import json
+from collections.abc import Iterator
 from typing import Any
 
 import anthropic
@@ -232,3 +233,35 @@ def test_default_tool_choice_parses_the_models_call(
         assert text_of(reply).strip() == "Let me check."
         call = reply.content[1]
         assert (call.name, call.input) == ("get_time", {"timezone": "CET"})
+
+
+@pytest.fixture(scope="module")
+def thinking_server() -> Iterator[RemoteServer]:
+    remote = RemoteServer("--reasoning-parser", "qwen3")
+    yield remote
+    remote.stop()
+
+
+def test_reasoning_is_a_thinking_block(
+    thinking_server: RemoteServer, model: str, tokenizer: Any
+) -> None:
+    """A thinking model's reasoning (forced here) is a thinking block before the text."""
+    client = anthropic.Anthropic(base_url=thinking_server.base_url, api_key="-", max_retries=0)
+    output = "<think>\nThe user asks about the weather.\n</think>\n\nIt is sunny."
+    ids = [*tokenizer.encode(output, add_special_tokens=False), tokenizer.eos_token_id]
+    body = {"vllm_xargs": forced_xargs(ids)}
+    message = create(client, model, max_tokens=60, extra_body=body)
+    deltas: list[str] = []
+    with client.messages.stream(
+        model=model, max_tokens=60, messages=ASK, extra_body=body
+    ) as stream:
+        for event in stream:
+            if event.type == "content_block_delta":
+                deltas.append(event.delta.type)
+        streamed = stream.get_final_message()
+    assert {"thinking_delta", "text_delta"} <= set(deltas)
+    for reply in (message, streamed):
+        assert [b.type for b in reply.content] == ["thinking", "text"]
+        assert reply.content[0].thinking.strip() == "The user asks about the weather."
+        assert text_of(reply).strip() == "It is sunny."
+        assert reply.stop_reason == "end_turn"
