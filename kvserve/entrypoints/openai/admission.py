@@ -18,7 +18,9 @@ from kvserve.entrypoints.openai.protocol import OpenAIServingError
 
 # The routes that start a generation (and so hold engine resources while they run);
 # an embedding request runs its prompt through the model the same way.
-GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/embeddings"})
+GENERATION_PATHS = frozenset(
+    {"/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/v1/messages"}
+)
 
 
 def error_response(err: OpenAIServingError) -> JSONResponse:

@@ -27,6 +27,11 @@ from kvserve.entrypoints.openai.admission import (
     BodySizeLimitMiddleware,
     error_response,
 )
+from kvserve.entrypoints.openai.anthropic_errors import (
+    ANTHROPIC_PATH_PREFIX,
+    AnthropicErrorMiddleware,
+    error_event,
+)
 from kvserve.entrypoints.openai.embedding_protocol import EmbeddingRequest
 from kvserve.entrypoints.openai.lora_protocol import (
     LoadLoRAAdapterRequest,
@@ -42,6 +47,10 @@ from kvserve.entrypoints.openai.protocol import (
     TokenizeChatRequest,
     TokenizeCompletionRequest,
 )
+from kvserve.entrypoints.openai.protocol_anthropic import (
+    AnthropicCountTokensRequest,
+    AnthropicMessagesRequest,
+)
 from kvserve.entrypoints.openai.protocol_responses import ResponsesRequest
 from kvserve.entrypoints.openai.serving_engine import INTERNAL_ERROR_MESSAGE
 from kvserve.entrypoints.openai.serving_stack import (
@@ -52,6 +61,7 @@ from kvserve.entrypoints.openai.serving_stack import (
 from kvserve.entrypoints.openai.sleep_routes import register_sleep_routes
 from kvserve.entrypoints.openai.streaming import (
     GuardedStreamingResponse,
+    openai_error_event,
     stream_with_deadline,
     timeout_error,
 )
@@ -108,14 +118,18 @@ async def _until_disconnect(
 
 
 def _respond(
-    result: Any, args: argparse.Namespace | None = None, lease: ModelLease | None = None
+    result: Any,
+    args: argparse.Namespace | None = None,
+    lease: ModelLease | None = None,
+    stream_error: Callable[[OpenAIServingError], str] = openai_error_event,
 ) -> Response:
-    """The HTTP response for a handler's result; a stream releases ``lease`` when closed."""
+    """The HTTP response for a handler's result; a stream releases ``lease`` when closed,
+    and ends with ``stream_error`` (in its API's shape) if it runs out of time."""
     if isinstance(result, Response):
         return result
     if isinstance(result, AsyncIterator):
         timeout_s = getattr(args, "request_timeout", None)
-        content = stream_with_deadline(result, timeout_s)
+        content = stream_with_deadline(result, timeout_s, stream_error)
         return GuardedStreamingResponse(
             content if lease is None else lease.hold(content),
             stall_timeout_s=getattr(args, "stream_stall_timeout", None),
@@ -144,7 +158,8 @@ class RequestIdMiddleware:
 
 
 class ApiKeyMiddleware:
-    """`Authorization: Bearer <key>` on every route that exposes data or runs the model.
+    """`Authorization: Bearer <key>` on every route that exposes data or runs the model
+    (on the Anthropic routes `x-api-key: <key>` too, which Anthropic's clients send).
 
     Only OPEN_PATHS, the web UI's pages and assets (they hold no data; the pages ask for
     the key), /metrics unless ``metrics_auth``, and CORS preflights stay open.
@@ -165,9 +180,12 @@ class ApiKeyMiddleware:
             and scope["path"] not in self.open_paths
             and not scope["path"].startswith(WEB_UI_ASSETS + "/")
         ):
-            given = dict(scope["headers"]).get(b"authorization", b"")
+            headers = dict(scope["headers"])
+            given = [headers.get(b"authorization", b"")]
+            if scope["path"].startswith(ANTHROPIC_PATH_PREFIX):
+                given.append(b"Bearer " + headers.get(b"x-api-key", b""))
             # Every key is compared, so the time taken does not say which one matched.
-            matched = [k for k in self.keys if secrets.compare_digest(given, k)]
+            matched = [k for k in self.keys for g in given if secrets.compare_digest(g, k)]
             if not matched:
                 err = OpenAIServingError(
                     "Incorrect or missing API key.", status=401, err_type="AuthenticationError"
@@ -212,7 +230,10 @@ def build_app(router: ModelRouter, args: argparse.Namespace) -> FastAPI:
     request_timeout: float | None = getattr(args, "request_timeout", None)
 
     async def serve(
-        raw_request: Request, model: str | None, work: Callable[[ServingStack], Awaitable[Any]]
+        raw_request: Request,
+        model: str | None,
+        work: Callable[[ServingStack], Awaitable[Any]],
+        stream_error: Callable[[OpenAIServingError], str] = openai_error_event,
     ) -> Response:
         """Runs ``work`` on the stack of the model a request names (loaded first if need
         be, within the request's timeout and disconnect rules) and responds."""
@@ -233,7 +254,7 @@ def build_app(router: ModelRouter, args: argparse.Namespace) -> FastAPI:
             return result
 
         result = await _until_disconnect(raw_request, leased(), request_timeout)
-        return _respond(result, args, stream_lease[0] if stream_lease else None)
+        return _respond(result, args, stream_lease[0] if stream_lease else None, stream_error)
 
     @app.exception_handler(OpenAIServingError)
     async def serving_error(_: Request, exc: OpenAIServingError) -> JSONResponse:
@@ -310,6 +331,23 @@ def build_app(router: ModelRouter, args: argparse.Namespace) -> FastAPI:
             lambda stack: stack.responses.create_response(request, raw_request),
         )
 
+    @app.post("/v1/messages")
+    async def create_message(request: AnthropicMessagesRequest, raw_request: Request) -> Response:
+        return await serve(
+            raw_request,
+            request.model,
+            lambda stack: stack.messages.create_message(request, raw_request),
+            stream_error=error_event,
+        )
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_message_tokens(
+        request: AnthropicCountTokensRequest, raw_request: Request
+    ) -> Response:
+        return await serve(
+            raw_request, request.model, lambda stack: stack.messages.count_tokens(request)
+        )
+
     @app.get("/v1/responses/{response_id}")
     async def retrieve_response(response_id: str) -> Response:
         # Stored with the model that answered; the default model's 404 otherwise.
@@ -383,6 +421,8 @@ def build_app(router: ModelRouter, args: argparse.Namespace) -> FastAPI:
 
     register_web_ui(app, router.default, args)
     _add_hardening_middleware(app, engine_client, args)
+    # Outside the hardening middlewares: their refusals get Anthropic's shape there too.
+    app.add_middleware(AnthropicErrorMiddleware)
     if getattr(args, "allowed_origins", None):
         app.add_middleware(
             CORSMiddleware,

@@ -10,6 +10,7 @@ from kvserve.engine.engine_client import EngineClient
 from kvserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from kvserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from kvserve.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
+from kvserve.entrypoints.openai.serving_messages import AnthropicServingMessages
 from kvserve.entrypoints.openai.serving_models import OpenAIServingModels
 from kvserve.entrypoints.openai.serving_responses import OpenAIServingResponses
 from kvserve.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
@@ -24,6 +25,7 @@ class ServingStack:
     responses: OpenAIServingResponses
     embedding: OpenAIServingEmbedding
     tokenization: OpenAIServingTokenization
+    messages: AnthropicServingMessages
 
 
 def build_serving_stack(
@@ -52,6 +54,7 @@ def build_serving_stack(
         responses=responses,
         embedding=OpenAIServingEmbedding(engine_client, models),
         tokenization=OpenAIServingTokenization(chat),
+        messages=AnthropicServingMessages(chat),
     )
 
 

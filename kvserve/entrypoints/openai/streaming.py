@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 
 from fastapi.responses import StreamingResponse
 from starlette.types import Message, Receive, Scope, Send
@@ -30,10 +30,18 @@ def timeout_error(timeout_s: float) -> OpenAIServingError:
     )
 
 
+def openai_error_event(err: OpenAIServingError) -> str:
+    """OpenAI's end of a failed stream: the error as a data event, then ``[DONE]``."""
+    return sse_data(err.to_response()) + "data: [DONE]\n\n"
+
+
 async def stream_with_deadline(
-    stream: AsyncIterator[str], timeout_s: float | None
+    stream: AsyncIterator[str],
+    timeout_s: float | None,
+    error_event: Callable[[OpenAIServingError], str] = openai_error_event,
 ) -> AsyncGenerator[str, None]:
-    """The SSE lines of ``stream``; past ``timeout_s`` an error event and ``[DONE]`` end it.
+    """The SSE lines of ``stream``; past ``timeout_s`` ``error_event`` (in the stream's
+    API's shape) ends it.
 
     Closing this generator closes ``stream`` (and so aborts its engine request).
     """
@@ -49,8 +57,7 @@ async def stream_with_deadline(
             except TimeoutError:
                 assert timeout_s is not None
                 logger.info("stream ended by the request timeout (%g s)", timeout_s)
-                yield sse_data(timeout_error(timeout_s).to_response())
-                yield "data: [DONE]\n\n"
+                yield error_event(timeout_error(timeout_s))
                 return
             yield line
 
