@@ -74,9 +74,7 @@ def test_cached_items_are_not_processed_again(model_dir: tuple[Path, Any]) -> No
     # (processor, encoder or EC-connector cache) can serve it; its own salt again does.
     salted = proc.process(TWO, {"image": [image, image]}, {}, cache_salt="tenant:b")
     assert proc.num_processed == 4 and salted.token_ids == first.token_ids
-    assert {f.identifier for f in salted.features}.isdisjoint(
-        f.identifier for f in first.features
-    )
+    assert {f.identifier for f in salted.features}.isdisjoint(f.identifier for f in first.features)
     cache.commit(salted.features)
     proc.process(TWO, {"image": [image, image]}, {}, cache_salt="tenant:b")
     assert proc.num_processed == 4
