@@ -23,14 +23,6 @@ VOCAB = 49152
 SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
 
 
-@pytest.fixture(scope="module")
-def tokenizer() -> Any:
-    from kvserve.transformers_utils.model_resolver import resolve_model
-    from kvserve.transformers_utils.tokenizer import get_tokenizer
-
-    return get_tokenizer(resolve_model(None))
-
-
 @pytest.fixture
 def manager(tokenizer: Any) -> Any:
     manager = StructuredOutputManager("auto", VOCAB, 4, load_tokenizer=lambda: tokenizer)

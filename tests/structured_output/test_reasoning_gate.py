@@ -21,14 +21,6 @@ THINK = ReasoningTokens(start_token_ids=[START], end_token_ids=[END])
 SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
 
 
-@pytest.fixture(scope="module")
-def tokenizer() -> Any:
-    from kvserve.transformers_utils.model_resolver import resolve_model
-    from kvserve.transformers_utils.tokenizer import get_tokenizer
-
-    return get_tokenizer(resolve_model(None))
-
-
 @pytest.fixture
 def manager(tokenizer: Any) -> Any:
     manager = StructuredOutputManager("xgrammar", VOCAB, 4, load_tokenizer=lambda: tokenizer)

@@ -32,7 +32,6 @@ from kvserve.entrypoints.openai.serving_chat_reasoning import (
     ChoiceReasoningStreamer,
 )
 from kvserve.entrypoints.openai.serving_chat_tools import ChatToolHandler, ChoiceToolStreamer
-from kvserve.sampling_params import StructuredOutputsParams
 
 _FUNCTION_FIELDS = ("name", "description", "parameters", "strict")
 # A server-sent event before its sequence number: (type, body).
@@ -56,9 +55,6 @@ class ResponsesTools:
         except ValidationError as exc:
             raise OpenAIServingError(f"invalid tools: {exc}", param="tools") from None
         self.handler = ChatToolHandler(as_chat, chat.tool_parser)
-
-    def structured_outputs(self) -> StructuredOutputsParams | None:
-        return self.handler.structured_outputs()
 
     def output_items(self, text: str, incomplete: bool) -> list[ResponseOutputItem]:
         """A finished output's items: its text (if any, or if nothing else) and its calls."""

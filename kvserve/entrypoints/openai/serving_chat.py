@@ -149,17 +149,7 @@ class OpenAIServingChat(OpenAIServing):
         max_tokens = self.check_length(len(prompt_ids), request.requested_max_tokens(), "messages")
         try:
             params = request.to_sampling_params(max_tokens, self.default_sampling_params)
-            tool_grammar = tools.structured_outputs()
-            if tool_grammar is not None:
-                if params.structured_outputs is not None:
-                    raise ValueError(
-                        "tool_choice required or a named function is enforced by a grammar: "
-                        "it cannot be combined with response_format or structured_outputs"
-                    )
-                params = params.clone(structured_outputs=tool_grammar)
-            if tools.mode == "auto" and self.tool_parser.keeps_special_tokens:
-                params = params.clone(skip_special_tokens=False)
-            params = reasoning.sampling_params(params)
+            params = reasoning.sampling_params(tools.sampling_params(params))
         except ValueError as exc:
             raise self.bad_request(exc) from None
         base_id = self.request_id(raw_request, request.request_id, "chatcmpl")

@@ -24,7 +24,7 @@ from kvserve.entrypoints.openai.tool_parsers.abstract_tool_parser import (
     make_tool_call_id,
     tool_call_deltas,
 )
-from kvserve.sampling_params import StructuredOutputsParams
+from kvserve.sampling_params import SamplingParams, StructuredOutputsParams
 
 ToolMode = Literal["none", "auto", "required", "named"]
 _ANY_OBJECT: dict[str, Any] = {"type": "object"}
@@ -91,6 +91,21 @@ class ChatToolHandler:
             # Compact JSON: fewer tokens, so max_tokens cuts fewer calls short.
             return StructuredOutputsParams(json=schema, disable_any_whitespace=True)
         return None
+
+    def sampling_params(self, params: SamplingParams) -> SamplingParams:
+        """``params`` with what the tool choice needs: its grammar (which excludes the
+        request's own), the parser's marker tokens kept in the text."""
+        grammar = self.structured_outputs()
+        if grammar is not None:
+            if params.structured_outputs is not None:
+                raise ValueError(
+                    "tool_choice required or a named function is enforced by a grammar: "
+                    "it cannot be combined with response_format or structured_outputs"
+                )
+            params = params.clone(structured_outputs=grammar)
+        if self.mode == "auto" and self.parser is not None and self.parser.keeps_special_tokens:
+            params = params.clone(skip_special_tokens=False)
+        return params
 
     def _parameters(self, name: str) -> dict[str, Any]:
         return self.tools[name].parameters or _ANY_OBJECT

@@ -87,15 +87,7 @@ class OpenAIServingResponses(OpenAIServing):
         reasoning = ChatReasoningHandler(self.chat.reasoning_parser, text, include=True)
         try:
             params = request.to_sampling_params(max_tokens, self.default_sampling_params)
-            tool_grammar = tools.structured_outputs()
-            if tool_grammar is not None:
-                if params.structured_outputs is not None:
-                    raise ValueError(
-                        "tool_choice required or a named function is enforced by a grammar: "
-                        "it cannot be combined with structured_outputs"
-                    )
-                params = params.clone(structured_outputs=tool_grammar)
-            params = reasoning.sampling_params(params)
+            params = reasoning.sampling_params(tools.handler.sampling_params(params))
         except ValueError as exc:
             raise self.bad_request(exc) from None
         request_id = self.request_id(raw_request, request.request_id, "resp")
