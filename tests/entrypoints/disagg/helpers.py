@@ -43,7 +43,12 @@ class Process:
     """A kvserve sub-command in its own process group, its output in a temp file."""
 
     def __init__(
-        self, name: str, args: list[str], port: int | None = None, key: str = "EMPTY"
+        self,
+        name: str,
+        args: list[str],
+        port: int | None = None,
+        key: str = "EMPTY",
+        env: dict[str, str] | None = None,
     ) -> None:
         self.name = name
         self.key = key  # what its clients send (its --api-key, where it has one)
@@ -52,7 +57,8 @@ class Process:
         self.log = tempfile.NamedTemporaryFile("w+", prefix=f"kvserve-{name}-", suffix=".log")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kvserve.entrypoints.cli", *args, "--port", str(self.port)],
-            stdout=self.log, stderr=subprocess.STDOUT, env=ENV, start_new_session=True,
+            stdout=self.log, stderr=subprocess.STDOUT, env={**ENV, **(env or {})},
+            start_new_session=True,
         )  # fmt: skip
 
     def output(self) -> str:
@@ -91,11 +97,11 @@ class Process:
         self.log.close()
 
 
-def serve(name: str, transfer: dict[str, Any] | None) -> Process:
+def serve(name: str, transfer: dict[str, Any] | None, env: dict[str, str] | None = None) -> Process:
     args = ["serve", *SERVER_ARGS, "--api-key", INSTANCE_KEY]
     if transfer is not None:
         args += ["--kv-transfer-config", json.dumps(transfer)]
-    return Process(name, args, key=INSTANCE_KEY)
+    return Process(name, args, key=INSTANCE_KEY, env=env)
 
 
 def proxy(

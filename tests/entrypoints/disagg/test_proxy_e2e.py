@@ -60,6 +60,7 @@ class Fleet:
     d2: Process  # policy fail
     d1_kv: int
     d2_kv: int
+    forger: Process  # a producer whose KV secret is not the fleet's
     one_one: Process
     two_one: Process
     one_two: Process
@@ -73,12 +74,13 @@ def fleet() -> Iterator[Fleet]:
         serve("p2", p2p_producer()),
         serve("d1", p2p_consumer(d1_kv)),
         serve("d2", p2p_consumer(d2_kv, policy="fail")),
+        serve("forger", p2p_producer(), env={"KVSERVE_KV_SECRET": "not-the-fleet-secret-" * 2}),
     ]
     proxies: list[Process] = []
     try:
         for engine in engines:
             engine.wait_healthy()
-        p1, p2, d1, d2 = engines
+        p1, p2, d1, d2, forger = engines
         proxies = [
             proxy("proxy-1p1d", [p1], [(d1, d1_kv)], api_key=PROXY_KEY),
             proxy("proxy-2p1d", [p1, p2], [(d1, d1_kv)]),
@@ -86,7 +88,7 @@ def fleet() -> Iterator[Fleet]:
         ]
         for p in proxies:
             p.wait_healthy()
-        yield Fleet(p1, p2, d1, d2, d1_kv, d2_kv, *proxies)
+        yield Fleet(p1, p2, d1, d2, d1_kv, d2_kv, forger, *proxies)
     finally:
         for process in [*proxies, *engines]:
             process.stop()
@@ -277,3 +279,33 @@ def test_producer_killed_mid_transfer(fleet: Fleet, plain: dict[tuple[str, str],
     # The 2P1D proxy goes on with the producer left (the dead one is tried and skipped).
     for topic in TOPICS[:2]:
         assert _complete(fleet.two_one, topic, stream=False) == plain[("completion", topic)]
+
+
+def test_kv_from_an_engine_without_the_secret_is_refused_and_recomputed(fleet: Fleet) -> None:
+    """A peer that can reach the consumer's KV port but does not hold the fleet's secret
+    (here a producer started with another one) plants a transfer: the consumer refuses it,
+    computes the prompt itself and answers what an instance without transfers answers."""
+    topic = "migrating cranes"
+    reference = _complete(fleet.p1, topic, stream=False)
+    planted = fleet.forger.client().completions.create(
+        model=MODEL, prompt=_prompt(topic), max_tokens=1, temperature=0.0,
+        extra_body={"kv_transfer_params": {
+            "do_remote_decode": True, "remote_host": "127.0.0.1", "remote_port": fleet.d1_kv,
+        }},
+    )  # fmt: skip
+    params = planted.model_extra["kv_transfer_params"]  # type: ignore[index]
+
+    def refusals() -> float:
+        m = fleet.d1.metrics()
+        return m.get(("kvserve:kv_connector_transfer_auth_failures_total", "received"), 0.0) + (
+            m.get(("kvserve:kv_connector_transfer_requests_total", "failed"), 0.0)
+        )
+
+    before = refusals()
+    answer = fleet.d1.client().completions.create(
+        model=MODEL, prompt=_prompt(topic), max_tokens=MAX_TOKENS, temperature=0.0,
+        extra_body={"kv_transfer_params": params},
+    )  # fmt: skip
+    assert answer.choices[0].text == reference
+    assert refusals() > before
+    wait_idle(fleet.d1)
