@@ -4,13 +4,15 @@ A producer-side PeerSender pushes whole transfers (every layer's blocks of one p
 P2pZmqConnector's save_kv_layer gathers them) to a consumer-side Receiver over loopback
 TCP; a transfer counts from its first layer queued until the consumer's acknowledgement
 came back and the layers were claimed. The default shape is SmolLM2-135M's KV (30 layers,
-3 KV heads of 64, float32) for a 512-token prompt.
+3 KV heads of 64, float32) for a 512-token prompt. --curve encrypts the sockets as a KV
+secret does (kvserve.utils.zmq_curve), to measure what CURVE costs.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 
@@ -24,10 +26,17 @@ from kvserve.distributed.kv_transfer.kv_connector.connectors.p2p_wire import (
     Receiver,
 )
 from kvserve.utils.processes import free_port
+from kvserve.utils.zmq_curve import PLAIN_SOCKETS, SocketSecurity, socket_security
 
 
 def run(
-    layers: int, tokens: int, kv_heads: int, head_size: int, dtype: str, transfers: int
+    layers: int,
+    tokens: int,
+    kv_heads: int,
+    head_size: int,
+    dtype: str,
+    transfers: int,
+    security: SocketSecurity = PLAIN_SOCKETS,
 ) -> dict[str, float]:
     block = 16
     num_blocks = -(-tokens // block)
@@ -38,9 +47,9 @@ def run(
     ]
     nbytes = sum(t.numel() * t.element_size() for t in kv)
     address = f"tcp://127.0.0.1:{free_port()}"
-    receiver = Receiver(address, 4 * nbytes, ttl_s=60)
+    receiver = Receiver(address, 4 * nbytes, ttl_s=60, security=security)
     context = zmq.Context()
-    sender = PeerSender(context, address, timeout_s=60)
+    sender = PeerSender(context, address, timeout_s=60, security=security)
     seconds: list[float] = []
     try:
         for i in range(transfers + 1):  # the first one warms the connection up
@@ -82,11 +91,20 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--head-size", type=int, default=64)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--transfers", type=int, default=20)
+    parser.add_argument(
+        "--curve", action="store_true", help="CURVE-encrypted sockets (a random KV secret)"
+    )
 
 
 def main(args: argparse.Namespace) -> int:
     result = run(
-        args.layers, args.tokens, args.kv_heads, args.head_size, args.dtype, args.transfers
+        args.layers,
+        args.tokens,
+        args.kv_heads,
+        args.head_size,
+        args.dtype,
+        args.transfers,
+        socket_security(os.urandom(32)) if args.curve else PLAIN_SOCKETS,
     )
     print(json.dumps(result, indent=2))
     return 0

@@ -16,7 +16,9 @@ Replay (optional ROUTER socket): a client (DEALER) sends ``[b"", start_seq (8 by
 the publisher answers ``[b"", seq, payload]`` for every buffered batch with seq >=
 start_seq, then ``[b"", END_SEQ, b""]`` where END_SEQ is -1 as 8 signed big-endian bytes.
 
-Nothing is pickled: payloads are msgspec msgpack.
+Nothing is pickled: payloads are msgspec msgpack. With a KV secret both sockets are CURVE
+servers (kvserve.utils.zmq_curve): events carry the prompts' token ids, and a subscriber
+without the secret is refused (and logged) before it receives any.
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ import msgspec
 import zmq
 
 from kvserve.distributed.kv_events import KVEventBatch
+from kvserve.utils.kv_secret import read_kv_secret
+from kvserve.utils.zmq_curve import PLAIN_SOCKETS, SocketSecurity, socket_security
 
 if TYPE_CHECKING:
     # Typing only: kvserve.config pulls in transformers, too slow for `kvserve events`.
@@ -92,8 +96,10 @@ class ZmqEventPublisher(EventPublisher):
         hwm: int = 100_000,
         max_queue_size: int = 100_000,
         topic: str = "",
+        security: SocketSecurity = PLAIN_SOCKETS,
     ) -> None:
         self._topic = topic.encode()
+        self._security = security
         self._hwm = hwm
         self._queue: queue.Queue[tuple[int, KVEventBatch]] = queue.Queue(max_queue_size)
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
@@ -114,7 +120,7 @@ class ZmqEventPublisher(EventPublisher):
         self._ready.wait()
         if self._error is not None:
             self._thread.join()
-            self._ctx.term()
+            self._security.term(self._ctx)
             raise RuntimeError(f"KV events publisher cannot bind: {self._error}") from self._error
 
     # --- engine thread ----------------------------------------------------------
@@ -141,7 +147,7 @@ class ZmqEventPublisher(EventPublisher):
         if self._thread.is_alive():
             logger.warning("KV events publisher thread did not stop within %.1fs", timeout)
         else:
-            self._ctx.term()
+            self._security.term(self._ctx)
 
     # --- publisher thread -------------------------------------------------------
 
@@ -150,12 +156,14 @@ class ZmqEventPublisher(EventPublisher):
         try:
             pub = self._ctx.socket(zmq.PUB)
             pub.setsockopt(zmq.SNDHWM, self._hwm)
+            self._security.curve_server(pub)
             pub.bind(endpoint)
             self.endpoint = pub.getsockopt_string(zmq.LAST_ENDPOINT)
             if replay_endpoint is not None:
                 replay = self._ctx.socket(zmq.ROUTER)
                 # ROUTER silently drops past its HWM: a replay of the whole buffer must fit.
                 replay.setsockopt(zmq.SNDHWM, 0)
+                self._security.curve_server(replay)
                 replay.bind(replay_endpoint)
                 self.replay_endpoint = replay.getsockopt_string(zmq.LAST_ENDPOINT)
         except zmq.ZMQError as exc:
@@ -218,7 +226,12 @@ class EventPublisherFactory:
     """Builds the publisher that KVEventsConfig names ("null" or "zmq")."""
 
     @staticmethod
-    def create(config: KVEventsConfig | None, data_parallel_rank: int = 0) -> EventPublisher:
+    def create(
+        config: KVEventsConfig | None,
+        data_parallel_rank: int = 0,
+        kv_secret_file: str | None = None,
+    ) -> EventPublisher:
+        """kv_secret_file: the engine's --kv-secret-file (None: KVSERVE_KV_SECRET, if set)."""
         if config is None or not config.enable_kv_cache_events or config.publisher == "null":
             return NullEventPublisher()
         if config.publisher != "zmq":
@@ -231,4 +244,5 @@ class EventPublisherFactory:
             hwm=config.hwm,
             max_queue_size=config.max_queue_size,
             topic=config.topic,
+            security=socket_security(read_kv_secret(kv_secret_file)),
         )

@@ -1,6 +1,8 @@
 """Reading a KV events stream: live batches from the PUB socket, missed ones by replay.
 
-The counterpart of kv_events_publisher (see its docstring for the wire format).
+The counterpart of kv_events_publisher (see its docstring for the wire format). With the
+publisher's KV secret both sockets are CURVE clients; with another one (or none) the
+publisher refuses them and nothing arrives.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import zmq
 
 from kvserve.distributed.kv_events import KVCacheEvent, KVEventBatch
 from kvserve.distributed.kv_events_publisher import END_SEQ, decode_seq, encode_seq
+from kvserve.utils.zmq_curve import PLAIN_SOCKETS, SocketSecurity
 
 _decoder = msgspec.msgpack.Decoder(KVEventBatch)
 
@@ -44,14 +47,23 @@ class KVEventSubscriber:
     was connected for (ask the replay socket for those).
     """
 
-    def __init__(self, endpoint: str, replay_endpoint: str | None = None, topic: str = "") -> None:
+    def __init__(
+        self,
+        endpoint: str,
+        replay_endpoint: str | None = None,
+        topic: str = "",
+        security: SocketSecurity = PLAIN_SOCKETS,
+    ) -> None:
+        self._security = security
         self._ctx = zmq.Context()
         self._sub = self._ctx.socket(zmq.SUB)
         self._sub.setsockopt(zmq.SUBSCRIBE, topic.encode())
+        security.curve_client(self._sub)
         self._sub.connect(endpoint)
         self._replay: zmq.Socket[bytes] | None = None
         if replay_endpoint is not None:
             self._replay = self._ctx.socket(zmq.DEALER)
+            security.curve_client(self._replay)
             self._replay.connect(replay_endpoint)
 
     def recv(self, timeout: float | None = None) -> tuple[int, KVEventBatch] | None:
@@ -78,7 +90,7 @@ class KVEventSubscriber:
         self._sub.close(linger=0)
         if self._replay is not None:
             self._replay.close(linger=0)
-        self._ctx.term()
+        self._security.term(self._ctx)
 
     def __enter__(self) -> KVEventSubscriber:
         return self

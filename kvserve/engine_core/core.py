@@ -85,7 +85,9 @@ class EngineCore:
             self._exchange_connector_handshakes()
         # Steps in flight at once: 1, or one micro-batch per pipeline stage (batch_queue.py).
         self.batch_queue = BatchQueue(self.model_executor.max_concurrent_batches)
-        self.kv_event_publisher = EventPublisherFactory.create(events_config)
+        self.kv_event_publisher = EventPublisherFactory.create(
+            events_config, kv_secret_file=config.kv_security_config.kv_secret_file
+        )
         cache = config.cache_config
         self.block_hasher = (
             get_request_block_hasher(cache.block_size, cache.prefix_caching_hash_seed)

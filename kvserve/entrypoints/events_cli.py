@@ -16,6 +16,8 @@ from typing import Any
 
 from kvserve.distributed.kv_events import KVEventBatch
 from kvserve.distributed.kv_events_subscriber import KVEventSubscriber, event_to_dict
+from kvserve.utils.kv_secret import add_kv_secret_arg, read_kv_secret
+from kvserve.utils.zmq_curve import socket_security
 
 
 def add_events_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -28,6 +30,7 @@ def add_events_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--from-seq", type=int, default=0, help="with --replay: first sequence number to fetch"
     )
     parser.add_argument("--topic", default="", help="only messages whose topic starts with this")
+    add_kv_secret_arg(parser)
     parser.add_argument("--count", type=int, default=None, help="exit after this many events")
     parser.add_argument(
         "--timeout",
@@ -67,7 +70,8 @@ class _Printer:
 def cmd_events(args: argparse.Namespace) -> int:
     printer = _Printer(args.count)
     # Subscribe before asking for the replay, so nothing falls between the two.
-    with KVEventSubscriber(args.endpoint, args.replay, args.topic) as subscriber:
+    security = socket_security(read_kv_secret(args.kv_secret_file))
+    with KVEventSubscriber(args.endpoint, args.replay, args.topic, security) as subscriber:
         if args.replay is not None:
             for seq, batch in subscriber.replay(args.from_seq, timeout=args.timeout or 10.0):
                 printer.batch(seq, batch)

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import hmac
 import logging
-import os
 import struct
 import threading
 import time
@@ -30,21 +29,21 @@ from collections.abc import Mapping
 import blake3
 
 from kvserve.config.kv_transfer import KVSecurityConfig
+from kvserve.utils.kv_secret import (
+    ENV_SECRET,
+    KVSecurityError,
+    check_secret_length,
+    read_kv_secret,
+)
 
 logger = logging.getLogger(__name__)
 
 Buffer = bytes | bytearray | memoryview
 
-ENV_SECRET = "KVSERVE_KV_SECRET"
 TAG_BYTES = 32
-MIN_SECRET_BYTES = 16
 LOG_INTERVAL_S = 60.0
 _CONTEXT = "kvserve 2025 KV integrity MAC v1"
 _LEN = struct.Struct(">I")
-
-
-class KVSecurityError(ValueError):
-    """KV would leave (or enter) the engine unauthenticated, or the secret is unusable."""
 
 
 class KVAuthenticator:
@@ -73,11 +72,7 @@ class KeyedKVAuthenticator(KVAuthenticator):
     authenticated = True
 
     def __init__(self, secret: bytes) -> None:
-        if len(secret) < MIN_SECRET_BYTES:
-            raise KVSecurityError(
-                f"the KV secret is {len(secret)} bytes; use at least {MIN_SECRET_BYTES} "
-                "random bytes (e.g. `head -c 32 /dev/urandom | base64 > kv.secret`)"
-            )
+        check_secret_length(secret)
         self._key = blake3.blake3(secret, derive_key_context=_CONTEXT).digest()
         self._rejections = RejectionLog()
 
@@ -140,20 +135,7 @@ def read_secret(
     security: KVSecurityConfig, environ: Mapping[str, str] | None = None
 ) -> bytes | None:
     """The secret from the file (surrounding whitespace dropped), else the environment."""
-    env = os.environ if environ is None else environ
-    if security.kv_secret_file:
-        try:
-            with open(security.kv_secret_file, "rb") as f:
-                secret = f.read().strip()
-        except OSError as exc:
-            raise KVSecurityError(
-                f"cannot read --kv-secret-file {security.kv_secret_file!r}: {exc}"
-            ) from exc
-        if not secret:
-            raise KVSecurityError(f"--kv-secret-file {security.kv_secret_file!r} is empty")
-        return secret
-    value = env.get(ENV_SECRET, "").strip()
-    return value.encode() if value else None
+    return read_kv_secret(security.kv_secret_file, environ)
 
 
 def kv_authenticator(

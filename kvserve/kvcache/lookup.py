@@ -13,7 +13,9 @@ releases it, so nothing is evicted between the answer and the load.
 
 Wire: the server binds a ROUTER socket, the client one DEALER socket per rank; each
 message is one msgpack frame of the typed structs below (never pickle). A reply carries
-the request's sequence number, so a late answer to a timed-out request is dropped.
+the request's sequence number, so a late answer to a timed-out request is dropped. Over
+TCP (ranks on other machines) the sockets are CURVE when a KV secret is set
+(kvserve.utils.zmq_curve): a client without it is refused, and its lookups are misses.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import msgspec
 import zmq
 
 from kvserve.kvcache.shared import SharedByKey
+from kvserve.utils.zmq_curve import PLAIN_SOCKETS, SocketSecurity
 
 if TYPE_CHECKING:
     from kvserve.kvcache.cache_engine import CacheEngine
@@ -97,28 +100,43 @@ class LookupServer:
     _shared: ClassVar[SharedByKey[LookupServer]] = SharedByKey(lambda server: server.close())
 
     @classmethod
-    def acquire(cls, engine: CacheEngine, key: str, tcp_host: str | None = None) -> LookupServer:
+    def acquire(
+        cls,
+        engine: CacheEngine,
+        key: str,
+        tcp_host: str | None = None,
+        security: SocketSecurity = PLAIN_SOCKETS,
+    ) -> LookupServer:
         """The server registered under ``key`` (its ipc address), started if none is.
         ``tcp_host``: listen on a free TCP port of that address instead (this node's IP,
         for ranks on other machines: Ray nodes), not of every interface; ``address`` says
-        where."""
+        where; ``security`` applies to TCP only."""
 
         def same_engine(server: LookupServer) -> None:
             if server.engine is not engine:
                 raise ValueError(f"lookup address {key} serves another CacheEngine")
 
-        return cls._shared.acquire(key, lambda: cls(engine, key, tcp_host), same_engine)
+        return cls._shared.acquire(key, lambda: cls(engine, key, tcp_host, security), same_engine)
 
     @classmethod
     def release(cls, key: str) -> None:
         cls._shared.release(key)
 
-    def __init__(self, engine: CacheEngine, key: str, tcp_host: str | None = None) -> None:
+    def __init__(
+        self,
+        engine: CacheEngine,
+        key: str,
+        tcp_host: str | None = None,
+        security: SocketSecurity = PLAIN_SOCKETS,
+    ) -> None:
         self.engine = engine
         self._ctx = zmq.Context()
         self._socket = self._ctx.socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.LINGER, 0)
+        # An ipc path is this machine's only: file permissions guard it, CURVE is not needed.
+        self._security = security if tcp_host is not None else PLAIN_SOCKETS
         if tcp_host is not None:
+            security.curve_server(self._socket)
             port = self._socket.bind_to_random_port(f"tcp://{tcp_host}")
             self.address = f"tcp://{tcp_host}:{port}"
         else:
@@ -170,7 +188,7 @@ class LookupServer:
             os.write(self._wake_w, b"x")
             self._thread.join(5)
         self._socket.close()
-        self._ctx.term()
+        self._security.term(self._ctx)
         os.close(self._wake_r)
         os.close(self._wake_w)
 
@@ -179,7 +197,12 @@ class LookupClient:
     """Asks every rank's LookupServer; a prefix counts as far as the rank holding the least
     of it. A rank that does not answer in time counts as a miss (0), never a hang."""
 
-    def __init__(self, addresses: list[str], timeout_s: float = LOOKUP_TIMEOUT_S) -> None:
+    def __init__(
+        self,
+        addresses: list[str],
+        timeout_s: float = LOOKUP_TIMEOUT_S,
+        security: SocketSecurity = PLAIN_SOCKETS,
+    ) -> None:
         self.timeout_ms = int(timeout_s * 1000)
         self.addresses = list(addresses)
         self._ctx = zmq.Context()
@@ -187,6 +210,8 @@ class LookupClient:
         for address in addresses:
             sock = self._ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
+            if address.startswith("tcp://"):
+                security.curve_client(sock)
             sock.connect(address)
             self._sockets.append(sock)
         self._seq = 0
@@ -199,7 +224,10 @@ class LookupClient:
         seq = self._seq
         frame = self._encoder.encode(make(seq))
         for sock in self._sockets:
-            sock.send(frame)
+            try:
+                sock.send(frame, zmq.NOBLOCK)
+            except zmq.Again:  # no pipe: the rank refused our handshake; it counts as a miss
+                pass
         replies: list[LookupReply | None] = [None] * len(self._sockets)
         poller = zmq.Poller()
         for sock in self._sockets:

@@ -10,8 +10,13 @@ import zmq
 
 from kvserve.distributed.kv_events import KVEventBatch
 from kvserve.distributed.kv_events_publisher import EventPublisher
+from kvserve.utils.kv_secret import read_kv_secret
+from kvserve.utils.zmq_curve import socket_security
 
 _decoder = msgspec.msgpack.Decoder(KVEventBatch)
+
+# The session's KV secret (tests/conftest.py): engines started by tests publish over CURVE.
+SECURITY = socket_security(read_kv_secret(None))
 
 # The ts of the probe batches wait_subscribed publishes; tests skip them.
 PROBE_TS = -1.0

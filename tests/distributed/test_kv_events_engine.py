@@ -22,6 +22,7 @@ from kvserve.distributed.kv_events_subscriber import KVEventSubscriber
 from kvserve.sampling_params import SamplingParams
 from tests.distributed.kv_events_helpers import (
     PROBE_TS,
+    SECURITY,
     free_port,
     recv_batch,
     wait_subscribed,
@@ -50,6 +51,7 @@ def sub() -> Iterator[zmq.Socket[bytes]]:
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     socket = ctx.socket(zmq.SUB)
     socket.setsockopt(zmq.SUBSCRIBE, b"kvserve")
+    SECURITY.curve_client(socket)
     yield socket
     ctx.destroy(linger=0)
 
@@ -129,7 +131,9 @@ def test_subscriber_sees_stored_removed_cleared_and_replay_fills_the_gap(
     assert all(batch.ts > 0 for _, batch in received)
 
     # A subscriber that joins now missed everything: the replay socket resends it all.
-    with KVEventSubscriber(config.endpoint, config.replay_endpoint, "kvserve") as late:
+    with KVEventSubscriber(
+        config.endpoint, config.replay_endpoint, "kvserve", security=SECURITY
+    ) as late:
         replayed = list(late.replay(0))
     assert [seq for seq, _ in replayed] == list(range(seqs[-1] + 1))
     assert all(batch.ts == PROBE_TS for seq, batch in replayed if seq < first_seq)
@@ -148,7 +152,9 @@ def test_engine_core_process_publishes_too(llm_factory: Callable[..., Any]) -> N
     llm = llm_factory(kv_events_config=config, multiprocess_mode=True)
     llm.generate([{"prompt_token_ids": PROMPT_A}], GREEDY, use_tqdm=False)
     # Nobody was subscribed while it ran: the replay socket has the batch all the same.
-    with KVEventSubscriber(config.endpoint, config.replay_endpoint, "kvserve") as late:
+    with KVEventSubscriber(
+        config.endpoint, config.replay_endpoint, "kvserve", security=SECURITY
+    ) as late:
         replayed = list(late.replay(0))
     assert [seq for seq, _ in replayed] == [0]
     assert replayed[0][1].events == [

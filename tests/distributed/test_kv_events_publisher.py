@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import logging
 import sys
 import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import zmq
@@ -25,7 +27,8 @@ from kvserve.distributed.kv_events_publisher import (
     ZmqEventPublisher,
 )
 from kvserve.distributed.kv_events_subscriber import KVEventSubscriber, decode_batch
-from tests.distributed.kv_events_helpers import free_port, recv_batch, wait_subscribed
+from kvserve.utils.zmq_curve import SocketSecurity, socket_security
+from tests.distributed.kv_events_helpers import SECURITY, free_port, recv_batch, wait_subscribed
 
 
 def stored(i: int) -> BlockStored:
@@ -50,12 +53,13 @@ def subscribe(
 ) -> zmq.Socket[bytes]:
     sub = ctx.socket(zmq.SUB)
     sub.setsockopt(zmq.SUBSCRIBE, topic)
+    SECURITY.curve_client(sub)
     sub.connect(endpoint)
     return sub
 
 
 def test_messages_are_topic_seq_payload_with_contiguous_seq(ctx: zmq.Context) -> None:
-    publisher = ZmqEventPublisher("tcp://127.0.0.1:*", topic="kv")
+    publisher = ZmqEventPublisher("tcp://127.0.0.1:*", topic="kv", security=SECURITY)
     try:
         sub = subscribe(ctx, publisher.endpoint, b"kv")
         other = subscribe(ctx, publisher.endpoint, b"other-topic")
@@ -78,13 +82,14 @@ def test_messages_are_topic_seq_payload_with_contiguous_seq(ctx: zmq.Context) ->
 
 def test_replay_resends_buffered_batches_from_the_requested_seq(ctx: zmq.Context) -> None:
     publisher = ZmqEventPublisher(
-        "tcp://127.0.0.1:*", replay_endpoint="tcp://127.0.0.1:*", buffer_steps=4
+        "tcp://127.0.0.1:*", replay_endpoint="tcp://127.0.0.1:*", buffer_steps=4, security=SECURITY
     )
     try:
         # Nobody subscribed: the PUB socket drops these, the ring buffer keeps the last 4.
         for i in range(6):
             publisher.publish(KVEventBatch(ts=float(i), events=[stored(i)]))
         dealer = ctx.socket(zmq.DEALER)
+        SECURITY.curve_client(dealer)
         dealer.connect(publisher.replay_endpoint or "")
 
         def replay(start: int) -> list[tuple[int, float]]:
@@ -105,7 +110,9 @@ def test_replay_resends_buffered_batches_from_the_requested_seq(ctx: zmq.Context
         assert replay(4) == [(4, 4.0), (5, 5.0)]
         assert replay(100) == []
         # The library's own client decodes the same answers.
-        with KVEventSubscriber(publisher.endpoint, publisher.replay_endpoint) as client:
+        with KVEventSubscriber(
+            publisher.endpoint, publisher.replay_endpoint, security=SECURITY
+        ) as client:
             batches = list(client.replay(3))
         assert [seq for seq, _ in batches] == [3, 4, 5]
         assert [b.events for _, b in batches] == [[stored(3)], [stored(4)], [stored(5)]]
@@ -117,7 +124,10 @@ def test_replay_of_a_large_buffer_to_a_slow_client_loses_nothing(ctx: zmq.Contex
     # More batches than ZMQ's default high-water mark (1000), larger than the TCP buffers,
     # to a client that reads only after the whole answer was sent.
     publisher = ZmqEventPublisher(
-        "tcp://127.0.0.1:*", replay_endpoint="tcp://127.0.0.1:*", buffer_steps=5000
+        "tcp://127.0.0.1:*",
+        replay_endpoint="tcp://127.0.0.1:*",
+        buffer_steps=5000,
+        security=SECURITY,
     )
     try:
         for i in range(3000):
@@ -126,8 +136,11 @@ def test_replay_of_a_large_buffer_to_a_slow_client_loses_nothing(ctx: zmq.Contex
             )
             publisher.publish(batch)
         dealer = ctx.socket(zmq.DEALER)
+        SECURITY.curve_client(dealer)
         dealer.connect(publisher.replay_endpoint or "")
-        with KVEventSubscriber(publisher.endpoint, publisher.replay_endpoint) as probe:
+        with KVEventSubscriber(
+            publisher.endpoint, publisher.replay_endpoint, security=SECURITY
+        ) as probe:
             deadline = time.monotonic() + 10
             while not list(probe.replay(2999)):  # until the thread has buffered everything
                 assert time.monotonic() < deadline
@@ -148,7 +161,10 @@ def test_replay_of_a_large_buffer_to_a_slow_client_loses_nothing(ctx: zmq.Contex
 
 def test_full_queue_drops_without_blocking_and_leaves_a_seq_gap() -> None:
     publisher = ZmqEventPublisher(
-        "tcp://127.0.0.1:*", replay_endpoint="tcp://127.0.0.1:*", max_queue_size=2
+        "tcp://127.0.0.1:*",
+        replay_endpoint="tcp://127.0.0.1:*",
+        max_queue_size=2,
+        security=SECURITY,
     )
     old_interval = sys.getswitchinterval()
     # Keep the publisher thread off the GIL while we publish, so the queue really fills.
@@ -164,7 +180,9 @@ def test_full_queue_drops_without_blocking_and_leaves_a_seq_gap() -> None:
         assert elapsed < 1.0, "publish() blocked on a full queue"
         assert publisher.num_dropped >= 48 - 2  # the thread may have taken a couple
         kept = 50 - publisher.num_dropped
-        with KVEventSubscriber(publisher.endpoint, publisher.replay_endpoint) as client:
+        with KVEventSubscriber(
+            publisher.endpoint, publisher.replay_endpoint, security=SECURITY
+        ) as client:
 
             def replay_until(count: int) -> list[int]:
                 deadline = time.monotonic() + 5
@@ -188,7 +206,7 @@ def test_full_queue_drops_without_blocking_and_leaves_a_seq_gap() -> None:
 def test_shutdown_delivers_queued_batches_and_joins_the_thread(ctx: zmq.Context) -> None:
     port = free_port()
     endpoint = f"tcp://127.0.0.1:{port}"
-    publisher = ZmqEventPublisher(endpoint)
+    publisher = ZmqEventPublisher(endpoint, security=SECURITY)
     sub = subscribe(ctx, endpoint)
     last = wait_subscribed(publisher, sub)
     for i in range(100):
@@ -202,15 +220,15 @@ def test_shutdown_delivers_queued_batches_and_joins_the_thread(ctx: zmq.Context)
         publisher.publish(KVEventBatch(ts=0.0, events=[]))
     publisher.shutdown()  # idempotent
     # The port is free again.
-    ZmqEventPublisher(endpoint).shutdown()
+    ZmqEventPublisher(endpoint, security=SECURITY).shutdown()
 
 
 def test_a_busy_port_fails_in_the_constructor() -> None:
-    first = ZmqEventPublisher("tcp://127.0.0.1:*")
+    first = ZmqEventPublisher("tcp://127.0.0.1:*", security=SECURITY)
     try:
         threads = threading.active_count()
         with pytest.raises(RuntimeError, match="cannot bind"):
-            ZmqEventPublisher(first.endpoint)
+            ZmqEventPublisher(first.endpoint, security=SECURITY)
         assert threading.active_count() == threads
     finally:
         first.shutdown()
@@ -231,3 +249,42 @@ def test_factory_builds_the_configured_publisher() -> None:
         assert publisher.endpoint == f"tcp://127.0.0.1:{port}"
     finally:
         publisher.shutdown()
+
+
+def test_a_subscriber_without_the_secret_receives_nothing_and_is_logged(
+    ctx: zmq.Context, caplog: pytest.LogCaptureFixture
+) -> None:
+    """CURVE refuses a subscriber with another secret, and a plaintext one, in the
+    handshake: the publisher logs the refusal, and a subscriber with the secret still
+    gets every batch."""
+    stranger = socket_security(b"another-operators-kv-secret-0123")
+    publisher = ZmqEventPublisher(
+        "tcp://127.0.0.1:*", replay_endpoint="tcp://127.0.0.1:*", security=SECURITY
+    )
+    try:
+        with caplog.at_level(logging.WARNING, logger="kvserve.utils.zmq_curve"):
+            with KVEventSubscriber(publisher.endpoint, security=stranger) as wrong:
+                plain = ctx.socket(zmq.SUB)
+                plain.setsockopt(zmq.SUBSCRIBE, b"")
+                plain.connect(publisher.endpoint)
+                good = subscribe(ctx, publisher.endpoint)
+                last = wait_subscribed(publisher, good)
+                publisher.publish(KVEventBatch(ts=1.0, events=[stored(0)]))
+                assert recv_batch(good)[1:] == (last + 1, KVEventBatch(ts=1.0, events=[stored(0)]))
+                assert wrong.recv(timeout=0.3) is None
+                assert not plain.poll(0)
+                with pytest.raises(TimeoutError):
+                    list(wrong_replay(publisher, stranger))
+        refusals = [
+            r.getMessage() for r in caplog.records if "refused a ZMQ peer" in r.getMessage()
+        ]
+        assert refusals and "KV secret" in refusals[0]
+        # Once per endpoint, however often the strangers reconnect.
+        assert len(refusals) == len(set(refusals)) <= 2  # the PUB and the replay socket
+    finally:
+        publisher.shutdown()
+
+
+def wrong_replay(publisher: ZmqEventPublisher, security: SocketSecurity) -> Iterator[Any]:
+    with KVEventSubscriber(publisher.endpoint, publisher.replay_endpoint, security=security) as c:
+        yield from c.replay(0, timeout=0.3)

@@ -15,6 +15,7 @@ from kvserve.distributed.kv_events import (
     KVEventBatch,
 )
 from kvserve.distributed.kv_events_publisher import ZmqEventPublisher
+from tests.distributed.kv_events_helpers import SECURITY
 
 EVENTS_CLI = [sys.executable, "-m", "kvserve.entrypoints.events_cli"]
 
@@ -35,7 +36,7 @@ def event(i: int) -> KVEvent:
 
 def test_prints_replayed_then_live_events_as_json_lines() -> None:
     publisher = ZmqEventPublisher(
-        "tcp://127.0.0.1:*", replay_endpoint="tcp://127.0.0.1:*", topic="kv"
+        "tcp://127.0.0.1:*", replay_endpoint="tcp://127.0.0.1:*", topic="kv", security=SECURITY
     )
     try:
         # Published before the CLI starts: only the replay can deliver these.
@@ -98,7 +99,7 @@ def test_prints_replayed_then_live_events_as_json_lines() -> None:
 
 
 def test_times_out_with_an_error_when_the_count_is_not_met() -> None:
-    publisher = ZmqEventPublisher("tcp://127.0.0.1:*")
+    publisher = ZmqEventPublisher("tcp://127.0.0.1:*", security=SECURITY)
     try:
         result = subprocess.run(
             [*EVENTS_CLI, publisher.endpoint, "--count", "1", "--timeout", "0.5"],

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from kvserve.distributed.kv_events_subscriber import KVEventSubscriber
 from kvserve.entrypoints.router.prefix_index import PrefixIndex
+from kvserve.utils.zmq_curve import PLAIN_SOCKETS, SocketSecurity
 
 logger = logging.getLogger(__name__)
 
@@ -51,8 +52,15 @@ class Backend:
 class EventFollowers:
     """Follows every backend's KV events into ``index`` (under ``lock``) until stopped."""
 
-    def __init__(self, backends: list[Backend], index: PrefixIndex, lock: threading.Lock) -> None:
+    def __init__(
+        self,
+        backends: list[Backend],
+        index: PrefixIndex,
+        lock: threading.Lock,
+        security: SocketSecurity = PLAIN_SOCKETS,
+    ) -> None:
         self.backends = backends
+        self.security = security
         self.index = index
         self.lock = lock
         self._stop = threading.Event()
@@ -77,7 +85,8 @@ class EventFollowers:
             backend.last_seq = -1
 
     def _follow(self, backend: Backend) -> None:
-        with KVEventSubscriber(backend.events, backend.replay, backend.topic) as sub:
+        subscriber = KVEventSubscriber(backend.events, backend.replay, backend.topic, self.security)
+        with subscriber as sub:
             while not self._stop.is_set():
                 got = sub.recv(timeout=0.2)
                 if got is None:

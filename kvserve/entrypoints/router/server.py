@@ -40,6 +40,8 @@ from kvserve.entrypoints.front_door import (
 from kvserve.entrypoints.openai.tenants import current_tenant, tenant_salt
 from kvserve.entrypoints.router.backends import Backend, EventFollowers
 from kvserve.entrypoints.router.prefix_index import PrefixIndex
+from kvserve.utils.kv_secret import add_kv_secret_arg, read_kv_secret
+from kvserve.utils.zmq_curve import PLAIN_SOCKETS, SocketSecurity, socket_security
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +57,7 @@ class Router:
         hash_seed: int,
         policy: str,
         upstream_keys: UpstreamKeys | None = None,
+        security: SocketSecurity = PLAIN_SOCKETS,
     ) -> None:
         if not backends:
             raise ValueError("the router needs at least one --backend")
@@ -64,7 +67,7 @@ class Router:
         self.policy = policy
         self.index = PrefixIndex(block_size, hash_seed)
         self.lock = threading.Lock()
-        self.followers = EventFollowers(backends, self.index, self.lock)
+        self.followers = EventFollowers(backends, self.index, self.lock, security)
         self._rotation = itertools.count()
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0))
         self.prefix_tokens_matched = 0
@@ -268,6 +271,7 @@ def add_router_parser(sub: Any) -> None:
     )
     parser.add_argument("--policy", choices=POLICIES, default="prefix")
     add_front_door_auth_args(parser)
+    add_kv_secret_arg(parser)
     parser.set_defaults(func=router_main)
 
 
@@ -281,6 +285,7 @@ def router_main(args: argparse.Namespace) -> int:
         args.prefix_caching_hash_seed,
         args.policy,
         UpstreamKeys(args.backend_api_key),
+        socket_security(read_kv_secret(args.kv_secret_file)),
     )
     app = build_app(router, front_door_keys(args))
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")

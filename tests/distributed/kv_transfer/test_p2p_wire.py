@@ -1,6 +1,7 @@
 """P2pZmqConnector's transport over real ZMQ sockets on loopback: layers arrive bit-exact
 and are acknowledged, a full buffer refuses a transfer, an absent consumer times the
-transfer out, late layers of a claimed transfer are ignored; and its params parse."""
+transfer out, late layers of a claimed transfer are ignored, a sender without the KV secret is refused
+in the CURVE handshake; and its params parse."""
 
 from __future__ import annotations
 
@@ -25,6 +26,11 @@ from kvserve.distributed.kv_transfer.kv_connector.connectors.p2p_wire import (
     Receiver,
 )
 from kvserve.kvcache.integrity import KeyedKVAuthenticator
+from kvserve.utils.kv_secret import read_kv_secret
+from kvserve.utils.zmq_curve import PLAIN_SOCKETS, socket_security
+
+# The session's KV secret (tests/conftest.py): the sockets speak CURVE, as engines' do.
+SECURITY = socket_security(read_kv_secret(None))
 
 
 def _port() -> int:
@@ -64,8 +70,8 @@ def context() -> zmq.Context:
 
 def test_layers_arrive_exactly_and_are_acknowledged(context: zmq.Context) -> None:
     port = _port()
-    receiver = Receiver(f"tcp://127.0.0.1:{port}", 1 << 30, ttl_s=60)
-    sender = PeerSender(context, f"tcp://127.0.0.1:{port}", timeout_s=5)
+    receiver = Receiver(f"tcp://127.0.0.1:{port}", 1 << 30, ttl_s=60, security=SECURITY)
+    sender = PeerSender(context, f"tcp://127.0.0.1:{port}", timeout_s=5, security=SECURITY)
     try:
         layers = _layers(4)
         assert receiver.take("t1") is None  # nothing yet
@@ -91,8 +97,10 @@ def test_layers_arrive_exactly_and_are_acknowledged(context: zmq.Context) -> Non
 def test_a_full_buffer_refuses_the_transfer(context: zmq.Context) -> None:
     port = _port()
     layers = _layers(3, torch.float32)
-    receiver = Receiver(f"tcp://127.0.0.1:{port}", layers[0].numel() * 4 * 2, ttl_s=60)
-    sender = PeerSender(context, f"tcp://127.0.0.1:{port}", timeout_s=5)
+    receiver = Receiver(
+        f"tcp://127.0.0.1:{port}", layers[0].numel() * 4 * 2, ttl_s=60, security=SECURITY
+    )
+    sender = PeerSender(context, f"tcp://127.0.0.1:{port}", timeout_s=5, security=SECURITY)
     try:
         for i, t in enumerate(layers):
             sender.send_layer("req-2", _header("t2", i, 3, t), t)
@@ -110,8 +118,10 @@ def test_a_layer_from_another_tp_rank_is_refused(context: zmq.Context) -> None:
     """Under TP each receiver holds its own rank's KV heads: rank 1 of 2 refuses KV that
     rank 0 sent, or that a producer of another TP size sent."""
     port = _port()
-    receiver = Receiver(f"tcp://127.0.0.1:{port}", 1 << 30, ttl_s=60, tp_rank=1, tp_size=2)
-    sender = PeerSender(context, f"tcp://127.0.0.1:{port}", timeout_s=5)
+    receiver = Receiver(
+        f"tcp://127.0.0.1:{port}", 1 << 30, ttl_s=60, tp_rank=1, tp_size=2, security=SECURITY
+    )
+    sender = PeerSender(context, f"tcp://127.0.0.1:{port}", timeout_s=5, security=SECURITY)
     try:
         t = _layers(1)[0]
         for transfer_id, rank, size in (("t5", 0, 2), ("t6", 1, 4)):
@@ -133,7 +143,7 @@ def test_a_layer_from_another_tp_rank_is_refused(context: zmq.Context) -> None:
 
 
 def test_no_consumer_times_the_transfer_out(context: zmq.Context) -> None:
-    sender = PeerSender(context, f"tcp://127.0.0.1:{_port()}", timeout_s=0.3)
+    sender = PeerSender(context, f"tcp://127.0.0.1:{_port()}", timeout_s=0.3, security=SECURITY)
     try:
         t = _layers(1)[0]
         sender.send_layer("req-3", _header("t3", 0, 1, t), t)
@@ -145,8 +155,8 @@ def test_no_consumer_times_the_transfer_out(context: zmq.Context) -> None:
 
 def test_an_unclaimed_transfer_expires(context: zmq.Context) -> None:
     port = _port()
-    receiver = Receiver(f"tcp://127.0.0.1:{port}", 1 << 30, ttl_s=0.3)
-    sender = PeerSender(context, f"tcp://127.0.0.1:{port}", timeout_s=5)
+    receiver = Receiver(f"tcp://127.0.0.1:{port}", 1 << 30, ttl_s=0.3, security=SECURITY)
+    sender = PeerSender(context, f"tcp://127.0.0.1:{port}", timeout_s=5, security=SECURITY)
     try:
         t = _layers(1)[0]
         sender.send_layer("req-4", _header("t4", 0, 2, t), t)  # 1 of 2 layers
@@ -190,7 +200,11 @@ def test_an_unauthenticated_layer_refuses_the_transfer(context: zmq.Context, how
     secret = b"the engines' shared KV secret..."
     port = _port()
     receiver = Receiver(
-        f"tcp://127.0.0.1:{port}", 1 << 30, ttl_s=60, auth=KeyedKVAuthenticator(secret)
+        f"tcp://127.0.0.1:{port}",
+        1 << 30,
+        ttl_s=60,
+        auth=KeyedKVAuthenticator(secret),
+        security=SECURITY,
     )
     # forged: a peer's own secret. moved: the right secret, but the MAC was made for
     # another transfer (a valid layer replayed under another transfer id).
@@ -200,7 +214,9 @@ def test_an_unauthenticated_layer_refuses_the_transfer(context: zmq.Context, how
         auth.tag = lambda key, header, payload: genuine(  # type: ignore[method-assign]
             key.replace("planted", "genuine"), header.replace(b"planted", b"genuine"), payload
         )
-    sender = PeerSender(context, f"tcp://127.0.0.1:{port}", timeout_s=5, auth=auth)
+    sender = PeerSender(
+        context, f"tcp://127.0.0.1:{port}", timeout_s=5, auth=auth, security=SECURITY
+    )
     try:
         [layer] = _layers(1)
         sender.send_layer("r", _header("planted", 0, 1, layer), layer)
@@ -208,6 +224,33 @@ def test_an_unauthenticated_layer_refuses_the_transfer(context: zmq.Context, how
         assert receiver.auth_failures == 1
         [(req_id, ok, _, _)] = _wait(sender.take_done)  # type: ignore[misc]
         assert (req_id, ok) == ("r", False)
+    finally:
+        sender.close()
+        receiver.close()
+
+
+@pytest.mark.parametrize("stranger", ["another secret", "plaintext"])
+def test_a_sender_without_the_secret_is_refused_before_its_payload_is_read(
+    context: zmq.Context, stranger: str
+) -> None:
+    port = _port()
+    receiver = Receiver(f"tcp://127.0.0.1:{port}", 1 << 30, ttl_s=60, security=SECURITY)
+    security = (
+        socket_security(b"another operator's KV secret 012")
+        if stranger == "another secret"
+        else PLAIN_SOCKETS
+    )
+    sender = PeerSender(context, f"tcp://127.0.0.1:{port}", timeout_s=0.5, security=security)
+    try:
+        [layer] = _layers(1)
+        sender.send_layer("r", _header("t", 0, 1, layer), layer)
+        # Refused in the handshake: the transfer fails by timeout, into the load-failure
+        # policy, and the receiver never held (nor checked the MAC of) a byte of it.
+        [(req_id, ok, _, _)] = _wait(sender.take_done)  # type: ignore[misc]
+        assert (req_id, ok) == ("r", False)
+        assert receiver.refused_connections >= 1
+        assert receiver.take("t") is None
+        assert receiver.auth_failures == 0 and receiver.buffered_bytes == 0
     finally:
         sender.close()
         receiver.close()

@@ -21,6 +21,9 @@ Each layer's message carries a third frame, the MAC (kvserve.kvcache.integrity) 
 transfer id and layer name, the raw header (shape, dtype, token count, prompt hash, rank)
 and the bytes, computed on the sender's thread. A receiver with a KV secret refuses the
 whole transfer at a layer that fails it (AUTH_FAILED): the consumer recomputes the prompt.
+With the secret the sockets are CURVE too (kvserve.utils.zmq_curve): the layers cross the
+network encrypted, and a sender without the secret is refused in the handshake, before
+the receiver reads a byte; its transfer times out into the same failure path.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ import torch
 import zmq
 
 from kvserve.kvcache.integrity import PLAIN, KVAuthenticator
+from kvserve.utils.zmq_curve import PLAIN_SOCKETS, SocketSecurity
 
 logger = logging.getLogger(__name__)
 
@@ -104,6 +108,7 @@ class PeerSender:
         address: str,
         timeout_s: float,
         auth: KVAuthenticator = PLAIN,
+        security: SocketSecurity = PLAIN_SOCKETS,
     ) -> None:
         self.address = address
         self.timeout_s = timeout_s
@@ -112,6 +117,7 @@ class PeerSender:
         self._socket = context.socket(zmq.DEALER)
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.setsockopt(zmq.SNDHWM, 0)
+        security.curve_client(self._socket)
         self._socket.connect(address)
         self._transfers: dict[str, _Transfer] = {}
         self._lock = threading.Lock()
@@ -182,7 +188,12 @@ class PeerSender:
         tag = self.auth.tag(mac_key(header), raw, payload)
         try:
             # Queued locally (no high-water mark): the send never blocks on a slow peer.
-            self._socket.send_multipart([raw, payload, tag], copy=False)
+            # Again means no pipe to queue on: the peer refused the handshake for good (a
+            # plaintext sender to a CURVE receiver gets an ERROR, and ZMQ stops retrying).
+            self._socket.send_multipart([raw, payload, tag], zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            self._finish(header.transfer_id, False, "the receiver refused the connection")
+            return
         except zmq.ZMQError as exc:
             self._finish(header.transfer_id, False, repr(exc))
             return
@@ -228,8 +239,10 @@ class Receiver:
         tp_rank: int = 0,
         tp_size: int = 1,
         auth: KVAuthenticator = PLAIN,
+        security: SocketSecurity = PLAIN_SOCKETS,
     ) -> None:
         self.auth = auth
+        self._security = security
         self.source = f"the P2P receiver at {bind}"
         self.auth_failures = 0  # layers refused for their MAC (read by tests and stats)
         self.max_buffer_bytes = max_buffer_bytes
@@ -240,6 +253,7 @@ class Receiver:
         self._socket = self._context.socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.setsockopt(zmq.RCVHWM, 0)
+        security.curve_server(self._socket)
         self._socket.bind(bind)  # fails now (address in use) rather than on a thread
         self._lock = threading.Lock()
         self._arrivals: dict[str, Arrival] = {}
@@ -271,11 +285,16 @@ class Receiver:
     def buffered_bytes(self) -> int:
         return self._buffered
 
+    @property
+    def refused_connections(self) -> int:
+        """Senders refused in the CURVE handshake (another secret, or none)."""
+        return self._security.refused(self._context)
+
     def close(self) -> None:
         self._stop = True
         self._thread.join(timeout=2)
         self._socket.close()
-        self._context.term()
+        self._security.term(self._context)
 
     def _drop(self, transfer_id: str) -> None:
         arrival = self._arrivals.pop(transfer_id, None)

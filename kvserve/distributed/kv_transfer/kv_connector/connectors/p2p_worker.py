@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from kvserve.distributed.parallel_state import GroupCoordinator
     from kvserve.forward_context import ForwardContext
     from kvserve.kvcache.integrity import KVAuthenticator
+    from kvserve.utils.zmq_curve import SocketSecurity
 
 logger = logging.getLogger(__name__)
 
@@ -86,9 +87,15 @@ class P2pWorkerSide:
         def _get_connector_metadata(self) -> KVConnectorMetadata: ...
 
     def _init_worker_side(
-        self, receiver: Receiver | None, tp_rank: int, tp_size: int, auth: KVAuthenticator
+        self,
+        receiver: Receiver | None,
+        tp_rank: int,
+        tp_size: int,
+        auth: KVAuthenticator,
+        security: SocketSecurity,
     ) -> None:
         self._auth = auth
+        self._security = security
         self._tp_rank = tp_rank
         self._tp_size = tp_size
         self._tp: GroupCoordinator | None = None
@@ -173,7 +180,9 @@ class P2pWorkerSide:
 
             if self._zmq_context is None:
                 self._zmq_context = zmq.Context()
-            sender = PeerSender(self._zmq_context, address, self.send_timeout_s, self._auth)
+            sender = PeerSender(
+                self._zmq_context, address, self.send_timeout_s, self._auth, self._security
+            )
             self._senders[address] = sender
         return sender
 

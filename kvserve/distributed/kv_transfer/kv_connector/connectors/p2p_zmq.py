@@ -61,7 +61,8 @@ from kvserve.distributed.kv_transfer.kv_connector.utils import (
     follow_scheduled_blocks,
     worker_totals,
 )
-from kvserve.kvcache.integrity import kv_authenticator
+from kvserve.kvcache.integrity import kv_authenticator, read_secret
+from kvserve.utils.zmq_curve import socket_security
 
 if TYPE_CHECKING:
     from kvserve.config import EngineConfig
@@ -132,6 +133,7 @@ class P2pZmqConnector(P2pWorkerSide, KVConnectorBase_V1):
             config.kv_security_config,
             f"P2P KV transfer over the network ({transfer.kv_role}, {self.kv_host})",
         )
+        security = socket_security(read_secret(config.kv_security_config))
         self.send_timeout_s = float(transfer.get_from_extra_config("send_timeout_s", 30.0))
         self.recv_timeout_s = float(transfer.get_from_extra_config("recv_timeout_s", 30.0))
         self.bytes_per_block = 0
@@ -170,8 +172,9 @@ class P2pZmqConnector(P2pWorkerSide, KVConnectorBase_V1):
                 tp_rank,
                 self.tp_size,
                 auth,
+                security,
             )
-        self._init_worker_side(receiver, tp_rank, self.tp_size, auth)
+        self._init_worker_side(receiver, tp_rank, self.tp_size, auth, security)
 
     def _count(self, metric: str, kind: str, value: float = 1.0) -> None:
         totals = self._stats.setdefault(metric, {})

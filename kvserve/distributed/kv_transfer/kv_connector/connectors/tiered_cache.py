@@ -45,8 +45,9 @@ from kvserve.distributed.kv_transfer.kv_connector.utils import (
     layer_to_group,
 )
 from kvserve.kvcache.config import load_cache_engine_config
-from kvserve.kvcache.integrity import kv_authenticator
+from kvserve.kvcache.integrity import kv_authenticator, read_secret
 from kvserve.kvcache.lookup import EngineStats, LookupClient, lookup_address
+from kvserve.utils.zmq_curve import socket_security
 
 if TYPE_CHECKING:
     from kvserve.config import EngineConfig
@@ -109,12 +110,14 @@ class TieredCacheConnector(TieredCacheWorker, KVConnectorBase_V1):
         auth = kv_authenticator(
             config.kv_security_config, None if remote is None else f"the KV tier's {remote}"
         )
+        self._security = socket_security(read_secret(config.kv_security_config))
         if role == KVConnectorRole.WORKER:
             self._init_worker(config, self.cache_config, auth)
         else:
             # The CacheEngines live with the workers: ask every rank's lookup service.
             self._lookup_client = LookupClient(
-                [lookup_address(self._instance_id, rank) for rank in range(self.world_size)]
+                [lookup_address(self._instance_id, rank) for rank in range(self.world_size)],
+                security=self._security,
             )
         # Scheduler side.
         self._lookups: dict[str, tuple[int, int]] = {}  # req_id -> (tier hit, usable tokens)
@@ -138,7 +141,7 @@ class TieredCacheConnector(TieredCacheWorker, KVConnectorBase_V1):
         ]
         if addresses != self._lookup_client.addresses:
             self._lookup_client.close()
-            self._lookup_client = LookupClient(addresses)
+            self._lookup_client = LookupClient(addresses, security=self._security)
 
     def get_num_new_matched_tokens(
         self, request: ConnectorRequest, num_computed_tokens: int

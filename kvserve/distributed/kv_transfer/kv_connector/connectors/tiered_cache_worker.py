@@ -39,6 +39,7 @@ if TYPE_CHECKING:
     from kvserve.kvcache.cache_engine import CacheEngine
     from kvserve.kvcache.config import CacheEngineConfig
     from kvserve.kvcache.integrity import KVAuthenticator
+    from kvserve.utils.zmq_curve import SocketSecurity
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +70,7 @@ class TieredCacheWorker:
     async_loading: bool
     _instance_id: str
     _layer_group: dict[str, int]
+    _security: SocketSecurity  # for the lookup service when it listens on TCP
     # Set by _init_worker; None on the scheduler side.
     _engine: CacheEngine | None = None
     _lookup_server: LookupServer | None = None
@@ -107,7 +109,9 @@ class TieredCacheWorker:
             import ray
 
             tcp_host = ray.util.get_node_ip_address()
-        self._lookup_server = LookupServer.acquire(self._engine, self._lookup_address, tcp_host)
+        self._lookup_server = LookupServer.acquire(
+            self._engine, self._lookup_address, tcp_host, self._security
+        )
         # (cache, KV cache group) per layer in model order.
         self._kv_caches: list[tuple[torch.Tensor, int]] = []
         self._async_loads: dict[str, tuple[TransferSpec, Future[int]]] = {}
