@@ -134,7 +134,7 @@ class RejectionLog:
 def read_secret(
     security: KVSecurityConfig, environ: Mapping[str, str] | None = None
 ) -> bytes | None:
-    """The secret from the file (surrounding whitespace dropped), else the environment."""
+    """The secret from the file, else the environment (utils/kv_secret.py)."""
     return read_kv_secret(security.kv_secret_file, environ)
 
 

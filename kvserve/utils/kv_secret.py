@@ -9,6 +9,8 @@ import argparse
 import os
 from collections.abc import Mapping
 
+from kvserve.utils.secret_file import read_secret_file
+
 ENV_SECRET = "KVSERVE_KV_SECRET"
 MIN_SECRET_BYTES = 16
 
@@ -20,17 +22,14 @@ class KVSecurityError(ValueError):
 def read_kv_secret(
     secret_file: str | None, environ: Mapping[str, str] | None = None
 ) -> bytes | None:
-    """The secret from the file (surrounding whitespace dropped), else the environment."""
+    """The secret from the file (its first line, a file only its owner may read), else
+    the environment."""
     env = os.environ if environ is None else environ
     if secret_file:
         try:
-            with open(secret_file, "rb") as f:
-                secret = f.read().strip()
-        except OSError as exc:
-            raise KVSecurityError(f"cannot read --kv-secret-file {secret_file!r}: {exc}") from exc
-        if not secret:
-            raise KVSecurityError(f"--kv-secret-file {secret_file!r} is empty")
-        return secret
+            return read_secret_file(secret_file, "--kv-secret-file").encode()
+        except ValueError as exc:  # unreadable, empty, or readable by other users
+            raise KVSecurityError(str(exc)) from None
     value = env.get(ENV_SECRET, "").strip()
     return value.encode() if value else None
 

@@ -9,6 +9,7 @@ import argparse
 import json
 import socket
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -62,6 +63,7 @@ def test_the_mac_binds_key_header_and_bytes() -> None:
 def test_secret_sources_and_the_refusal(tmp_path: Any) -> None:
     secret_file = tmp_path / "kv.secret"
     secret_file.write_bytes(SECRET + b"\n")
+    secret_file.chmod(0o600)
     from_file = kv_authenticator(KVSecurityConfig(str(secret_file)), "Redis", environ={})
     from_env = kv_authenticator(KVSecurityConfig(), "Redis", environ={ENV_SECRET: SECRET.decode()})
     blob = from_file.seal("k", b"h", b"kv")
@@ -74,8 +76,9 @@ def test_secret_sources_and_the_refusal(tmp_path: Any) -> None:
         assert hint in str(refused.value)
     opted_out = KVSecurityConfig(allow_unauthenticated_kv=True)
     assert kv_authenticator(opted_out, "Redis", environ={}) is PLAIN
-    with pytest.raises(KVSecurityError, match="empty"):
-        (tmp_path / "empty").write_bytes(b"")
+    (tmp_path / "empty").write_bytes(b"")
+    (tmp_path / "empty").chmod(0o600)
+    with pytest.raises(KVSecurityError, match="holds no secret"):
         kv_authenticator(KVSecurityConfig(str(tmp_path / "empty")), None, environ={})
 
 
@@ -192,3 +195,15 @@ def test_planted_chunks_are_rejected_and_recomputed(
     exported = scheduler.connector.get_kv_connector_stats()
     assert exported["tier_auth_failures"][tier] == failures + 2
     assert_no_leak(llm)
+
+
+def test_a_secret_file_others_can_read_is_refused(tmp_path: Path) -> None:
+    from kvserve.utils.kv_secret import read_kv_secret
+
+    secret = tmp_path / "kv.secret"
+    secret.write_text("a-secret-of-enough-length\n")
+    secret.chmod(0o640)
+    with pytest.raises(KVSecurityError, match="readable by other users; chmod 600"):
+        read_kv_secret(str(secret), environ={})
+    secret.chmod(0o600)
+    assert read_kv_secret(str(secret), environ={}) == b"a-secret-of-enough-length"
