@@ -118,7 +118,7 @@ def test_every_rank_sends_its_heads_to_the_same_rank(
     tokens, cached = _decode(consumer, ids, params)
     assert tokens == hf_greedy(tiny[1], ids, MAX_TOKENS)
     assert cached == len(ids) - 1  # only the last prompt token computed here
-    assert _rank_transfers(consumer) == [{"received": 1, "failed": 0}] * TP
+    assert _rank_transfers(consumer) == [{"received": 1, "failed": 0, "auth_failures": 0}] * TP
     stats = core_of(consumer).scheduler.connector.get_kv_connector_stats() or {}
     assert stats["transfer_requests"]["received"] == 1
     _settle(producer, consumer)
