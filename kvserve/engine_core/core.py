@@ -224,6 +224,11 @@ class EngineCore:
             outputs = self._apply(queue.pop_oldest())
         if self.step_times is not None:
             self.step_times.busy += time.perf_counter() - start
+            if outputs.scheduler_stats is not None:
+                # A copy, taken once this step's busy time is in (its phases are): the
+                # phases of a snapshot are always parts of its busy time. In-process
+                # clients keep the message while the totals move on.
+                outputs.scheduler_stats.step_times = msgspec.structs.replace(self.step_times)
         return outputs, sent
 
     def _apply(self, batch: InFlightBatch) -> EngineCoreOutputs:
@@ -237,15 +242,13 @@ class EngineCore:
             return self._fail_step(batch.scheduler_output, e)
         if self.step_times is not None:
             self.step_times.update += time.perf_counter() - started
-            self._count_model_step(model_output, outputs)
+            self._count_model_step(model_output)
         outputs.timestamp = time.monotonic()
         self._publish_kv_events()
         return outputs
 
-    def _count_model_step(
-        self, model_output: ModelRunnerOutput, outputs: EngineCoreOutputs
-    ) -> None:
-        """Adds a model step to the step-time totals and snapshots them into its stats."""
+    def _count_model_step(self, model_output: ModelRunnerOutput) -> None:
+        """Adds a model step to the step-time totals (step() snapshots them into its stats)."""
         times = self.step_times
         assert times is not None
         # The runner's own split of its part; the executor's glue counts as busy only.
@@ -255,9 +258,6 @@ class EngineCore:
             times.forward += runner.forward
             times.sample += runner.sample
         times.num_steps += 1
-        if outputs.scheduler_stats is not None:
-            # A copy: in-process clients keep the message while the totals move on.
-            outputs.scheduler_stats.step_times = msgspec.structs.replace(times)
 
     def _fail_step(self, scheduler_output: SchedulerOutput, error: Exception) -> EngineCoreOutputs:
         """Fails the request the step's failure is due to, alone; the others go on.

@@ -267,9 +267,12 @@ def build_app(router: ModelRouter, args: argparse.Namespace) -> FastAPI:
         if errors and errors[0].get("type") == "json_invalid":
             detail = errors[0].get("ctx", {}).get("error", "")
             return _error(OpenAIServingError(f"Malformed JSON body: {detail}".rstrip(": ")))
-        locs = [".".join(str(p) for p in e.get("loc", ()) if p != "body") for e in errors]
+        locs = [_field_path(e.get("loc", ())) for e in errors]
+        # A body that is a union of models fails in each member alike: say it once.
         message = "; ".join(
-            f"{loc or 'body'}: {e['msg']}" for loc, e in zip(locs, errors, strict=True)
+            dict.fromkeys(
+                f"{loc or 'body'}: {e['msg']}" for loc, e in zip(locs, errors, strict=True)
+            )
         )
         # The param is the top-level field, as OpenAI names it ("prompt", not "prompt.str").
         param = locs[0].split(".")[0] if locs and locs[0] else None
@@ -463,6 +466,15 @@ def _add_hardening_middleware(
     max_body = getattr(args, "max_request_body_size", None)
     if max_body is not None:
         app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_body)
+
+
+def _field_path(loc: Any) -> str:
+    """ "messages.0.content" of a validation error's location: without "body", and without
+    the model's name pydantic puts first when the body is a union of models (/tokenize)."""
+    parts = [str(p) for p in loc if p != "body"]
+    if parts and parts[0][:1].isupper():
+        parts = parts[1:]
+    return ".".join(parts)
 
 
 async def _trim_heap(heap: HeapTrimmer) -> None:

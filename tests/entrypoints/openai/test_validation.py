@@ -109,6 +109,30 @@ def test_invalid_field_is_a_400_naming_it(
             "messages.0.content",
         ),
         (CHAT, {"messages": HI, "stop": ["ok", "\ud83d"]}, "stop", "stop.1"),
+        (
+            CHAT,
+            {
+                "messages": [
+                    *HI,
+                    {
+                        "role": "assistant",
+                        "content": None,
+                        "tool_calls": [
+                            {
+                                "id": "c1",
+                                "type": "function",
+                                "function": {"name": "f", "arguments": '{"x": "\ud800"}'},
+                            },
+                        ],
+                    },
+                ]
+            },
+            "messages",
+            "messages.1.tool_calls.0.function.arguments",
+        ),
+        ("/v1/responses", {"input": "\ud800"}, "input", "input"),
+        ("/v1/embeddings", {"input": ["ok", "\udfff"]}, "input", "input.1"),
+        ("/tokenize", {"prompt": "\ud800"}, "prompt", "prompt"),
     ],
 )
 def test_an_unpaired_surrogate_escape_is_a_400_naming_its_field(
@@ -127,6 +151,20 @@ def test_an_unpaired_surrogate_escape_is_a_400_naming_its_field(
     error = response.json()["error"]
     assert error["param"] == param and error["message"].startswith(f"{where}: "), error
     assert "unpaired UTF-16 surrogate" in error["message"]
+
+
+def test_an_unpaired_surrogate_is_a_400_in_anthropics_shape(server: RemoteServer) -> None:
+    body = {"model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": "\ud800"}]}
+    response = httpx.post(
+        server.url("/v1/messages"),
+        content=json.dumps(body),
+        headers={"Content-Type": "application/json"},
+        timeout=60,
+    )
+    assert response.status_code == 400, response.text
+    error = response.json()
+    assert error["type"] == "error" and error["error"]["type"] == "invalid_request_error"
+    assert "unpaired UTF-16 surrogate" in error["error"]["message"]
 
 
 def test_a_paired_surrogate_escape_is_text(server: RemoteServer) -> None:
