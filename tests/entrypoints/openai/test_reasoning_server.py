@@ -16,6 +16,8 @@ import torch
 from tests.entrypoints.openai.utils import RemoteServer
 from tests.forced_tokens import forced_xargs
 
+pytestmark = pytest.mark.slow
+
 MODEL = "tiny-think"
 TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"

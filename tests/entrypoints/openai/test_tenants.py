@@ -13,6 +13,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.entrypoints.openai.utils import RemoteServer
 
+pytestmark = pytest.mark.slow
+
 MODEL = "SmolLM2-135M-Instruct"
 KEYS = {"alpha": "key-of-alpha", "beta": "key-of-beta"}
 PROMPT = "Count with me, slowly and carefully: " + " ".join(str(i) for i in range(200, 290))

@@ -20,6 +20,8 @@ import pytest
 from tests.entrypoints.openai.utils import RemoteServer
 from tests.forced_tokens import forced_xargs
 
+pytestmark = pytest.mark.slow
+
 CALL_TEXT = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 ANSWER = "It is 18 degrees and sunny in Paris."
 WEATHER = "18 degrees, sunny"
