@@ -11,7 +11,7 @@ from fastapi.testclient import TestClient
 
 from kvserve.entrypoints.openai.admission import AdmissionMiddleware
 from kvserve.entrypoints.openai.anthropic_errors import AnthropicErrorMiddleware
-from kvserve.entrypoints.openai.api_server import ApiKeyMiddleware
+from kvserve.entrypoints.openai.http_middleware import ApiKeyMiddleware
 
 KEY = "anthropic-test-key"
 

@@ -9,8 +9,8 @@ import argparse
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from kvserve.entrypoints.openai.api_server import ApiKeyMiddleware
 from kvserve.entrypoints.openai.cli_args import add_serve_args
+from kvserve.entrypoints.openai.http_middleware import ApiKeyMiddleware
 from kvserve.entrypoints.web import mount_web_ui, register_web_ui
 from kvserve.entrypoints.web.routes import STATIC_DIR
 from kvserve.metrics.history import StatsHistory
