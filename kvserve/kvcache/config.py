@@ -26,7 +26,9 @@ import yaml
 ENV_PREFIX = "KVSERVE_CACHE_"
 ENV_CONFIG_FILE = "KVSERVE_CACHE_CONFIG"
 CONFIG_FILE_KEY = "kv_cache_config"
-SERDES = ("raw", "int8")
+# How a tier stores chunks (kvserve/kvcache/serde.py): raw and int8 uncompressed; zstd
+# lossless, int8-zstd and int4-zstd quantized per channel, then zstd-coded.
+SERDES = ("raw", "int8", "zstd", "int8-zstd", "int4-zstd")
 GB = 1_000_000_000
 
 _UNITS = {
