@@ -263,3 +263,22 @@ def test_engine_loads_from_the_int4_zstd_remote_tier(
         assert torch.all((got - want).abs() <= _quantization_step(want, 4) / 2 + 1e-5)
     assert len(second.outputs[0].token_ids) == len(first.outputs[0].token_ids)
     assert_no_leak(tiered_llm)
+
+
+def test_bench_reports_size_cost_and_error_per_serde(real_kv: torch.Tensor) -> None:
+    """`kvserve bench kvcache`'s serde table, on the same real KV."""
+    from kvserve.benchmarks.kvcache import measure_serdes
+
+    chunks = [_chunk(real_kv, i) for i in range(2)]
+    table = measure_serdes(chunks, serde.SERDES, repeats=1)
+    assert list(table) == list(serde.SERDES)
+    assert table["raw"]["ratio_to_raw"] == 1.0 and table["raw"]["bytes_per_token"] == 46080
+    for name in ("raw", "zstd"):
+        assert table[name]["max_abs_error"] == 0.0
+    assert 1.05 < table["zstd"]["ratio_to_raw"] < 2
+    assert table["int8-zstd"]["ratio_to_raw"] > table["int8"]["ratio_to_raw"] > 3.5
+    assert table["int4-zstd"]["ratio_to_raw"] > 7.5
+    for name in ("int8-zstd", "int4-zstd"):
+        assert table[name]["rel_error_k"] < REL_ERROR[name]
+        assert table[name]["rel_error_v"] < REL_ERROR[name]
+        assert table[name]["decode_ms_per_chunk"] > 0
