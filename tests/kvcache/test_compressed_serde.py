@@ -8,13 +8,15 @@ from __future__ import annotations
 import json
 import random
 import socket
+import zlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 import torch
+import zstandard
 
-from kvserve.benchmarks.kvcache import make_document_ids
+from kvserve.benchmarks.kvcache import make_document_ids, measure_serdes
 from kvserve.kvcache import serde
 from kvserve.kvcache.builder import CacheEngineBuilder
 from kvserve.kvcache.integrity import PLAIN, KeyedKVAuthenticator, KVAuthenticator
@@ -170,6 +172,27 @@ def test_decoder_alone_rejects_damage(name: str, real_kv: torch.Tensor) -> None:
             serde.decode(wrong, payload)
 
 
+def test_a_frame_claiming_a_huge_size_is_refused_before_decompressing() -> None:
+    """A few bytes under a header with a huge shape: refused by the expansion cap, not
+    allocated (the frame is valid zstd of zeros)."""
+    meta = serde.ChunkMeta((256, 2, 256, 8, 128), "float32", "int4-zstd")
+    header = serde.mac_header(meta)
+    prefix = b"KVZ1" + len(header).to_bytes(4, "little") + header
+    prefix += bytes(-len(prefix) % 8)
+    size = len(prefix) + 256 * 2 * 256 * 8 * 128 // 2 + 2 * 256 * 2 * 8 * 128 * 4
+    coder = zstandard.ZstdCompressor(write_checksum=True).compressobj(size=size)
+    frame = coder.compress(prefix) + coder.flush(zstandard.COMPRESSOBJ_FLUSH_BLOCK)
+    # Stream the zeros without holding them: 1 MiB at a time.
+    zeros, left = bytes(1 << 20), size - len(prefix)
+    while left:
+        frame += coder.compress(zeros[: min(left, len(zeros))])
+        left -= min(left, len(zeros))
+    frame += coder.flush()
+    assert len(frame) < size // 1000
+    with pytest.raises(ValueError, match="claims"):
+        serde.decode(meta, frame + zlib.crc32(frame).to_bytes(4, "little"))
+
+
 class _RawClient:
     """A peer of the cache server that reads and writes stored values directly."""
 
@@ -267,8 +290,6 @@ def test_engine_loads_from_the_int4_zstd_remote_tier(
 
 def test_bench_reports_size_cost_and_error_per_serde(real_kv: torch.Tensor) -> None:
     """`kvserve bench kvcache`'s serde table, on the same real KV."""
-    from kvserve.benchmarks.kvcache import measure_serdes
-
     chunks = [_chunk(real_kv, i) for i in range(2)]
     table = measure_serdes(chunks, serde.SERDES, repeats=1)
     assert list(table) == list(serde.SERDES)
