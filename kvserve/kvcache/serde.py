@@ -12,7 +12,7 @@ what a writer with a different serde stored.
   than float32 at head_size 64.
 - zstd, int8-zstd, int4-zstd (kvserve.kvcache.zstd_serde): zstd-coded chunks, lossless or
   quantized per channel to 8 or 4 bits (each element within half a quantization step),
-  for tiers where bytes cost more than CPU time. The zstd frame's checksum and an inner
+  for tiers where bytes cost more than CPU time. Their checksums (CRC32, zstd's) and an inner
   copy of the header make a damaged or misfiled value a ValueError even without a MAC.
 
 A value that leaves the engine is sealed (seal_chunk): the payload followed by a MAC over

@@ -18,7 +18,7 @@ bits, for tiers where bytes cost more than CPU time (a remote store across a net
   channel); values are commonly quantized per token, but on SmolLM2's KV per channel over a
   256-token chunk gives the smaller error (4-bit relative L2 0.084 against 0.10 per token
   and head) and the params cost 8 bytes per channel per chunk instead of 8 per head_size
-  vector (1% of an int4 chunk instead of 25%). Chunks with few tokens pay relatively more
+  vector (6% of an int4 chunk instead of 25%). Chunks with few tokens pay relatively more
   for their params; the bound is the same.
 
 A payload is one zstd frame (content size and XXH64 content checksum written) and a CRC32
