@@ -16,12 +16,17 @@ import torch
 
 from kvserve.kvcache.key import CacheEngineKey
 from kvserve.kvcache.stats import CacheStats
+from kvserve.kvcache.tier_events import NULL_TIER_EVENTS, TierEventSink
 
 logger = logging.getLogger(__name__)
 
 
 class StorageBackend(ABC):
     name: str = "backend"
+    # The tier kind a cache controller knows it by: cpu, disk or remote.
+    medium: str = "remote"
+    # Told of every chunk this tier gains or drops (StorageManager.attach_events).
+    events: TierEventSink = NULL_TIER_EVENTS
 
     def __init__(self, stats: CacheStats) -> None:
         self.stats = stats

@@ -1,0 +1,311 @@
+"""The tier's control service: a cache controller's pin / unpin / clear / move reach one
+engine's CacheEngine here, over ZMQ.
+
+A controller (kvserve.entrypoints.cache_controller) holds one ControlClient per registered
+instance and sends typed msgspec requests (never pickle); the ControlServer in the
+instance's worker answers each against its CacheEngine. ``move`` is an export from one
+instance's tier and an import into another's: the chunks travel as serde bytes sealed
+with the KV secret's MAC (kvcache.integrity), so the importing instance stores only
+chunks that a holder of the same secret wrote, and nothing on the way can change them.
+
+Over TCP the sockets are CURVE when a KV secret is set (kvserve.utils.zmq_curve): a
+client without it is refused and its requests time out. The service answers one
+request at a time in a daemon thread; a failure is an answer with ``error`` set.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import msgspec
+import zmq
+
+from kvserve.kvcache import serde
+from kvserve.kvcache.key import CacheEngineKey
+from kvserve.utils.zmq_curve import PLAIN_SOCKETS, SocketSecurity
+
+if TYPE_CHECKING:
+    from kvserve.kvcache.cache_engine import CacheEngine
+
+logger = logging.getLogger(__name__)
+
+CONTROL_TIMEOUT_S = 30.0
+
+
+class InfoRequest(msgspec.Struct, tag="info"):
+    seq: int
+
+
+class PinRequest(msgspec.Struct, tag="pin"):
+    seq: int
+    tokens: list[int]
+    medium: str
+    tags: list[tuple[str, str]] = []
+    unpin: bool = False
+
+
+class ClearRequest(msgspec.Struct, tag="clear"):
+    seq: int
+    medium: str
+
+
+class ExportRequest(msgspec.Struct, tag="export"):
+    seq: int
+    tokens: list[int]
+    medium: str
+    tags: list[tuple[str, str]] = []
+
+
+class WireChunk(msgspec.Struct):
+    """One chunk of KV: its key string, serde metadata and sealed (MAC'd) bytes."""
+
+    key: str
+    start: int
+    end: int
+    shape: list[int]
+    dtype: str
+    serde: str
+    blob: bytes
+
+
+class ImportRequest(msgspec.Struct, tag="import"):
+    seq: int
+    medium: str
+    chunks: list[WireChunk]
+
+
+class TierInfo(msgspec.Struct):
+    """What a controller needs to hash prompts as this engine's tier does."""
+
+    model_name: str
+    chunk_size: int
+    hash_seed: int
+    save_unfull_chunk: bool
+    media: list[str]
+
+
+class ControlReply(msgspec.Struct):
+    seq: int
+    # pin/unpin: prefix tokens acted on; import: tokens of the chunks stored.
+    tokens: int = 0
+    info: TierInfo | None = None
+    chunks: list[WireChunk] = []
+    # import: chunks refused (MAC failed, another model's key, does not decode).
+    rejected: int = 0
+    error: str | None = None
+
+
+ControlRequest = InfoRequest | PinRequest | ClearRequest | ExportRequest | ImportRequest
+Tags = tuple[tuple[str, str], ...]
+
+
+def export_chunks(
+    engine: CacheEngine, tokens: list[int], medium: str, tags: Tags
+) -> list[WireChunk]:
+    """The chunks of the prefix of tokens that tier ``medium`` holds, in order, sealed."""
+    backend = engine.storage.by_medium(medium)
+    out: list[WireChunk] = []
+    for chunk in engine.chunks(tokens, tags):
+        kv = backend.get(chunk.key)  # the named tier only: no promotion into the CPU tier
+        if kv is None:
+            break
+        name = chunk.key.to_string()
+        meta, payload = serde.encode(kv, "raw")
+        blob = serde.seal_chunk(engine.auth, name, meta, payload)
+        out.append(
+            WireChunk(name, chunk.start, chunk.end, list(meta.shape), meta.dtype, meta.serde,
+                      bytes(blob))
+        )  # fmt: skip
+    return out
+
+
+def import_chunks(engine: CacheEngine, chunks: list[WireChunk], medium: str) -> tuple[int, int]:
+    """Stores the chunks that are this engine's (model, shard, dtype) and pass the MAC into
+    tier ``medium``; returns (tokens of the leading run stored, chunks refused)."""
+    backend = engine.storage.by_medium(medium)
+    mine = engine.metadata
+    stored = rejected = 0
+    contiguous = True
+    for chunk in chunks:
+        try:
+            key = CacheEngineKey.from_string(chunk.key)
+            if (key.model_name, key.world_size, key.worker_id, key.dtype) != (
+                mine.model_name, mine.world_size, mine.worker_id, mine.kv_dtype
+            ):  # fmt: skip
+                raise ValueError(f"chunk {chunk.key} belongs to another model or shard")
+            meta = serde.ChunkMeta(tuple(chunk.shape), chunk.dtype, chunk.serde)
+            payload = serde.open_chunk(engine.auth, chunk.key, meta, chunk.blob, "a moved chunk")
+            if payload is None:
+                raise ValueError(f"chunk {chunk.key} failed its MAC")
+            kv = serde.decode(meta, payload).clone()  # owned: the tier keeps a reference
+        except ValueError as exc:
+            logger.warning("KV import: %s; refused", exc)
+            rejected += 1
+            contiguous = False
+            continue
+        backend.put(key, kv)
+        if contiguous:
+            stored = chunk.end
+    return stored, rejected
+
+
+class ControlServer:
+    """Answers control requests against one CacheEngine on a TCP endpoint."""
+
+    def __init__(
+        self, engine: CacheEngine, endpoint: str, security: SocketSecurity = PLAIN_SOCKETS
+    ) -> None:
+        self.engine = engine
+        self._security = security
+        self._ctx = zmq.Context()
+        self._socket = self._ctx.socket(zmq.ROUTER)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        security.curve_server(self._socket)
+        try:
+            self._socket.bind(endpoint)
+        except zmq.ZMQError as exc:
+            self._socket.close()
+            security.term(self._ctx)
+            raise RuntimeError(f"KV tier control service cannot bind {endpoint}: {exc}") from exc
+        self.address = self._socket.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._wake_r, self._wake_w = os.pipe()
+        self._thread = threading.Thread(target=self._serve, name="kv-control", daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        decoder = msgspec.msgpack.Decoder(ControlRequest)  # type: ignore[var-annotated]
+        encoder = msgspec.msgpack.Encoder()
+        poller = zmq.Poller()
+        poller.register(self._socket, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
+        while True:
+            events = dict(poller.poll())
+            if self._wake_r in events:
+                return
+            try:
+                ident, frame = self._socket.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                continue
+            except ValueError:  # not two frames: not a client of ours
+                continue
+            try:
+                request = decoder.decode(frame)
+            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                logger.warning("kv control: bad request dropped: %s", exc)
+                continue
+            self._socket.send_multipart([ident, encoder.encode(self._answer(request))])
+
+    def _answer(self, request: ControlRequest) -> ControlReply:
+        engine = self.engine
+        try:
+            if isinstance(request, InfoRequest):
+                info = TierInfo(
+                    engine.metadata.model_name,
+                    engine.config.chunk_size,
+                    engine.config.hash_seed,
+                    engine.config.save_unfull_chunk,
+                    [b.medium for b in engine.storage.backends],
+                )
+                return ControlReply(request.seq, info=info)
+            if isinstance(request, PinRequest):
+                act = engine.unpin_prefix if request.unpin else engine.pin_prefix
+                return ControlReply(
+                    request.seq, tokens=act(request.tokens, request.medium, tuple(request.tags))
+                )
+            if isinstance(request, ClearRequest):
+                engine.clear_medium(request.medium)
+                return ControlReply(request.seq)
+            if isinstance(request, ExportRequest):
+                chunks = export_chunks(engine, request.tokens, request.medium, tuple(request.tags))
+                return ControlReply(request.seq, tokens=chunks[-1].end if chunks else 0,
+                                    chunks=chunks)  # fmt: skip
+            stored, rejected = import_chunks(engine, request.chunks, request.medium)
+            engine.flush(timeout=30)  # a disk import is on disk when the answer comes
+            return ControlReply(request.seq, tokens=stored, rejected=rejected)
+        except Exception as exc:  # an answer always goes back: the client must not wait
+            logger.warning("kv control request failed: %s", exc)
+            return ControlReply(request.seq, error=f"{type(exc).__name__}: {exc}")
+
+    def close(self) -> None:
+        if self._thread.is_alive():
+            os.write(self._wake_w, b"x")
+            self._thread.join(5)
+        self._socket.close()
+        self._security.term(self._ctx)
+        os.close(self._wake_r)
+        os.close(self._wake_w)
+
+
+class ControlError(RuntimeError):
+    """The instance did not answer, or answered with an error."""
+
+
+class ControlClient:
+    """One instance's control service, one request at a time (callers serialize)."""
+
+    def __init__(
+        self,
+        endpoint: str,
+        timeout_s: float = CONTROL_TIMEOUT_S,
+        security: SocketSecurity = PLAIN_SOCKETS,
+    ) -> None:
+        self.endpoint = endpoint
+        self.timeout_s = timeout_s
+        self._security = security
+        self._ctx = zmq.Context()
+        self._socket = self._ctx.socket(zmq.DEALER)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        security.curve_client(self._socket)
+        self._socket.connect(endpoint)
+        self._seq = 0
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = msgspec.msgpack.Decoder(ControlReply)
+        self._lock = threading.Lock()
+
+    def _ask(self, make: Callable[[int], ControlRequest], timeout_s: float | None = None
+             ) -> ControlReply:  # fmt: skip
+        """Sends make(seq) and waits for its answer; ControlError on none or an error."""
+        with self._lock:
+            self._seq += 1
+            seq = self._seq
+            self._socket.send(self._encoder.encode(make(seq)))
+            deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0 or not self._socket.poll(max(1, int(left * 1000))):
+                    raise ControlError(f"{self.endpoint} did not answer")
+                reply = self._decoder.decode(self._socket.recv())
+                if reply.seq == seq:  # older seqs answer requests that timed out
+                    break
+        if reply.error is not None:
+            raise ControlError(reply.error)
+        return reply
+
+    def info(self, timeout_s: float | None = None) -> TierInfo:
+        info = self._ask(InfoRequest, timeout_s).info
+        if info is None:
+            raise ControlError(f"{self.endpoint} sent no tier info")
+        return info
+
+    def pin(self, tokens: list[int], medium: str, tags: Tags, unpin: bool = False) -> int:
+        return self._ask(lambda seq: PinRequest(seq, tokens, medium, list(tags), unpin)).tokens
+
+    def clear(self, medium: str) -> None:
+        self._ask(lambda seq: ClearRequest(seq, medium))
+
+    def export(self, tokens: list[int], medium: str, tags: Tags) -> list[WireChunk]:
+        return self._ask(lambda seq: ExportRequest(seq, tokens, medium, list(tags))).chunks
+
+    def import_chunks(self, chunks: list[WireChunk], medium: str) -> tuple[int, int]:
+        """(tokens of the leading run stored, chunks refused)."""
+        reply = self._ask(lambda seq: ImportRequest(seq, medium, chunks))
+        return reply.tokens, reply.rejected
+
+    def close(self) -> None:
+        self._socket.close()
+        self._security.term(self._ctx)
