@@ -177,7 +177,7 @@ _LAZY_COMMANDS = {
         "add_router_parser",
     ),
     "cache-controller": (
-        "track and manage the KV tiers of several instances (pin, clear, move, lookup)",
+        "track and manage the KV tiers of several instances (lookup, pin, clear, move)",
         "kvserve.entrypoints.cache_controller.server",
         "add_cache_controller_parser",
     ),

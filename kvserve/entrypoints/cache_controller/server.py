@@ -312,7 +312,8 @@ def build_app(
 
 def add_cache_controller_parser(sub: Any) -> None:
     parser: argparse.ArgumentParser = sub.add_parser(
-        "cache-controller", help="track and manage the KV tiers of several instances"
+        "cache-controller",
+        help="track and manage the KV tiers of several instances (lookup, pin, clear, move)",
     )
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=9000)
