@@ -49,6 +49,13 @@ class PinRequest(msgspec.Struct, tag="pin"):
     unpin: bool = False
 
 
+class InventoryRequest(msgspec.Struct, tag="inventory"):
+    """Every chunk hash each tier holds (those that can list them): a controller that
+    registers late, or lost events, starts from this and follows the events after it."""
+
+    seq: int
+
+
 class ClearRequest(msgspec.Struct, tag="clear"):
     seq: int
     medium: str
@@ -97,10 +104,14 @@ class ControlReply(msgspec.Struct):
     chunks: list[WireChunk] = []
     # import: chunks refused (MAC failed, another model's key, does not decode).
     rejected: int = 0
+    # inventory: tier -> the chunk hashes it holds (32 bytes each)
+    inventory: dict[str, list[bytes]] = {}
     error: str | None = None
 
 
-ControlRequest = InfoRequest | PinRequest | ClearRequest | ExportRequest | ImportRequest
+ControlRequest = (
+    InfoRequest | InventoryRequest | PinRequest | ClearRequest | ExportRequest | ImportRequest
+)
 Tags = tuple[tuple[str, str], ...]
 
 
@@ -212,6 +223,13 @@ class ControlServer:
                     [b.medium for b in engine.storage.backends],
                 )
                 return ControlReply(request.seq, info=info)
+            if isinstance(request, InventoryRequest):
+                inventory = {}
+                for backend in engine.storage.backends:
+                    keys = backend.held_keys()
+                    if keys is not None:
+                        inventory[backend.medium] = [bytes.fromhex(k.chunk_hash) for k in keys]
+                return ControlReply(request.seq, inventory=inventory)
             if isinstance(request, PinRequest):
                 act = engine.unpin_prefix if request.unpin else engine.pin_prefix
                 return ControlReply(
@@ -291,6 +309,10 @@ class ControlClient:
         if info is None:
             raise ControlError(f"{self.endpoint} sent no tier info")
         return info
+
+    def inventory(self, timeout_s: float | None = None) -> dict[str, list[bytes]]:
+        """Tier -> the chunk hashes it holds now (tiers that cannot list theirs left out)."""
+        return self._ask(InventoryRequest, timeout_s).inventory
 
     def pin(self, tokens: list[int], medium: str, tags: Tags, unpin: bool = False) -> int:
         return self._ask(lambda seq: PinRequest(seq, tokens, medium, list(tags), unpin)).tokens

@@ -116,6 +116,8 @@ def test_move_copies_a_prefix_between_engines_sealed(
     chunks = to_source.export(tokens, "cpu", ())
     assert [(c.start, c.end) for c in chunks] == [(0, CHUNK), (CHUNK, 2 * CHUNK)]
     assert to_target.import_chunks(chunks, "cpu") == (2 * CHUNK, 0)
+    assert to_target.inventory() == {"cpu": [bytes.fromhex(c.key.chunk_hash) for c in
+                                            target.chunks(tokens)]}  # fmt: skip
     result = target.retrieve(tokens)
     assert result.num_tokens == 2 * CHUNK and torch.equal(result.kv(), kv)
     # A changed byte fails the MAC; another engine's secret, or model, is refused too.

@@ -95,6 +95,10 @@ class TierIndex:
             elif isinstance(event, AllBlocksCleared):  # the engine's prefix cache reset
                 tiers.pop(DEVICE, None)
 
+    def replace(self, instance: str, tier: str, hashes: Iterable[bytes]) -> None:
+        """What one tier holds now, as the instance listed it (its events then follow)."""
+        self._held.setdefault(instance, {})[tier] = set(hashes)
+
     def forget(self, instance: str, tiers: Iterable[str] | None = None) -> None:
         """Drops what the index knows of the instance (of those tiers only, if given)."""
         if tiers is None:

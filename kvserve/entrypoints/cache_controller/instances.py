@@ -3,13 +3,15 @@ thread per KV event stream (the engine's, the tier's) following it into the Tier
 
 A stream whose sequence numbers restart (the instance restarted) or skip (batches were
 lost: a PUB socket drops what its subscriber could not take) makes the index forget what
-that stream taught it; later events fill it again.
+that stream taught it, then ask the instance what its tiers hold now (``resync``); later
+events go on from there.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvserve.distributed.kv_events_subscriber import KVEventSubscriber
@@ -40,10 +42,15 @@ class StreamFollowers:
     """Follows the instances' event streams into ``index`` (under ``lock``) until stopped."""
 
     def __init__(
-        self, index: TierIndex, lock: threading.Lock, security: SocketSecurity = PLAIN_SOCKETS
+        self,
+        index: TierIndex,
+        lock: threading.Lock,
+        resync: Callable[[str], None],
+        security: SocketSecurity = PLAIN_SOCKETS,
     ) -> None:
         self.index = index
         self.lock = lock
+        self.resync = resync
         self.security = security
         self._stops: dict[str, threading.Event] = {}
 
@@ -93,6 +100,7 @@ class StreamFollowers:
                     )
                     with self.lock:
                         self.index.forget(name, tiers)
+                    self.resync(name)
                 last_seq = seq
                 try:
                     with self.lock:

@@ -58,6 +58,8 @@ logger = logging.getLogger(__name__)
 
 REGISTER_TIMEOUT_S = 10.0
 HEALTH_TIMEOUT_S = 2.0
+# Taken under the index's lock: a silent instance must not hold lookups up for long.
+INVENTORY_TIMEOUT_S = 5.0
 
 
 class ControllerError(Exception):
@@ -77,7 +79,7 @@ class CacheController:
         self.security = security
         self.index = TierIndex()
         self.lock = threading.Lock()
-        self.followers = StreamFollowers(self.index, self.lock, security)
+        self.followers = StreamFollowers(self.index, self.lock, self.resync, security)
         self.instances: dict[str, Instance] = {}
         self.http = httpx.Client(timeout=httpx.Timeout(30.0, connect=5.0))
 
@@ -108,8 +110,24 @@ class CacheController:
         with self.lock:
             self.instances[name] = instance
         self.followers.start(instance)
+        self.resync(name)  # what it held before: subscribed first, so nothing falls between
         logger.info("registered %s (tiers %s)", name, ", ".join(instance.tiers))
         return instance
+
+    def resync(self, name: str) -> None:
+        """Takes what the instance's tiers hold now from its control service. Under the
+        lock: an event published after the listing waits, and then applies on top of it."""
+        with self.lock:
+            instance = self.instances.get(name)
+            if instance is None:
+                return
+            try:
+                inventory = instance.control.inventory(INVENTORY_TIMEOUT_S)
+            except ControlError as exc:
+                logger.warning("%s: cannot list its tiers: %s", name, exc)
+                return
+            for tier, hashes in inventory.items():
+                self.index.replace(name, tier, hashes)
 
     def unregister(self, name: str) -> None:
         with self.lock:

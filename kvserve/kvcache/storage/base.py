@@ -46,6 +46,11 @@ class StorageBackend(ABC):
     @abstractmethod
     def clear(self) -> None: ...
 
+    def held_keys(self) -> list[CacheEngineKey] | None:
+        """Every key this tier holds, or None where it cannot list them (a shared remote
+        store, whose other writers it does not know of)."""
+        return None
+
     def pin(self, key: CacheEngineKey) -> bool:
         """Keeps key from eviction until unpin(); False when the tier does not hold it."""
         return False

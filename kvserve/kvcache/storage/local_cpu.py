@@ -43,6 +43,10 @@ class LocalCPUBackend(StorageBackend):
         with self._lock:
             return key in self._entries
 
+    def held_keys(self) -> list[CacheEngineKey]:
+        with self._lock:
+            return list(self._entries)
+
     def pin(self, key: CacheEngineKey) -> bool:
         with self._lock:
             if key not in self._entries:

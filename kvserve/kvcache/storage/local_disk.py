@@ -110,6 +110,9 @@ class LocalDiskBackend(StorageBackend):
     def contains(self, key: CacheEngineKey) -> bool:
         return self.store.contains(key.to_string())
 
+    def held_keys(self) -> list[CacheEngineKey]:
+        return [CacheEngineKey.from_string(k) for k in self.store.keys()]
+
     def pin(self, key: CacheEngineKey) -> bool:
         return self.store.pin(key.to_string())
 

@@ -33,15 +33,15 @@ pytestmark = pytest.mark.slow
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
 MODEL = "SmolLM2-135M-Instruct"
 KEY = "instance-key"
-CHUNK = 64
-# SmolLM2-135M: 30 layers x 2 x 64 tokens x 3 KV heads x 64 x 4 bytes = 2.8 MiB a chunk;
+CHUNK = 32
+# SmolLM2-135M: 30 layers x 2 x 32 tokens x 3 KV heads x 64 x 4 bytes = 1.4 MiB a chunk;
 # the CPU tier holds 4 chunks: two prompts of two chunks each.
-TIER_YAML = f"chunk_size: {CHUNK}\nlocal_cpu: true\nmax_local_cpu_size: 12MiB\n"
+TIER_YAML = f"chunk_size: {CHUNK}\nlocal_cpu: true\nmax_local_cpu_size: 6MiB\n"
 
 
 def _prompt(topic: str) -> str:
-    """About 150 tokens: two full chunks and a tail."""
-    return f"Notes on {topic}: " + " ".join(f"{topic} fact {i}." for i in range(30))
+    """About 80 tokens: two full chunks and a tail."""
+    return f"Notes on {topic}: " + " ".join(f"{topic} fact {i}." for i in range(14))
 
 
 class Process:
@@ -91,7 +91,7 @@ class Instance(Process):
     def complete(self, prompt: str) -> str:
         answer = httpx.post(
             f"{self.url}/v1/completions",
-            json={"model": MODEL, "prompt": prompt, "max_tokens": 4, "temperature": 0},
+            json={"model": MODEL, "prompt": prompt, "max_tokens": 2, "temperature": 0},
             headers={"authorization": f"Bearer {KEY}"},
             timeout=120,
         )
@@ -174,15 +174,14 @@ def test_lookup_pin_move_clear(fleet: tuple[Controller, Instance, Instance]) -> 
     by_text = controller.post("/lookup", {"text": prompt})
     assert by_text["num_tokens"] == len(tokens) and by_text["instances"] == found
 
-    # Pinned: three more prompts (six chunks) through a four-chunk tier evict the other
-    # prompt's chunks, never the pinned ones.
+    # Pinned: two more prompts (four chunks) through a four-chunk tier: the second evicts
+    # the first's chunks, never the pinned ones.
     pinned = controller.post("/pin", {"instance": a.url, "tier": "cpu", "tokens": tokens})
     assert pinned["num_tokens"] == 2 * CHUNK
     other = a.tokens(_prompt("glaciers"))
     a.complete(_prompt("glaciers"))
     controller.wait_for(other, lambda f: f[a.url].get("cpu") == 2 * CHUNK)
-    for topic in ("volcanoes", "honey bees"):
-        a.complete(_prompt(topic))
+    a.complete(_prompt("volcanoes"))
     controller.wait_for(other, lambda f: not f[a.url])
     assert controller.lookup(tokens)[a.url] == {"cpu": 2 * CHUNK}
     unpinned = controller.post("/unpin", {"instance": a.url, "tier": "cpu", "tokens": tokens})
@@ -192,6 +191,9 @@ def test_lookup_pin_move_clear(fleet: tuple[Controller, Instance, Instance]) -> 
     moved = controller.post("/move", {"source": a.url, "target": b.url, "tokens": tokens})
     assert moved == {"num_tokens": 2 * CHUNK, "num_chunks": 2, "rejected": 0}
     controller.wait_for(tokens, lambda f: f[b.url] == {"cpu": 2 * CHUNK})
+    # Registered afresh, b is known at once from its tier's inventory, not from events.
+    controller.post("/register", b.registration())
+    assert controller.lookup(tokens)[b.url] == {"cpu": 2 * CHUNK}
     hits = b.tier_hits()
     assert b.complete(prompt) == text_a
     assert b.tier_hits() > hits
