@@ -4,9 +4,13 @@ engine's CacheEngine here, over ZMQ.
 A controller (kvserve.entrypoints.cache_controller) holds one ControlClient per registered
 instance and sends typed msgspec requests (never pickle); the ControlServer in the
 instance's worker answers each against its CacheEngine. ``move`` is an export from one
-instance's tier and an import into another's: the chunks travel as serde bytes sealed
-with the KV secret's MAC (kvcache.integrity), so the importing instance stores only
+instance's tier and an import into another's: the chunks travel as raw serde bytes
+sealed with the KV secret's MAC (kvcache.integrity), so the importing instance stores only
 chunks that a holder of the same secret wrote, and nothing on the way can change them.
+
+Wire: one multipart message per request and per reply, [msgpack header, *chunk frames]:
+the header is one of the typed structs below and names each chunk (WireChunk); chunk i's
+sealed bytes are frame i after it, sent and received without copies.
 
 Over TCP the sockets are CURVE when a KV secret is set (kvserve.utils.zmq_curve): a
 client without it is refused and its requests time out. The service answers one
@@ -19,7 +23,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -69,7 +73,8 @@ class ExportRequest(msgspec.Struct, tag="export"):
 
 
 class WireChunk(msgspec.Struct):
-    """One chunk of KV: its key string, serde metadata and sealed (MAC'd) bytes."""
+    """One chunk of KV: its key string and serde metadata; its sealed (MAC'd) bytes are
+    the frame that goes with it."""
 
     key: str
     start: int
@@ -77,7 +82,10 @@ class WireChunk(msgspec.Struct):
     shape: list[int]
     dtype: str
     serde: str
-    blob: bytes
+
+
+# A chunk in hand: its header and its sealed bytes.
+Chunk = tuple[WireChunk, serde.Buffer]
 
 
 class ImportRequest(msgspec.Struct, tag="import"):
@@ -101,7 +109,7 @@ class ControlReply(msgspec.Struct):
     # pin/unpin: prefix tokens acted on; import: tokens of the chunks stored.
     tokens: int = 0
     info: TierInfo | None = None
-    chunks: list[WireChunk] = []
+    chunks: list[WireChunk] = []  # export: one frame each follows the header
     # import: chunks refused (MAC failed, another model's key, does not decode).
     rejected: int = 0
     # inventory: tier -> the chunk hashes it holds (32 bytes each)
@@ -115,34 +123,29 @@ ControlRequest = (
 Tags = tuple[tuple[str, str], ...]
 
 
-def export_chunks(
-    engine: CacheEngine, tokens: list[int], medium: str, tags: Tags
-) -> list[WireChunk]:
+def export_chunks(engine: CacheEngine, tokens: list[int], medium: str, tags: Tags) -> list[Chunk]:
     """The chunks of the prefix of tokens that tier ``medium`` holds, in order, sealed."""
     backend = engine.storage.by_medium(medium)
-    out: list[WireChunk] = []
+    out: list[Chunk] = []
     for chunk in engine.chunks(tokens, tags):
         kv = backend.get(chunk.key)  # the named tier only: no promotion into the CPU tier
         if kv is None:
             break
         name = chunk.key.to_string()
         meta, payload = serde.encode(kv, "raw")
-        blob = serde.seal_chunk(engine.auth, name, meta, payload)
-        out.append(
-            WireChunk(name, chunk.start, chunk.end, list(meta.shape), meta.dtype, meta.serde,
-                      bytes(blob))
-        )  # fmt: skip
+        header = WireChunk(name, chunk.start, chunk.end, list(meta.shape), meta.dtype, meta.serde)
+        out.append((header, serde.seal_chunk(engine.auth, name, meta, payload)))
     return out
 
 
-def import_chunks(engine: CacheEngine, chunks: list[WireChunk], medium: str) -> tuple[int, int]:
+def import_chunks(engine: CacheEngine, chunks: list[Chunk], medium: str) -> tuple[int, int]:
     """Stores the chunks that are this engine's (model, shard, dtype) and pass the MAC into
     tier ``medium``; returns (tokens of the leading run stored, chunks refused)."""
     backend = engine.storage.by_medium(medium)
     mine = engine.metadata
     stored = rejected = 0
     contiguous = True
-    for chunk in chunks:
+    for chunk, blob in chunks:
         try:
             key = CacheEngineKey.from_string(chunk.key)
             if (key.model_name, key.world_size, key.worker_id, key.dtype) != (
@@ -150,7 +153,7 @@ def import_chunks(engine: CacheEngine, chunks: list[WireChunk], medium: str) -> 
             ):  # fmt: skip
                 raise ValueError(f"chunk {chunk.key} belongs to another model or shard")
             meta = serde.ChunkMeta(tuple(chunk.shape), chunk.dtype, chunk.serde)
-            payload = serde.open_chunk(engine.auth, chunk.key, meta, chunk.blob, "a moved chunk")
+            payload = serde.open_chunk(engine.auth, chunk.key, meta, blob, "a moved chunk")
             if payload is None:
                 raise ValueError(f"chunk {chunk.key} failed its MAC")
             kv = serde.decode(meta, payload).clone()  # owned: the tier keeps a reference
@@ -199,19 +202,25 @@ class ControlServer:
             if self._wake_r in events:
                 return
             try:
-                ident, frame = self._socket.recv_multipart(zmq.NOBLOCK)
+                frames = self._socket.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 continue
-            except ValueError:  # not two frames: not a client of ours
+            if len(frames) < 2:  # [identity, header, *chunks]: not a client of ours
                 continue
             try:
-                request = decoder.decode(frame)
+                request = decoder.decode(frames[1].buffer)
             except (msgspec.DecodeError, msgspec.ValidationError) as exc:
                 logger.warning("kv control: bad request dropped: %s", exc)
                 continue
-            self._socket.send_multipart([ident, encoder.encode(self._answer(request))])
+            reply, blobs = self._answer(request, [f.buffer for f in frames[2:]])
+            self._socket.send_multipart(
+                [frames[0].bytes, encoder.encode(reply), *blobs], copy=False
+            )
 
-    def _answer(self, request: ControlRequest) -> ControlReply:
+    def _answer(
+        self, request: ControlRequest, blobs: list[memoryview]
+    ) -> tuple[ControlReply, list[serde.Buffer]]:
+        """The reply and the chunk frames that follow it."""
         engine = self.engine
         try:
             if isinstance(request, InfoRequest):
@@ -222,32 +231,38 @@ class ControlServer:
                     engine.config.save_unfull_chunk,
                     [b.medium for b in engine.storage.backends],
                 )
-                return ControlReply(request.seq, info=info)
+                return ControlReply(request.seq, info=info), []
             if isinstance(request, InventoryRequest):
                 inventory = {}
                 for backend in engine.storage.backends:
                     keys = backend.held_keys()
                     if keys is not None:
                         inventory[backend.medium] = [bytes.fromhex(k.chunk_hash) for k in keys]
-                return ControlReply(request.seq, inventory=inventory)
+                return ControlReply(request.seq, inventory=inventory), []
             if isinstance(request, PinRequest):
                 act = engine.unpin_prefix if request.unpin else engine.pin_prefix
-                return ControlReply(
-                    request.seq, tokens=act(request.tokens, request.medium, tuple(request.tags))
-                )
+                tokens = act(request.tokens, request.medium, tuple(request.tags))
+                return ControlReply(request.seq, tokens=tokens), []
             if isinstance(request, ClearRequest):
                 engine.clear_medium(request.medium)
-                return ControlReply(request.seq)
+                return ControlReply(request.seq), []
             if isinstance(request, ExportRequest):
                 chunks = export_chunks(engine, request.tokens, request.medium, tuple(request.tags))
-                return ControlReply(request.seq, tokens=chunks[-1].end if chunks else 0,
-                                    chunks=chunks)  # fmt: skip
-            stored, rejected = import_chunks(engine, request.chunks, request.medium)
+                reply = ControlReply(
+                    request.seq, tokens=chunks[-1][0].end if chunks else 0,
+                    chunks=[header for header, _ in chunks],
+                )  # fmt: skip
+                return reply, [blob for _, blob in chunks]
+            if len(blobs) != len(request.chunks):
+                raise ValueError(f"chunks: {len(request.chunks)} named, {len(blobs)} sent")
+            stored, rejected = import_chunks(
+                engine, list(zip(request.chunks, blobs, strict=True)), request.medium
+            )
             engine.flush(timeout=30)  # a disk import is on disk when the answer comes
-            return ControlReply(request.seq, tokens=stored, rejected=rejected)
+            return ControlReply(request.seq, tokens=stored, rejected=rejected), []
         except Exception as exc:  # an answer always goes back: the client must not wait
             logger.warning("kv control request failed: %s", exc)
-            return ControlReply(request.seq, error=f"{type(exc).__name__}: {exc}")
+            return ControlReply(request.seq, error=f"{type(exc).__name__}: {exc}"), []
 
     def close(self) -> None:
         if self._thread.is_alive():
@@ -285,47 +300,61 @@ class ControlClient:
         self._decoder = msgspec.msgpack.Decoder(ControlReply)
         self._lock = threading.Lock()
 
-    def _ask(self, make: Callable[[int], ControlRequest], timeout_s: float | None = None
-             ) -> ControlReply:  # fmt: skip
-        """Sends make(seq) and waits for its answer; ControlError on none or an error."""
+    def _ask(
+        self,
+        make: Callable[[int], ControlRequest],
+        timeout_s: float | None = None,
+        blobs: Sequence[serde.Buffer] = (),
+    ) -> tuple[ControlReply, list[memoryview]]:
+        """Sends make(seq) (and chunk frames) and waits for its answer and the chunk
+        frames after it; ControlError on none or an error."""
         with self._lock:
             self._seq += 1
             seq = self._seq
-            self._socket.send(self._encoder.encode(make(seq)))
+            self._socket.send_multipart([self._encoder.encode(make(seq)), *blobs], copy=False)
             deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
             while True:
                 left = deadline - time.monotonic()
                 if left <= 0 or not self._socket.poll(max(1, int(left * 1000))):
                     raise ControlError(f"{self.endpoint} did not answer")
-                reply = self._decoder.decode(self._socket.recv())
+                frames = self._socket.recv_multipart(copy=False)
+                reply = self._decoder.decode(frames[0].buffer)
                 if reply.seq == seq:  # older seqs answer requests that timed out
                     break
         if reply.error is not None:
             raise ControlError(reply.error)
-        return reply
+        return reply, [f.buffer for f in frames[1:]]
 
     def info(self, timeout_s: float | None = None) -> TierInfo:
-        info = self._ask(InfoRequest, timeout_s).info
+        info = self._ask(InfoRequest, timeout_s)[0].info
         if info is None:
             raise ControlError(f"{self.endpoint} sent no tier info")
         return info
 
     def inventory(self, timeout_s: float | None = None) -> dict[str, list[bytes]]:
         """Tier -> the chunk hashes it holds now (tiers that cannot list theirs left out)."""
-        return self._ask(InventoryRequest, timeout_s).inventory
+        return self._ask(InventoryRequest, timeout_s)[0].inventory
 
     def pin(self, tokens: list[int], medium: str, tags: Tags, unpin: bool = False) -> int:
-        return self._ask(lambda seq: PinRequest(seq, tokens, medium, list(tags), unpin)).tokens
+        return self._ask(lambda seq: PinRequest(seq, tokens, medium, list(tags), unpin))[0].tokens
 
     def clear(self, medium: str) -> None:
         self._ask(lambda seq: ClearRequest(seq, medium))
 
-    def export(self, tokens: list[int], medium: str, tags: Tags) -> list[WireChunk]:
-        return self._ask(lambda seq: ExportRequest(seq, tokens, medium, list(tags))).chunks
+    def export(self, tokens: list[int], medium: str, tags: Tags) -> list[Chunk]:
+        reply, blobs = self._ask(lambda seq: ExportRequest(seq, tokens, medium, list(tags)))
+        if len(blobs) != len(reply.chunks):
+            raise ControlError(
+                f"{self.endpoint}: {len(reply.chunks)} chunks named, {len(blobs)} sent"
+            )
+        return list(zip(reply.chunks, blobs, strict=True))
 
-    def import_chunks(self, chunks: list[WireChunk], medium: str) -> tuple[int, int]:
+    def import_chunks(self, chunks: list[Chunk], medium: str) -> tuple[int, int]:
         """(tokens of the leading run stored, chunks refused)."""
-        reply = self._ask(lambda seq: ImportRequest(seq, medium, chunks))
+        headers = [header for header, _ in chunks]
+        reply, _ = self._ask(
+            lambda seq: ImportRequest(seq, medium, headers), blobs=[blob for _, blob in chunks]
+        )
         return reply.tokens, reply.rejected
 
     def close(self) -> None:

@@ -114,14 +114,16 @@ def test_move_copies_a_prefix_between_engines_sealed(
     info = to_source.info()
     assert (info.chunk_size, info.media, info.model_name) == (CHUNK, ["cpu"], "m")
     chunks = to_source.export(tokens, "cpu", ())
-    assert [(c.start, c.end) for c in chunks] == [(0, CHUNK), (CHUNK, 2 * CHUNK)]
+    assert [(c.start, c.end) for c, _ in chunks] == [(0, CHUNK), (CHUNK, 2 * CHUNK)]
     assert to_target.import_chunks(chunks, "cpu") == (2 * CHUNK, 0)
     assert to_target.inventory() == {"cpu": [bytes.fromhex(c.key.chunk_hash) for c in
                                             target.chunks(tokens)]}  # fmt: skip
     result = target.retrieve(tokens)
     assert result.num_tokens == 2 * CHUNK and torch.equal(result.kv(), kv)
     # A changed byte fails the MAC; another engine's secret, or model, is refused too.
-    chunks[1].blob = chunks[1].blob[:-1] + bytes([chunks[1].blob[-1] ^ 1])
+    tampered = bytearray(chunks[1][1])
+    tampered[-1] ^= 1
+    chunks[1] = (chunks[1][0], tampered)
     target.clear()
     assert to_target.import_chunks(chunks, "cpu") == (CHUNK, 1)
     stranger = _engine(secret=b"t" * 32, model="other")

@@ -40,6 +40,15 @@ def tier_of(medium: str | None) -> str:
 
 
 @dataclass(frozen=True)
+class PromptHashes:
+    """A prompt hashed the way one layout's device cache and tier do."""
+
+    block_size: int
+    blocks: list[bytes]
+    chunks: list[tuple[int, bytes]]  # (end token, hash) per chunk
+
+
+@dataclass(frozen=True)
 class HashLayout:
     """How one instance hashes: its device blocks and its tier's chunks."""
 
@@ -48,6 +57,13 @@ class HashLayout:
     chunk_size: int
     chunk_hash_seed: int
     save_unfull_chunk: bool = False
+
+    def hash(self, tokens: Sequence[int], cache_salt: str | None) -> PromptHashes:
+        return PromptHashes(
+            self.block_size,
+            self.block_hashes(tokens, cache_salt),
+            self.chunk_hashes(tokens, cache_salt),
+        )
 
     def block_hashes(self, tokens: Sequence[int], cache_salt: str | None) -> list[bytes]:
         hashes: list[bytes] = []
@@ -111,20 +127,18 @@ class TierIndex:
         """Hashes held per tier (device blocks, tier chunks)."""
         return {tier: len(h) for tier, h in self._held.get(instance, {}).items() if h}
 
-    def match(
-        self, instance: str, layout: HashLayout, tokens: Sequence[int], cache_salt: str | None
-    ) -> dict[str, int]:
-        """Prefix tokens of ``tokens`` the instance holds, per tier that holds any."""
+    def match(self, instance: str, prompt: PromptHashes) -> dict[str, int]:
+        """Prefix tokens of the prompt the instance holds, per tier that holds any."""
         found: dict[str, int] = {}
         for tier, held in self._held.get(instance, {}).items():
             n = 0
             if tier == DEVICE:
-                for h in layout.block_hashes(tokens, cache_salt):
+                for h in prompt.blocks:
                     if h not in held:
                         break
-                    n += layout.block_size
+                    n += prompt.block_size
             else:
-                for end, h in layout.chunk_hashes(tokens, cache_salt):
+                for end, h in prompt.chunks:
                     if h not in held:
                         break
                     n = end

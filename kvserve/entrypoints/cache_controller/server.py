@@ -182,9 +182,16 @@ class CacheController:
     def lookup(self, prompt: Prompt) -> LookupResponse:
         tokens = self.tokens(prompt)
         with self.lock:
+            layouts = {name: i.layout for name, i in self.instances.items()}
+        # Hashed once per layout (a fleet usually shares one), outside the lock.
+        hashed = {
+            layout: layout.hash(tokens, prompt.cache_salt) for layout in set(layouts.values())
+        }
+        with self.lock:
             found = {
-                name: self.index.match(name, i.layout, tokens, prompt.cache_salt)
-                for name, i in self.instances.items()
+                name: self.index.match(name, hashed[layout])
+                for name, layout in layouts.items()
+                if name in self.instances
             }
         return LookupResponse(num_tokens=len(tokens), instances=found)
 

@@ -42,12 +42,12 @@ def test_device_blocks_follow_the_engines_hashes() -> None:
     index = TierIndex()
     index.apply("a", [BlockStored(engine_hashes[:3], None, tokens[:12], 4, medium="GPU")])
     index.apply("a", [BlockStored(engine_hashes[3:5], None, [], 4, medium="GPU", group_id=1)])
-    assert index.match("a", LAYOUT, tokens, "salt") == {"device": 12}
-    assert index.match("a", LAYOUT, tokens, None) == {}  # another salt, other hashes
+    assert index.match("a", LAYOUT.hash(tokens, "salt")) == {"device": 12}
+    assert index.match("a", LAYOUT.hash(tokens, None)) == {}  # another salt, other hashes
     index.apply("a", [BlockRemoved(engine_hashes[1:2], medium="GPU")])
-    assert index.match("a", LAYOUT, tokens, "salt") == {"device": 4}
+    assert index.match("a", LAYOUT.hash(tokens, "salt")) == {"device": 4}
     index.apply("a", [AllBlocksCleared()])
-    assert index.match("a", LAYOUT, tokens, "salt") == {}
+    assert index.match("a", LAYOUT.hash(tokens, "salt")) == {}
 
 
 def test_tier_events_answer_lookups_per_tier() -> None:
@@ -60,13 +60,13 @@ def test_tier_events_answer_lookups_per_tier() -> None:
     index = TierIndex()
     for batch in kept.batches:
         index.apply("a", batch.events)
-    assert index.match("a", LAYOUT, tokens, "s") == {"cpu": 16}
-    assert index.match("a", LAYOUT, tokens[:12], "s") == {"cpu": 8}
+    assert index.match("a", LAYOUT.hash(tokens, "s")) == {"cpu": 16}
+    assert index.match("a", LAYOUT.hash(tokens[:12], "s")) == {"cpu": 8}
     assert index.counts("a") == {"cpu": 2}
     engine.clear_medium("cpu")
     for batch in kept.batches[2:]:
         index.apply("a", batch.events)
-    assert index.match("a", LAYOUT, tokens, "s") == {}
+    assert index.match("a", LAYOUT.hash(tokens, "s")) == {}
     engine.close()
 
 
