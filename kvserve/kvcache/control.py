@@ -140,11 +140,13 @@ def export_chunks(engine: CacheEngine, tokens: list[int], medium: str, tags: Tag
 
 def import_chunks(engine: CacheEngine, chunks: list[Chunk], medium: str) -> tuple[int, int]:
     """Stores the chunks that are this engine's (model, shard, dtype) and pass the MAC into
-    tier ``medium``; returns (tokens of the leading run stored, chunks refused)."""
+    tier ``medium``; returns (tokens of the leading run the tier now holds, chunks refused).
+    """
     backend = engine.storage.by_medium(medium)
     mine = engine.metadata
-    stored = rejected = 0
-    contiguous = True
+    rejected = 0
+    # (key, end) per chunk in order; None where refused: the leading run stops there.
+    accepted: list[tuple[CacheEngineKey | None, int]] = []
     for chunk, blob in chunks:
         try:
             key = CacheEngineKey.from_string(chunk.key)
@@ -152,7 +154,9 @@ def import_chunks(engine: CacheEngine, chunks: list[Chunk], medium: str) -> tupl
                 mine.model_name, mine.world_size, mine.worker_id, mine.kv_dtype
             ):  # fmt: skip
                 raise ValueError(f"chunk {chunk.key} belongs to another model or shard")
-            meta = serde.ChunkMeta(tuple(chunk.shape), chunk.dtype, chunk.serde)
+            meta = serde.ChunkMeta.from_dict(
+                {"shape": chunk.shape, "dtype": chunk.dtype, "serde": chunk.serde}
+            )
             payload = serde.open_chunk(engine.auth, chunk.key, meta, blob, "a moved chunk")
             if payload is None:
                 raise ValueError(f"chunk {chunk.key} failed its MAC")
@@ -160,11 +164,17 @@ def import_chunks(engine: CacheEngine, chunks: list[Chunk], medium: str) -> tupl
         except ValueError as exc:
             logger.warning("KV import: %s; refused", exc)
             rejected += 1
-            contiguous = False
+            accepted.append((None, chunk.end))
             continue
         backend.put(key, kv)
-        if contiguous:
-            stored = chunk.end
+        accepted.append((key, chunk.end))
+    backend.flush(timeout=30)  # a disk import is on disk when the answer comes
+    # A full tier may have dropped some (its pinned chunks are not evicted for them).
+    stored = 0
+    for held, end in accepted:
+        if held is None or not backend.contains(held):
+            break
+        stored = end
     return stored, rejected
 
 
@@ -258,7 +268,6 @@ class ControlServer:
             stored, rejected = import_chunks(
                 engine, list(zip(request.chunks, blobs, strict=True)), request.medium
             )
-            engine.flush(timeout=30)  # a disk import is on disk when the answer comes
             return ControlReply(request.seq, tokens=stored, rejected=rejected), []
         except Exception as exc:  # an answer always goes back: the client must not wait
             logger.warning("kv control request failed: %s", exc)

@@ -4,7 +4,7 @@ thread per KV event stream (the engine's, the tier's) following it into the Tier
 A stream whose sequence numbers restart (the instance restarted) or skip (batches were
 lost: a PUB socket drops what its subscriber could not take) makes the index forget what
 that stream taught it, then ask the instance what its tiers hold now (``resync``); later
-events go on from there.
+events go on from there. The first batch of a stream is followed by a listing too.
 """
 
 from __future__ import annotations
@@ -100,6 +100,11 @@ class StreamFollowers:
                     )
                     with self.lock:
                         self.index.forget(name, tiers)
+                    self.resync(name)
+                elif last_seq < 0:
+                    # The first batch: a SUB socket gets nothing until its subscription
+                    # has reached the publisher, so what came before is taken from a
+                    # listing made now (the events after it apply on top).
                     self.resync(name)
                 last_seq = seq
                 try:

@@ -1,7 +1,7 @@
 """`kvserve cache-controller` over two real `kvserve serve` instances with a CPU KV tier.
 
 The controller follows each instance's tier events and drives its tier through the
-control service: lookup names the instance and tier holding a served prompt; a pinned
+control service (CURVE sockets, MAC'd chunks: every process shares a KV secret): lookup names the instance and tier holding a served prompt; a pinned
 prefix outlives eviction pressure that evicts an unpinned one; move copies a prefix into
 the second instance's tier, which then serves the prompt from it (the same greedy text);
 clear empties a tier; `kvserve router --controller` sends a prompt to the instance whose
@@ -30,7 +30,14 @@ from tests.entrypoints.openai.utils import SERVER_ARGS, _free_port
 
 pytestmark = pytest.mark.slow
 
-ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+# The KV secret every process shares: the tier's event and control sockets are CURVE, and
+# moved chunks carry its MAC (an instance with a control service refuses to start without).
+ENV = {
+    **os.environ,
+    "HF_HUB_OFFLINE": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+    "KVSERVE_KV_SECRET": "cache-controller-test-secret",
+}
 MODEL = "SmolLM2-135M-Instruct"
 KEY = "instance-key"
 CHUNK = 32
