@@ -34,6 +34,10 @@ class RegisterRequest(BaseModel):
         return self
 
 
+class DeregisterRequest(BaseModel):
+    url: str = Field(description="the URL the instance registered with")
+
+
 class Prompt(BaseModel):
     """A prompt given as token ids or as text (tokenized by a registered instance)."""
 

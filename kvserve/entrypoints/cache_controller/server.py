@@ -9,7 +9,8 @@ controller follows the streams into a TierIndex and answers:
 - POST /clear    {instance, tier}
 - POST /move     {source, source_tier, target, target_tier, tokens | text}: the source's
   chunks of the prefix are copied into the target's tier (sealed with the KV secret's MAC)
-- GET /health, GET /instances, and the OpenAPI schema at /openapi.json.
+- POST /deregister {url}, GET /health, GET /instances, and the OpenAPI schema at
+  /openapi.json.
 
 Pin, clear and move reach the instance's CacheEngine through its control service
 (kvserve/kvcache/control.py); text is tokenized by the instance's /tokenize. Errors have
@@ -38,6 +39,7 @@ from kvserve.entrypoints.cache_controller.index import DEVICE, HashLayout, TierI
 from kvserve.entrypoints.cache_controller.instances import Instance, StreamFollowers
 from kvserve.entrypoints.cache_controller.protocol import (
     ClearRequest,
+    DeregisterRequest,
     HealthResponse,
     InstanceInfo,
     LookupResponse,
@@ -302,6 +304,12 @@ def build_app(
     def register(req: RegisterRequest) -> InstanceInfo:
         name = controller.register(req).name
         return next(i for i in controller.describe() if i.name == name)
+
+    @app.post("/deregister")
+    def deregister(req: DeregisterRequest) -> dict[str, str]:
+        instance = controller.instance(req.url, "url")  # 404 for one not registered
+        controller.unregister(instance.name)
+        return {"url": instance.name, "status": "deregistered"}
 
     @app.get("/instances")
     def instances() -> list[InstanceInfo]:

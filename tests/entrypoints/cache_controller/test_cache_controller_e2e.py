@@ -257,8 +257,13 @@ def test_errors_health_and_schema(fleet: tuple[Controller, Instance, Instance]) 
     assert "disk" in no_disk["error"]["message"]
     health = httpx.get(f"{controller.url}/health", timeout=30).json()
     assert health == {"healthy": True, "instances": {a.url: True, b.url: True}}
+    # Gone from the index and the answers once deregistered; back with its tier listed.
+    controller.post("/deregister", {"url": b.url})
+    assert b.url not in controller.post("/lookup", {"tokens": [1, 2, 3]})["instances"]
+    controller.post("/deregister", {"url": b.url}, 404)
+    controller.post("/register", b.registration())
     schema = httpx.get(f"{controller.url}/openapi.json", timeout=10).json()
-    for path in ("/register", "/lookup", "/pin", "/unpin", "/clear", "/move", "/health",
-                 "/instances"):  # fmt: skip
+    for path in ("/register", "/deregister", "/lookup", "/pin", "/unpin", "/clear", "/move",
+                 "/health", "/instances"):  # fmt: skip
         assert path in schema["paths"], path
     assert json.dumps(schema["components"]["schemas"]["MoveRequest"])
