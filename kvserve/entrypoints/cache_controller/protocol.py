@@ -3,13 +3,15 @@ them in the OpenAPI schema at /openapi.json)."""
 
 from __future__ import annotations
 
+import re
 from typing import Literal
 
 from pydantic import BaseModel, Field, model_validator
 
-Tier = Literal["device", "cpu", "disk", "remote"]
-# The tiers the controller acts on; the device cache is the engine's own (its scheduler
-# decides what stays there).
+# A ZMQ endpoint the controller connects to: tcp://HOST:PORT ([v6 address] too) or ipc://PATH.
+_ENDPOINT = re.compile(r"tcp://(\[[0-9A-Fa-f:.]+\]|[^\s:/\[\]]+):\d{1,5}|ipc://\S+")
+# The tiers the controller acts on (lookups report "device" too: the engine's own cache,
+# whose scheduler decides what stays there).
 StoreTier = Literal["cpu", "disk", "remote"]
 
 
@@ -29,8 +31,8 @@ class RegisterRequest(BaseModel):
             raise ValueError("url must start with http:// or https://")
         for name in ("control", "tier_events", "kv_events"):
             value = getattr(self, name)
-            if value is not None and not value.startswith(("tcp://", "ipc://")):
-                raise ValueError(f"{name} must be a tcp:// or ipc:// ZMQ endpoint")
+            if value is not None and not _ENDPOINT.fullmatch(value):
+                raise ValueError(f"{name} must be a ZMQ endpoint tcp://HOST:PORT or ipc://PATH")
         return self
 
 

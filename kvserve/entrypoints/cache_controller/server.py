@@ -112,7 +112,9 @@ class CacheController:
         with self.lock:
             self.instances[name] = instance
         self.followers.start(instance)
-        self.resync(name)  # what it held before: subscribed first, so nothing falls between
+        # What it held before: listed once subscribed, and again on each stream's first
+        # batch (a SUB socket's subscription takes a moment to reach the publisher).
+        self.resync(name)
         logger.info("registered %s (tiers %s)", name, ", ".join(instance.tiers))
         return instance
 

@@ -249,6 +249,8 @@ def test_errors_health_and_schema(fleet: tuple[Controller, Instance, Instance]) 
     controller, a, b = fleet
     bad_tier = controller.post("/pin", {"instance": a.url, "tier": "gpu", "tokens": [1]}, 400)
     assert "tier" in bad_tier["error"]["message"]
+    bad_endpoint = controller.post("/register", {"url": a.url, "control": "tcp://h"}, 400)
+    assert "control" in bad_endpoint["error"]["message"]
     neither = controller.post("/lookup", {}, 400)
     assert "tokens" in neither["error"]["message"]
     unknown = controller.post("/clear", {"instance": "http://nowhere:1", "tier": "cpu"}, 404)
