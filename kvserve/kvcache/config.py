@@ -86,6 +86,12 @@ class CacheEngineConfig:
     remote_reconnect_interval_secs: float = 1.0
     hash_seed: int = 0
     enable_async_loading: bool = False
+    # A cache controller's view of this tier (kvserve cache-controller): tier events
+    # (stored / removed per tier) published on this ZMQ PUB endpoint, and pin / unpin /
+    # clear / move served on this one; each rank binds the port plus its rank. Both bind
+    # where they say (loopback unless configured); None: off.
+    tier_events_endpoint: str | None = None
+    control_endpoint: str | None = None
 
     def __post_init__(self) -> None:
         self.validate()
