@@ -1,0 +1,52 @@
+"""OpenAI's audio routes, ``POST /v1/audio/transcriptions`` and
+``POST /v1/audio/translations``: a multipart upload (the ``file`` part and text fields,
+as the openai SDK sends them) run on the named model's stack
+(serving_transcription.py). A body that is not multipart, or a form without a file,
+is a 400 in OpenAI's error shape."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any, Literal
+
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+from starlette.formparsers import MultiPartException
+
+from kvserve.entrypoints.openai.protocol import OpenAIServingError
+from kvserve.entrypoints.openai.protocol_audio import parse_audio_form
+from kvserve.entrypoints.openai.serving_stack import ServingStack
+
+Serve = Callable[
+    [Request, str | None, Callable[[ServingStack], Awaitable[Any]]], Awaitable[Response]
+]
+
+
+def register_audio_routes(app: FastAPI, serve: Serve) -> None:
+    async def audio(raw_request: Request, task: Literal["transcribe", "translate"]) -> Response:
+        content_type = raw_request.headers.get("content-type", "")
+        if not content_type.startswith("multipart/form-data"):
+            raise OpenAIServingError(
+                f"expected a multipart/form-data upload, got {content_type or 'no content type'!r}"
+            )
+        try:
+            form = await raw_request.form()
+        except MultiPartException as exc:
+            raise OpenAIServingError(f"malformed multipart body: {exc.message}") from None
+        try:
+            request, data = await parse_audio_form(form)
+        finally:
+            await form.close()
+        return await serve(
+            raw_request,
+            request.model,
+            lambda stack: stack.transcription.create(request, data, raw_request, task),
+        )
+
+    @app.post("/v1/audio/transcriptions")
+    async def create_transcription(raw_request: Request) -> Response:
+        return await audio(raw_request, "transcribe")
+
+    @app.post("/v1/audio/translations")
+    async def create_translation(raw_request: Request) -> Response:
+        return await audio(raw_request, "translate")
