@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from kvserve import LLM, SamplingParams
-from kvserve.metrics.reader import Counter
+from kvserve.metrics.reader import Counter, Gauge
 from kvserve.multimodal.audio import resample
 from tests.multimodal.whisper_model import (
     DECODER_START,
@@ -119,3 +119,34 @@ def test_bad_audio_is_a_value_error(
     clip = random_audio(11)
     out = llm.generate([_prompt(clip)], _params(), use_tqdm=False)[0]
     assert list(out.outputs[0].token_ids) == hf_greedy(model, extractor, clip, prefix, MAX_TOKENS)
+
+
+def test_preemption_and_shared_encoder_blocks(whisper: tuple[Path, Any, Any, list[int]]) -> None:
+    """A pool of 12 blocks (a request holds 4 encoder blocks and up to 3 decoder blocks)
+    for five requests over three clips: requests are preempted and recomputed (their
+    encoder K/V written again from the encoder cache), requests with the same clip take
+    shared encoder blocks (tests/core/test_cross_attention_manager.py counts them), and
+    every one still gives HF's tokens; no block is left held."""
+    directory, model, extractor, prefix = whisper
+    engine = LLM(
+        model=str(directory),
+        num_blocks_override=12,
+        block_size=16,
+        max_num_batched_tokens=64,
+        disable_log_stats=False,
+    )
+    try:
+        clips = [random_audio(20 + i) for i in range(3)]
+        cases = [clips[0], clips[1], clips[0], clips[2], clips[1]]
+        params = SamplingParams(max_tokens=40, temperature=0.0)
+        outs = engine.generate([_prompt(c) for c in cases], params, use_tqdm=False)
+        want = {i: hf_greedy(model, extractor, c, prefix, 40) for i, c in enumerate(clips)}
+        for out, case in zip(outs, cases, strict=True):
+            index = next(i for i, c in enumerate(clips) if c is case)
+            assert list(out.outputs[0].token_ids) == want[index]
+        counters = {m.name: m.value for m in engine.get_metrics() if isinstance(m, Counter)}
+        assert counters["kvserve:num_preemptions"] > 0
+        gauges = {m.name: m.value for m in engine.get_metrics() if isinstance(m, Gauge)}
+        assert gauges["kvserve:kv_cache_usage_perc"] == 0.0
+    finally:
+        engine.llm_engine.shutdown()
