@@ -17,6 +17,30 @@ from kvserve.entrypoints.openai.protocol import OpenAIServingError
 from kvserve.entrypoints.openai.protocol_audio import parse_audio_form
 from kvserve.entrypoints.openai.serving_stack import ServingStack
 
+# The form as OpenAPI describes it (the route reads the body itself, so FastAPI cannot).
+_FORM_SCHEMA: dict[str, Any] = {
+    "requestBody": {
+        "required": True,
+        "content": {
+            "multipart/form-data": {
+                "schema": {
+                    "type": "object",
+                    "required": ["file"],
+                    "properties": {
+                        "file": {"type": "string", "format": "binary"},
+                        "model": {"type": "string"},
+                        "language": {"type": "string"},
+                        "prompt": {"type": "string"},
+                        "response_format": {"enum": ["json", "text", "verbose_json"]},
+                        "temperature": {"type": "number", "minimum": 0, "maximum": 1},
+                        "max_completion_tokens": {"type": "integer", "minimum": 1},
+                    },
+                }
+            }
+        },
+    }
+}
+
 Serve = Callable[
     [Request, str | None, Callable[[ServingStack], Awaitable[Any]]], Awaitable[Response]
 ]
@@ -43,10 +67,10 @@ def register_audio_routes(app: FastAPI, serve: Serve) -> None:
             lambda stack: stack.transcription.create(request, data, raw_request, task),
         )
 
-    @app.post("/v1/audio/transcriptions")
+    @app.post("/v1/audio/transcriptions", openapi_extra=_FORM_SCHEMA)
     async def create_transcription(raw_request: Request) -> Response:
         return await audio(raw_request, "transcribe")
 
-    @app.post("/v1/audio/translations")
+    @app.post("/v1/audio/translations", openapi_extra=_FORM_SCHEMA)
     async def create_translation(raw_request: Request) -> Response:
         return await audio(raw_request, "translate")
