@@ -16,6 +16,10 @@ from starlette.formparsers import MultiPartException
 from kvserve.entrypoints.openai.protocol import OpenAIServingError
 from kvserve.entrypoints.openai.protocol_audio import parse_audio_form
 from kvserve.entrypoints.openai.serving_stack import ServingStack
+from kvserve.multimodal.audio import AudioPolicy
+
+# Room for the form's text fields and part headers beside the file.
+_FORM_OVERHEAD_BYTES = 64 << 10
 
 # The form as OpenAPI describes it (the route reads the body itself, so FastAPI cannot).
 _FORM_SCHEMA: dict[str, Any] = {
@@ -53,12 +57,19 @@ def register_audio_routes(app: FastAPI, serve: Serve) -> None:
             raise OpenAIServingError(
                 f"expected a multipart/form-data upload, got {content_type or 'no content type'!r}"
             )
+        limit = AudioPolicy().max_file_bytes
+        length = raw_request.headers.get("content-length", "")
+        if length.isdigit() and int(length) > limit + _FORM_OVERHEAD_BYTES:
+            raise OpenAIServingError(
+                f"file: the upload has {length} bytes, more than the limit of {limit}",
+                param="file",
+            )
         try:
             form = await raw_request.form()
         except MultiPartException as exc:
             raise OpenAIServingError(f"malformed multipart body: {exc.message}") from None
         try:
-            request, data = await parse_audio_form(form)
+            request, data = await parse_audio_form(form, limit)
         finally:
             await form.close()
         return await serve(

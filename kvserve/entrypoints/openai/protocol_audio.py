@@ -51,11 +51,19 @@ class TranscriptionResponseVerbose(BaseModel):
     segments: list[TranscriptionSegment]
 
 
-async def parse_audio_form(form: FormData) -> tuple[TranscriptionRequest, bytes]:
-    """The request and the uploaded file's bytes; a 400 naming the field otherwise."""
+async def parse_audio_form(
+    form: FormData, max_file_bytes: int
+) -> tuple[TranscriptionRequest, bytes]:
+    """The request and the uploaded file's bytes; a 400 naming the field otherwise. The
+    file's size is checked before it is read into memory (it is spooled to disk)."""
     upload = form.get("file")
     if not isinstance(upload, UploadFile):
         raise OpenAIServingError("file: an audio file upload is required", param="file")
+    if upload.size is not None and upload.size > max_file_bytes:
+        raise OpenAIServingError(
+            f"file: the file has {upload.size} bytes, more than the limit of {max_file_bytes}",
+            param="file",
+        )
     fields: dict[str, Any] = {k: v for k, v in form.items() if isinstance(v, str)}
     try:
         request = TranscriptionRequest.model_validate(fields)
