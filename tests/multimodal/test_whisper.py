@@ -15,6 +15,7 @@ import pytest
 from kvserve import LLM, SamplingParams
 from kvserve.metrics.reader import Counter, Gauge
 from kvserve.multimodal.audio import resample
+from kvserve.utils.census import leftovers
 from tests.multimodal.whisper_model import (
     DECODER_START,
     SAMPLING_RATE,
@@ -148,5 +149,15 @@ def test_preemption_and_shared_encoder_blocks(whisper: tuple[Path, Any, Any, lis
         assert counters["kvserve:num_preemptions"] > 0
         gauges = {m.name: m.value for m in engine.get_metrics() if isinstance(m, Gauge)}
         assert gauges["kvserve:kv_cache_usage_perc"] == 0.0
+        # The scheduler's KV cache and encoder state (the workers learn of the last
+        # finished requests in the next step, which an idle LLM does not take).
+        census = engine.llm_engine.request_census()["engine_core"]
+        assert any("req_to_encoder_key" in key for key in census)
+        held = {
+            k: n
+            for k, n in census.items()
+            if k.startswith(("scheduler.kv_cache", "scheduler.encoder"))
+        }
+        assert held and leftovers({"core": held}) == {}
     finally:
         engine.llm_engine.shutdown()

@@ -5,12 +5,13 @@ verbose_json; the language and the task pick Whisper's prefix; the same audio tw
 runs the encoder once. Not audio, an empty file, audio over the model's window, a
 decompression bomb (a 14 kB FLAC of 10 minutes), a missing file, a JSON body, an
 unknown language and a bad temperature each get a 400 in OpenAI's error shape, and the
-server keeps serving."""
+server keeps serving with nothing left held (request census)."""
 
 from __future__ import annotations
 
 import io
 import re
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -20,6 +21,7 @@ import openai
 import pytest
 import soundfile
 
+from kvserve.utils.census import leftovers
 from tests.entrypoints.openai.utils import RemoteServer
 from tests.multimodal.whisper_model import SAMPLING_RATE, build_whisper, hf_greedy, random_audio
 
@@ -37,7 +39,12 @@ def whisper_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[R
     from transformers import AutoTokenizer
 
     server = RemoteServer(
-        str(root), "--max-model-len", str(MAX_MODEL_LEN), "--max-num-batched-tokens", "64"
+        str(root),
+        "--max-model-len",
+        str(MAX_MODEL_LEN),
+        "--enable-request-census",
+        "--max-num-batched-tokens",
+        "64",
     )
     yield server, (model, extractor, AutoTokenizer.from_pretrained(root))
     server.stop()
@@ -164,3 +171,10 @@ def test_json_body_sdk_error_and_still_serving(whisper_server: tuple[RemoteServe
     good = _encode(random_audio(2), "WAV")
     text = client.audio.transcriptions.create(model=_model(client), file=("b.wav", good)).text
     assert text == _expected(reference, good)
+    # Nothing is left held: no request state, no block, no encoder key (census).
+    deadline = time.monotonic() + 30
+    left = leftovers(httpx.get(server.url("/debug/census"), timeout=30).json())
+    while left and time.monotonic() < deadline:
+        time.sleep(0.2)
+        left = leftovers(httpx.get(server.url("/debug/census"), timeout=30).json())
+    assert left == {}
