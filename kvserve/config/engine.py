@@ -46,6 +46,12 @@ class EngineConfig:
             raise ValueError("speculative decoding is not supported with pipeline parallelism")
         if self.model_config.is_pooling:
             self._configure_pooling(context_len)
+        mm_arch = self.model_config.arch.multimodal
+        if mm_arch is not None and mm_arch.encoder_decoder:
+            # The decoder's KV depends on the audio through cross-attention, which the
+            # token hashes do not see (vLLM turns prefix caching off for these models
+            # too); the encoder's K/V are shared by the encoder input's hash instead.
+            self.cache_config.enable_prefix_caching = False
         self.scheduler_config.max_model_len = context_len
         self.scheduler_config.verify_against_model_len()
         sinks = self.cache_config.attention_sinks

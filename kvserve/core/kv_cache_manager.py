@@ -135,6 +135,7 @@ class KVCacheManager:
             raise ValueError("allocate_slots needs num_new_tokens > 0")
         hits = (new_computed_blocks or self.empty_kv_cache_blocks).blocks
         request_id = request.request_id
+        self.coordinator.note_request(request)
         self.coordinator.remove_skipped_blocks(request_id, request.num_computed_tokens)
         # External tokens (loaded by a connector) get fresh blocks, like computed ones.
         num_computed_tokens = (

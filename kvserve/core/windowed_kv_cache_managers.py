@@ -13,7 +13,11 @@ from typing import TYPE_CHECKING
 
 from kvserve.core.block_pool import BlockPool
 from kvserve.core.kv_cache_utils import BlockHash, KVCacheBlock, get_block_content
-from kvserve.core.single_type_kv_cache_manager import FullAttentionManager, SingleTypeKVCacheManager
+from kvserve.core.single_type_kv_cache_manager import (
+    CrossAttentionManager,
+    FullAttentionManager,
+    SingleTypeKVCacheManager,
+)
 from kvserve.protocol.kv_cache_interface import (
     ChunkedLocalAttentionSpec,
     KVCacheSpec,
@@ -233,6 +237,7 @@ spec_manager_map: dict[str, type[SingleTypeKVCacheManager]] = {
     "sliding_window": SlidingWindowManager,
     "chunked_local_attention": ChunkedLocalAttentionManager,
     "sink_full_attention": SinkFullAttentionManager,
+    "cross_attention": CrossAttentionManager,
 }
 
 

@@ -27,6 +27,7 @@ from kvserve.entrypoints.openai.anthropic_errors import (
     AnthropicErrorMiddleware,
     error_event,
 )
+from kvserve.entrypoints.openai.audio_routes import register_audio_routes
 from kvserve.entrypoints.openai.embedding_protocol import EmbeddingRequest
 from kvserve.entrypoints.openai.http_middleware import RequestIdMiddleware, add_hardening_middleware
 from kvserve.entrypoints.openai.lora_protocol import (
@@ -288,6 +289,8 @@ def build_app(router: ModelRouter, args: argparse.Namespace) -> FastAPI:
             request.model,
             lambda stack: stack.embedding.create_embedding(request, raw_request),
         )
+
+    register_audio_routes(app, serve)
 
     # Adapters are the default model's (their base model must match its weights).
     models = default_stack.models

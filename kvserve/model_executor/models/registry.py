@@ -37,6 +37,7 @@ _IN_TREE: dict[str, str] = {
     "DeepseekV3ForCausalLM": f"{_PKG}.deepseek_v2:DeepseekV3ForCausalLM",
     "Phi3ForCausalLM": f"{_PKG}.phi3:Phi3ForCausalLM",
     "BertModel": f"{_PKG}.bert:BertModel",
+    "WhisperForConditionalGeneration": f"{_PKG}.whisper:WhisperForConditionalGeneration",
 }
 
 
