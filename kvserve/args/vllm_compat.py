@@ -89,7 +89,6 @@ IGNORED_ARGS: dict[str, IgnoredArg] = {
     "additional_config": IgnoredArg("no-op", "no platform plug-ins read it", cli="json"),
     "tokenizer_pool_size": IgnoredArg("no-op", "tokenization runs in the front end", cli=int),
     # Features kvserve does not have: accepted only where they are off.
-    "data_parallel_size": IgnoredArg("default-only", "one engine per process", (1,), cli=int),
     "enable_expert_parallel": IgnoredArg("default-only", "no MoE models", (False,), cli="flag"),
     "num_scheduler_steps": IgnoredArg("default-only", "one step per schedule", (1,), cli=int),
     "tokenizer_mode": IgnoredArg(
@@ -151,7 +150,6 @@ class VllmCompatArgs:
     show_hidden_metrics_for_version: str | None = None
     additional_config: Any = None
     tokenizer_pool_size: int | None = None
-    data_parallel_size: int | None = None
     enable_expert_parallel: bool | None = None
     num_scheduler_steps: int | None = None
     tokenizer_mode: str | None = None

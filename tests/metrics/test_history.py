@@ -86,7 +86,9 @@ def test_totals_match_prometheus_and_history_keeps_peaks() -> None:
     totals = snap["totals"]
 
     def prom(name: str, **labels: str) -> float | None:
-        return registry.get_sample_value(f"kvserve:{name}", {"model_name": "m", **labels})
+        return registry.get_sample_value(
+            f"kvserve:{name}", {"model_name": "m", "engine": "0", **labels}
+        )
 
     assert totals["prompt_tokens"] == prom("prompt_tokens_total") == 8
     assert totals["generation_tokens"] == prom("generation_tokens_total") == 4

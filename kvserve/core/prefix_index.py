@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 
 from kvserve.core.kv_cache_utils import BlockHash, compute_none_hash, hash_block_tokens
-from kvserve.distributed.kv_events import (
+from kvserve.protocol.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
