@@ -46,9 +46,14 @@ class DPAsyncClient(AsyncEngineCoreClient):
 
     @property
     def dead_reason(self) -> str | None:  # type: ignore[override]
-        if not self.failures.dead:
+        """Which cores died and why (their exit codes, if the stream has not said yet)."""
+        reasons = dict(self.failures.dead)
+        for rank, core in enumerate(self.cores):
+            if rank not in reasons and not core.is_alive():
+                reasons[rank] = core.dead_reason or f"exit code {core.proc.exitcode}"
+        if not reasons:
             return None
-        return "; ".join(f"rank {core}: {why}" for core, why in self.failures.dead.items())
+        return "; ".join(f"data-parallel rank {r}: {why}" for r, why in sorted(reasons.items()))
 
     def is_alive(self) -> bool:
         """Every core is alive; with tolerate_failure, some core is."""

@@ -108,6 +108,8 @@ def failed_outputs(core: int, request_ids: list[str], reason: str) -> EngineCore
             )
             for r in request_ids
         ],
+        # Zeros: the dead core's gauges (requests running, KV usage) must not linger.
+        scheduler_stats=SchedulerStats(),
         timestamp=time.monotonic(),
         engine_index=core,
     )
