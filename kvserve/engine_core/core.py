@@ -52,6 +52,11 @@ class EngineCore:
         log_stats: bool = True,
     ) -> None:
         self.config = config
+        data_parallel_size = config.parallel_config.data_parallel_size
+        if data_parallel_size > 1:
+            # Each data-parallel core gets its share of the cores (its -tp workers split
+            # that share again); all of them each would have the ranks fight over them.
+            torch.set_num_threads(max(1, usable_cores() // data_parallel_size))
         log_thread_settings("engine core")
         executor_class = executor_class or Executor.get_class(config)
         if config.kv_transfer_config is not None and config.parallel_config.world_size > 1:
