@@ -86,6 +86,31 @@ def test_two_cores_give_one_cores_tokens_and_both_serve(
     assert sorted(grew.values()) == [0, 3], grew
 
 
+def test_aborts_reach_the_owning_core_and_no_block_leaks(dp_llm: LLM) -> None:
+    engine = dp_llm.llm_engine
+    client = engine.engine_core
+    params = _greedy(max_tokens=64)
+    engine.add_request("a", {"prompt_token_ids": [5, 6, 7, 8, 9]}, params)
+    engine.add_request("b", {"prompt_token_ids": [10, 11, 12, 13]}, params)
+    assert sorted(client.balancer.owner.values()) == [0, 1]  # one on each core
+    finished: dict[str, int] = {}
+    aborted = False
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if not aborted and len(output.outputs[0].token_ids) >= 4:
+                engine.abort_request("a")  # whichever request got there first: "a"'s core
+                aborted = True
+            if output.finished:
+                finished[output.request_id] = len(output.outputs[0].token_ids)
+    assert finished == {"b": 64}
+    stats = client.get_stats_per_core()
+    assert sorted(stats) == [0, 1]
+    for core_stats in stats.values():
+        assert core_stats.num_running_reqs == core_stats.num_waiting_reqs == 0
+        assert core_stats.kv_cache_blocks_in_use == 0
+    assert client.balancer.owner == {}
+
+
 def _multi_turn(llm: LLM) -> tuple[float, list[list[int]]]:
     """Three conversations of three turns, interleaved (a turn of each in order), each
     turn's prompt the previous one + its answer + a new message. Returns the fleet's
