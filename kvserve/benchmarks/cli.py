@@ -41,7 +41,9 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     )
     memdiff.add_cli_args(heap)
     heap.set_defaults(func=memdiff.main)
-    tiers = sub.add_parser("kvcache", help="TTFT: recompute vs KV cache tiers; int8 agreement")
+    tiers = sub.add_parser(
+        "kvcache", help="TTFT per KV tier; bytes, cost and error per serde; agreement"
+    )
     kvcache.add_cli_args(tiers)
     tiers.set_defaults(func=kvcache.main)
     peer_parser = sub.add_parser("peers", help="kvserve vs HF transformers vs llama.cpp, same GGUF")

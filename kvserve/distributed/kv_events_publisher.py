@@ -212,7 +212,7 @@ class ZmqEventPublisher(EventPublisher):
             replay.send_multipart((identity, *envelope, END_SEQ, b""))
 
 
-def _offset_port(endpoint: str, offset: int) -> str:
+def offset_port(endpoint: str, offset: int) -> str:
     """tcp://host:5557 -> tcp://host:(5557 + offset), so data-parallel ranks do not clash."""
     if offset == 0 or not endpoint.startswith("tcp://"):
         return endpoint
@@ -261,8 +261,8 @@ class EventPublisherFactory:
             raise ValueError(f"unknown KV event publisher {config.publisher!r}")
         replay = config.replay_endpoint
         return ZmqEventPublisher(
-            endpoint=_offset_port(config.endpoint, data_parallel_rank),
-            replay_endpoint=None if replay is None else _offset_port(replay, data_parallel_rank),
+            endpoint=offset_port(config.endpoint, data_parallel_rank),
+            replay_endpoint=None if replay is None else offset_port(replay, data_parallel_rank),
             buffer_steps=config.buffer_steps,
             hwm=config.hwm,
             max_queue_size=config.max_queue_size,
