@@ -38,6 +38,10 @@ class EngineConfig:
                 f"metrics_prefix must be a Prometheus name (letters, digits, _), got "
                 f"{self.metrics_prefix!r}"
             )
+        if self.parallel_config.data_parallel_size > 1:
+            # The processor cache's core side mirrors the front end's in the order of its
+            # requests; with several cores, each sees only its own: no mirror can follow.
+            self.multimodal_config.mm_processor_cache_gb = 0
         if self.speculative_config is not None:
             self.speculative_config.resolve_draft_model(self.model_config)
         context_len = self.model_config.max_model_len

@@ -8,8 +8,8 @@ from typing import TYPE_CHECKING
 
 from kvserve.core.kv_cache_coordinator import get_kv_cache_coordinator
 from kvserve.core.kv_cache_utils import KVCacheBlock
-from kvserve.distributed.kv_events import KVCacheEvent
 from kvserve.protocol.kv_cache_interface import KVCacheConfig
+from kvserve.protocol.kv_events import KVCacheEvent
 
 if TYPE_CHECKING:
     from kvserve.core.request import Request

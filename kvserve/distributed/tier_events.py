@@ -14,10 +14,10 @@ import threading
 import time
 from collections.abc import Sequence
 
-from kvserve.distributed.kv_events import BlockRemoved, BlockStored, KVEventBatch
 from kvserve.distributed.kv_events_publisher import EventPublisher
 from kvserve.kvcache.key import CacheEngineKey
 from kvserve.kvcache.tier_events import TierEventSink
+from kvserve.protocol.kv_events import BlockRemoved, BlockStored, KVEventBatch
 
 
 class PublishingTierEventSink(TierEventSink):

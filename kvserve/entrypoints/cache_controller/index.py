@@ -17,13 +17,13 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from kvserve.core.kv_cache_utils import compute_none_hash, hash_block_tokens
-from kvserve.distributed.kv_events import (
+from kvserve.kvcache.chunking import hash_chunk, root_hash
+from kvserve.protocol.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
     KVCacheEvent,
 )
-from kvserve.kvcache.chunking import hash_chunk, root_hash
 
 DEVICE = "device"
 TIERS = (DEVICE, "cpu", "disk", "remote")

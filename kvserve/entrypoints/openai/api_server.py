@@ -392,7 +392,10 @@ async def _watch_engines(app: FastAPI) -> None:
         await asyncio.sleep(ENGINE_WATCH_INTERVAL_S)
         if not router.single:
             router.unload_dead_engines()
-    logger.error("the engine core died; shutting the server down")
+    logger.error(
+        "the engine core died (%s); shutting the server down",
+        app.state.engine_client.dead_error,
+    )
     if app.state.server is not None:
         app.state.server.should_exit = True
 

@@ -14,8 +14,8 @@ import logging
 import threading
 from dataclasses import dataclass, field
 
+from kvserve.core.prefix_index import PrefixIndex
 from kvserve.distributed.kv_events_subscriber import KVEventSubscriber
-from kvserve.entrypoints.router.prefix_index import PrefixIndex
 from kvserve.utils.zmq_curve import PLAIN_SOCKETS, SocketSecurity
 
 logger = logging.getLogger(__name__)

@@ -29,6 +29,7 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 
+from kvserve.core.prefix_index import PrefixIndex
 from kvserve.entrypoints.front_door import (
     UpstreamKeys,
     add_front_door_auth_args,
@@ -40,7 +41,6 @@ from kvserve.entrypoints.front_door import (
 from kvserve.entrypoints.openai.tenants import current_tenant, tenant_salt
 from kvserve.entrypoints.router.backends import Backend, EventFollowers
 from kvserve.entrypoints.router.controller_lookup import ControllerLookup
-from kvserve.entrypoints.router.prefix_index import PrefixIndex
 from kvserve.utils.kv_secret import add_kv_secret_arg, read_kv_secret
 from kvserve.utils.zmq_curve import PLAIN_SOCKETS, SocketSecurity, socket_security
 

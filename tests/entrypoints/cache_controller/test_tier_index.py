@@ -6,17 +6,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvserve.distributed.kv_events import (
+from kvserve.core.prefix_index import PrefixIndex
+from kvserve.distributed.kv_events_publisher import EventPublisher
+from kvserve.distributed.tier_events import PublishingTierEventSink
+from kvserve.entrypoints.cache_controller.index import HashLayout, TierIndex, tier_of
+from kvserve.kvcache import CacheEngine, CacheEngineConfig, CacheEngineMetadata
+from kvserve.protocol.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
     KVEventBatch,
 )
-from kvserve.distributed.kv_events_publisher import EventPublisher
-from kvserve.distributed.tier_events import PublishingTierEventSink
-from kvserve.entrypoints.cache_controller.index import HashLayout, TierIndex, tier_of
-from kvserve.entrypoints.router.prefix_index import PrefixIndex
-from kvserve.kvcache import CacheEngine, CacheEngineConfig, CacheEngineMetadata
 
 LAYOUT = HashLayout(block_size=4, block_hash_seed=7, chunk_size=8, chunk_hash_seed=3)
 
