@@ -124,6 +124,9 @@ def _run_workload(llm: Any, name: str, output_len: int) -> tuple[dict[str, Any],
         # vLLM's mean acceptance length: the tokens a verifying step emits on average.
         "mean_accepted_length": round(1 + accepted / drafts, 3) if drafts else None,
         "draft_tokens": int(drafted),
+        # Target forwards per request summed (each emits 1 + its accepted drafts): the
+        # machine-independent cost, where tok/s on a shared machine is noisy.
+        "request_steps": output_tokens - int(accepted),
     }, tokens
 
 
