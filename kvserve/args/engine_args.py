@@ -489,8 +489,9 @@ class EngineArgs(MultiModalArgs, VllmCompatArgs):
             "--speculative-config",
             default=None,
             help='speculative decoding as JSON, e.g. \'{"method": "ngram", '
-            '"num_speculative_tokens": 4, "prompt_lookup_max": 5}\' or \'{"method": '
-            '"draft_model", "num_speculative_tokens": 3, "quantization": "gguf_int8"}\'',
+            '"num_speculative_tokens": 4, "prompt_lookup_max": 5}\', \'{"method": "suffix"}\' or '
+            '\'{"method": "draft_model", "num_speculative_tokens": 3, "quantization": '
+            '"gguf_int8"}\'',
         )
 
         parser.add_argument(
