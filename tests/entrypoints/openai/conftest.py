@@ -1,4 +1,8 @@
-"""This package's fixtures: one shared server process and the model's tokenizer."""
+"""This package's fixtures: the shared server processes and the model's tokenizer.
+
+`server` is the default one. `tool_server` carries flags that several modules need
+(utils.py says which and why); it is stopped after the last test that uses it, not at the
+end of the package, so that only the servers still needed hold memory."""
 
 from __future__ import annotations
 
@@ -10,14 +14,31 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.entrypoints.openai.utils import RemoteServer
+from tests.entrypoints.openai.utils import TOOL_SERVER_ARGS, RemoteServer
+
+# vLLM command-line flags a `vllm serve` line carries: accepted, the no-ops logged
+# (test_serving_responses). Each is a no-op or kvserve's default, so every module's tests
+# run on this server as on a bare one.
+VLLM_FLAGS = (
+    "--enforce-eager",
+    "--swap-space",
+    "4",
+    "--trust-remote-code",
+    "--max-logprobs",
+    "20",
+    "--generation-config",
+    "auto",
+    "--disable-frontend-multiprocessing",
+    "--tensor-parallel-size",
+    "1",
+)
 
 
 @pytest.fixture(scope="package")
 def server() -> Iterator[RemoteServer]:
     # Package scope: the server (and its engine core) exits once the last test here ran,
     # rather than holding its memory through the rest of the suite.
-    remote = RemoteServer()
+    remote = RemoteServer(*VLLM_FLAGS)
     yield remote
     # The shutdown contract, checked on the way out: SIGTERM stops admitting, lets an
     # in-flight request finish, then the server exits 0.
@@ -54,6 +75,33 @@ def _assert_not_admitted(remote: RemoteServer, body: dict[str, Any]) -> None:
         return  # the listening socket is closed: nothing new gets in
     assert late.status_code == 503, late.text
     assert late.headers["retry-after"]
+
+
+# Fixture name -> (its server, the node id of the last collected test that uses it; None
+# where only getfixturevalue asks for it: stopped at the package's end then).
+_SHARED: dict[str, tuple[RemoteServer, str | None]] = {}
+
+
+def _shared_server(request: pytest.FixtureRequest, *args: str) -> Iterator[RemoteServer]:
+    name = request.fixturename
+    users = [item.nodeid for item in request.session.items if name in item.fixturenames]
+    remote = RemoteServer(*args)
+    _SHARED[name] = (remote, users[-1] if users else None)
+    yield remote
+    _SHARED.pop(name, None)
+    remote.stop()  # a no-op where pytest_runtest_teardown stopped it already
+
+
+@pytest.fixture(scope="package")
+def tool_server(request: pytest.FixtureRequest) -> Iterator[RemoteServer]:
+    yield from _shared_server(request, *TOOL_SERVER_ARGS)
+
+
+def pytest_runtest_teardown(item: pytest.Item) -> None:
+    for name, (remote, last_user) in list(_SHARED.items()):
+        if item.nodeid == last_user:
+            del _SHARED[name]
+            remote.stop()
 
 
 @pytest.fixture(scope="session")

@@ -3,16 +3,14 @@ agent end to end), and --metrics-prefix vllm.
 
 Named and "required" tool_choice are grammar-enforced: they run on the shared server. A
 tool output round trip needs a template that renders tool messages, and "auto" needs a tool
-call parser: those run on one module server with the hermes template and parser (it also
-exports vLLM's metric names).
+call parser: those run on the package's tool server, with the hermes template and parser
+(it also exports vLLM's metric names).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -20,16 +18,12 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-import kvserve
 from tests.entrypoints.openai.utils import RemoteServer
 from tests.forced_tokens import forced_xargs
 
 pytestmark = pytest.mark.slow
 
 MODEL = "SmolLM2-135M-Instruct"
-TEMPLATE = (
-    Path(kvserve.__file__).parent / "entrypoints/chat_templates/tool_chat_template_hermes.jinja"
-)
 QUESTION = "What is the weather in Paris?"
 WEATHER: dict[str, Any] = {
     "type": "function",
@@ -49,21 +43,6 @@ TIME: dict[str, Any] = {
     "parameters": {"type": "object", "properties": {}, "additionalProperties": False},
 }
 NAMED = {"type": "function", "name": "get_weather"}
-
-
-@pytest.fixture(scope="module")
-def tool_server() -> Iterator[RemoteServer]:
-    remote = RemoteServer(
-        "--chat-template",
-        str(TEMPLATE),
-        "--enable-auto-tool-choice",
-        "--tool-call-parser",
-        "hermes",
-        "--metrics-prefix",
-        "vllm",
-    )
-    yield remote
-    remote.stop()
 
 
 def create(client: openai.OpenAI, **kwargs: Any) -> Any:

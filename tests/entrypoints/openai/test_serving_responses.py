@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -17,31 +16,10 @@ INSTRUCTIONS = "Answer in one short sentence."
 QUESTION = "What is the capital of France?"
 
 
-# vLLM command-line flags a `vllm serve` line carries: accepted, the no-ops logged.
-VLLM_FLAGS = (
-    "--enforce-eager",
-    "--swap-space",
-    "4",
-    "--trust-remote-code",
-    "--max-logprobs",
-    "20",
-    "--generation-config",
-    "auto",
-    "--disable-frontend-multiprocessing",
-    "--tensor-parallel-size",
-    "1",
-)
-
-
-@pytest.fixture(scope="module")
-def server() -> Iterator[RemoteServer]:
-    remote = RemoteServer(*VLLM_FLAGS)
-    yield remote
-    remote.stop()
-
-
 def test_vllm_serve_flags_are_accepted_and_no_ops_logged(server: RemoteServer) -> None:
-    log = server.output()
+    # The package's server is started with conftest.VLLM_FLAGS; its whole log, as other
+    # modules' requests may have logged since.
+    log = server.output(tail=None)
     for flag in ("enforce_eager", "swap_space", "trust_remote_code"):
         assert f"{flag}=" in log and "has no effect in kvserve" in log, log
     assert "disable_frontend_multiprocessing=True has no effect" in log
@@ -186,28 +164,25 @@ def test_completions_use_beam_search_matches_offline(server: RemoteServer, llm: 
     assert wide.status_code == 400 and "n must be at most 10" in wide.text
 
 
-def test_stored_responses_when_enabled() -> None:
-    remote = RemoteServer("--enable-store-responses")
-    try:
-        client = remote.client()
-        first = client.responses.create(
-            model=MODEL, input="My name is Ada.", max_output_tokens=8, temperature=0
-        )
-        assert first.store is True
-        assert client.responses.retrieve(first.id).output_text == first.output_text
-        follow = client.responses.create(
-            model=MODEL,
-            input="What is my name?",
-            previous_response_id=first.id,
-            max_output_tokens=8,
-            temperature=0,
-        )
-        history = [
-            {"role": "user", "content": "My name is Ada."},
-            {"role": "assistant", "content": first.output_text},
-            {"role": "user", "content": "What is my name?"},
-        ]
-        assert follow.output_text == chat_reply(client, history, 8)
-        assert follow.previous_response_id == first.id
-    finally:
-        remote.stop()
+def test_stored_responses_when_enabled(tool_server: RemoteServer) -> None:
+    # The package's tool server has --enable-store-responses.
+    client = tool_server.client()
+    first = client.responses.create(
+        model=MODEL, input="My name is Ada.", max_output_tokens=8, temperature=0
+    )
+    assert first.store is True
+    assert client.responses.retrieve(first.id).output_text == first.output_text
+    follow = client.responses.create(
+        model=MODEL,
+        input="What is my name?",
+        previous_response_id=first.id,
+        max_output_tokens=8,
+        temperature=0,
+    )
+    history = [
+        {"role": "user", "content": "My name is Ada."},
+        {"role": "assistant", "content": first.output_text},
+        {"role": "user", "content": "What is my name?"},
+    ]
+    assert follow.output_text == chat_reply(client, history, 8)
+    assert follow.previous_response_id == first.id

@@ -4,8 +4,6 @@ answers generation with a 503 and, woken, gives the same tokens as before; witho
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import httpx
 import openai
 import pytest
@@ -16,10 +14,10 @@ PROMPT = "The capital of France is"
 
 
 @pytest.fixture(scope="module")
-def sleepy_server() -> Iterator[RemoteServer]:
-    remote = RemoteServer("--enable-sleep-mode")
-    yield remote
-    remote.stop()
+def sleepy_server(tool_server: RemoteServer) -> RemoteServer:
+    """The package's tool server, started with --enable-sleep-mode (each test here leaves
+    it awake, for the modules that share it)."""
+    return tool_server
 
 
 def greedy_text(remote: RemoteServer) -> str:

@@ -4,8 +4,6 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import jsonschema
@@ -13,14 +11,10 @@ import openai
 import pydantic
 import pytest
 
-import kvserve
 from tests.entrypoints.openai.utils import RemoteServer
 
 pytestmark = pytest.mark.slow
 
-TEMPLATE = (
-    Path(kvserve.__file__).parent / "entrypoints/chat_templates/tool_chat_template_hermes.jinja"
-)
 WEATHER = {
     "type": "object",
     "properties": {
@@ -61,17 +55,9 @@ class Person(pydantic.BaseModel):
 
 
 @pytest.fixture(scope="module")
-def server() -> Iterator[RemoteServer]:
-    remote = RemoteServer(
-        "--chat-template", str(TEMPLATE), "--enable-auto-tool-choice", "--tool-call-parser", "hermes"
-    )  # fmt: skip
-    yield remote
-    remote.stop()
-
-
-@pytest.fixture(scope="module")
-def client(server: RemoteServer) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url("/v1"), api_key="unused", max_retries=0)
+def client(tool_server: RemoteServer) -> openai.OpenAI:
+    # The package's tool server: the hermes template and tool call parser.
+    return openai.OpenAI(base_url=tool_server.url("/v1"), api_key="unused", max_retries=0)
 
 
 @pytest.fixture(scope="module")

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -16,6 +17,7 @@ import openai
 import psutil
 from prometheus_client.parser import text_string_to_metric_families
 
+import kvserve
 from tests.forced_tokens import FORCED_TOKENS
 
 # Small enough to start fast and to make "beyond the context" cheap to provoke.
@@ -36,6 +38,30 @@ SERVER_ARGS = [
     "warning",
     "--disable-log-requests",
 ]
+
+# The servers conftest.py shares between modules besides the default one: each start is a
+# server and an engine core (seconds of a 2-core CI machine), so modules whose flags do not
+# change each other's tests run on one server started with the union of their flags.
+TOOL_TEMPLATE = (
+    Path(kvserve.__file__).parent / "entrypoints/chat_templates/tool_chat_template_hermes.jinja"
+)
+# Tool calling with a template that renders tool messages (test_structured_outputs,
+# test_responses_tools), vLLM's metric names (test_responses_tools: the other modules read
+# no metrics here), sleep mode (test_sleep_mode: every sleep there ends in a wake-up) and
+# stored responses (test_serving_responses; test_responses_tools reads no `store` field).
+# Its first user runs in test_responses_tools and its last in test_structured_outputs:
+# one more server's memory while the dozen modules between those run.
+TOOL_SERVER_ARGS = (
+    "--chat-template",
+    str(TOOL_TEMPLATE),
+    "--enable-auto-tool-choice",
+    "--tool-call-parser",
+    "hermes",
+    "--metrics-prefix",
+    "vllm",
+    "--enable-sleep-mode",
+    "--enable-store-responses",
+)
 
 
 def _free_port() -> int:
@@ -75,17 +101,19 @@ class RemoteServer:
                     return
             except httpx.HTTPError:
                 pass
-            time.sleep(0.5)
+            time.sleep(0.1)
         self.stop()
         raise RuntimeError(f"server did not become healthy:\n{self.output()}")
 
     def url(self, path: str) -> str:
         return self.base_url + path
 
-    def output(self) -> str:
+    def output(self, tail: int | None = 5000) -> str:
+        """The server's log: its last ``tail`` characters, or all of it (None)."""
         self.log.flush()
         self.log.seek(0)
-        return self.log.read()[-5000:]
+        text = self.log.read()
+        return text if tail is None else text[-tail:]
 
     def client(self, api_key: str = "EMPTY", **kwargs: Any) -> openai.OpenAI:
         return openai.OpenAI(base_url=self.url("/v1"), api_key=api_key, max_retries=0, **kwargs)
