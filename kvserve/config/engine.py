@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import re
 from dataclasses import dataclass, field
 
@@ -10,6 +11,9 @@ from kvserve.config.kv_transfer import KVEventsConfig, KVSecurityConfig, KVTrans
 from kvserve.config.model import ModelConfig
 from kvserve.config.multimodal import MultiModalConfig
 from kvserve.config.runtime import CacheConfig, DeviceConfig, ParallelConfig, SchedulerConfig
+
+logger = logging.getLogger(__name__)
+_DTYPE_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
 @dataclass
@@ -46,6 +50,8 @@ class EngineConfig:
             raise ValueError("speculative decoding is not supported with pipeline parallelism")
         if self.model_config.is_pooling:
             self._configure_pooling(context_len)
+        if self.model_config.arch.mamba is not None:
+            self._configure_mamba()
         self.scheduler_config.max_model_len = context_len
         self.scheduler_config.verify_against_model_len()
         sinks = self.cache_config.attention_sinks
@@ -75,6 +81,33 @@ class EngineConfig:
             self.scheduler_config.enable_chunked_prefill = False
             sched = self.scheduler_config
             sched.max_num_batched_tokens = max(sched.max_num_batched_tokens, context_len)
+
+    def _configure_mamba(self) -> None:
+        """Mamba layers keep one state block per request in the pool the attention layers
+        share (vLLM's hybrid allocator): an attention page must be at least a state, so
+        the block size doubles until it is (the state is padded up to the page). A state
+        block is never a prefix-cache entry (core/mamba_manager.py): caching is off."""
+        arch, cache = self.model_config.arch, self.cache_config
+        assert arch.mamba is not None
+        if any(kind != "mamba" for kind in arch.layer_types):
+            dtype_size = _DTYPE_SIZES[cache.kv_dtype(self.model_config.dtype)]
+            per_token = 2 * arch.num_key_value_heads * arch.head_dim * dtype_size
+            block_size = cache.block_size
+            while block_size * per_token < arch.mamba.state_bytes:
+                block_size *= 2
+            if block_size != cache.block_size:
+                logger.info(
+                    "Mamba hybrid: block_size %d -> %d so an attention page (%d bytes) holds "
+                    "a Mamba state (%d bytes)",
+                    cache.block_size,
+                    block_size,
+                    block_size * per_token,
+                    arch.mamba.state_bytes,
+                )
+                cache.block_size = block_size
+        if cache.enable_prefix_caching:
+            logger.info("prefix caching is off: Mamba states are not cached at block boundaries")
+            cache.enable_prefix_caching = False
 
     @property
     def max_seq_len(self) -> int:

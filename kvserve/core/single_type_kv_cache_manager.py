@@ -94,6 +94,11 @@ class SingleTypeKVCacheManager(ABC):
 
     # Leading blocks that stay whatever the window (attention sinks).
     num_kept_leading_blocks = 0
+    # A request's table covers its computed tokens (false for a Mamba group's one block).
+    tracks_token_slots = True
+
+    def check_integrity(self) -> None:
+        """The manager's own invariants beyond the pool's (the coordinator's check)."""
 
     def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
         """Leading tokens that no query from position num_computed_tokens on attends to

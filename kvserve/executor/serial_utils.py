@@ -32,6 +32,7 @@ from kvserve.protocol.kv_cache_interface import (
     KVCacheSpec,
     KVCacheTensor,
     MLAAttentionSpec,
+    MambaSpec,
     SinkFullAttentionSpec,
     SlidingWindowSpec,
 )
@@ -158,7 +159,7 @@ SPEC_KINDS: dict[str, type[FullAttentionSpec]] = {
     cls.kind: cls
     for cls in (
         FullAttentionSpec, SlidingWindowSpec, ChunkedLocalAttentionSpec,
-        SinkFullAttentionSpec, MLAAttentionSpec,
+        SinkFullAttentionSpec, MLAAttentionSpec, MambaSpec,
     )
 }  # fmt: skip
 

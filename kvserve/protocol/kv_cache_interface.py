@@ -9,6 +9,7 @@ so one block id costs ``group_size`` layer pages whatever the mix of attention t
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -145,6 +146,42 @@ class MLAAttentionSpec(FullAttentionSpec):
         return self.block_size * self.head_size * self.dtype_size
 
 
+@dataclass(frozen=True, kw_only=True)
+class MambaSpec(FullAttentionSpec):
+    """A Mamba layer: one block holds one request's whole recurrent state (the conv1d's
+    last inputs and the SSM state, float32), whatever the request's length, so a request
+    holds exactly one block of the group (vLLM's MambaSpec).
+
+    ``block_size`` is the pool's token block size (the hybrid coordinator's unit);
+    ``page_size_padded`` pads the state to the attention groups' page so the groups share
+    tensors (vLLM's hybrid allocator), 0 = the state's own bytes. The attention fields
+    are unused (0).
+    """
+
+    kind: ClassVar[str] = "mamba"
+    num_kv_heads: int = 0
+    head_size: int = 0
+    conv_state_shape: tuple[int, ...]
+    ssm_state_shape: tuple[int, ...]
+    page_size_padded: int = 0
+
+    @property
+    def state_bytes(self) -> int:
+        numel = math.prod(self.conv_state_shape) + math.prod(self.ssm_state_shape)
+        return numel * self.dtype_size
+
+    @property
+    def page_size_bytes(self) -> int:
+        if self.page_size_padded and self.page_size_padded < self.state_bytes:
+            raise ValueError(
+                f"page_size_padded {self.page_size_padded} < the state's {self.state_bytes} bytes"
+            )
+        return self.page_size_padded or self.state_bytes
+
+    def max_num_blocks(self, num_tokens: int, max_num_batched_tokens: int) -> int:
+        return 1
+
+
 FULL_ATTENTION_KINDS = (FullAttentionSpec.kind, MLAAttentionSpec.kind)
 KVCacheSpec = FullAttentionSpec  # every spec is one; the subclasses say which manager
 
@@ -277,6 +314,7 @@ __all__ = [
     "KVCacheSpec",
     "KVCacheTensor",
     "MLAAttentionSpec",
+    "MambaSpec",
     "SinkFullAttentionSpec",
     "SlidingWindowSpec",
     "build_kv_cache_config",
