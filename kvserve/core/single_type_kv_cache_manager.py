@@ -98,7 +98,9 @@ class SingleTypeKVCacheManager(ABC):
     tracks_token_slots = True
 
     def check_integrity(self) -> None:
-        """The manager's own invariants beyond the pool's (the coordinator's check)."""
+        """The manager's own invariants beyond the pool's (the coordinator's check);
+        the block-table rules the coordinator checks for every group are all there are."""
+        return
 
     def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
         """Leading tokens that no query from position num_computed_tokens on attends to

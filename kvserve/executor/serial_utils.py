@@ -31,8 +31,8 @@ from kvserve.protocol.kv_cache_interface import (
     KVCacheGroupSpec,
     KVCacheSpec,
     KVCacheTensor,
-    MLAAttentionSpec,
     MambaSpec,
+    MLAAttentionSpec,
     SinkFullAttentionSpec,
     SlidingWindowSpec,
 )

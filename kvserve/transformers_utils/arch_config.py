@@ -15,7 +15,12 @@ import numpy as np
 
 from kvserve.transformers_utils.arch_families import MLAConfig, MoEConfig, family_fields
 from kvserve.transformers_utils.gguf_reader import GGUFFile, GGUFTensor, open_gguf
-from kvserve.transformers_utils.mamba_arch import MAMBA, MambaArch, mamba_fields, normalise_mamba_config
+from kvserve.transformers_utils.mamba_arch import (
+    MAMBA,
+    MambaArch,
+    mamba_fields,
+    normalise_mamba_config,
+)
 from kvserve.transformers_utils.model_resolver import ResolvedModel
 from kvserve.utils.startup import startup_phase
 

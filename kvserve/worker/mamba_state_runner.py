@@ -26,7 +26,9 @@ if TYPE_CHECKING:
 
 
 class MambaStateRunner:
-    def prepare(self, attn_metadata: Any, batch: InputBatch, scheduler_output: SchedulerOutput) -> None:
+    def prepare(
+        self, attn_metadata: Any, batch: InputBatch, scheduler_output: SchedulerOutput
+    ) -> None:
         """Marks the step's rows with drafts (before the forward)."""
 
     def commit(self, sampled_token_ids: list[list[int]]) -> None:
@@ -38,7 +40,9 @@ class ActiveMambaStateRunner(MambaStateRunner):
         self.layers = layers
         self.pending: list[MambaMetadata] = []
 
-    def prepare(self, attn_metadata: Any, batch: InputBatch, scheduler_output: SchedulerOutput) -> None:
+    def prepare(
+        self, attn_metadata: Any, batch: InputBatch, scheduler_output: SchedulerOutput
+    ) -> None:
         self.pending = []
         drafts = scheduler_output.scheduled_spec_decode_tokens
         if not drafts:

@@ -49,11 +49,11 @@ from kvserve.worker.input_preparation import InputPreparer, StepInputs
 from kvserve.worker.kv_cache_specs import make_kv_cache_spec, make_mamba_spec, zeroed_tensor
 from kvserve.worker.kv_connector import NO_OP_KV_CONNECTOR, KVConnector, get_kv_connector
 from kvserve.worker.logits_runner import LogitsRunner
+from kvserve.worker.lora_runner import ActiveLoRARunner, LoRARunner
 from kvserve.worker.mamba_state_runner import (
     MambaStateRunner,
     make_mamba_state_runner,
 )
-from kvserve.worker.lora_runner import ActiveLoRARunner, LoRARunner
 from kvserve.worker.output_head import make_output_head
 from kvserve.worker.request_states import KeepsRequestState, RequestStates
 from kvserve.worker.sleep_mode import WorkerSleepMode, named_module_tensors
@@ -241,7 +241,9 @@ class ModelRunner:
         num_blocks = kv_cache_config.num_blocks
         for tensor in kv_cache_config.get_kv_cache_tensors():
             # A pipeline stage allocates only the tensors of its own layers.
-            shared_by = [name for name in tensor.shared_by if name in layers or name in mamba_layers]
+            shared_by = [
+                name for name in tensor.shared_by if name in layers or name in mamba_layers
+            ]
             if not shared_by:
                 continue
             attention = [name for name in shared_by if name in layers]

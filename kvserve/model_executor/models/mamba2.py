@@ -71,5 +71,7 @@ class Mamba2ForCausalLM(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         # Old checkpoints name the embedding "embedding" (HF's load hook renames it).
-        renamed = ((n.replace("backbone.embedding.", "backbone.embeddings."), w) for n, w in weights)
+        renamed = (
+            (n.replace("backbone.embedding.", "backbone.embeddings."), w) for n, w in weights
+        )
         return load_hf_weights(self, renamed, {}, self.arch.tie_word_embeddings)

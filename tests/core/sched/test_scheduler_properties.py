@@ -47,13 +47,17 @@ class SchedulerMachine(RuleBasedStateMachine):
         "culprits_failed": 0,
     }
 
+    # Mamba groups beside the attention group (HybridMambaMachine).
+    num_mamba_groups: ClassVar[int] = 0
+
     def __init__(self) -> None:
         super().__init__()
         self.scheduler = build_scheduler(
-            num_blocks=NUM_BLOCKS,
+            num_blocks=NUM_BLOCKS + 2 * self.num_mamba_groups,
             max_num_batched_tokens=16,
             max_num_seqs=4,
             max_model_len=MAX_MODEL_LEN,
+            num_mamba_groups=self.num_mamba_groups,
         )
         self.driver = Driver(self.scheduler)
         self.ids = itertools.count()
@@ -135,13 +139,13 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert not self.scheduler.is_isolating
         self.scheduler.check_integrity()
         pool = self.scheduler.kv_cache_manager.block_pool
-        assert pool.get_num_free_blocks() == NUM_BLOCKS - 1, "KV blocks leaked"
+        assert pool.get_num_free_blocks() == pool.num_blocks - 1, "KV blocks leaked"
         stats = self.scheduler.make_stats()  # what kvserve:kv_cache_blocks_in_use shows
         assert stats is not None and stats.kv_cache_blocks_in_use == 0
 
     def _step(self, tokens: dict[str, int]) -> None:
         out, outputs = self.driver.step(tokens, fail_if=self.culprits)
-        totals = SchedulerMachine.totals
+        totals = type(self).totals
         totals["steps"] += 1
         stats = outputs.scheduler_stats
         if stats is None:  # a failed step
@@ -181,3 +185,38 @@ def test_scheduler_state_machine_keeps_its_invariants() -> None:
     assert totals["steps"] >= 300
     assert totals["preemptions"] > 0 and totals["prefix_hits"] > 0 and totals["errors"] > 0
     assert totals["failed_steps"] > totals["culprits_failed"] > 0
+
+
+class HybridMambaMachine(SchedulerMachine):
+    """The same machine over a hybrid layout: an attention group and two Mamba groups,
+    where every running request holds exactly one state block per Mamba group and
+    prefix hits never happen (a state is not cached at block boundaries)."""
+
+    num_mamba_groups = 2
+    totals: ClassVar[dict[str, int]] = dict.fromkeys(SchedulerMachine.totals, 0)
+
+    @invariant()
+    def one_state_block_per_mamba_group(self) -> None:
+        managers = self.scheduler.kv_cache_manager.coordinator.single_type_managers
+        for request in self.scheduler.table.running:
+            for manager in managers[1:]:
+                assert len(manager.req_to_blocks.get(request.request_id, ())) == 1
+
+
+def test_scheduler_state_machine_with_mamba_groups() -> None:
+    HybridMambaMachine.totals = dict.fromkeys(SchedulerMachine.totals, 0)
+    run_state_machine_as_test(
+        HybridMambaMachine,
+        settings=settings(
+            max_examples=15,
+            stateful_step_count=40,
+            derandomize=True,
+            database=None,
+            deadline=None,
+            suppress_health_check=[HealthCheck.too_slow],
+        ),
+    )
+    totals = HybridMambaMachine.totals
+    assert totals["steps"] >= 150
+    assert totals["preemptions"] > 0 and totals["errors"] > 0
+    assert totals["prefix_hits"] == 0

@@ -70,7 +70,10 @@ class MambaMixer2(nn.Module):
             self.intermediate_size, self.intermediate_size // self.n_groups, mamba.norm_eps
         )
         self.out_proj = ReplicatedLinear(
-            self.intermediate_size, hidden_size, bias=mamba.use_bias, prefix=f"{layer_name}.out_proj"
+            self.intermediate_size,
+            hidden_size,
+            bias=mamba.use_bias,
+            prefix=f"{layer_name}.out_proj",
         )
         self.state_cache: MambaStateCache = NoStateCache()
 
@@ -99,7 +102,11 @@ class MambaMixer2(nn.Module):
         dt after softplus and the limit, B, C ``[n, G, N]``."""
         n = xbc.shape[0]
         x, B, C = F.silu(xbc).split(
-            [self.intermediate_size, self.n_groups * self.state_size, self.n_groups * self.state_size],
+            [
+                self.intermediate_size,
+                self.n_groups * self.state_size,
+                self.n_groups * self.state_size,
+            ],
             dim=-1,
         )
         low, high = self.mamba.time_step_limit
@@ -111,7 +118,9 @@ class MambaMixer2(nn.Module):
         self, xbc: torch.Tensor, dt: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One request's tokens from its state -> (y ``[n, H, P]``, conv state, ssm state)."""
-        conv_out, conv_state = causal_conv1d_fn(xbc, conv_state, self._conv_weight(), self.conv1d.bias)
+        conv_out, conv_state = causal_conv1d_fn(
+            xbc, conv_state, self._conv_weight(), self.conv1d.bias
+        )
         x, dt, B, C = self._ssm_inputs(conv_out, dt)
         A = -torch.exp(self.A_log)
         y, ssm_state = ssd_chunk_scan(x, dt, A, B, C, self.mamba.chunk_size, ssm_state)
@@ -203,7 +212,9 @@ class MambaMixer2(nn.Module):
         )
         return torch.cat(outputs)
 
-    def restore_state(self, block_id: int, conv_state: torch.Tensor, ssm_state: torch.Tensor) -> None:
+    def restore_state(
+        self, block_id: int, conv_state: torch.Tensor, ssm_state: torch.Tensor
+    ) -> None:
         """Puts a kept state back into a request's block (a rejected draft's undo)."""
         ids = torch.tensor([block_id], dtype=torch.int64)
         self.state_cache.scatter(ids, conv_state[None], ssm_state[None])

@@ -23,7 +23,9 @@ class MambaStateCache:
         ssm_shape: tuple[int, ...],
     ) -> None:
         if memory.dim() < 2 or memory.shape[1] != num_blocks:
-            raise ValueError(f"a Mamba state needs a [S, {num_blocks}, ...] tensor, got {memory.shape}")
+            raise ValueError(
+                f"a Mamba state needs a [S, {num_blocks}, ...] tensor, got {memory.shape}"
+            )
         pages = memory.view(memory.shape[0], num_blocks, -1)
         if pages.dtype != torch.float32:  # the state stays float32 in a float16 cache
             pages = pages.view(torch.uint8).view(torch.float32)
