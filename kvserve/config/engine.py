@@ -50,7 +50,7 @@ class EngineConfig:
             raise ValueError("speculative decoding is not supported with pipeline parallelism")
         if self.model_config.is_pooling:
             self._configure_pooling(context_len)
-        if self.model_config.arch.mamba is not None:
+        if "mamba" in self.model_config.arch.layer_types:
             self._configure_mamba()
         self.scheduler_config.max_model_len = context_len
         self.scheduler_config.verify_against_model_len()
@@ -85,8 +85,7 @@ class EngineConfig:
     def _configure_mamba(self) -> None:
         """Mamba layers keep one state block per request in the pool the attention layers
         share (vLLM's hybrid allocator): an attention page must be at least a state, so
-        the block size doubles until it is (the state is padded up to the page). A state
-        block is never a prefix-cache entry (core/mamba_manager.py): caching is off."""
+        the block size doubles until it is (the state is padded up to the page)."""
         arch, cache = self.model_config.arch, self.cache_config
         assert arch.mamba is not None
         if any(kind != "mamba" for kind in arch.layer_types):
@@ -105,9 +104,23 @@ class EngineConfig:
                     arch.mamba.state_bytes,
                 )
                 cache.block_size = block_size
+        spec = self.speculative_config
+        if spec is not None and (
+            spec.method != "ngram" or (cache.enable_prefix_caching and
+                                       (spec.num_speculative_tokens or 0) >= cache.block_size)
+        ):  # fmt: skip
+            # A draft model would need its own states; drafts spanning more than two
+            # blocks would land in entries align mode leaves null.
+            raise ValueError(
+                "speculative_config: Mamba models take method 'ngram' with "
+                f"num_speculative_tokens < block_size ({cache.block_size})"
+            )
         if cache.enable_prefix_caching:
-            logger.info("prefix caching is off: Mamba states are not cached at block boundaries")
-            cache.enable_prefix_caching = False
+            logger.info(
+                "prefix caching with Mamba layers: states are cached at block ends "
+                "(every %d tokens, core/mamba_manager.py)",
+                cache.block_size,
+            )
 
     @property
     def max_seq_len(self) -> int:

@@ -164,6 +164,15 @@ class MambaSpec(FullAttentionSpec):
     conv_state_shape: tuple[int, ...]
     ssm_state_shape: tuple[int, ...]
     page_size_padded: int = 0
+    # vLLM's mamba_cache_mode: "none" (one state block per request) or "align" (prefix
+    # caching: block-end states are cache entries, core/mamba_manager.py).
+    mamba_cache_mode: str = "none"
+
+    def __post_init__(self) -> None:
+        if self.mamba_cache_mode not in ("none", "align"):
+            raise ValueError(
+                f"mamba_cache_mode must be 'none' or 'align', got {self.mamba_cache_mode!r}"
+            )
 
     @property
     def state_bytes(self) -> int:
@@ -179,7 +188,9 @@ class MambaSpec(FullAttentionSpec):
         return self.page_size_padded or self.state_bytes
 
     def max_num_blocks(self, num_tokens: int, max_num_batched_tokens: int) -> int:
-        return 1
+        # Align mode: the entry read, the block ends the last step wrote (until hashed,
+        # core/mamba_manager.py) and the two entries of the step about to run.
+        return 5 if self.mamba_cache_mode == "align" else 1
 
 
 FULL_ATTENTION_KINDS = (FullAttentionSpec.kind, MLAAttentionSpec.kind)
@@ -305,6 +316,31 @@ def kv_bytes_per_token(config: KVCacheConfig) -> float:
     return config.bytes_per_block / config.block_size
 
 
+def group_capacity_per_gib(config: KVCacheConfig) -> list[tuple[str, int]]:
+    """Per group, what one GiB of the pool holds for it (the start-up log): attention
+    groups in tokens, Mamba groups in requests (one state block each). Every group's
+    block id costs ``bytes_per_block``, as the groups share the pool's memory."""
+    blocks_per_gib = (1 << 30) // config.bytes_per_block
+    return [
+        (
+            g.kv_cache_spec.kind,
+            blocks_per_gib * (1 if g.kv_cache_spec.kind == MambaSpec.kind else config.block_size),
+        )
+        for g in config.kv_cache_groups
+    ]
+
+
+def max_concurrent_requests(
+    config: KVCacheConfig, num_tokens: int, max_num_batched_tokens: int
+) -> int:
+    """How many requests of num_tokens tokens the pool holds at once."""
+    per_request = sum(
+        g.kv_cache_spec.max_num_blocks(num_tokens, max_num_batched_tokens)
+        for g in config.kv_cache_groups
+    )
+    return (config.num_blocks - 1) // per_request
+
+
 __all__ = [
     "FULL_ATTENTION_KINDS",
     "ChunkedLocalAttentionSpec",
@@ -319,6 +355,8 @@ __all__ = [
     "SlidingWindowSpec",
     "build_kv_cache_config",
     "cdiv",
+    "group_capacity_per_gib",
     "kv_bytes_per_token",
+    "max_concurrent_requests",
     "max_tokens_per_request",
 ]

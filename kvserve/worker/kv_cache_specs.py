@@ -60,7 +60,9 @@ def zeroed_tensor(shape: tuple[int, ...], dtype: torch.dtype, device: torch.devi
     return huge_page_zeros(nbytes).view(dtype).view(shape)
 
 
-def make_mamba_spec(layer: MambaMixer2, block_size: int, page_size: int) -> MambaSpec:
+def make_mamba_spec(
+    layer: MambaMixer2, block_size: int, page_size: int, prefix_caching: bool
+) -> MambaSpec:
     """A Mamba layer's state block, padded to ``page_size`` (the attention layers' page)
     when that holds it, so the groups share tensors; else its own size."""
     spec = MambaSpec(
@@ -68,6 +70,7 @@ def make_mamba_spec(layer: MambaMixer2, block_size: int, page_size: int) -> Mamb
         conv_state_shape=layer.conv_state_shape,
         ssm_state_shape=layer.ssm_state_shape,
         dtype_size=STATE_DTYPE_SIZE,
+        mamba_cache_mode="align" if prefix_caching else "none",
     )
     if page_size >= spec.state_bytes:
         return dataclasses.replace(spec, page_size_padded=page_size)

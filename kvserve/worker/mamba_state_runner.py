@@ -69,10 +69,8 @@ class ActiveMambaStateRunner(MambaStateRunner):
                     if num_kept == conv_states.shape[0]:
                         continue  # every draft accepted: the written state is right
                     assert num_kept > 0, f"row {row} verified drafts but sampled nothing"
-                    block_id = int(metadata.state_block_ids[row])
-                    layer.restore_state(
-                        block_id, conv_states[num_kept - 1], ssm_states[num_kept - 1]
-                    )
+                    block_id = metadata.position_block_ids[row][num_kept - 1]
+                    layer.write_state(block_id, conv_states[num_kept - 1], ssm_states[num_kept - 1])
 
 
 def make_mamba_state_runner(layers: dict[str, MambaMixer2]) -> MambaStateRunner:

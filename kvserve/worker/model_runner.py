@@ -30,7 +30,7 @@ from kvserve.model_executor.layers.mamba.mamba_metadata import MambaMetadataBuil
 from kvserve.model_executor.layers.mamba.mamba_mixer2 import MambaMixer2, get_mamba_layers
 from kvserve.model_executor.lora.model_manager import LoRAModelManager
 from kvserve.model_executor.model_loader import get_model
-from kvserve.protocol.kv_cache_interface import KVCacheConfig, KVCacheSpec
+from kvserve.protocol.kv_cache_interface import KVCacheConfig, KVCacheSpec, MambaSpec
 from kvserve.protocol.runner_output import (
     KVConnectorOutput,
     LogprobsLists,
@@ -224,7 +224,9 @@ class ModelRunner:
         }
         page_size = max((spec.page_size_bytes for spec in specs.values()), default=0)
         for name, layer in self._mamba_layers().items():
-            specs[name] = make_mamba_spec(layer, block_size, page_size)
+            specs[name] = make_mamba_spec(
+                layer, block_size, page_size, self.config.cache_config.enable_prefix_caching
+            )
         return specs
 
     def initialize_kv_cache(self, kv_cache_config: KVCacheConfig) -> None:
@@ -277,7 +279,11 @@ class ModelRunner:
                 self.layer_to_group[name] = group_id
             if spec.kind == "mamba":
                 self.unsplit_groups.add(group_id)
-                self.attn_builders.append(MambaMetadataBuilder(spec.block_size, self.device))
+                assert isinstance(spec, MambaSpec)
+                align = spec.mamba_cache_mode == "align"
+                self.attn_builders.append(
+                    MambaMetadataBuilder(spec.block_size, self.device, align=align)
+                )
                 continue
             local = [name for name in group.layer_names if name in layers] or list(layers)
             backend = layers[local[0]].backend

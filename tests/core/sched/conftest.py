@@ -36,7 +36,10 @@ def build_scheduler(
     group (a hybrid model's layout; each request holds one state block in each)."""
     spec = FullAttentionSpec(block_size=BS, num_kv_heads=1, head_size=8)
     groups = [KVCacheGroupSpec(["layers.0.attn"], spec)]
-    mamba = MambaSpec(block_size=BS, conv_state_shape=(3, 8), ssm_state_shape=(2, 4, 4))
+    mamba = MambaSpec(
+        block_size=BS, conv_state_shape=(3, 8), ssm_state_shape=(2, 4, 4),
+        mamba_cache_mode="align" if enable_prefix_caching else "none",
+    )  # fmt: skip
     groups += [KVCacheGroupSpec([f"layers.{i + 1}.mamba"], mamba) for i in range(num_mamba_groups)]
     kv_config = KVCacheConfig(num_blocks, groups)
     manager = KVCacheManager(

@@ -3,7 +3,9 @@ checkpoint: pure ``Mamba2ForCausalLM`` and the ``BambaForCausalLM`` hybrid (Mamb
 attention). Greedy tokens identical through batching, chunked prefill whose chunks
 split the scan's chunks (16-token budget, scan chunks of 8), preemption by recompute
 (the hybrid's attention blocks run short), aborts, and n-gram speculative decoding
-(rejected drafts must not advance the state). No KV block leaks."""
+(rejected drafts must not advance the state), and prefix caching (a prompt resumes
+from the state cached at its last full block and computes only its tail; prefix
+caching is on by default, "align" mode in core/mamba_manager.py). No KV block leaks."""
 
 from __future__ import annotations
 
@@ -24,8 +26,9 @@ MAX_TOKENS = 10
 def _prompts(vocab: int) -> list[list[int]]:
     rng = random.Random(0)
     prompts = [[rng.randrange(3, vocab) for _ in range(n)] for n in (9, 23, 14, 30, 41)]
-    # A prompt that repeats itself, so the n-gram proposer drafts.
-    return [*prompts, prompts[0] * 3]
+    # A prompt that repeats itself, so the n-gram proposer drafts; one that shares the
+    # first 21 tokens of another (a prefix hit of 20 with 4-token blocks).
+    return [*prompts, prompts[0] * 3, prompts[4][:21] + prompts[1]]
 
 
 @pytest.fixture(scope="module", params=MAMBA_FAMILIES)
@@ -44,14 +47,19 @@ def _run(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in outputs]
 
 
-def test_greedy_matches_hf_through_batching_chunking_and_preemption(family: Any) -> None:
+@pytest.mark.parametrize("caching", [True, False], ids=["align", "one_block"])
+def test_greedy_matches_hf_through_batching_chunking_and_preemption(
+    family: Any, caching: bool
+) -> None:
     kind, path, prompts, expected = family
-    # The hybrid's blocks are 32 tokens (an attention page holds a state): 7 usable
-    # blocks, a request holds 1-2 attention blocks and 2 state blocks, so the batch
-    # preempts. A pure Mamba request holds one block for ever: it is never preempted.
+    # The hybrid's blocks are 32 tokens (an attention page holds a state): a request
+    # holds 1-2 attention blocks and a state block per Mamba group (up to 5 with
+    # prefix caching, core/mamba_manager.py), so these small pools preempt. A pure Mamba
+    # request's blocks do not grow with it: it is never preempted for want of blocks.
+    num_blocks = {("bamba", True): 14, ("bamba", False): 8}.get((kind, caching), 8)
     llm = LLM(
         path, skip_tokenizer_init=True, block_size=4, max_num_batched_tokens=16,
-        num_blocks_override=8,
+        num_blocks_override=num_blocks, enable_prefix_caching=caching,
     )  # fmt: skip
     scheduler = llm.llm_engine.engine_core.engine_core.scheduler
     assert _run(llm, prompts) == expected
@@ -80,5 +88,27 @@ def test_ngram_speculation_keeps_the_state_exact(family: Any) -> None:
     # Drafts were verified and some rejected: the states were put back.
     assert stats.num_drafts > 0
     assert stats.num_draft_tokens > stats.num_accepted_tokens
+    assert_no_leak(llm)
+    llm.llm_engine.shutdown()
+
+
+def test_prefix_hit_resumes_from_the_cached_state(family: Any) -> None:
+    _kind, path, prompts, expected = family
+    llm = LLM(path, skip_tokenizer_init=True, block_size=4, max_num_batched_tokens=16)
+    block_size = llm.llm_engine.engine_core.engine_core.scheduler.block_size
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    prompt = prompts[4]
+    first = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0]
+    again = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0]
+    assert first.num_cached_tokens == 0
+    # Only the tail after the last cached block end was computed.
+    assert again.num_cached_tokens == (len(prompt) - 1) // block_size * block_size > 0
+    assert list(again.outputs[0].token_ids) == expected[4]
+    # Another prompt sharing the first 21 tokens: align mode cached the state at the last
+    # block end of each 16-token prefill chunk (16, then 28, ...), so it resumes from the
+    # state after 16 (none with the hybrid's 32-token blocks), and gives HF's tokens.
+    shared = llm.generate({"prompt_token_ids": prompts[6]}, params, use_tqdm=False)[0]
+    assert shared.num_cached_tokens == (16 if block_size == 4 else 0)
+    assert list(shared.outputs[0].token_ids) == expected[6]
     assert_no_leak(llm)
     llm.llm_engine.shutdown()

@@ -181,10 +181,19 @@ class MambaMixer2(nn.Module):
                     md, row, xbc[start:end], dt[start:end], conv_states, ssm_states
                 )
                 continue
-            y[start:end], conv_states[row], ssm_states[row] = self._run_sequence(
-                xbc[start:end], dt[start:end], conv_states[row], ssm_states[row]
+            conv, ssm = conv_states[row], ssm_states[row]
+            done = 0
+            # Prefix caching: the scan stops at each block end to store that entry.
+            for offset, block_id in md.boundaries.get(row, ()):
+                piece = slice(start + done, start + offset)
+                y[piece], conv, ssm = self._run_sequence(xbc[piece], dt[piece], conv, ssm)
+                self.write_state(block_id, conv, ssm)
+                done = offset
+            rest = slice(start + done, end)
+            y[rest], conv_states[row], ssm_states[row] = self._run_sequence(
+                xbc[rest], dt[rest], conv, ssm
             )
-        self.state_cache.scatter(md.state_block_ids, conv_states, ssm_states)
+        self.state_cache.scatter(md.write_block_ids, conv_states, ssm_states)
         return y
 
     def _run_keeping_states(
@@ -206,16 +215,17 @@ class MambaMixer2(nn.Module):
             convs.append(conv)
             ssms.append(ssm)
         conv_states[row], ssm_states[row] = conv[0], ssm[0]
+        for offset, block_id in md.boundaries.get(row, ()):
+            self.write_state(block_id, convs[offset - 1][0], ssms[offset - 1][0])
         md.position_states.setdefault(self.layer_name, {})[row] = (
             torch.cat(convs),
             torch.cat(ssms),
         )
         return torch.cat(outputs)
 
-    def restore_state(
-        self, block_id: int, conv_state: torch.Tensor, ssm_state: torch.Tensor
-    ) -> None:
-        """Puts a kept state back into a request's block (a rejected draft's undo)."""
+    def write_state(self, block_id: int, conv_state: torch.Tensor, ssm_state: torch.Tensor) -> None:
+        """One state into one block: a block end's entry, or, after drafts were
+        rejected, the state after the accepted tokens."""
         ids = torch.tensor([block_id], dtype=torch.int64)
         self.state_cache.scatter(ids, conv_state[None], ssm_state[None])
 
