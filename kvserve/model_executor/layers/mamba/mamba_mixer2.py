@@ -165,7 +165,11 @@ class MambaMixer2(nn.Module):
             conv_states[fresh] = 0.0
             ssm_states[fresh] = 0.0
         y = xbc.new_zeros(num_tokens, self.num_heads, self.head_dim)
-        if md.decode_rows.numel():
+        if not md.other_rows and md.decode_rows.numel() == num_tokens:
+            # All decode (most steps): no row indexing.
+            y_all, conv_states, ssm_states = self._step(xbc, dt, conv_states, ssm_states)
+            y = y_all
+        elif md.decode_rows.numel():
             rows, tokens = md.decode_rows, md.decode_tokens
             y_rows, conv_new, ssm_new = self._step(
                 xbc[tokens], dt[tokens], conv_states[rows], ssm_states[rows]
@@ -213,7 +217,7 @@ class MambaMixer2(nn.Module):
             y, conv, ssm = self._step(xbc[i : i + 1], dt[i : i + 1], conv, ssm)
             outputs.append(y)
             convs.append(conv)
-            ssms.append(ssm)
+            ssms.append(ssm.clone())  # the next _step updates ssm in place
         conv_states[row], ssm_states[row] = conv[0], ssm[0]
         for offset, block_id in md.boundaries.get(row, ()):
             self.write_state(block_id, convs[offset - 1][0], ssms[offset - 1][0])

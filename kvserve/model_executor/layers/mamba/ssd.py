@@ -71,11 +71,14 @@ def selective_state_update(
     B: torch.Tensor,
     C: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One token of R sequences: ``state [R, H, P, N]``, ``x [R, H, P]``, ``dt [R, H]``,
-    ``B``, ``C`` ``[R, G, N]`` -> (``y [R, H, P]`` without the D skip, new state)."""
+    """One token of R sequences: ``state [R, H, P, N]`` (updated in place), ``x [R, H, P]``,
+    ``dt [R, H]``, ``B``, ``C`` ``[R, G, N]`` -> (``y [R, H, P]`` without the D skip, the
+    new state)."""
     num_heads = x.shape[1]
     B, C = _heads(B, num_heads), _heads(C, num_heads)
     dA = torch.exp(dt * A)[..., None, None]  # [R, H, 1, 1]
-    new_state = state * dA + (dt[..., None] * x)[..., None] * B[:, :, None, :]
-    y = torch.einsum("rhpn,rhn->rhp", new_state, C)
+    # In place: the caller's state is its own copy (MambaStateCache.gather), and a
+    # decode step is bound by passes over the state.
+    new_state = state.mul_(dA).add_((dt[..., None] * x)[..., None] * B[:, :, None, :])
+    y = torch.matmul(new_state, C[..., None])[..., 0]
     return y, new_state
