@@ -89,6 +89,9 @@ class EngineArgs(MultiModalArgs, VllmCompatArgs):
     distributed_executor_backend: Literal["uni", "mp", "ray"] | None = None
     # Pipeline parallelism: several micro-batches in flight (False: one step at a time).
     batch_queue: bool = True
+    data_parallel_size: int = 1
+    data_parallel_load_balance: Literal["least_loaded", "prefix"] = "least_loaded"
+    data_parallel_tolerate_failure: bool = False
     # A KVEventsConfig, a dict of its fields, or the JSON text of --kv-events-config.
     kv_events_config: KVEventsConfig | dict[str, Any] | str | None = None
     # A KVTransferConfig, a dict of its fields, or the JSON text of --kv-transfer-config.
@@ -246,6 +249,9 @@ class EngineArgs(MultiModalArgs, VllmCompatArgs):
                 pipeline_parallel_size=self.pipeline_parallel_size,
                 distributed_executor_backend=self.distributed_executor_backend,
                 batch_queue=self.batch_queue,
+                data_parallel_size=self.data_parallel_size,
+                data_parallel_load_balance=self.data_parallel_load_balance,
+                data_parallel_tolerate_failure=self.data_parallel_tolerate_failure,
             ),
             device_config=device_config,
             kv_events_config=(
@@ -327,6 +333,23 @@ class EngineArgs(MultiModalArgs, VllmCompatArgs):
         parser.add_argument(
             "--pipeline-parallel-size", "-pp", type=int, default=1,
             help="split the decoder layers into this many stages (Llama; docs/distributed.md)",
+        )  # fmt: skip
+        parser.add_argument(
+            "--data-parallel-size", "-dp", type=int, default=1,
+            help="run this many engine cores (each with its own scheduler, KV cache and "
+            "-tp x -pp workers) behind one front end (docs/distributed.md)",
+        )  # fmt: skip
+        parser.add_argument(
+            "--data-parallel-load-balance", default="least_loaded",
+            choices=["least_loaded", "prefix"],
+            help="with -dp: send a new request to the core with the fewest waiting, then "
+            "running requests (least_loaded), or to the core holding the longest cached "
+            "prefix of its prompt unless that core is overloaded (prefix)",
+        )  # fmt: skip
+        parser.add_argument(
+            "--data-parallel-tolerate-failure", action="store_true",
+            help="with -dp: a dead engine core fails only its own requests (503) and the "
+            "others keep serving; by default one dead core takes the server down",
         )  # fmt: skip
         parser.add_argument(
             "--no-batch-queue", dest="batch_queue", action="store_false",
@@ -466,8 +489,9 @@ class EngineArgs(MultiModalArgs, VllmCompatArgs):
             "--speculative-config",
             default=None,
             help='speculative decoding as JSON, e.g. \'{"method": "ngram", '
-            '"num_speculative_tokens": 4, "prompt_lookup_max": 5}\' or \'{"method": '
-            '"draft_model", "num_speculative_tokens": 3, "quantization": "gguf_int8"}\'',
+            '"num_speculative_tokens": 4, "prompt_lookup_max": 5}\', \'{"method": "suffix"}\' or '
+            '\'{"method": "draft_model", "num_speculative_tokens": 3, "quantization": '
+            '"gguf_int8"}\'',
         )
 
         parser.add_argument(

@@ -1,4 +1,4 @@
-"""`kvserve bench serve|throughput|kvcache|memdiff|peers|quantization|soak|startup|cascade|moe|kv-transfer|pipeline`: wires the benchmarks into the kvserve command."""
+"""`kvserve bench serve|throughput|kvcache|memdiff|peers|quantization|soak|startup|cascade|moe|kv-transfer|pipeline|spec-decode`: wires the benchmarks into the kvserve command."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from kvserve.benchmarks import (
     quant_accuracy,
     serve,
     soak,
+    spec_decode,
     startup,
     throughput,
 )
@@ -41,7 +42,9 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     )
     memdiff.add_cli_args(heap)
     heap.set_defaults(func=memdiff.main)
-    tiers = sub.add_parser("kvcache", help="TTFT: recompute vs KV cache tiers; int8 agreement")
+    tiers = sub.add_parser(
+        "kvcache", help="TTFT per KV tier; bytes, cost and error per serde; agreement"
+    )
     kvcache.add_cli_args(tiers)
     tiers.set_defaults(func=kvcache.main)
     peer_parser = sub.add_parser("peers", help="kvserve vs HF transformers vs llama.cpp, same GGUF")
@@ -65,4 +68,9 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     stages = sub.add_parser("pipeline", help="PP throughput with the batch queue vs without")
     pipeline.add_cli_args(stages)
     stages.set_defaults(func=pipeline.main)
+    spec = sub.add_parser(
+        "spec-decode", help="speculative methods on agentic code edits and on plain chat"
+    )
+    spec_decode.add_cli_args(spec)
+    spec.set_defaults(func=spec_decode.main)
     return bench

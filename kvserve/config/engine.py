@@ -42,6 +42,10 @@ class EngineConfig:
                 f"metrics_prefix must be a Prometheus name (letters, digits, _), got "
                 f"{self.metrics_prefix!r}"
             )
+        if self.parallel_config.data_parallel_size > 1:
+            # The processor cache's core side mirrors the front end's in the order of its
+            # requests; with several cores, each sees only its own: no mirror can follow.
+            self.multimodal_config.mm_processor_cache_gb = 0
         if self.speculative_config is not None:
             self.speculative_config.resolve_draft_model(self.model_config)
         context_len = self.model_config.max_model_len
@@ -52,6 +56,12 @@ class EngineConfig:
             self._configure_pooling(context_len)
         if "mamba" in self.model_config.arch.layer_types:
             self._configure_mamba()
+        mm_arch = self.model_config.arch.multimodal
+        if mm_arch is not None and mm_arch.encoder_decoder:
+            # The decoder's KV depends on the audio through cross-attention, which the
+            # token hashes do not see (vLLM turns prefix caching off for these models
+            # too); the encoder's K/V are shared by the encoder input's hash instead.
+            self.cache_config.enable_prefix_caching = False
         self.scheduler_config.max_model_len = context_len
         self.scheduler_config.verify_against_model_len()
         sinks = self.cache_config.attention_sinks

@@ -8,7 +8,7 @@ from typing import Any
 from kvserve.config.json_args import dataclass_from_json
 from kvserve.config.model import ModelConfig
 
-SPECULATIVE_METHODS = ("ngram", "draft_model")
+SPECULATIVE_METHODS = ("ngram", "draft_model", "suffix")
 
 
 @dataclass
@@ -16,8 +16,9 @@ class SpeculativeConfig:
     """Speculative decoding (vLLM's ``--speculative-config`` keys): a proposer drafts
     ``num_speculative_tokens`` tokens per step and the target verifies them in one forward.
 
-    ``method``: "ngram" (prompt lookup, no model) or "draft_model" (a second model with the
-    target's tokenizer). A draft model left unset (or naming the target) is the target's own
+    ``method``: "ngram" (prompt lookup, no model), "suffix" (suffix decoding: no model, the
+    request's own tokens and recent requests' outputs) or "draft_model" (a second model with
+    the target's tokenizer). A draft model left unset (or naming the target) is the target's own
     file, usually run with a lossy, faster ``quantization`` such as "gguf_int8".
     """
 
@@ -27,6 +28,14 @@ class SpeculativeConfig:
     # ngram: the longest and shortest suffix of the tokens so far looked up earlier on.
     prompt_lookup_max: int | None = None
     prompt_lookup_min: int | None = None
+    # suffix: the longest suffix matched and the deepest path kept (vLLM's default 24); how
+    # many finished requests' outputs the shared tree keeps (0: none; vLLM keeps 10000 in
+    # C++, a Python tree costs more memory per token); drafts of at most factor x match
+    # length; a draft stops where its cumulative continuation frequency falls below the prob.
+    suffix_decoding_max_tree_depth: int = 24
+    suffix_decoding_max_cached_requests: int = 1000
+    suffix_decoding_max_spec_factor: float = 1.0
+    suffix_decoding_min_token_prob: float = 0.1
     # The draft model's weights (same values as ModelConfig.quantization).
     quantization: str | None = None
     draft_model_config: ModelConfig | None = field(init=False, default=None)
@@ -40,6 +49,8 @@ class SpeculativeConfig:
                 f"speculative_config.method must be one of {', '.join(SPECULATIVE_METHODS)}, "
                 f"got {self.method!r}"
             )
+        if self.method == "suffix":
+            self._check_suffix()
         if not isinstance(self.num_speculative_tokens, int) or self.num_speculative_tokens < 1:
             raise ValueError(
                 "speculative_config.num_speculative_tokens must be a positive int, "
@@ -56,6 +67,34 @@ class SpeculativeConfig:
                     "speculative_config needs 1 <= prompt_lookup_min <= prompt_lookup_max, got "
                     f"{self.prompt_lookup_min} and {self.prompt_lookup_max}"
                 )
+
+    def _check_suffix(self) -> None:
+        self.model = None
+        depth = self.suffix_decoding_max_tree_depth
+        if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
+            raise ValueError(
+                f"speculative_config.suffix_decoding_max_tree_depth must be a positive int, "
+                f"got {depth!r}"
+            )
+        cached = self.suffix_decoding_max_cached_requests
+        if isinstance(cached, bool) or not isinstance(cached, int) or cached < 0:
+            raise ValueError(
+                "speculative_config.suffix_decoding_max_cached_requests must be an int >= 0, "
+                f"got {cached!r}"
+            )
+        factor = self.suffix_decoding_max_spec_factor
+        if not isinstance(factor, int | float) or factor <= 0:
+            raise ValueError(
+                f"speculative_config.suffix_decoding_max_spec_factor must be > 0, got {factor!r}"
+            )
+        prob = self.suffix_decoding_min_token_prob
+        if not isinstance(prob, int | float) or not 0 <= prob <= 1:
+            raise ValueError(
+                f"speculative_config.suffix_decoding_min_token_prob must be in [0, 1], got {prob!r}"
+            )
+        # As vLLM: drafts as deep as the tree unless set.
+        if self.num_speculative_tokens is None:
+            self.num_speculative_tokens = depth
 
     def resolve_draft_model(self, target: ModelConfig) -> None:
         """Builds the draft's ModelConfig (draft_model only); the target's own file when

@@ -89,10 +89,34 @@ class ParallelConfig:
     # Pipeline parallelism: keep up to pipeline_parallel_size micro-batches in flight so
     # the stages overlap (the engine core's batch queue); False runs one step at a time.
     batch_queue: bool = True
+    # Data parallelism: this many engine cores, each with its own scheduler, KV cache and
+    # tensor/pipeline workers, behind one front end (engine/dp_client.py). The rank is
+    # the core's own index, set in each core's copy of the config.
+    data_parallel_size: int = 1
+    data_parallel_rank: int = 0
+    # How the front end picks a core for a new request: "least_loaded" (vLLM's internal
+    # balancing: the fewest waiting, then running requests) or "prefix" (the core that
+    # holds the longest cached prefix of the prompt, unless it is overloaded).
+    data_parallel_load_balance: Literal["least_loaded", "prefix"] = "least_loaded"
+    # A dead core fails only its own requests (503) while the others keep serving;
+    # without it, one dead core takes the whole engine down.
+    data_parallel_tolerate_failure: bool = False
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1 or self.pipeline_parallel_size < 1:
             raise ValueError("tensor_parallel_size and pipeline_parallel_size must be >= 1")
+        if self.data_parallel_size < 1:
+            raise ValueError(f"data_parallel_size must be >= 1, got {self.data_parallel_size}")
+        if not 0 <= self.data_parallel_rank < self.data_parallel_size:
+            raise ValueError(
+                f"data_parallel_rank must be in [0, {self.data_parallel_size}), "
+                f"got {self.data_parallel_rank}"
+            )
+        if self.data_parallel_load_balance not in ("least_loaded", "prefix"):
+            raise ValueError(
+                "data_parallel_load_balance must be 'least_loaded' or 'prefix', "
+                f"got {self.data_parallel_load_balance!r}"
+            )
         if not isinstance(self.batch_queue, bool):
             raise ValueError(f"batch_queue must be a bool, got {self.batch_queue!r}")
         if self.distributed_executor_backend is None:

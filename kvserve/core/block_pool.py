@@ -17,7 +17,7 @@ from kvserve.core.kv_cache_utils import (
     get_group_id,
     make_block_hash_with_group_id,
 )
-from kvserve.distributed.kv_events import (
+from kvserve.protocol.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,

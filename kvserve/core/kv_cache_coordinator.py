@@ -43,6 +43,10 @@ class KVCacheCoordinator(ABC):
     def num_groups(self) -> int:
         return len(self.single_type_managers)
 
+    def note_request(self, request: Request) -> None:
+        for manager in self.single_type_managers:
+            manager.note_request(request)
+
     def get_num_blocks_to_allocate(
         self, request_id: str, num_tokens: int, new_computed_blocks: GroupedBlocks
     ) -> int:

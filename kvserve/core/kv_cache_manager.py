@@ -8,8 +8,8 @@ from typing import TYPE_CHECKING
 
 from kvserve.core.kv_cache_coordinator import get_kv_cache_coordinator
 from kvserve.core.kv_cache_utils import KVCacheBlock
-from kvserve.distributed.kv_events import KVCacheEvent
 from kvserve.protocol.kv_cache_interface import KVCacheConfig
+from kvserve.protocol.kv_events import KVCacheEvent
 
 if TYPE_CHECKING:
     from kvserve.core.request import Request
@@ -135,6 +135,7 @@ class KVCacheManager:
             raise ValueError("allocate_slots needs num_new_tokens > 0")
         hits = (new_computed_blocks or self.empty_kv_cache_blocks).blocks
         request_id = request.request_id
+        self.coordinator.note_request(request)
         self.coordinator.remove_skipped_blocks(request_id, request.num_computed_tokens)
         # External tokens (loaded by a connector) get fresh blocks, like computed ones.
         num_computed_tokens = (

@@ -8,12 +8,12 @@ from typing import TYPE_CHECKING
 
 from kvserve.core.block_pool import BlockPool
 from kvserve.core.kv_cache_utils import BlockHash, KVCacheBlock, get_block_content
-from kvserve.protocol.kv_cache_interface import KVCacheSpec, cdiv
+from kvserve.protocol.kv_cache_interface import CrossAttentionSpec, KVCacheSpec, cdiv
 
 if TYPE_CHECKING:
     from kvserve.core.request import Request
 
-__all__ = ["FullAttentionManager", "SingleTypeKVCacheManager", "cdiv"]
+__all__ = ["CrossAttentionManager", "FullAttentionManager", "SingleTypeKVCacheManager", "cdiv"]
 
 
 class SingleTypeKVCacheManager(ABC):
@@ -35,6 +35,11 @@ class SingleTypeKVCacheManager(ABC):
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         # How many leading blocks of each request are already prefix-cache entries.
         self.num_cached_block: dict[str, int] = {}
+
+    def note_request(self, request: Request) -> None:
+        """Reads what this group needs of a request beyond its id, before its allocation
+        (the cross-attention manager: the hash of its encoder input)."""
+        return None
 
     def get_num_blocks_to_allocate(
         self, request_id: str, num_tokens: int, new_computed_blocks: Sequence[KVCacheBlock]
@@ -187,3 +192,97 @@ class FullAttentionManager(SingleTypeKVCacheManager):
             for group_hits, block in zip(hits, cached, strict=True):
                 group_hits.append(block)
         return hits
+
+
+class CrossAttentionManager(SingleTypeKVCacheManager):
+    """The blocks of a request's encoder output K/V (vLLM's CrossAttentionManager).
+
+    All ``max_encoder_len`` positions are allocated at the request's first allocation,
+    whatever its decoder tokens, and held until it is freed. They are never prefix-cache
+    entries (the decoder's token hashes say nothing of the audio): they are keyed by the
+    encoder input's hash instead, so a request whose encoder input equals a running
+    request's takes a reference on the same blocks rather than new ones. A key lives as
+    long as some request holds its blocks.
+    """
+
+    def __init__(
+        self,
+        kv_cache_spec: KVCacheSpec,
+        block_pool: BlockPool,
+        kv_cache_group_id: int,
+        enable_caching: bool,
+    ) -> None:
+        if not isinstance(kv_cache_spec, CrossAttentionSpec):
+            raise TypeError("CrossAttentionManager needs a CrossAttentionSpec")
+        super().__init__(kv_cache_spec, block_pool, kv_cache_group_id, enable_caching)
+        self.num_encoder_blocks = cdiv(kv_cache_spec.max_encoder_len, self.block_size)
+        self.req_to_encoder_key: dict[str, str] = {}
+        self.encoder_key_to_blocks: dict[str, list[KVCacheBlock]] = {}
+
+    def note_request(self, request: Request) -> None:
+        if request.mm_features and request.request_id not in self.req_to_encoder_key:
+            self.req_to_encoder_key[request.request_id] = request.mm_features[0].identifier
+
+    def get_num_blocks_to_allocate(
+        self, request_id: str, num_tokens: int, new_computed_blocks: Sequence[KVCacheBlock]
+    ) -> int:
+        key = self.req_to_encoder_key.get(request_id)
+        if key is None or request_id in self.req_to_blocks:
+            return 0
+        # Shared blocks are held by a live request: a reference costs no free block.
+        return 0 if key in self.encoder_key_to_blocks else self.num_encoder_blocks
+
+    def save_new_computed_blocks(
+        self, request_id: str, new_computed_blocks: Sequence[KVCacheBlock]
+    ) -> None:
+        assert not new_computed_blocks, "cross-attention blocks are never prefix hits"
+
+    def allocate_new_blocks(self, request_id: str, num_tokens: int) -> list[KVCacheBlock]:
+        """The request's encoder blocks at its first allocation (shared ones included:
+        they are new to its block table), nothing after."""
+        key = self.req_to_encoder_key.get(request_id)
+        if key is None or request_id in self.req_to_blocks:
+            return []
+        shared = self.encoder_key_to_blocks.get(key)
+        if shared is not None:
+            self.block_pool.touch(shared)
+            blocks = list(shared)
+        else:
+            blocks = self.block_pool.get_new_blocks(self.num_encoder_blocks)
+            self.encoder_key_to_blocks[key] = blocks
+        self.req_to_blocks[request_id] = list(blocks)
+        return list(blocks)
+
+    def cache_blocks(self, request: Request, num_tokens: int) -> None:
+        pass  # keyed by the encoder input, never by the decoder's token hashes
+
+    def free(self, request_id: str) -> None:
+        blocks = self.req_to_blocks.pop(request_id, [])
+        key = self.req_to_encoder_key.pop(request_id, None)
+        self.block_pool.free_blocks(reversed(blocks))
+        if key is not None and blocks and blocks[0].ref_cnt == 0:
+            del self.encoder_key_to_blocks[key]
+
+    def request_census(self) -> dict[str, int]:
+        return {
+            **super().request_census(),
+            "req_to_encoder_key": len(self.req_to_encoder_key),
+            "encoder_key_to_blocks": len(self.encoder_key_to_blocks),
+        }
+
+    def get_num_common_prefix_blocks(self, running_request_id: str) -> int:
+        return 0
+
+    @classmethod
+    def find_longest_cache_hit(
+        cls,
+        block_hashes: Sequence[BlockHash],
+        max_length: int,
+        kv_cache_group_ids: Sequence[int],
+        block_pool: BlockPool,
+        kv_cache_spec: KVCacheSpec,
+        request: Request | None = None,
+    ) -> tuple[list[KVCacheBlock], ...]:
+        # No decoder-token prefix can stand for an encoder output (encoder-decoder models
+        # run with prefix caching off; a hybrid lookup through here finds nothing).
+        return tuple([] for _ in kv_cache_group_ids)

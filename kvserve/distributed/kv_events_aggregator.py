@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import msgspec
 
-from kvserve.distributed.kv_events import KVEvent, KVEventBatch
+from kvserve.protocol.kv_events import KVEvent, KVEventBatch
 
 # Structs with list fields are not hashable: events are compared by their encoding,
 # which is canonical for equal events (same type tag, same field order).

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING
 import msgspec
 import zmq
 
-from kvserve.distributed.kv_events import KVEventBatch
+from kvserve.protocol.kv_events import KVEvent, KVEventBatch
 from kvserve.utils.kv_secret import read_kv_secret
 from kvserve.utils.zmq_curve import PLAIN_SOCKETS, SocketSecurity, socket_security
 
@@ -212,7 +212,7 @@ class ZmqEventPublisher(EventPublisher):
             replay.send_multipart((identity, *envelope, END_SEQ, b""))
 
 
-def _offset_port(endpoint: str, offset: int) -> str:
+def offset_port(endpoint: str, offset: int) -> str:
     """tcp://host:5557 -> tcp://host:(5557 + offset), so data-parallel ranks do not clash."""
     if offset == 0 or not endpoint.startswith("tcp://"):
         return endpoint
@@ -220,6 +220,29 @@ def _offset_port(endpoint: str, offset: int) -> str:
     if not port.isdigit():  # "*": each rank binds its own free port anyway
         return endpoint
     return f"{head}:{int(port) + offset}"
+
+
+class InBandEventPublisher(EventPublisher):
+    """Keeps the events for the core's own outputs (EngineCoreOutputs.kv_events), which
+    carry them to a data-parallel front end's prefix index; disabled, it keeps nothing."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self._events: list[KVEvent] = []
+
+    def publish(self, events: KVEventBatch) -> None:
+        if self.enabled:
+            self._events.extend(events.events)
+
+    def take(self) -> list[KVEvent] | None:
+        """The events since the last take (None: none)."""
+        if not self._events:
+            return None
+        events, self._events = self._events, []
+        return events
+
+    def shutdown(self) -> None:
+        self._events = []
 
 
 class EventPublisherFactory:
@@ -238,8 +261,8 @@ class EventPublisherFactory:
             raise ValueError(f"unknown KV event publisher {config.publisher!r}")
         replay = config.replay_endpoint
         return ZmqEventPublisher(
-            endpoint=_offset_port(config.endpoint, data_parallel_rank),
-            replay_endpoint=None if replay is None else _offset_port(replay, data_parallel_rank),
+            endpoint=offset_port(config.endpoint, data_parallel_rank),
+            replay_endpoint=None if replay is None else offset_port(replay, data_parallel_rank),
             buffer_steps=config.buffer_steps,
             hwm=config.hwm,
             max_queue_size=config.max_queue_size,

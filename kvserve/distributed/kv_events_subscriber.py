@@ -13,8 +13,8 @@ from typing import Any
 import msgspec
 import zmq
 
-from kvserve.distributed.kv_events import KVCacheEvent, KVEventBatch
 from kvserve.distributed.kv_events_publisher import END_SEQ, decode_seq, encode_seq
+from kvserve.protocol.kv_events import KVCacheEvent, KVEventBatch
 from kvserve.utils.zmq_curve import PLAIN_SOCKETS, SocketSecurity
 
 _decoder = msgspec.msgpack.Decoder(KVEventBatch)

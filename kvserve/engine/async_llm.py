@@ -19,6 +19,8 @@ from typing import Any
 from kvserve.args.engine_args import EngineArgs
 from kvserve.config import EngineConfig
 from kvserve.engine.async_mp_client import AsyncMPClient
+from kvserve.engine.core_client import AsyncEngineCoreClient
+from kvserve.engine.dp_async_client import DPAsyncClient
 from kvserve.engine.engine_client import EngineClient
 from kvserve.engine.exceptions import EngineBusyError, EngineDeadError, EngineSleepingError
 from kvserve.engine.front_end import FrontEnd
@@ -68,9 +70,13 @@ class AsyncLLM(EngineClient):
                 ]
             )
         self.front_end = FrontEnd(config, log_stats, stat_loggers)
-        # The tokenizer loads here while the core process loads the model.
-        self.engine_core = AsyncMPClient(
-            config, log_stats, while_starting=self.front_end.load, **client_kwargs
+        # The tokenizer loads here while the core process(es) load the model.
+        self.engine_core: AsyncEngineCoreClient = (
+            DPAsyncClient(config, log_stats, while_starting=self.front_end.load, **client_kwargs)
+            if config.parallel_config.data_parallel_size > 1
+            else AsyncMPClient(
+                config, log_stats, while_starting=self.front_end.load, **client_kwargs
+            )
         )
         # The front end's parts, loaded by now, under the names vLLM's engines use.
         self.tokenizer: Any = self.front_end.tokenizer
@@ -143,18 +149,19 @@ class AsyncLLM(EngineClient):
         else:
             request, prompt_text = process()
         queue = RequestOutputCollector(request.sampling_params.output_kind)
-        for core_request in self.front_end.add_request(request, prompt_text, queue):
-            await self._send(core_request)
+        await self._send(self.front_end.add_request(request, prompt_text, queue))
         return queue
 
-    async def _send(self, request: EngineCoreRequest) -> None:
-        if not request.mm_features:
-            await self.engine_core.add_request_async(request)
+    async def _send(self, requests: list[EngineCoreRequest]) -> None:
+        """One request, or a parent's n > 1 children (to one core together)."""
+        if not requests[0].mm_features:
+            await self.engine_core.add_requests_async(requests)
             return
         # The core's mirror of the processor cache replays the commits in the order the
         # requests arrive: commit and send as one, one request at a time.
         async with self._mm_send_lock:
-            await self.engine_core.add_request_async(self.input_processor.commit_mm(request))
+            for request in requests:
+                await self.engine_core.add_request_async(self.input_processor.commit_mm(request))
 
     async def generate(
         self,
@@ -300,7 +307,7 @@ class AsyncLLM(EngineClient):
                     self.front_end.request_stats.finish_requests(
                         processed.reqs_to_abort, str(FinishReason.STOP), iteration_stats
                     )
-        self.front_end.record(outputs.scheduler_stats, iteration_stats)
+        self.front_end.record(outputs.scheduler_stats, iteration_stats, outputs.engine_index)
 
     async def _run_stats_logger(self) -> None:
         while True:

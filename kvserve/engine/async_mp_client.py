@@ -31,9 +31,18 @@ class AsyncMPClient(MPClient, AsyncEngineCoreClient):
     It binds to the event loop of its first awaited call; use one instance per loop.
     """
 
-    def __init__(self, config: EngineConfig, log_stats: bool = True, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        log_stats: bool = True,
+        *,
+        outputs_queue: asyncio.Queue[EngineCoreOutputs | Exception] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        """``outputs_queue``: where outputs go (shared by data-parallel cores; default:
+        one of its own)."""
         super().__init__(config, log_stats, asyncio_mode=True, **kwargs)
-        self.outputs_queue: asyncio.Queue[EngineCoreOutputs | Exception] = asyncio.Queue()
+        self.outputs_queue = outputs_queue if outputs_queue is not None else asyncio.Queue()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._output_task: asyncio.Task[None] | None = None
 

@@ -33,6 +33,11 @@ class EngineCoreClient(ABC):
 
         ``while_starting`` (front-end setup) runs while a background core loads its model,
         or, for the in-process core, before it."""
+        if config.parallel_config.data_parallel_size > 1:
+            # Several cores: each in a process of its own, whatever multiprocess_mode says.
+            from kvserve.engine.dp_client import DPClient
+
+            return DPClient(config, log_stats, while_starting=while_starting)
         if multiprocess_mode:
             # Imported here: mp_client imports this module.
             from kvserve.engine.mp_client import SyncMPClient
@@ -48,6 +53,11 @@ class EngineCoreClient(ABC):
 
     @abstractmethod
     def add_request(self, request: EngineCoreRequest) -> None: ...
+
+    def add_requests(self, requests: list[EngineCoreRequest]) -> None:
+        """Requests that go to one core together (a parent's n > 1 children)."""
+        for request in requests:
+            self.add_request(request)
 
     @abstractmethod
     def abort_requests(self, request_ids: list[str]) -> None: ...
@@ -92,6 +102,11 @@ class AsyncEngineCoreClient(ABC):
 
     @abstractmethod
     async def add_request_async(self, request: EngineCoreRequest) -> None: ...
+
+    async def add_requests_async(self, requests: list[EngineCoreRequest]) -> None:
+        """Requests that go to one core together (a parent's n > 1 children)."""
+        for request in requests:
+            await self.add_request_async(request)
 
     @abstractmethod
     async def abort_requests_async(self, request_ids: list[str]) -> None: ...

@@ -10,10 +10,12 @@ class EngineDeadError(Exception):
     Nothing can be recovered in this process; the server should report unhealthy and exit.
     """
 
-    def __init__(self, message: str | None = None) -> None:
+    def __init__(self, message: str | None = None, engine_index: int | None = None) -> None:
         super().__init__(
             message or "EngineCore process died unexpectedly; see its log above for the cause"
         )
+        # With data parallelism: the rank of the core that died (None: not one core's).
+        self.engine_index = engine_index
 
 
 class EngineSleepingError(RuntimeError):

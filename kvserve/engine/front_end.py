@@ -107,7 +107,10 @@ class FrontEnd:
         return core_ids
 
     def record(
-        self, scheduler_stats: SchedulerStats | None, iteration_stats: IterationStats | None
+        self,
+        scheduler_stats: SchedulerStats | None,
+        iteration_stats: IterationStats | None,
+        engine_idx: int = 0,
     ) -> None:
         for stat_logger in self.stat_loggers:
-            stat_logger.record(scheduler_stats, iteration_stats)
+            stat_logger.record(scheduler_stats, iteration_stats, engine_idx)

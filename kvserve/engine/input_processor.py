@@ -86,6 +86,8 @@ class InputProcessor:
         pooling_params = self._pooling_params(params)
         mm_features = None
         prompt_text: str | None
+        if isinstance(prompt, Mapping) and "encoder_prompt" in prompt:
+            prompt = _from_encoder_decoder_prompt(prompt)  # type: ignore[assignment]
         if isinstance(prompt, Mapping) and prompt.get("multi_modal_data"):
             if self.mm_inputs is None:
                 raise ValueError(
@@ -95,6 +97,13 @@ class InputProcessor:
         else:
             prompt_text, prompt_token_ids = self._tokenize(prompt)
         self._validate_prompt(prompt_token_ids)
+        mm_arch = self.model_config.arch.multimodal
+        if mm_arch is not None and mm_arch.encoder_decoder and not mm_features:
+            raise ValueError(
+                f"multi_modal_data: {self.model_config.arch.architecture} needs its encoder "
+                "input, e.g. {'prompt': '<|startoftranscript|>...', "
+                "'multi_modal_data': {'audio': (samples, sampling_rate)}}"
+            )
         if pooling_params is not None:
             # Nothing is sampled: the scheduler ends the request when its prompt is done.
             params = SamplingParams(max_tokens=1, output_kind=RequestOutputKind.FINAL_ONLY)
@@ -378,3 +387,18 @@ def _join_text_parts(parts: list[Any], i: int) -> str:
                 f"messages[{i}] has a content part of type {kind!r}; only text is supported"
             )
     return "\n".join(texts)
+
+
+def _from_encoder_decoder_prompt(prompt: Mapping[str, Any]) -> dict[str, Any]:
+    """vLLM's explicit form ``{"encoder_prompt": {..., "multi_modal_data": ...},
+    "decoder_prompt": str | {"prompt": str}}`` -> the plain form this processor reads
+    (the encoder's input as multi_modal_data, the decoder's text as the prompt)."""
+    encoder = prompt["encoder_prompt"]
+    decoder = prompt.get("decoder_prompt")
+    if not isinstance(encoder, Mapping) or not encoder.get("multi_modal_data"):
+        raise ValueError("encoder_prompt must be a dict with multi_modal_data (the audio)")
+    if isinstance(decoder, Mapping):
+        decoder = decoder.get("prompt")
+    if not isinstance(decoder, str) or not decoder:
+        raise ValueError("decoder_prompt must be the decoder's text, e.g. '<|startoftranscript|>'")
+    return {"prompt": decoder, "multi_modal_data": encoder["multi_modal_data"]}

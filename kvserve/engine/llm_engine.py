@@ -85,8 +85,8 @@ class LLMEngine:
             cache_salt=cache_salt,
             lora_request=lora_request,
         )
-        for core_request in self.front_end.add_request(request, prompt_text):
-            self.engine_core.add_request(self.input_processor.commit_mm(core_request))
+        core_requests = self.front_end.add_request(request, prompt_text)
+        self.engine_core.add_requests([self.input_processor.commit_mm(r) for r in core_requests])
 
     def abort_request(self, request_ids: str | list[str]) -> None:
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
@@ -100,6 +100,7 @@ class LLMEngine:
                 self.front_end.request_stats.make_iteration_stats(
                     core_outputs.outputs, core_outputs.scheduled_times
                 ),
+                core_outputs.engine_index,
             )
         processed = self.output_processor.process_outputs(
             core_outputs.outputs, core_outputs.timestamp

@@ -61,7 +61,9 @@ class MultiModalInputs:
         text = prompt.get("prompt")
         if not isinstance(text, str) or not text:
             raise ValueError("a prompt with multi_modal_data needs its text as 'prompt'")
-        items = {k: v if isinstance(v, list | tuple) else [v] for k, v in mm_data.items()}
+        # An audio item is itself a (samples, sampling_rate) tuple, as in vLLM.
+        items = {k: [v] if k == "audio" and isinstance(v, tuple) else v for k, v in mm_data.items()}
+        items = {k: v if isinstance(v, list | tuple) else [v] for k, v in items.items()}
         for modality, values in items.items():
             limit = self.mm_config.limit_mm_per_prompt.get(modality)
             if limit is not None and len(values) > limit:

@@ -30,7 +30,7 @@ import zmq.asyncio
 
 from kvserve.config import EngineConfig
 from kvserve.engine.core_client import EngineCoreClient
-from kvserve.engine.core_launcher import claim_engine_core
+from kvserve.engine.core_launcher import CoreStartup, claim_engine_core
 from kvserve.engine.exceptions import EngineDeadError
 from kvserve.protocol.core_messages import (
     AbortRequestsMessage,
@@ -68,14 +68,19 @@ class MPClient(ABC):
         startup_timeout: float | None = None,
         while_starting: Callable[[], object] | None = None,
         also_while_starting: Callable[[], object] | None = None,
+        startup: CoreStartup | None = None,
     ) -> None:
         """Spawns the core and blocks until it is ready (or raises its startup error).
 
         ``while_starting`` runs in this process while the core loads the model, to overlap
         front-end setup (e.g. loading the tokenizer) with it; ``also_while_starting``
         after it, for its caller's own setup (e.g. the server importing its web stack).
+        ``startup``: a core process already spawned for this client (data parallelism
+        spawns all its cores first, so their imports overlap).
         """
         self.config = config
+        self.engine_index = config.parallel_config.data_parallel_rank
+        self._startup = startup
         self.log_stats = log_stats
         self.engine_dead = False
         self.dead_reason: str | None = None
@@ -112,7 +117,8 @@ class MPClient(ABC):
         timeout: float | None,
         while_starting: list[Callable[[], object]],
     ) -> BaseProcess:
-        startup = claim_engine_core()
+        startup = self._startup or claim_engine_core()
+        self._startup = None
         proc = startup.proc
         self.resources.procs.append(proc)
         startup.send_config(
@@ -183,8 +189,13 @@ class MPClient(ABC):
             return
         self.engine_dead = True
         self.proc.join(1)  # it has exited (sentinel): reaping is immediate
-        logger.error("EngineCore process died (exit code %s)", self.proc.exitcode)
-        error = EngineDeadError(self.dead_reason)
+        logger.error(
+            "EngineCore process %d (data-parallel rank %d) died (exit code %s)",
+            self.proc.pid,
+            self.engine_index,
+            self.proc.exitcode,
+        )
+        error = EngineDeadError(self.dead_reason, engine_index=self.engine_index)
         self._put_output(error)
         self._fail_pending(error)
 
@@ -213,9 +224,18 @@ def _ready(data: bytes, proc: BaseProcess) -> ReadyMessage:
 class SyncMPClient(MPClient, EngineCoreClient):
     """Blocking client: a thread reads the output socket and watches the process."""
 
-    def __init__(self, config: EngineConfig, log_stats: bool = True, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        log_stats: bool = True,
+        *,
+        outputs_queue: queue.Queue[EngineCoreOutputs | Exception] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        """``outputs_queue``: where outputs go (shared by data-parallel cores; default:
+        one of its own)."""
         super().__init__(config, log_stats, asyncio_mode=False, **kwargs)
-        self.outputs_queue: queue.Queue[EngineCoreOutputs | Exception] = queue.Queue()
+        self.outputs_queue = outputs_queue if outputs_queue is not None else queue.Queue()
         self._send_lock = threading.Lock()
         # Writing to this pipe wakes the output thread for a clean exit.
         self._stop_r, self._stop_w = os.pipe()

@@ -15,8 +15,7 @@ from kvserve.config import EngineConfig, GiB
 from kvserve.core.kv_cache_utils import get_request_block_hasher
 from kvserve.core.request import Request, RequestStatus
 from kvserve.core.sched.scheduler import Scheduler
-from kvserve.distributed.kv_events import KVEvent, KVEventBatch
-from kvserve.distributed.kv_events_publisher import EventPublisherFactory
+from kvserve.distributed.kv_events_publisher import EventPublisherFactory, InBandEventPublisher
 from kvserve.engine_core.batch_queue import BatchQueue, InFlightBatch, tells_workers
 from kvserve.executor.abstract import Executor, ExecutorFailedError
 from kvserve.protocol.engine_core import (
@@ -35,6 +34,7 @@ from kvserve.protocol.kv_cache_interface import (
     max_concurrent_requests,
     max_tokens_per_request,
 )
+from kvserve.protocol.kv_events import KVEvent, KVEventBatch
 from kvserve.protocol.runner_output import ModelRunnerOutput
 from kvserve.protocol.scheduler_output import SchedulerOutput
 from kvserve.protocol.sleep_mode import SLEEP_TAGS, check_sleep_level, check_wake_tags
@@ -55,6 +55,11 @@ class EngineCore:
         log_stats: bool = True,
     ) -> None:
         self.config = config
+        data_parallel_size = config.parallel_config.data_parallel_size
+        if data_parallel_size > 1:
+            # Each data-parallel core gets its share of the cores (its -tp workers split
+            # that share again); all of them each would have the ranks fight over them.
+            torch.set_num_threads(max(1, usable_cores() // data_parallel_size))
         log_thread_settings("engine core")
         executor_class = executor_class or Executor.get_class(config)
         if config.kv_transfer_config is not None and config.parallel_config.world_size > 1:
@@ -67,6 +72,15 @@ class EngineCore:
         self.kv_cache_config = self._initialize_kv_caches()
         events_config = config.kv_events_config
         enable_kv_cache_events = bool(events_config and events_config.enable_kv_cache_events)
+        parallel = config.parallel_config
+        # Data parallelism with prefix balancing: the front end's prefix index follows
+        # this core's events, which ride on its outputs (core_proc.py).
+        self.in_band_kv_events = InBandEventPublisher(
+            parallel.data_parallel_size > 1
+            and parallel.data_parallel_load_balance == "prefix"
+            and config.cache_config.enable_prefix_caching
+        )
+        enable_kv_cache_events |= self.in_band_kv_events.enabled
         if enable_kv_cache_events and not config.cache_config.enable_prefix_caching:
             logger.warning("KV cache events are enabled but prefix caching is off: none will come")
         # Grammars compile on its threads; the tokenizer loads there on first use.
@@ -88,8 +102,11 @@ class EngineCore:
             self._exchange_connector_handshakes()
         # Steps in flight at once: 1, or one micro-batch per pipeline stage (batch_queue.py).
         self.batch_queue = BatchQueue(self.model_executor.max_concurrent_batches)
+        # Each data-parallel rank publishes on its own ports (the configured ones + rank).
         self.kv_event_publisher = EventPublisherFactory.create(
-            events_config, kv_secret_file=config.kv_security_config.kv_secret_file
+            events_config,
+            data_parallel_rank=parallel.data_parallel_rank,
+            kv_secret_file=config.kv_security_config.kv_secret_file,
         )
         cache = config.cache_config
         self.block_hasher = (
@@ -313,7 +330,9 @@ class EngineCore:
         # The block pool only makes the three KVEvent kinds; its queue is typed by their base.
         events = cast("list[KVEvent]", self.scheduler.take_kv_events())
         if events:
-            self.kv_event_publisher.publish(KVEventBatch(ts=time.time(), events=events))
+            batch = KVEventBatch(ts=time.time(), events=events)
+            self.kv_event_publisher.publish(batch)
+            self.in_band_kv_events.publish(batch)
 
     def reset_prefix_cache(self) -> bool:
         reset = self.scheduler.reset_prefix_cache()

@@ -55,6 +55,7 @@ class EngineCoreProc:
         # Stats are always on here: they ride on every output message and cost a few ints.
         self.engine_core: EngineCore = EngineCore(config, log_stats=True)
         self.scheduler = self.engine_core.scheduler
+        self.engine_index = config.parallel_config.data_parallel_rank
         self.ctx = zmq.Context()
         self.input_socket = self.ctx.socket(zmq.PULL)
         self.input_socket.connect(input_address)
@@ -182,6 +183,8 @@ class EngineCoreProc:
         stats.prefix_cache_hits += self._carried_hits
         self._carried_queries = self._carried_hits = 0
         outputs.scheduler_stats = stats
+        outputs.engine_index = self.engine_index
+        outputs.kv_events = self.engine_core.in_band_kv_events.take()
         self._send(OutputsMessage(outputs))
 
     def _send(self, message: OutputsMessage | UtilityResultMessage | EngineErrorMessage) -> None:

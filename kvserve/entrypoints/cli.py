@@ -1,5 +1,5 @@
 """The `kvserve` command: generate, chat, serve, bench, events, cache-server, router,
-proxy, disagg."""
+cache-controller, proxy, disagg."""
 
 from __future__ import annotations
 
@@ -175,6 +175,11 @@ _LAZY_COMMANDS = {
         "route requests over several instances by their cached prefixes",
         "kvserve.entrypoints.router.server",
         "add_router_parser",
+    ),
+    "cache-controller": (
+        "track and manage the KV tiers of several instances (lookup, pin, clear, move)",
+        "kvserve.entrypoints.cache_controller.server",
+        "add_cache_controller_parser",
     ),
     "proxy": (
         "disaggregated prefill: one front door over prefill and decode instances",

@@ -14,8 +14,8 @@ import sys
 import time
 from typing import Any
 
-from kvserve.distributed.kv_events import KVEventBatch
 from kvserve.distributed.kv_events_subscriber import KVEventSubscriber, event_to_dict
+from kvserve.protocol.kv_events import KVEventBatch
 from kvserve.utils.kv_secret import add_kv_secret_arg, read_kv_secret
 from kvserve.utils.zmq_curve import socket_security
 

@@ -102,7 +102,9 @@ class MultiprocExecutor(Executor):
         res.sockets.append(self.reply_socket)
         self.request_sockets: list[zmq.Socket[Any]] = []
         init_method = f"tcp://127.0.0.1:{free_port()}"
-        threads = max(1, usable_cores() // self.world_size)
+        # This core's share of the cores (data parallelism: several cores share them).
+        share = usable_cores() // self.config.parallel_config.data_parallel_size
+        threads = max(1, share // self.world_size)
         readers = []
         log_level = logging.getLogger("kvserve").getEffectiveLevel()
         for rank in range(self.world_size):

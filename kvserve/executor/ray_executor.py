@@ -103,7 +103,9 @@ class RayDistributedExecutor(MultiprocExecutor):
         bundles = [{"CPU": 1.0} for _ in range(self.world_size)]
         self.placement_group = placement_group(bundles, strategy="PACK")
         ray.get(self.placement_group.ready(), timeout=300)
-        threads = max(1, usable_cores() // self.world_size)
+        # This core's share of the cores (data parallelism: several cores share them).
+        share = usable_cores() // self.config.parallel_config.data_parallel_size
+        threads = max(1, share // self.world_size)
         # Ray's stubs type remote() for functions; actors also take concurrency groups.
         actor_cls = ray.remote(  # type: ignore[call-overload]
             num_cpus=1, concurrency_groups={"watch": 1, "calls": 1}

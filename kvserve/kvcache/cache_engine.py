@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import Counter
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -59,7 +60,10 @@ class CacheEngine:
         self.storage = StorageManager(
             backends if backends is not None else create_backends(config, self.stats, auth)
         )
+        self.auth = auth
         self._pins: dict[str, list[tuple[StorageBackend, CacheEngineKey]]] = {}
+        # Pins an operator placed (pin_prefix), per (tier, key): only these unpin_prefix drops.
+        self._held: Counter[tuple[str, CacheEngineKey]] = Counter()
         self._pin_lock = threading.Lock()
         self._prefetcher: ThreadPoolExecutor | None = None
 
@@ -128,6 +132,43 @@ class CacheEngine:
         for backend, key in pinned:
             backend.unpin(key)
 
+    def pin_prefix(self, tokens: Sequence[int], medium: str, tags: Tags = ()) -> int:
+        """Keeps the stored prefix of tokens in tier ``medium`` from eviction until
+        unpin_prefix; returns the prefix tokens pinned (up to the first chunk it lacks)."""
+        backend = self.storage.by_medium(medium)
+        pinned = 0
+        for chunk in self.chunks(tokens, tags):
+            if not backend.pin(chunk.key):
+                break
+            with self._pin_lock:
+                self._held[(medium, chunk.key)] += 1
+            pinned = chunk.end
+        return pinned
+
+    def unpin_prefix(self, tokens: Sequence[int], medium: str, tags: Tags = ()) -> int:
+        """Drops one pin_prefix pin of each chunk of tokens in that tier (never a lookup's
+        pin); returns the prefix tokens unpinned."""
+        backend = self.storage.by_medium(medium)
+        unpinned = 0
+        for chunk in self.chunks(tokens, tags):
+            with self._pin_lock:
+                if self._held[(medium, chunk.key)] <= 0:
+                    break
+                self._held[(medium, chunk.key)] -= 1
+                if not self._held[(medium, chunk.key)]:
+                    del self._held[(medium, chunk.key)]
+            backend.unpin(chunk.key)
+            unpinned = chunk.end
+        return unpinned
+
+    def clear_medium(self, medium: str) -> None:
+        """Empties one tier, its pins included (a shared remote tier too: the caller asked)."""
+        backend = self.storage.by_medium(medium)
+        with self._pin_lock:
+            for held in [h for h in self._held if h[0] == medium]:
+                del self._held[held]
+        backend.clear()
+
     def num_pinned_lookups(self) -> int:
         with self._pin_lock:
             return len(self._pins)
@@ -189,6 +230,7 @@ class CacheEngine:
         """Empties the local tiers (and the remote one, shared by others, only if asked)."""
         with self._pin_lock:
             self._pins.clear()
+            self._held.clear()
         self.storage.clear(include_remote)
 
     def health(self) -> dict[str, bool]:

@@ -58,6 +58,21 @@ class Totals(Counts):
     e2e_latency_sum_s: float = 0.0
 
 
+@dataclass(kw_only=True)
+class EngineView:
+    """One data-parallel core as the dashboard shows it."""
+
+    engine: int
+    num_running_reqs: int = 0
+    num_waiting_reqs: int = 0
+    kv_cache_usage: float = 0.0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    # Its running totals as last reported.
+    busy_s: float = 0.0
+    last_preemptions: int = 0
+
+
 class StatsHistory(StatLoggerBase):
     """Current gauges, totals since start and the last ``window_s`` seconds of samples.
 
@@ -81,32 +96,45 @@ class StatsHistory(StatLoggerBase):
         # seconds without any record (an idle engine reports nothing) are absent.
         self._samples: deque[tuple[Sample, SchedulerStats]] = deque(maxlen=window_s)
         self._open: Sample | None = None
-        # Running totals the core reports; samples take their increase.
-        self._last_preemptions = 0
-        self._last_busy = 0.0
+        # Per data-parallel core: its gauges and totals (running totals it reports too,
+        # whose increase the samples take).
+        self.engines: dict[int, EngineView] = {}
 
     def record(
-        self, scheduler_stats: SchedulerStats | None, iteration_stats: IterationStats | None
+        self,
+        scheduler_stats: SchedulerStats | None,
+        iteration_stats: IterationStats | None,
+        engine_idx: int = 0,
     ) -> None:
         sample = self._sample_at(int(self.clock()))
         counts = Counts()
         if scheduler_stats is not None:
             s = scheduler_stats
+            view = self.engines.setdefault(engine_idx, EngineView(engine=engine_idx))
+            view.num_running_reqs = s.num_running_reqs
+            view.num_waiting_reqs = s.num_waiting_reqs
+            view.kv_cache_usage = s.kv_cache_usage
+            view.prefix_cache_queries += s.prefix_cache_queries
+            view.prefix_cache_hits += s.prefix_cache_hits
+            views = self.engines.values()
+            # The fleet's gauges: the cores' latest, added up (usage: their mean).
             self.current = SchedulerStats(
-                num_running_reqs=s.num_running_reqs,
-                num_waiting_reqs=s.num_waiting_reqs,
-                kv_cache_usage=s.kv_cache_usage,
+                num_running_reqs=sum(v.num_running_reqs for v in views),
+                num_waiting_reqs=sum(v.num_waiting_reqs for v in views),
+                kv_cache_usage=sum(v.kv_cache_usage for v in views) / len(views),
             )
-            sample.num_running_reqs = max(sample.num_running_reqs, s.num_running_reqs)
-            sample.num_waiting_reqs = max(sample.num_waiting_reqs, s.num_waiting_reqs)
-            sample.kv_cache_usage = max(sample.kv_cache_usage, s.kv_cache_usage)
+            cur = self.current
+            sample.num_running_reqs = max(sample.num_running_reqs, cur.num_running_reqs)
+            sample.num_waiting_reqs = max(sample.num_waiting_reqs, cur.num_waiting_reqs)
+            sample.kv_cache_usage = max(sample.kv_cache_usage, cur.kv_cache_usage)
             counts.prefix_cache_queries = s.prefix_cache_queries
             counts.prefix_cache_hits = s.prefix_cache_hits
-            counts.num_preemptions = max(s.num_preemptions - self._last_preemptions, 0)
-            self._last_preemptions = s.num_preemptions
+            counts.num_preemptions = max(s.num_preemptions - view.last_preemptions, 0)
+            view.last_preemptions = s.num_preemptions
             if s.step_times is not None:
-                sample.engine_busy_s += max(s.step_times.busy - self._last_busy, 0.0)
-                self._last_busy = s.step_times.busy
+                busy = max(s.step_times.busy - view.busy_s, 0.0)
+                sample.engine_busy_s += busy
+                view.busy_s = s.step_times.busy
             if s.kv_connector_stats:
                 self.connector_stats = s.kv_connector_stats
         if iteration_stats is not None:
@@ -187,4 +215,8 @@ class StatsHistory(StatLoggerBase):
                 k: v for k, v in self.connector_stats.items() if not k.startswith(_TIER_PREFIX)
             },
             "history": [asdict(s) for s in self.history(since)],
+            "engines": [
+                {k: v for k, v in asdict(view).items() if k != "last_preemptions"}
+                for _, view in sorted(self.engines.items())
+            ],
         }

@@ -5,7 +5,8 @@ from __future__ import annotations
 import logging
 import time
 from abc import ABC, abstractmethod
-from typing import ClassVar
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
 import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -47,11 +48,28 @@ _LATENCY_BUCKETS = [
 class StatLoggerBase(ABC):
     @abstractmethod
     def record(
-        self, scheduler_stats: SchedulerStats | None, iteration_stats: IterationStats | None
-    ) -> None: ...
+        self,
+        scheduler_stats: SchedulerStats | None,
+        iteration_stats: IterationStats | None,
+        engine_idx: int = 0,
+    ) -> None:
+        """One message's stats; ``engine_idx``: the data-parallel rank of the core that
+        sent it (its running totals are that core's own)."""
 
     def log(self) -> None:  # noqa: B027 - optional hook
         """Called periodically (every few seconds) by the engine."""
+
+
+def _fleet_gauges(per_engine: dict[int, SchedulerStats]) -> SchedulerStats:
+    stats = list(per_engine.values())
+    if len(stats) == 1:
+        return stats[0]
+    return SchedulerStats(
+        num_running_reqs=sum(s.num_running_reqs for s in stats),
+        num_waiting_reqs=sum(s.num_waiting_reqs for s in stats),
+        kv_cache_usage=sum(s.kv_cache_usage for s in stats) / len(stats),
+        kv_cache_blocks_in_use=sum(s.kv_cache_blocks_in_use for s in stats),
+    )
 
 
 class LoggingStatLogger(StatLoggerBase):
@@ -60,6 +78,7 @@ class LoggingStatLogger(StatLoggerBase):
     def __init__(self, engine_index: int = 0) -> None:
         self.engine_index = engine_index
         self.last_scheduler_stats = SchedulerStats()
+        self._per_engine: dict[int, SchedulerStats] = {}
         self.spec_decoding_logging = SpecDecodingLogging()
         self._reset(time.monotonic())
         self._last_line_idle = False
@@ -72,13 +91,18 @@ class LoggingStatLogger(StatLoggerBase):
         self.prefix_hits = 0
 
     def record(
-        self, scheduler_stats: SchedulerStats | None, iteration_stats: IterationStats | None
+        self,
+        scheduler_stats: SchedulerStats | None,
+        iteration_stats: IterationStats | None,
+        engine_idx: int = 0,
     ) -> None:
         if iteration_stats is not None:
             self.num_prompt_tokens += iteration_stats.num_prompt_tokens
             self.num_generation_tokens += iteration_stats.num_generation_tokens
         if scheduler_stats is not None:
-            self.last_scheduler_stats = scheduler_stats
+            # Gauges: one line for the fleet, the cores' latest counts added up.
+            self._per_engine[engine_idx] = scheduler_stats
+            self.last_scheduler_stats = _fleet_gauges(self._per_engine)
             self.prefix_queries += scheduler_stats.prefix_cache_queries
             self.prefix_hits += scheduler_stats.prefix_cache_hits
             if scheduler_stats.spec_decoding_stats is not None:
@@ -116,9 +140,24 @@ class LoggingStatLogger(StatLoggerBase):
         self._reset(now)
 
 
+@dataclass
+class _EngineSeries:
+    """One core's labelled children of the step counters, and the running totals it
+    last reported (the core reports totals; the counters take deltas)."""
+
+    engine: str
+    phase_counters: dict[str, Any]
+    busy_counter: Any
+    steps_counter: Any
+    num_preemptions: int = 0
+    step_times: StepTimes = field(default_factory=StepTimes)
+    connector_stats: dict[tuple[str, str], float] = field(default_factory=dict)
+
+
 class PrometheusStatLogger(StatLoggerBase):
     """vLLM's metric names under ``<prefix>:`` (``kvserve:`` by default, ``vllm:`` for
-    tools that read vLLM's series), labelled with model_name.
+    tools that read vLLM's series), labelled with model_name and engine (the
+    data-parallel rank of the core whose outputs carried the stats, "0" without DP).
 
     Constructing a second logger on the same registry unregisters the first one's
     metrics, so tests and restarted engines in one process do not collide.
@@ -138,7 +177,7 @@ class PrometheusStatLogger(StatLoggerBase):
             previous.unregister()
         self._live[id(self.registry)] = self
         self.model_name = model_name
-        labels = ["model_name"]
+        labels = ["model_name", "engine"]
         reg = self.registry
         self.prefix = prefix = prefix + ":"
 
@@ -193,16 +232,9 @@ class PrometheusStatLogger(StatLoggerBase):
         )
         self.engine_busy = counter("engine_busy_seconds", "Engine-core seconds spent in steps")
         self.engine_steps = counter("engine_steps", "Engine-core steps")
-        # Children made up front: every phase shows (at 0) before the first request, and
-        # recording skips the label lookups on every message.
-        self._phase_counters = {
-            phase: self.step_time.labels(model_name, phase)
-            for phase in (*STEP_PHASES, "output_processing")
-        }
-        self._busy_counter = self.engine_busy.labels(model_name)
-        self._steps_counter = self.engine_steps.labels(model_name)
-        # The core reports running totals; the counters take deltas.
-        self._last_step_times = StepTimes()
+        # Per core: its labelled children and the running totals it last reported.
+        self._engines: dict[int, _EngineSeries] = {}
+        self._engine(0)  # every phase shows (at 0) before the first request
         self._collectors = [
             self.num_requests_running,
             self.num_requests_waiting,
@@ -229,80 +261,106 @@ class PrometheusStatLogger(StatLoggerBase):
         self._collectors += self.multimodal.collectors
         if self.gpu_cache_usage_perc is not None:
             self._collectors.append(self.gpu_cache_usage_perc)
-        # The scheduler reports preemptions as a running total; the counter takes deltas.
-        self._last_num_preemptions = 0
         # KV connector totals (tier hits, bytes, ...): counters made as metrics first appear.
         self._connector_counters: dict[str, Counter] = {}
-        self._last_connector_stats: dict[tuple[str, str], float] = {}
+
+    def _engine(self, engine_idx: int) -> _EngineSeries:
+        series = self._engines.get(engine_idx)
+        if series is None:
+            engine = str(engine_idx)
+            name = self.model_name
+            # Children made once: recording skips the label lookups on every message.
+            series = _EngineSeries(
+                engine=engine,
+                phase_counters={
+                    phase: self.step_time.labels(name, engine, phase)
+                    for phase in (*STEP_PHASES, "output_processing")
+                },
+                busy_counter=self.engine_busy.labels(name, engine),
+                steps_counter=self.engine_steps.labels(name, engine),
+            )
+            self._engines[engine_idx] = series
+        return series
 
     def record(
-        self, scheduler_stats: SchedulerStats | None, iteration_stats: IterationStats | None
+        self,
+        scheduler_stats: SchedulerStats | None,
+        iteration_stats: IterationStats | None,
+        engine_idx: int = 0,
     ) -> None:
         name = self.model_name
+        series = self._engine(engine_idx)
+        engine = series.engine
         if scheduler_stats is not None:
-            self.num_requests_running.labels(name).set(scheduler_stats.num_running_reqs)
-            self.num_requests_waiting.labels(name).set(scheduler_stats.num_waiting_reqs)
-            self.kv_cache_usage_perc.labels(name).set(scheduler_stats.kv_cache_usage)
+            s = scheduler_stats
+            self.num_requests_running.labels(name, engine).set(s.num_running_reqs)
+            self.num_requests_waiting.labels(name, engine).set(s.num_waiting_reqs)
+            self.kv_cache_usage_perc.labels(name, engine).set(s.kv_cache_usage)
             if self.gpu_cache_usage_perc is not None:
-                self.gpu_cache_usage_perc.labels(name).set(scheduler_stats.kv_cache_usage)
-            self.kv_cache_blocks_in_use.labels(name).set(scheduler_stats.kv_cache_blocks_in_use)
-            self.prefix_cache_queries.labels(name).inc(scheduler_stats.prefix_cache_queries)
-            self.prefix_cache_hits.labels(name).inc(scheduler_stats.prefix_cache_hits)
-            new_preemptions = scheduler_stats.num_preemptions - self._last_num_preemptions
-            self.num_preemptions.labels(name).inc(max(new_preemptions, 0))
-            self._last_num_preemptions = scheduler_stats.num_preemptions
-            if scheduler_stats.kv_connector_stats:
-                self._record_connector_stats(scheduler_stats.kv_connector_stats)
-            if scheduler_stats.step_times is not None:
-                self._record_step_times(scheduler_stats.step_times)
-            if scheduler_stats.spec_decoding_stats is not None:
-                self.spec_decoding.record(scheduler_stats.spec_decoding_stats)
-            if scheduler_stats.mm_stats is not None:
-                self.multimodal.record(scheduler_stats.mm_stats)
+                self.gpu_cache_usage_perc.labels(name, engine).set(s.kv_cache_usage)
+            self.kv_cache_blocks_in_use.labels(name, engine).set(s.kv_cache_blocks_in_use)
+            self.prefix_cache_queries.labels(name, engine).inc(s.prefix_cache_queries)
+            self.prefix_cache_hits.labels(name, engine).inc(s.prefix_cache_hits)
+            # The scheduler reports preemptions as a running total; the counter takes deltas.
+            new_preemptions = s.num_preemptions - series.num_preemptions
+            self.num_preemptions.labels(name, engine).inc(max(new_preemptions, 0))
+            series.num_preemptions = s.num_preemptions
+            if s.kv_connector_stats:
+                self._record_connector_stats(s.kv_connector_stats, series)
+            if s.step_times is not None:
+                self._record_step_times(s.step_times, series)
+            if s.spec_decoding_stats is not None:
+                self.spec_decoding.record(s.spec_decoding_stats, engine)
+            if s.mm_stats is not None:
+                self.multimodal.record(s.mm_stats, engine)
         if iteration_stats is None:
             return
         if iteration_stats.output_processing_time:
-            self._phase_counters["output_processing"].inc(iteration_stats.output_processing_time)
-        self.prompt_tokens.labels(name).inc(iteration_stats.num_prompt_tokens)
-        self.generation_tokens.labels(name).inc(iteration_stats.num_generation_tokens)
-        ttft = self.time_to_first_token.labels(name)
+            series.phase_counters["output_processing"].inc(iteration_stats.output_processing_time)
+        self.prompt_tokens.labels(name, engine).inc(iteration_stats.num_prompt_tokens)
+        self.generation_tokens.labels(name, engine).inc(iteration_stats.num_generation_tokens)
+        ttft = self.time_to_first_token.labels(name, engine)
         for value in iteration_stats.time_to_first_tokens_iter:
             ttft.observe(value)
-        itl = self.inter_token_latency.labels(name)
+        itl = self.inter_token_latency.labels(name, engine)
         for value in iteration_stats.inter_token_latencies_iter:
             itl.observe(value)
         for finished in iteration_stats.finished_requests:
-            self.request_success.labels(name, finished.finish_reason).inc()
-            self.e2e_request_latency.labels(name).observe(finished.e2e_latency)
-            self.request_queue_time.labels(name).observe(finished.queued_time)
+            self.request_success.labels(name, engine, finished.finish_reason).inc()
+            self.e2e_request_latency.labels(name, engine).observe(finished.e2e_latency)
+            self.request_queue_time.labels(name, engine).observe(finished.queued_time)
             if finished.num_generation_tokens > 1:
-                self.time_per_output_token.labels(name).observe(finished.mean_time_per_output_token)
+                self.time_per_output_token.labels(name, engine).observe(
+                    finished.mean_time_per_output_token
+                )
 
-    def _record_step_times(self, totals: StepTimes) -> None:
-        last = self._last_step_times
+    def _record_step_times(self, totals: StepTimes, series: _EngineSeries) -> None:
+        last = series.step_times
         for phase in STEP_PHASES:
             delta = getattr(totals, phase) - getattr(last, phase)
-            self._phase_counters[phase].inc(max(delta, 0.0))
-        self._busy_counter.inc(max(totals.busy - last.busy, 0.0))
-        self._steps_counter.inc(max(totals.num_steps - last.num_steps, 0))
-        self._last_step_times = totals
+            series.phase_counters[phase].inc(max(delta, 0.0))
+        series.busy_counter.inc(max(totals.busy - last.busy, 0.0))
+        series.steps_counter.inc(max(totals.num_steps - last.num_steps, 0))
+        series.step_times = totals
 
-    def _record_connector_stats(self, stats: dict[str, dict[str, float]]) -> None:
+    def _record_connector_stats(
+        self, stats: dict[str, dict[str, float]], series: _EngineSeries
+    ) -> None:
         for metric, values in stats.items():
             counter = self._connector_counters.get(metric)
             if counter is None:
                 counter = Counter(
                     self.prefix + "kv_connector_" + metric,
                     f"KV connector running total: {metric}",
-                    ["model_name", "kind"],
+                    ["model_name", "engine", "kind"],
                     registry=self.registry,
                 )
                 self._connector_counters[metric] = counter
                 self._collectors.append(counter)
             for kind, value in values.items():
-                delta = value - self._last_connector_stats.get((metric, kind), 0.0)
-                self._last_connector_stats[(metric, kind)] = value
-                counter.labels(self.model_name, kind).inc(max(delta, 0.0))
+                delta = value - series.connector_stats.get((metric, kind), 0.0)
+                series.connector_stats[(metric, kind)] = value
+                counter.labels(self.model_name, series.engine, kind).inc(max(delta, 0.0))
 
     def unregister(self) -> None:
         for collector in self._collectors:

@@ -24,14 +24,16 @@ class MultiModalProm:
     def __init__(self, registry: CollectorRegistry, prefix: str, model_name: str) -> None:
         self.model_name = model_name
         self.counters = {
-            field: Counter(f"{prefix}mm_{field}", doc, ["model_name"], registry=registry)
+            field: Counter(f"{prefix}mm_{field}", doc, ["model_name", "engine"], registry=registry)
             for field, doc in _METRICS.items()
         }
         self.collectors = list(self.counters.values())
-        self._last = MultiModalStats()
+        # Per core (engine label): the running totals it last reported.
+        self._last: dict[str, MultiModalStats] = {}
 
-    def record(self, totals: MultiModalStats) -> None:
+    def record(self, totals: MultiModalStats, engine: str = "0") -> None:
+        last = self._last.get(engine) or MultiModalStats()
         for field, counter in self.counters.items():
-            delta = getattr(totals, field) - getattr(self._last, field)
-            counter.labels(self.model_name).inc(max(delta, 0))
-        self._last = totals
+            delta = getattr(totals, field) - getattr(last, field)
+            counter.labels(self.model_name, engine).inc(max(delta, 0))
+        self._last[engine] = totals

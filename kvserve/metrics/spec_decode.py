@@ -37,7 +37,7 @@ class SpecDecodingProm:
     """``<prefix>spec_decode_num_drafts`` and friends, vLLM's names and position label."""
 
     def __init__(self, registry: CollectorRegistry, prefix: str, model_name: str) -> None:
-        labels = ["model_name"]
+        labels = ["model_name", "engine"]
 
         def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
             return Counter(prefix + name, doc, labels + list(extra), registry=registry)
@@ -61,17 +61,18 @@ class SpecDecodingProm:
             self.num_accepted_tokens,
             self.num_accepted_tokens_per_pos,
         ]
-        self._last: SpecDecodingStats | None = None
+        # Per core (engine label): the running totals it last reported.
+        self._last: dict[str, SpecDecodingStats] = {}
 
-    def record(self, totals: SpecDecodingStats) -> None:
-        delta = _delta(totals, self._last)
-        self._last = totals
+    def record(self, totals: SpecDecodingStats, engine: str = "0") -> None:
+        delta = _delta(totals, self._last.get(engine))
+        self._last[engine] = totals
         name = self.model_name
-        self.num_drafts.labels(name).inc(max(delta.num_drafts, 0))
-        self.num_draft_tokens.labels(name).inc(max(delta.num_draft_tokens, 0))
-        self.num_accepted_tokens.labels(name).inc(max(delta.num_accepted_tokens, 0))
+        self.num_drafts.labels(name, engine).inc(max(delta.num_drafts, 0))
+        self.num_draft_tokens.labels(name, engine).inc(max(delta.num_draft_tokens, 0))
+        self.num_accepted_tokens.labels(name, engine).inc(max(delta.num_accepted_tokens, 0))
         for pos, count in enumerate(delta.num_accepted_tokens_per_pos):
-            self.num_accepted_tokens_per_pos.labels(name, str(pos)).inc(max(count, 0))
+            self.num_accepted_tokens_per_pos.labels(name, engine, str(pos)).inc(max(count, 0))
 
 
 class SpecDecodingLogging:

@@ -173,9 +173,80 @@ class Gemma3MultiModalProcessor(MultiModalProcessor):
         return ranges
 
 
+class WhisperMultiModalProcessor(MultiModalProcessor):
+    """One audio clip per prompt: ``(waveform, sampling_rate)`` or a waveform at the
+    feature extractor's rate, resampled to that rate, turned into log-mel features by
+    transformers' ``WhisperFeatureExtractor`` from the model directory. The prompt is the
+    decoder's text (``<|startoftranscript|>...``), tokenized without added tokens; the
+    audio takes no decoder position (its encoder output is cross-attended)."""
+
+    modalities = ("audio",)
+
+    def __init__(self, model_dir: str, policy: MediaPolicy, cache: ProcessorCache) -> None:
+        super().__init__(model_dir, policy, cache)
+        from transformers import AutoTokenizer, WhisperFeatureExtractor
+
+        self.extractor = WhisperFeatureExtractor.from_pretrained(model_dir)
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.sampling_rate = int(self.extractor.sampling_rate)
+        self.window_samples = int(self.extractor.n_samples)
+        self.encoder_len = int(self.extractor.nb_max_frames) // 2
+
+    def waveform(self, field: str, item: object) -> np.ndarray:
+        """The item's samples at the model's rate, within its window."""
+        from kvserve.multimodal.audio import resample, to_waveform
+
+        rate = self.sampling_rate
+        if isinstance(item, tuple):
+            if len(item) != 2 or isinstance(item[1], bool) or not isinstance(item[1], int):
+                raise ValueError(f"{field}: audio must be (samples, sampling_rate: int)")
+            item, rate = item
+            if rate <= 0:
+                raise ValueError(f"{field}: sampling_rate must be positive, got {rate}")
+        wave = resample(to_waveform(field, item), rate, self.sampling_rate)
+        if wave.shape[0] > self.window_samples:
+            raise ValueError(
+                f"{field}: the audio lasts {wave.shape[0] / self.sampling_rate:.1f} s, more "
+                f"than the model's window of {self.window_samples / self.sampling_rate:g} s"
+            )
+        return wave
+
+    def process(
+        self,
+        prompt: str,
+        mm_data: Mapping[str, Sequence[object]],
+        mm_processor_kwargs: Mapping[str, Any] | None,
+        add_special_tokens: bool = True,
+        cache_salt: str | None = None,
+    ) -> ProcessedPrompt:
+        unknown = sorted(set(mm_data) - set(self.modalities))
+        if unknown:
+            raise ValueError(f"multi_modal_data: unsupported modality {unknown[0]!r} (audio only)")
+        if mm_processor_kwargs:
+            raise ValueError("mm_processor_kwargs: Whisper takes none")
+        items = _as_items("audio", mm_data.get("audio", []))
+        if len(items) != 1:
+            raise ValueError(f"multi_modal_data['audio'] needs exactly one clip, got {len(items)}")
+        field = "multi_modal_data['audio'][0]"
+        wave = self.waveform(field, items[0])
+        salt = {} if cache_salt is None else {"cache_salt": cache_salt}
+        mm_hash = MultiModalHasher.hash_kwargs(audio=wave, sampling_rate=self.sampling_rate, **salt)
+        data = self.cache.peek(mm_hash)
+        if data is None:
+            out = self.extractor(wave, sampling_rate=self.sampling_rate, return_tensors="np")
+            data = {"input_features": TensorData.from_array(np.asarray(out["input_features"]))}
+            self.num_processed += 1
+        token_ids = list(self.tokenizer.encode(prompt, add_special_tokens=False))
+        feature = MultiModalFeatureSpec(
+            "audio", mm_hash, PlaceholderRange(0, self.encoder_len), data
+        )
+        return ProcessedPrompt(prompt, token_ids, [feature])
+
+
 # Architecture (config.json) -> processor class.
 MULTIMODAL_PROCESSORS: dict[str, type[MultiModalProcessor]] = {
     "Gemma3ForConditionalGeneration": Gemma3MultiModalProcessor,
+    "WhisperForConditionalGeneration": WhisperMultiModalProcessor,
 }
 
 

@@ -9,6 +9,7 @@ import msgspec
 
 from kvserve.lora.request import LoRARequest
 from kvserve.pooling_params import PoolingParams
+from kvserve.protocol.kv_events import KVEvent
 from kvserve.protocol.mm_inputs import MultiModalFeatureSpec
 from kvserve.sampling_params import SamplingParams
 
@@ -155,3 +156,13 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, kw_
     # Wall-clock time at which requests were first scheduled, for those first scheduled
     # since the last outputs (the queue-time metric).
     scheduled_times: dict[str, float] | None = None
+    # The data-parallel rank of the core that sent them (engine/dp_client.py).
+    engine_index: int = 0
+    # With data parallelism and prefix balancing: the core's KV cache events since its
+    # last outputs, which the front end's prefix index follows (engine/dp_balancer.py).
+    kv_events: list[KVEvent] | None = None
+
+
+# An error that starts with this: the request's engine core died while the others go on
+# (--data-parallel-tolerate-failure); the server answers 503, as for a dead engine.
+ENGINE_CORE_DIED_PREFIX = "engine core died"

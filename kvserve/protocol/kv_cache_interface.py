@@ -193,6 +193,28 @@ class MambaSpec(FullAttentionSpec):
         return 5 if self.mamba_cache_mode == "align" else 1
 
 
+@dataclass(frozen=True, kw_only=True)
+class CrossAttentionSpec(FullAttentionSpec):
+    """A decoder's cross-attention over its encoder's output (Whisper): a request holds
+    the K/V of its ``max_encoder_len`` encoder positions from its first step to its end,
+    however long its decoder sequence grows. The blocks are keyed by the encoder input's
+    hash, never by the decoder's tokens (``CrossAttentionManager``)."""
+
+    kind: ClassVar[str] = "cross_attention"
+    max_encoder_len: int
+
+    def __post_init__(self) -> None:
+        if self.max_encoder_len < 1:
+            raise ValueError(f"max_encoder_len must be >= 1, got {self.max_encoder_len}")
+
+    @property
+    def type_id(self) -> str:
+        return f"{self.kind}_{self.max_encoder_len}_{self.block_size}_{self.page_size_bytes}"
+
+    def max_num_blocks(self, num_tokens: int, max_num_batched_tokens: int) -> int:
+        return cdiv(self.max_encoder_len, self.block_size)
+
+
 FULL_ATTENTION_KINDS = (FullAttentionSpec.kind, MLAAttentionSpec.kind)
 KVCacheSpec = FullAttentionSpec  # every spec is one; the subclasses say which manager
 
@@ -344,6 +366,7 @@ def max_concurrent_requests(
 __all__ = [
     "FULL_ATTENTION_KINDS",
     "ChunkedLocalAttentionSpec",
+    "CrossAttentionSpec",
     "FullAttentionSpec",
     "KVCacheConfig",
     "KVCacheGroupSpec",

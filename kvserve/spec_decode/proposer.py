@@ -25,6 +25,7 @@ class ProposerInputs:
     req_ids: list[str]  # [S]
     token_ids: np.ndarray  # int32 [max_num_reqs, max_model_len]
     num_tokens: np.ndarray  # int32 [max_num_reqs]
+    num_prompt_tokens: np.ndarray  # int32 [max_num_reqs]
     # Per batch row: tokens with KV in the cache before this step (the scheduler's count).
     num_computed_before: np.ndarray  # int32 [max_num_reqs]
     # The batch's MultiGroupBlockTable (a worker type; this layer cannot name it).
@@ -94,7 +95,7 @@ def create_proposer(config: EngineConfig, device: torch.device) -> Proposer | No
     if spec is None:
         return None
     # Importing the modules registers their classes.
-    from kvserve.spec_decode import draft_model, ngram_proposer  # noqa: F401
+    from kvserve.spec_decode import draft_model, ngram_proposer, suffix_decoding  # noqa: F401
 
     assert spec.method is not None
     return Proposer.registry[spec.method](config, device)

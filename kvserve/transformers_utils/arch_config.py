@@ -60,6 +60,11 @@ class MultiModalArch:
     eoi_token_id: int
     bidirectional_items: bool
     max_tokens_per_item: int
+    # An encoder-decoder model (Whisper): the item is the encoder's input, its output is
+    # kept as cross-attention K/V instead of being placed among the decoder's tokens;
+    # ``max_tokens_per_item`` is then the encoder output's length and ``vision_config``
+    # the model's HF config (the encoder's numbers).
+    encoder_decoder: bool = False
 
 
 @dataclass(frozen=True)
@@ -329,7 +334,9 @@ def _from_hf_dir(model_dir: Path) -> ArchConfig:
     arch = str(architectures[0])
     cfg = normalise_mamba_config(arch, cfg)
     multimodal = None
-    if arch in _VLM_ARCHITECTURES:
+    if arch in _ENCODER_DECODER_ARCHITECTURES:
+        multimodal, cfg = _whisper_multimodal(cfg)
+    elif arch in _VLM_ARCHITECTURES:
         multimodal = _gemma3_multimodal(cfg)
         # The text numbers are the language model's.
         text = cfg["text_config"]
@@ -388,6 +395,40 @@ def _hf_attention_variants(arch: str, cfg: dict[str, Any], num_layers: int) -> d
 
 
 _VLM_ARCHITECTURES = ("Gemma3ForConditionalGeneration",)
+_ENCODER_DECODER_ARCHITECTURES = ("WhisperForConditionalGeneration",)
+
+
+def _whisper_multimodal(cfg: dict[str, Any]) -> tuple[MultiModalArch, dict[str, Any]]:
+    """Whisper's encoder side, and its config in the names ArchConfig reads (the
+    decoder's numbers: ``max_target_positions`` is the decoder's context)."""
+    try:
+        heads = int(cfg["decoder_attention_heads"])
+        decoder = {
+            "hidden_size": int(cfg["d_model"]),
+            "intermediate_size": int(cfg["decoder_ffn_dim"]),
+            "num_hidden_layers": int(cfg["decoder_layers"]),
+            "num_attention_heads": heads,
+            "num_key_value_heads": heads,
+            "max_position_embeddings": int(cfg["max_target_positions"]),
+            "layer_norm_eps": 1e-5,
+            "tie_word_embeddings": True,
+        }
+        encoder_len = int(cfg["max_source_positions"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"invalid Whisper config: {e!r}") from e
+    multimodal = MultiModalArch(
+        vision_config=dict(cfg),
+        mm_tokens_per_image=encoder_len,
+        image_token_id=-1,  # no placeholder tokens: the decoder never sees the audio's
+        boi_token_id=-1,
+        eoi_token_id=-1,
+        bidirectional_items=False,
+        max_tokens_per_item=encoder_len,
+        encoder_decoder=True,
+    )
+    return multimodal, {**cfg, **decoder}
+
+
 # Gemma 3's Pan-and-Scan: at most this many crops beside the image itself, each framed
 # by a few text tokens (HF's Gemma3Processor.replace_image_token).
 _GEMMA3_MAX_CROPS = 4

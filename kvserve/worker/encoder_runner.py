@@ -81,6 +81,9 @@ class MultiModalEncoderRunner(EncoderRunner):
     """Owns the encoder cache (content hash -> the item's embeddings), the encoder cache
     connector and the encoder's counters."""
 
+    # The processed input an item carries (feature.data), the encoder's argument.
+    input_key = "pixel_values"
+
     def __init__(
         self, device: torch.device, bidirectional_mm: bool, ec_connector: ECConnector | None
     ) -> None:
@@ -105,9 +108,9 @@ class MultiModalEncoderRunner(EncoderRunner):
             if out is not None:
                 self._encoder_stats.ec_connector_loads += 1
         if out is None:
-            if feature.data is None or "pixel_values" not in feature.data:
-                raise RuntimeError(f"item {feature.identifier[:16]} has no pixel values")
-            pixels = torch.from_numpy(feature.data["pixel_values"].to_numpy().copy())
+            if feature.data is None or self.input_key not in feature.data:
+                raise RuntimeError(f"item {feature.identifier[:16]} has no {self.input_key}")
+            pixels = torch.from_numpy(feature.data[self.input_key].to_numpy().copy())
             out = self.model.embed_multimodal(pixels.to(self.device))
             self._encoder_stats.vision_tower_runs += 1
             if self.ec_connector is not None:
@@ -223,6 +226,32 @@ class MultiModalEncoderRunner(EncoderRunner):
             self.ec_connector.close()
 
 
+class CrossAttentionEncoderRunner(MultiModalEncoderRunner):
+    """An encoder-decoder model's (Whisper): the encoder turns an item's log-mel features
+    into its output, which the decoder's cross-attention layers turn into K/V in the
+    request's first step (``encoder_outputs``, one per row that starts, in row order:
+    the order ``CrossAttentionMetadata.write_rows`` takes). The decoder embeds its own
+    token ids."""
+
+    input_key = "input_features"
+
+    def model_kwargs(
+        self, batch: InputBatch, inputs: StepInputs, attn_metadata: Any
+    ) -> dict[str, Any]:
+        outputs: list[torch.Tensor] = []
+        starts = batch.num_computed_tokens_cpu
+        for row, state in enumerate(batch.requests[: batch.num_reqs]):
+            if state is None or int(starts[row]) != 0 or not inputs.num_scheduled_tokens[row]:
+                continue
+            if len(state.mm_features) != 1:
+                raise RuntimeError(
+                    f"{state.req_id}: an encoder-decoder request needs one encoder input, "
+                    f"got {len(state.mm_features)}"
+                )
+            outputs.append(self._encoder_output(state.mm_features[0], keep=False))
+        return {"encoder_outputs": outputs}
+
+
 def make_encoder_runner(config: EngineConfig, device: torch.device) -> EncoderRunner:
     mm_arch = config.model_config.arch.multimodal
     if mm_arch is None:
@@ -232,4 +261,6 @@ def make_encoder_runner(config: EngineConfig, device: torch.device) -> EncoderRu
     if ec is not None:
         name = config.model_config.served_model_name or str(config.model_config.model)
         ec_connector = ECConnector(ec, name, config.kv_security_config)
+    if mm_arch.encoder_decoder:
+        return CrossAttentionEncoderRunner(device, False, ec_connector)
     return MultiModalEncoderRunner(device, mm_arch.bidirectional_items, ec_connector)

@@ -30,7 +30,10 @@ class InputBatch:
         block_sizes: Sequence[int],
         sampling_batch: SamplingBatch,
         pin_memory: bool = False,
+        max_block_table_len: int | None = None,
     ) -> None:
+        """``max_block_table_len``: the token span a block table row covers, where a
+        group holds more than the context (a cross-attention group's encoder output)."""
         self.max_num_reqs = max_num_reqs
         self.max_model_len = max_model_len
 
@@ -47,7 +50,12 @@ class InputBatch:
         self.num_computed_tokens_views = PrefixViews(self.num_computed_tokens_cpu_tensor)
 
         self.block_table = MultiGroupBlockTable(
-            max_num_reqs, max_model_len, max_num_batched_tokens, block_sizes, device, pin_memory
+            max_num_reqs,
+            max(max_model_len, max_block_table_len or 0),
+            max_num_batched_tokens,
+            block_sizes,
+            device,
+            pin_memory,
         )
         self.sampling_batch = sampling_batch
 

@@ -8,11 +8,13 @@ import math
 
 import torch
 
+from kvserve.attention.cross_attention import CrossAttention
 from kvserve.attention.layer import Attention
 from kvserve.attention.mla import MLAAttention
 from kvserve.model_executor.layers.mamba.mamba_mixer2 import MambaMixer2
 from kvserve.protocol.kv_cache_interface import (
     ChunkedLocalAttentionSpec,
+    CrossAttentionSpec,
     FullAttentionSpec,
     KVCacheSpec,
     MambaSpec,
@@ -25,7 +27,7 @@ from kvserve.utils.huge_pages import huge_page_zeros
 
 
 def make_kv_cache_spec(layer: Attention, block_size: int, dtype_size: int) -> KVCacheSpec:
-    """MLA's latent; else sliding window, chunked local, StreamingLLM sinks (a window
+    """MLA's latent; a decoder's cross-attention over its encoder output; else sliding window, chunked local, StreamingLLM sinks (a window
     plus sink tokens on a full-attention layer) or full attention, in that order."""
     if isinstance(layer, MLAAttention):
         return MLAAttentionSpec(
@@ -37,6 +39,8 @@ def make_kv_cache_spec(layer: Attention, block_size: int, dtype_size: int) -> KV
         "head_size": layer.head_size,
         "dtype_size": dtype_size,
     }
+    if isinstance(layer, CrossAttention):
+        return CrossAttentionSpec(max_encoder_len=layer.max_encoder_len, **common)
     chunk = getattr(layer, "attention_chunk_size", None)
     num_sink_tokens = getattr(layer.impl, "num_sink_tokens", 0)
     if layer.sliding_window is not None and num_sink_tokens:

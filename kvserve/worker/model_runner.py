@@ -292,9 +292,17 @@ class ModelRunner:
         self.mamba_state = make_mamba_state_runner(mamba_layers)
         self.drafter.bind_kv_cache(self.kv_caches, self.attn_builders, self.layer_to_group)
         self.kv_connector_runner = get_kv_connector(self.config, kv_cache_config, self.kv_caches)
+        # Block tables fit the longest any group holds (a cross-attention group's encoder
+        # output may be longer than the decoder's context).
+        table_len = max(
+            g.kv_cache_spec.max_num_blocks(self.max_model_len, self.max_num_tokens)
+            * g.kv_cache_spec.block_size
+            for g in kv_cache_config.kv_cache_groups
+        )
         self.input_batch = InputBatch(
             max_num_reqs=self.max_num_reqs,
             max_model_len=self.max_model_len,
+            max_block_table_len=table_len,
             max_num_batched_tokens=self.max_num_tokens,
             device=self.device,
             block_sizes=[g.kv_cache_spec.block_size for g in kv_cache_config.kv_cache_groups],

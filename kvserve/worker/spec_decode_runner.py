@@ -159,6 +159,7 @@ class DraftingSpecDecodeRunner(SpecDecodeRunner):
             req_ids=[req_ids[row] for row in sample_rows.tolist()],
             token_ids=batch.token_ids_cpu,
             num_tokens=batch.num_tokens,
+            num_prompt_tokens=batch.num_prompt_tokens,
             num_computed_before=num_computed_before,
             block_table=batch.block_table,
         )

@@ -10,7 +10,7 @@ import pytest
 from kvserve.core.block_pool import BlockPool
 from kvserve.core.kv_cache_utils import KVCacheBlock, get_block_content
 from kvserve.core.request import Request
-from kvserve.distributed.kv_events import (
+from kvserve.protocol.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,

@@ -8,8 +8,8 @@ import time
 import msgspec
 import zmq
 
-from kvserve.distributed.kv_events import KVEventBatch
 from kvserve.distributed.kv_events_publisher import EventPublisher
+from kvserve.protocol.kv_events import KVEventBatch
 from kvserve.utils.kv_secret import read_kv_secret
 from kvserve.utils.zmq_curve import socket_security
 

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from kvserve.distributed.kv_events import (
+from kvserve.distributed.kv_events_aggregator import KVEventAggregator
+from kvserve.protocol.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
     KVEventBatch,
 )
-from kvserve.distributed.kv_events_aggregator import KVEventAggregator
 
 
 def stored(i: int, medium: str = "GPU") -> BlockStored:

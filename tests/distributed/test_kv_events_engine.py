@@ -11,14 +11,14 @@ import zmq
 from kvserve.config import KVEventsConfig
 from kvserve.core.kv_cache_utils import get_request_block_hasher
 from kvserve.core.request import Request
-from kvserve.distributed.kv_events import (
+from kvserve.distributed.kv_events_subscriber import KVEventSubscriber
+from kvserve.protocol.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
     KVCacheEvent,
     KVEventBatch,
 )
-from kvserve.distributed.kv_events_subscriber import KVEventSubscriber
 from kvserve.sampling_params import SamplingParams
 from tests.distributed.kv_events_helpers import (
     PROBE_TS,

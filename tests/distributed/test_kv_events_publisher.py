@@ -14,12 +14,6 @@ import zmq
 from msgspec.structs import replace
 
 from kvserve.config import KVEventsConfig
-from kvserve.distributed.kv_events import (
-    AllBlocksCleared,
-    BlockRemoved,
-    BlockStored,
-    KVEventBatch,
-)
 from kvserve.distributed.kv_events_publisher import (
     END_SEQ,
     EventPublisherFactory,
@@ -27,6 +21,12 @@ from kvserve.distributed.kv_events_publisher import (
     ZmqEventPublisher,
 )
 from kvserve.distributed.kv_events_subscriber import KVEventSubscriber, decode_batch
+from kvserve.protocol.kv_events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEventBatch,
+)
 from kvserve.utils.zmq_curve import SocketSecurity, socket_security
 from tests.distributed.kv_events_helpers import SECURITY, free_port, recv_batch, wait_subscribed
 

@@ -160,7 +160,12 @@ def test_metrics_count_one_request_exactly(
     engine: AsyncLLM, run: Callable[..., Any], registry: CollectorRegistry
 ) -> None:
     def sample(name: str, **labels: str) -> float:
-        return registry.get_sample_value("kvserve:" + name, {"model_name": "m", **labels}) or 0.0
+        return (
+            registry.get_sample_value(
+                "kvserve:" + name, {"model_name": "m", "engine": "0", **labels}
+            )
+            or 0.0
+        )
 
     names = [
         "prompt_tokens_total",

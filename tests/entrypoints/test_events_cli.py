@@ -7,14 +7,14 @@ import subprocess
 import sys
 import time
 
-from kvserve.distributed.kv_events import (
+from kvserve.distributed.kv_events_publisher import ZmqEventPublisher
+from kvserve.protocol.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
     KVEvent,
     KVEventBatch,
 )
-from kvserve.distributed.kv_events_publisher import ZmqEventPublisher
 from tests.distributed.kv_events_helpers import SECURITY
 
 EVENTS_CLI = [sys.executable, "-m", "kvserve.entrypoints.events_cli"]

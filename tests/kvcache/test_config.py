@@ -55,7 +55,8 @@ def test_precedence_yaml_over_env_over_extra_config(tmp_path: Path) -> None:
         ({"remote_url": "http://x:1"}, "redis:// or kvserve://"),
         ({"remote_url": "redis://host"}, "host:port"),
         ({"remote_url": "redis://h:1/x"}, "db must be an integer"),
-        ({"remote_serde": "zstd"}, "remote_serde must be one of"),
+        ({"remote_serde": "int2-zstd"}, "remote_serde must be one of"),
+        ({"local_disk_serde": "lz4"}, "local_disk_serde must be one of"),
         ({"local_cpu": "maybe"}, "not a boolean"),
         ({"blocking_timeout_secs": 0}, "blocking_timeout_secs must be > 0"),
     ],
@@ -63,6 +64,13 @@ def test_precedence_yaml_over_env_over_extra_config(tmp_path: Path) -> None:
 def test_clear_errors(extra: dict, message: str) -> None:
     with pytest.raises(CacheConfigError, match=message):
         load_cache_engine_config(extra, environ={})
+
+
+@pytest.mark.parametrize("name", ["zstd", "int8-zstd", "int4-zstd"])
+def test_compressed_serdes_are_accepted_for_every_tier(name: str) -> None:
+    env = {"KVSERVE_CACHE_LOCAL_DISK_SERDE": name}
+    cfg = load_cache_engine_config({"remote_serde": name, "local_cpu_serde": name}, environ=env)
+    assert (cfg.local_cpu_serde, cfg.local_disk_serde, cfg.remote_serde) == (name,) * 3
 
 
 def test_errors_name_their_source(tmp_path: Path) -> None:

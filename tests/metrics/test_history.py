@@ -86,7 +86,9 @@ def test_totals_match_prometheus_and_history_keeps_peaks() -> None:
     totals = snap["totals"]
 
     def prom(name: str, **labels: str) -> float | None:
-        return registry.get_sample_value(f"kvserve:{name}", {"model_name": "m", **labels})
+        return registry.get_sample_value(
+            f"kvserve:{name}", {"model_name": "m", "engine": "0", **labels}
+        )
 
     assert totals["prompt_tokens"] == prom("prompt_tokens_total") == 8
     assert totals["generation_tokens"] == prom("generation_tokens_total") == 4
@@ -132,3 +134,53 @@ def test_since_and_window_bound_the_history() -> None:
     assert history.snapshot(since=529.0)["history"] == []  # 530 is still open
     with pytest.raises(ValueError, match="window_s"):
         StatsHistory("m", window_s=0)
+
+
+def test_data_parallel_cores_are_shown_each_and_added_up() -> None:
+    clock = Clock(1000.0)
+    history = StatsHistory("m", clock=clock)
+    registry = CollectorRegistry()
+    prom = PrometheusStatLogger("m", registry)
+    busy = StepTimes(busy=2.0)
+    for logger in (history, prom):
+        logger.record(
+            SchedulerStats(num_running_reqs=2, kv_cache_usage=0.5, step_times=busy), None, 0
+        )
+        logger.record(
+            SchedulerStats(num_waiting_reqs=1, prefix_cache_queries=8, prefix_cache_hits=4), None, 1
+        )
+        # Each core's running totals are its own: core 1's first busy total is all new.
+        logger.record(SchedulerStats(step_times=StepTimes(busy=1.0)), None, 1)
+    snap = history.snapshot()
+    assert snap["current"] == {"num_running_reqs": 2, "num_waiting_reqs": 0, "kv_cache_usage": 0.25}
+    assert [
+        (e["engine"], e["num_running_reqs"], e["prefix_cache_hits"], e["busy_s"])
+        for e in snap["engines"]
+    ] == [
+        (0, 2, 0, 2.0),
+        (1, 0, 4, 1.0),
+    ]
+    assert (
+        registry.get_sample_value(
+            "kvserve:engine_busy_seconds_total", {"model_name": "m", "engine": "0"}
+        )
+        == 2.0
+    )
+    assert (
+        registry.get_sample_value(
+            "kvserve:engine_busy_seconds_total", {"model_name": "m", "engine": "1"}
+        )
+        == 1.0
+    )
+    assert (
+        registry.get_sample_value(
+            "kvserve:num_requests_running", {"model_name": "m", "engine": "0"}
+        )
+        == 2
+    )
+    assert (
+        registry.get_sample_value(
+            "kvserve:prefix_cache_hits_total", {"model_name": "m", "engine": "1"}
+        )
+        == 4
+    )

@@ -13,7 +13,7 @@ from kvserve.protocol.engine_core import EngineCoreOutput, FinishReason, Schedul
 
 
 def _sample(registry: CollectorRegistry, name: str, **labels: str) -> float | None:
-    return registry.get_sample_value(name, {"model_name": "m", **labels})
+    return registry.get_sample_value(name, {"model_name": "m", "engine": "0", **labels})
 
 
 def _run_two_requests(tracker: RequestStatsTracker) -> list[IterationStats]:

@@ -1,6 +1,6 @@
-"""Greedy speculative decoding is lossless: with n-gram prompt lookup and with the model's
-own int8-activation copy as the draft, LLM.generate returns the non-speculative engine's
-greedy tokens, which tests/entrypoints/test_llm_correctness.py pins to HF transformers
+"""Greedy speculative decoding is lossless: with n-gram prompt lookup, suffix decoding and
+with the model's own int8-activation copy as the draft, LLM.generate returns the
+non-speculative engine's greedy tokens, which tests/entrypoints/test_llm_correctness.py pins to HF transformers
 (batched and one at a time, with prefix caching and chunked prefill, under preemption),
 and no KV block leaks."""
 
@@ -20,6 +20,8 @@ NUM_TOKENS = 24
 
 SPEC_CONFIGS = {
     "ngram": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1},
+    # Suffix decoding: the second pass below also drafts from the first pass's outputs.
+    "suffix": {"method": "suffix", "num_speculative_tokens": 8},
     "quantized-draft": {
         "method": "draft_model",
         "num_speculative_tokens": 3,

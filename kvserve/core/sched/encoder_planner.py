@@ -110,6 +110,10 @@ class EncoderPlanner(NoEncoderPlanner):
         mm_arch = config.model_config.arch.multimodal
         if mm_arch is None:
             return NoEncoderPlanner()
+        if mm_arch.encoder_decoder:
+            return CrossAttentionEncoderPlanner(
+                config.multimodal_config, mm_arch, config.scheduler_config.max_num_batched_tokens
+            )
         return EncoderPlanner(
             config.multimodal_config, mm_arch, config.scheduler_config.max_num_batched_tokens
         )
@@ -226,3 +230,46 @@ class EncoderPlanner(NoEncoderPlanner):
 
     def check_integrity(self) -> None:
         self.cache.check_integrity()
+
+
+class CrossAttentionEncoderPlanner(EncoderPlanner):
+    """An encoder-decoder model's (Whisper): the request's encoder input is needed once,
+    by its first chunk (the step whose cross-attention layers write the encoder's K/V
+    into the request's cross-attention blocks), and never again after it; the decoder's
+    token positions do not hold the item. Two requests with the same input share one
+    encoder output (the encoder cache, by content hash)."""
+
+    def check_request(self, request: Request) -> None:
+        for i, feature in enumerate(request.mm_features):
+            length = feature.mm_position.length
+            if length > self.max_num_encoder_input_tokens:
+                raise ValueError(
+                    f"encoder input {i} has {length} positions, more than the encoder cache "
+                    f"({self.max_num_encoder_input_tokens})"
+                )
+
+    def try_schedule(
+        self, request: Request, num_computed: int, num_new: int, encoder_budget: int
+    ) -> tuple[list[int], int, int]:
+        if not request.mm_features or num_new <= 0 or num_computed > 0:
+            return [], num_new, encoder_budget
+        manager = self.cache
+        to_schedule: list[int] = []
+        num_embeds = 0
+        for i, feature in enumerate(request.mm_features):
+            if manager.check_and_update_cache(request, i):
+                self._count_query(request, i, hit=True)
+                continue
+            length = feature.mm_position.length
+            if not manager.can_allocate(request, i, encoder_budget, num_embeds):
+                return [], 0, encoder_budget  # the whole first chunk waits for the encoder
+            self._count_query(request, i, hit=False)
+            num_embeds += length
+            encoder_budget -= length
+            to_schedule.append(i)
+        return to_schedule, num_new, encoder_budget
+
+    def free_computed(self, request: Request) -> None:
+        """After the first chunk the K/V are in the cross-attention blocks."""
+        if request.mm_features and request.num_computed_tokens > 0:
+            self.cache.free(request)

@@ -39,8 +39,8 @@ from kvserve.core.sched.spec_decode_tracker import SpecDecodeTracker
 from kvserve.core.sched.step_plan import StepPlan, empty_step_output
 from kvserve.core.sched.step_results import StepResults
 from kvserve.core.sched.utils import too_long_message
-from kvserve.distributed.kv_events import KVCacheEvent
 from kvserve.protocol.engine_core import EngineCoreOutput, EngineCoreOutputs, SchedulerStats
+from kvserve.protocol.kv_events import KVCacheEvent
 from kvserve.protocol.scheduler_output import GrammarOutput, SchedulerOutput
 from kvserve.utils.census import CountsRequestState, census_of
 

@@ -27,6 +27,7 @@ from kvserve.entrypoints.openai.anthropic_errors import (
     AnthropicErrorMiddleware,
     error_event,
 )
+from kvserve.entrypoints.openai.audio_routes import register_audio_routes
 from kvserve.entrypoints.openai.embedding_protocol import EmbeddingRequest
 from kvserve.entrypoints.openai.http_middleware import RequestIdMiddleware, add_hardening_middleware
 from kvserve.entrypoints.openai.lora_protocol import (
@@ -289,6 +290,8 @@ def build_app(router: ModelRouter, args: argparse.Namespace) -> FastAPI:
             lambda stack: stack.embedding.create_embedding(request, raw_request),
         )
 
+    register_audio_routes(app, serve)
+
     # Adapters are the default model's (their base model must match its weights).
     models = default_stack.models
 
@@ -389,7 +392,10 @@ async def _watch_engines(app: FastAPI) -> None:
         await asyncio.sleep(ENGINE_WATCH_INTERVAL_S)
         if not router.single:
             router.unload_dead_engines()
-    logger.error("the engine core died; shutting the server down")
+    logger.error(
+        "the engine core died (%s); shutting the server down",
+        app.state.engine_client.dead_error,
+    )
     if app.state.server is not None:
         app.state.server.should_exit = True
 

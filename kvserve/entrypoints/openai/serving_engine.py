@@ -31,6 +31,7 @@ from kvserve.entrypoints.openai.tenants import counted, current_tenant, tenant_c
 from kvserve.inputs import TokensPrompt
 from kvserve.lora.request import LoRARequest
 from kvserve.outputs import Logprob, RequestOutput
+from kvserve.protocol.engine_core import ENGINE_CORE_DIED_PREFIX
 from kvserve.sampling_params import SamplingParams
 
 T = TypeVar("T")
@@ -175,6 +176,10 @@ class OpenAIServing:
         if output.error and output.error.startswith(KV_LOAD_FAILURE_PREFIX):
             # Disaggregated serving: the KV never came (kv_load_failure_policy "fail").
             # The client (a proxy) may retry; the message says what happened.
+            raise OpenAIServingError(output.error, status=503)
+        if output.error and output.error.startswith(ENGINE_CORE_DIED_PREFIX):
+            # Data parallelism with --data-parallel-tolerate-failure: this request's core
+            # died, the others serve on; a retry goes to a live one.
             raise OpenAIServingError(output.error, status=503)
         if output.error:
             # The engine isolated this request's failure (the others go on); the details

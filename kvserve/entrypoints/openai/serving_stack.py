@@ -14,6 +14,7 @@ from kvserve.entrypoints.openai.serving_messages import AnthropicServingMessages
 from kvserve.entrypoints.openai.serving_models import OpenAIServingModels
 from kvserve.entrypoints.openai.serving_responses import OpenAIServingResponses
 from kvserve.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
+from kvserve.entrypoints.openai.serving_transcription import OpenAIServingTranscription
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,6 +27,7 @@ class ServingStack:
     embedding: OpenAIServingEmbedding
     tokenization: OpenAIServingTokenization
     messages: AnthropicServingMessages
+    transcription: OpenAIServingTranscription
 
 
 def build_serving_stack(
@@ -55,6 +57,7 @@ def build_serving_stack(
         embedding=OpenAIServingEmbedding(engine_client, models),
         tokenization=OpenAIServingTokenization(chat),
         messages=AnthropicServingMessages(chat),
+        transcription=OpenAIServingTranscription(engine_client, models),
     )
 
 

@@ -14,8 +14,8 @@ import logging
 import threading
 from dataclasses import dataclass, field
 
+from kvserve.core.prefix_index import PrefixIndex
 from kvserve.distributed.kv_events_subscriber import KVEventSubscriber
-from kvserve.entrypoints.router.prefix_index import PrefixIndex
 from kvserve.utils.zmq_curve import PLAIN_SOCKETS, SocketSecurity
 
 logger = logging.getLogger(__name__)
@@ -37,9 +37,12 @@ class Backend:
     _thread: threading.Thread | None = field(default=None, repr=False)
 
     @classmethod
-    def parse(cls, spec: str) -> Backend:
-        """``URL=EVENTS[,REPLAY]``, e.g. ``http://h:8001=tcp://h:5557,tcp://h:5558``."""
+    def parse(cls, spec: str, events_required: bool = True) -> Backend:
+        """``URL=EVENTS[,REPLAY]``, e.g. ``http://h:8001=tcp://h:5557,tcp://h:5558``; a plain
+        ``URL`` where a cache controller follows the events instead (events_required off)."""
         url, sep, sockets = spec.partition("=")
+        if not sep and not events_required and url.startswith(("http://", "https://")):
+            return cls(url.rstrip("/"), "")
         if not sep or not url.startswith(("http://", "https://")) or not sockets:
             raise ValueError(
                 f"--backend {spec!r}: expected URL=EVENTS_ENDPOINT[,REPLAY_ENDPOINT], e.g. "
@@ -67,6 +70,8 @@ class EventFollowers:
 
     def start(self) -> None:
         for backend in self.backends:
+            if not backend.events:  # a cache controller follows this one's events
+                continue
             backend._thread = threading.Thread(
                 target=self._follow, args=(backend,), name=f"kv-events {backend.url}", daemon=True
             )

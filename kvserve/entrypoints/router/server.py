@@ -29,6 +29,7 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 
+from kvserve.core.prefix_index import PrefixIndex
 from kvserve.entrypoints.front_door import (
     UpstreamKeys,
     add_front_door_auth_args,
@@ -39,7 +40,7 @@ from kvserve.entrypoints.front_door import (
 )
 from kvserve.entrypoints.openai.tenants import current_tenant, tenant_salt
 from kvserve.entrypoints.router.backends import Backend, EventFollowers
-from kvserve.entrypoints.router.prefix_index import PrefixIndex
+from kvserve.entrypoints.router.controller_lookup import ControllerLookup
 from kvserve.utils.kv_secret import add_kv_secret_arg, read_kv_secret
 from kvserve.utils.zmq_curve import PLAIN_SOCKETS, SocketSecurity, socket_security
 
@@ -58,6 +59,7 @@ class Router:
         policy: str,
         upstream_keys: UpstreamKeys | None = None,
         security: SocketSecurity = PLAIN_SOCKETS,
+        controller: ControllerLookup | None = None,
     ) -> None:
         if not backends:
             raise ValueError("the router needs at least one --backend")
@@ -72,6 +74,9 @@ class Router:
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0))
         self.prefix_tokens_matched = 0
         self.keys = upstream_keys or UpstreamKeys()
+        # Where the cached prefixes come from: the instances' events followed here, or a
+        # cache controller's lookup (every tier: device, cpu, disk, remote).
+        self.controller = controller
 
     def healthy(self) -> list[Backend]:
         return [b for b in self.backends if b.healthy]
@@ -112,7 +117,16 @@ class Router:
             return list(answer.json()["tokens"])
         return None
 
-    def choose(self, token_ids: list[int] | None, cache_salt: str | None) -> Backend | None:
+    async def matched(self, token_ids: list[int] | None, cache_salt: str | None) -> dict[str, int]:
+        """Cached prefix tokens per instance (empty when the policy does not look)."""
+        if self.policy == "round_robin" or token_ids is None:
+            return {}
+        if self.controller is not None:
+            return await self.controller.match(self.client, token_ids, cache_salt)
+        with self.lock:  # the prompt is hashed once, for the choice and the metric
+            return self.index.match(token_ids, cache_salt)
+
+    def choose(self, token_ids: list[int] | None, matched: Mapping[str, int]) -> Backend | None:
         healthy = self.healthy()
         if not healthy:
             return None
@@ -120,8 +134,6 @@ class Router:
             return healthy[next(self._rotation) % len(healthy)]
         # Equal prefixes: the least busy, then the least used (new conversations spread).
         loads = {b.url: (b.in_flight, b.routed) for b in healthy}
-        with self.lock:  # the prompt is hashed once, for the choice and the metric
-            matched = self.index.match(token_ids, cache_salt)
         url = self.index.pick(matched, loads)
         self.prefix_tokens_matched += matched.get(url, 0)
         return next(b for b in healthy if b.url == url)
@@ -132,8 +144,9 @@ class Router:
             return body
         tokens = await self.tokenize(path, body, request) if self.policy == "prefix" else None
         salt = tenant_salt(current_tenant.get(), body.get("cache_salt"))
+        matched = await self.matched(tokens, salt)
         # An instance that cannot be reached has not seen the request: try the next.
-        while (backend := self.choose(tokens, salt)) is not None:
+        while (backend := self.choose(tokens, matched)) is not None:
             backend.in_flight += 1  # from now: a non-streamed answer's headers come last
             try:
                 upstream = await self.client.send(
@@ -270,6 +283,15 @@ def add_router_parser(sub: Any) -> None:
         "--prefix-caching-hash-seed", type=int, default=0, help="the instances' hash seed"
     )
     parser.add_argument("--policy", choices=POLICIES, default="prefix")
+    parser.add_argument(
+        "--controller", default=None, metavar="URL",
+        help="a `kvserve cache-controller` to take cached prefixes from (every tier: device, "
+        "cpu, disk, remote), instead of following the instances' events; --backend is then "
+        "the plain URL each instance registered with",
+    )  # fmt: skip
+    parser.add_argument(
+        "--controller-api-key", default=None, help="the cache controller's --api-key"
+    )
     add_front_door_auth_args(parser)
     add_kv_secret_arg(parser)
     parser.set_defaults(func=router_main)
@@ -278,7 +300,12 @@ def add_router_parser(sub: Any) -> None:
 def router_main(args: argparse.Namespace) -> int:
     import uvicorn
 
-    backends = [Backend.parse(spec) for spec in args.backend]
+    backends = [Backend.parse(spec, args.controller is None) for spec in args.backend]
+    controller = (
+        None
+        if args.controller is None
+        else ControllerLookup(args.controller, args.controller_api_key)
+    )
     router = Router(
         backends,
         args.block_size,
@@ -286,6 +313,7 @@ def router_main(args: argparse.Namespace) -> int:
         args.policy,
         UpstreamKeys(args.backend_api_key),
         socket_security(read_kv_secret(args.kv_secret_file)),
+        controller,
     )
     app = build_app(router, front_door_keys(args))
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")

@@ -16,12 +16,17 @@ import torch
 
 from kvserve.kvcache.key import CacheEngineKey
 from kvserve.kvcache.stats import CacheStats
+from kvserve.kvcache.tier_events import NULL_TIER_EVENTS, TierEventSink
 
 logger = logging.getLogger(__name__)
 
 
 class StorageBackend(ABC):
     name: str = "backend"
+    # The tier kind a cache controller knows it by: cpu, disk or remote.
+    medium: str = "remote"
+    # Told of every chunk this tier gains or drops (StorageManager.attach_events).
+    events: TierEventSink = NULL_TIER_EVENTS
 
     def __init__(self, stats: CacheStats) -> None:
         self.stats = stats
@@ -40,6 +45,11 @@ class StorageBackend(ABC):
 
     @abstractmethod
     def clear(self) -> None: ...
+
+    def held_keys(self) -> list[CacheEngineKey] | None:
+        """Every key this tier holds, or None where it cannot list them (a shared remote
+        store, whose other writers it does not know of)."""
+        return None
 
     def pin(self, key: CacheEngineKey) -> bool:
         """Keeps key from eviction until unpin(); False when the tier does not hold it."""

@@ -127,6 +127,7 @@ class CacheServerBackend(StorageBackend):
         reply = self._request(header, payload)
         if reply is not None and reply[0].get("status") == "ok":
             self.stats.add(self.name, bytes_stored=len(payload))
+            self.events.stored(self.medium, [key])
 
     def remove(self, key: CacheEngineKey) -> None:
         self._request({"op": "DELETE", "key": key.to_string()})

@@ -71,6 +71,8 @@ class DiskStore:
         self._pins: PinCounts[str] = PinCounts()
         self.used_bytes = 0
         self.evictions = 0
+        # Keys evicted since the last take_evicted() (the backend reports them).
+        self._evicted_keys: list[str] = []
         self.corrupt_reads = 0  # files that failed their checks on read (then removed)
         self.write_errors = 0  # writes the OS refused (disk full, RLIMIT_FSIZE, ...)
         self._rescan()
@@ -126,9 +128,16 @@ class DiskStore:
                 continue
             self.used_bytes -= self._files.pop(key)
             self._path(key).unlink(missing_ok=True)
+            self._evicted_keys.append(key)
             evicted += 1
         self.evictions += evicted
         return evicted
+
+    def take_evicted(self) -> list[str]:
+        """The keys evicted since the last call."""
+        with self._lock:
+            keys, self._evicted_keys = self._evicted_keys, []
+        return keys
 
     def write(self, key: str, meta: ChunkMeta, payload: Buffer) -> int:
         """Writes one chunk file; returns its size, or 0 when it does not fit or the OS

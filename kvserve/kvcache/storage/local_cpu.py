@@ -28,6 +28,7 @@ def _nbytes(entry: _Entry) -> int:
 
 class LocalCPUBackend(StorageBackend):
     name = "cpu"
+    medium = "cpu"
 
     def __init__(self, max_bytes: int, stats: CacheStats, serde_name: str = "raw") -> None:
         super().__init__(stats)
@@ -41,6 +42,10 @@ class LocalCPUBackend(StorageBackend):
     def contains(self, key: CacheEngineKey) -> bool:
         with self._lock:
             return key in self._entries
+
+    def held_keys(self) -> list[CacheEngineKey]:
+        with self._lock:
+            return list(self._entries)
 
     def pin(self, key: CacheEngineKey) -> bool:
         with self._lock:
@@ -67,7 +72,7 @@ class LocalCPUBackend(StorageBackend):
     def put(self, key: CacheEngineKey, kv: torch.Tensor) -> None:
         entry: _Entry = kv if self.serde == "raw" else serde.encode(kv, self.serde)
         size = _nbytes(entry)
-        evicted = 0
+        evicted: list[CacheEngineKey] = []
         with self._lock:
             if key in self._entries:
                 self._entries.move_to_end(key)
@@ -85,22 +90,30 @@ class LocalCPUBackend(StorageBackend):
                 if victim in self._pins:
                     continue
                 self.used_bytes -= _nbytes(self._entries.pop(victim))
-                evicted += 1
+                evicted.append(victim)
             self._entries[key] = entry
             self.used_bytes += size
-        self.stats.add(self.name, bytes_stored=size, evictions=evicted)
+        self.stats.add(self.name, bytes_stored=size, evictions=len(evicted))
+        if evicted:
+            self.events.removed(self.medium, evicted)
+        self.events.stored(self.medium, [key])
 
     def remove(self, key: CacheEngineKey) -> None:
         with self._lock:
             entry = self._entries.pop(key, None)
             if entry is not None:
                 self.used_bytes -= _nbytes(entry)
+        if entry is not None:
+            self.events.removed(self.medium, [key])
 
     def clear(self) -> None:
         with self._lock:
+            dropped = list(self._entries)
             self._entries.clear()
             self._pins.clear()
             self.used_bytes = 0
+        if dropped:
+            self.events.removed(self.medium, dropped)
 
     def held_bytes(self) -> int:
         """Bytes of every value held, measured from the values themselves (for tests)."""

@@ -30,6 +30,7 @@ _STOP = object()
 
 class LocalDiskBackend(StorageBackend):
     name = "disk"
+    medium = "disk"
 
     def __init__(
         self,
@@ -74,6 +75,13 @@ class LocalDiskBackend(StorageBackend):
                     evictions=self.store.evictions - evictions,
                     errors=self.store.write_errors - failures,
                 )
+                evicted = self.store.take_evicted()
+                if evicted:
+                    self.events.removed(
+                        self.medium, [CacheEngineKey.from_string(k) for k in evicted]
+                    )
+                if written:
+                    self.events.stored(self.medium, [key])
             except Exception:  # the writer thread must survive any one bad write
                 logger.exception("KV disk write failed for %s", key)
                 self.stats.add(self.name, errors=1)
@@ -102,6 +110,9 @@ class LocalDiskBackend(StorageBackend):
     def contains(self, key: CacheEngineKey) -> bool:
         return self.store.contains(key.to_string())
 
+    def held_keys(self) -> list[CacheEngineKey]:
+        return [CacheEngineKey.from_string(k) for k in self.store.keys()]
+
     def pin(self, key: CacheEngineKey) -> bool:
         return self.store.pin(key.to_string())
 
@@ -118,25 +129,31 @@ class LocalDiskBackend(StorageBackend):
         meta, blob = found
         payload = serde.open_chunk(self.auth, key.to_string(), meta, blob, self.source)
         if payload is None:
-            self.store.remove(key.to_string())
+            self.remove(key)
             self.stats.add(self.name, misses=1, auth_failures=1)
             return None
         try:
             kv = serde.decode(meta, payload)
         except ValueError as exc:
             logger.warning("KV chunk %s on disk does not decode (%s); a miss", key, exc)
-            self.store.remove(key.to_string())
+            self.remove(key)
             self.stats.add(self.name, misses=1, errors=1)
             return None
         self.stats.add(self.name, hits=1, bytes_retrieved=len(payload))
         return kv
 
     def remove(self, key: CacheEngineKey) -> None:
+        held = self.store.contains(key.to_string())
         self.store.remove(key.to_string())
+        if held:
+            self.events.removed(self.medium, [key])
 
     def clear(self) -> None:
         self.flush()
+        keys = self.store.keys()
         self.store.clear()
+        if keys:
+            self.events.removed(self.medium, [CacheEngineKey.from_string(k) for k in keys])
 
     @property
     def used_bytes(self) -> int:

@@ -15,6 +15,7 @@ from kvserve.kvcache.key import CacheEngineKey
 from kvserve.kvcache.stats import CacheStats
 from kvserve.kvcache.storage.base import StorageBackend
 from kvserve.kvcache.storage.local_cpu import LocalCPUBackend
+from kvserve.kvcache.tier_events import TierEventSink
 from kvserve.utils.secret_file import read_secret_file
 
 
@@ -69,6 +70,19 @@ class StorageManager:
         self.cpu: LocalCPUBackend | None = next(
             (b for b in backends if isinstance(b, LocalCPUBackend)), None
         )
+
+    def attach_events(self, sink: TierEventSink) -> None:
+        """Every tier tells ``sink`` what it gains and drops from now on."""
+        for backend in self.backends:
+            backend.events = sink
+
+    def by_medium(self, medium: str) -> StorageBackend:
+        """The tier of that kind (cpu, disk, remote); ValueError naming the ones there are."""
+        for backend in self.backends:
+            if backend.medium == medium:
+                return backend
+        there = ", ".join(b.medium for b in self.backends) or "none"
+        raise ValueError(f"tier: no {medium!r} tier here (tiers: {there})")
 
     def put(self, key: CacheEngineKey, kv: torch.Tensor) -> None:
         """Writes key to every tier that lacks it (a remote tier that was down and came

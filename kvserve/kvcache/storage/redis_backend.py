@@ -127,6 +127,7 @@ class RedisBackend(StorageBackend):
 
         if self._call(write, False):
             self.stats.add(self.name, bytes_stored=len(payload))
+            self.events.stored(self.medium, [key])
 
     def remove(self, key: CacheEngineKey) -> None:
         name = key.to_string()

@@ -88,6 +88,31 @@ function renderCharts(snap) {
   });
 }
 
+// One row per engine core (data parallelism: -dp N gives N; otherwise the one core).
+function renderEngines(engines) {
+  const rows = (engines || []).map((e) => {
+    const cells = [
+      ["engine", e.engine, String(e.engine)],
+      ["num_running_reqs", e.num_running_reqs, formatNumber(e.num_running_reqs)],
+      ["num_waiting_reqs", e.num_waiting_reqs, formatNumber(e.num_waiting_reqs)],
+      ["kv_cache_usage", e.kv_cache_usage, percent(e.kv_cache_usage)],
+      ["prefix_hit_rate", "", percent(ratio(e.prefix_cache_hits, e.prefix_cache_queries))],
+      ["busy_s", e.busy_s, e.busy_s.toFixed(1)],
+    ];
+    const tr = document.createElement("tr");
+    tr.dataset.engine = String(e.engine);
+    for (const [field, raw, text] of cells) {
+      const td = document.createElement("td");
+      td.dataset.field = field;
+      td.dataset.value = String(raw);
+      td.textContent = text;
+      tr.append(td);
+    }
+    return tr;
+  });
+  $("engines").querySelector("tbody").replaceChildren(...rows);
+}
+
 function renderTiers(tiers) {
   const names = Object.keys(tiers).sort();
   $("tiers-empty").hidden = names.length > 0;
@@ -143,6 +168,7 @@ async function poll() {
     $("model-name").textContent = snap.model;
     renderTiles(snap);
     renderCharts(snap);
+    renderEngines(snap.engines);
     renderTiers(snap.tiers);
     const clock = new Date(snap.time * 1000).toLocaleTimeString("en-GB", { hour12: false });
     setStatus(`live · updated ${clock} · one sample per second, last ${snap.window_s / 60} minutes`, false);

@@ -106,10 +106,14 @@ class TieredCacheConnector(TieredCacheWorker, KVConnectorBase_V1):
         self.async_loading = self.cache_config.enable_async_loading
         self._lookup_client: LookupClient | None = None
         # Both roles check: the scheduler side fails at start, before any worker runs.
-        remote = self.cache_config.remote_url
-        auth = kv_authenticator(
-            config.kv_security_config, None if remote is None else f"the KV tier's {remote}"
-        )
+        remote, control = self.cache_config.remote_url, self.cache_config.control_endpoint
+        # KV can enter from the remote store, and through the control service (a cache
+        # controller's move imports chunks): either needs the secret's MAC.
+        shared = [
+            *([f"the KV tier's {remote}"] if remote else []),
+            *([f"the KV tier's control service {control}"] if control else []),
+        ]
+        auth = kv_authenticator(config.kv_security_config, " and ".join(shared) or None)
         self._security = socket_security(read_secret(config.kv_security_config))
         if role == KVConnectorRole.WORKER:
             self._init_worker(config, self.cache_config, auth)

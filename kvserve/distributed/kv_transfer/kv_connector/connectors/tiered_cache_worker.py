@@ -25,8 +25,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from kvserve.distributed.kv_events_publisher import ZmqEventPublisher, offset_port
 from kvserve.distributed.kv_transfer.kv_connector.base import KVConnectorMetadata
+from kvserve.distributed.tier_events import PublishingTierEventSink
 from kvserve.kvcache.builder import CacheEngineBuilder
+from kvserve.kvcache.control import ControlServer
 from kvserve.kvcache.key import CacheEngineMetadata
 from kvserve.kvcache.lookup import LookupServer, lookup_address
 
@@ -76,6 +79,9 @@ class TieredCacheWorker:
     _lookup_server: LookupServer | None = None
     _loader: ThreadPoolExecutor | None = None
     _world: GroupCoordinator | None = None  # the whole world; None with one rank
+    # A cache controller's view (tier_events_endpoint / control_endpoint); None when off.
+    _tier_events: PublishingTierEventSink | None = None
+    _control_server: ControlServer | None = None
 
     if TYPE_CHECKING:
 
@@ -112,6 +118,7 @@ class TieredCacheWorker:
         self._lookup_server = LookupServer.acquire(
             self._engine, self._lookup_address, tcp_host, self._security
         )
+        self._start_controller_services(cache_config, rank)
         # (cache, KV cache group) per layer in model order.
         self._kv_caches: list[tuple[torch.Tensor, int]] = []
         self._async_loads: dict[str, tuple[TransferSpec, Future[int]]] = {}
@@ -252,7 +259,25 @@ class TieredCacheWorker:
             return None  # the ipc path, which the scheduler side derives itself
         return {"lookup_address": server.address}
 
+    def _start_controller_services(self, cache_config: CacheEngineConfig, rank: int) -> None:
+        """The tier events and the control service a cache controller follows and calls;
+        each rank on the configured port plus its rank."""
+        assert self._engine is not None
+        if cache_config.tier_events_endpoint is not None:
+            publisher = ZmqEventPublisher(
+                offset_port(cache_config.tier_events_endpoint, rank), security=self._security
+            )
+            self._tier_events = PublishingTierEventSink(publisher, cache_config.chunk_size)
+            self._engine.storage.attach_events(self._tier_events)
+        if cache_config.control_endpoint is not None:
+            self._control_server = ControlServer(
+                self._engine, offset_port(cache_config.control_endpoint, rank), self._security
+            )
+
     def _shutdown_worker(self) -> None:
+        if self._control_server is not None:
+            self._control_server.close()
+            self._control_server = None
         if self._loader is not None:
             self._loader.shutdown(wait=True)
             self._loader = None
@@ -264,3 +289,6 @@ class TieredCacheWorker:
             self._engine.flush(timeout=60)
             CacheEngineBuilder.release(self._instance_id)
             self._engine = None
+        if self._tier_events is not None:
+            self._tier_events.close()
+            self._tier_events = None

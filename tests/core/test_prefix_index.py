@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 
 from kvserve.core.kv_cache_utils import get_request_block_hasher
+from kvserve.core.prefix_index import PrefixIndex
 from kvserve.core.request import Request
-from kvserve.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
-from kvserve.entrypoints.router.prefix_index import PrefixIndex
+from kvserve.protocol.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from kvserve.sampling_params import SamplingParams
 
 BLOCK = 16

@@ -9,8 +9,10 @@ that instance would not recompute.
 
 Only the full-attention group counts (group 0, or events without a group): a hybrid
 model's sliding-window groups keep just a recent window, and a prefix hit needs the full
-group anyway. The index is one process's view and holds no locks: the router owns it on
-its event loop.
+group anyway. The index is one process's view and holds no locks: its one owner follows
+the events, the prefix router (entrypoints/router/) on its event loop, or a data-parallel
+front end's load balancer (engine/dp_balancer.py), fed by the events that ride on its
+cores' outputs. It lives in core/ (pure Python) so both can import it.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 
 from kvserve.core.kv_cache_utils import BlockHash, compute_none_hash, hash_block_tokens
-from kvserve.distributed.kv_events import (
+from kvserve.protocol.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
