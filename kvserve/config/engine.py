@@ -114,6 +114,9 @@ class EngineConfig:
                     arch.mamba.state_bytes,
                 )
                 cache.block_size = block_size
+        if self.kv_transfer_config is not None:
+            # Connectors move attention pages by token blocks; a state block is not one.
+            raise ValueError("kv_transfer_config: KV connectors do not move Mamba states yet")
         spec = self.speculative_config
         if spec is not None and (
             spec.method != "ngram" or (cache.enable_prefix_caching and

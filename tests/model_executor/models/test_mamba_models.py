@@ -17,6 +17,7 @@ import pytest
 
 from kvserve.entrypoints.llm import LLM
 from kvserve.sampling_params import SamplingParams
+from tests.distributed.kv_transfer.helpers import as_json, shared_storage
 from tests.mamba_models import MAMBA_FAMILIES, build_mamba_model, hf_greedy
 from tests.reference import assert_no_leak
 
@@ -112,3 +113,14 @@ def test_prefix_hit_resumes_from_the_cached_state(family: Any) -> None:
     assert list(shared.outputs[0].token_ids) == expected[6]
     assert_no_leak(llm)
     llm.llm_engine.shutdown()
+
+
+def test_unsupported_companions_are_refused(family: Any, tmp_path: Any) -> None:
+    """A draft model (it would need its own states) and KV connectors (they move token
+    blocks, not states) are refused at start-up, naming the field."""
+    _kind, path, _prompts, _expected = family
+    draft = json.dumps({"method": "draft_model", "model": path, "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match="speculative_config"):
+        LLM(path, skip_tokenizer_init=True, speculative_config=draft)
+    with pytest.raises(ValueError, match="kv_transfer_config"):
+        LLM(path, skip_tokenizer_init=True, kv_transfer_config=as_json(shared_storage(tmp_path)))
