@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import re
 from dataclasses import dataclass, field
 
@@ -10,6 +11,9 @@ from kvserve.config.kv_transfer import KVEventsConfig, KVSecurityConfig, KVTrans
 from kvserve.config.model import ModelConfig
 from kvserve.config.multimodal import MultiModalConfig
 from kvserve.config.runtime import CacheConfig, DeviceConfig, ParallelConfig, SchedulerConfig
+
+logger = logging.getLogger(__name__)
+_DTYPE_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
 @dataclass
@@ -50,6 +54,8 @@ class EngineConfig:
             raise ValueError("speculative decoding is not supported with pipeline parallelism")
         if self.model_config.is_pooling:
             self._configure_pooling(context_len)
+        if "mamba" in self.model_config.arch.layer_types:
+            self._configure_mamba()
         mm_arch = self.model_config.arch.multimodal
         if mm_arch is not None and mm_arch.encoder_decoder:
             # The decoder's KV depends on the audio through cross-attention, which the
@@ -85,6 +91,49 @@ class EngineConfig:
             self.scheduler_config.enable_chunked_prefill = False
             sched = self.scheduler_config
             sched.max_num_batched_tokens = max(sched.max_num_batched_tokens, context_len)
+
+    def _configure_mamba(self) -> None:
+        """Mamba layers keep one state block per request in the pool the attention layers
+        share (vLLM's hybrid allocator): an attention page must be at least a state, so
+        the block size doubles until it is (the state is padded up to the page)."""
+        arch, cache = self.model_config.arch, self.cache_config
+        assert arch.mamba is not None
+        if any(kind != "mamba" for kind in arch.layer_types):
+            dtype_size = _DTYPE_SIZES[cache.kv_dtype(self.model_config.dtype)]
+            per_token = 2 * arch.num_key_value_heads * arch.head_dim * dtype_size
+            block_size = cache.block_size
+            while block_size * per_token < arch.mamba.state_bytes:
+                block_size *= 2
+            if block_size != cache.block_size:
+                logger.info(
+                    "Mamba hybrid: block_size %d -> %d so an attention page (%d bytes) holds "
+                    "a Mamba state (%d bytes)",
+                    cache.block_size,
+                    block_size,
+                    block_size * per_token,
+                    arch.mamba.state_bytes,
+                )
+                cache.block_size = block_size
+        if self.kv_transfer_config is not None:
+            # Connectors move attention pages by token blocks; a state block is not one.
+            raise ValueError("kv_transfer_config: KV connectors do not move Mamba states yet")
+        spec = self.speculative_config
+        if spec is not None and (
+            spec.method != "ngram" or (cache.enable_prefix_caching and
+                                       (spec.num_speculative_tokens or 0) >= cache.block_size)
+        ):  # fmt: skip
+            # A draft model would need its own states; drafts spanning more than two
+            # blocks would land in entries align mode leaves null.
+            raise ValueError(
+                "speculative_config: Mamba models take method 'ngram' with "
+                f"num_speculative_tokens < block_size ({cache.block_size})"
+            )
+        if cache.enable_prefix_caching:
+            logger.info(
+                "prefix caching with Mamba layers: states are cached at block ends "
+                "(every %d tokens, core/mamba_manager.py)",
+                cache.block_size,
+            )
 
     @property
     def max_seq_len(self) -> int:

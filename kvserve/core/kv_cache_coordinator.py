@@ -103,6 +103,7 @@ class KVCacheCoordinator(ABC):
         self.block_pool.check_integrity()
         holders: dict[int, int] = {}
         for manager in self.single_type_managers:
+            manager.check_integrity()
             require_integrity(
                 set(manager.num_cached_block) <= set(manager.req_to_blocks),
                 "a num_cached_block entry without a block table",

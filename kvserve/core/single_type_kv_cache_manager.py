@@ -99,6 +99,13 @@ class SingleTypeKVCacheManager(ABC):
 
     # Leading blocks that stay whatever the window (attention sinks).
     num_kept_leading_blocks = 0
+    # A request's table covers its computed tokens (false for a Mamba group's one block).
+    tracks_token_slots = True
+
+    def check_integrity(self) -> None:
+        """The manager's own invariants beyond the pool's (the coordinator's check);
+        the block-table rules the coordinator checks for every group are all there are."""
+        return
 
     def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
         """Leading tokens that no query from position num_computed_tokens on attends to

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from kvserve.core.block_pool import BlockPool
 from kvserve.core.kv_cache_utils import BlockHash, KVCacheBlock, get_block_content
+from kvserve.core.mamba_manager import MambaManager
 from kvserve.core.single_type_kv_cache_manager import (
     CrossAttentionManager,
     FullAttentionManager,
@@ -237,6 +238,7 @@ spec_manager_map: dict[str, type[SingleTypeKVCacheManager]] = {
     "sliding_window": SlidingWindowManager,
     "chunked_local_attention": ChunkedLocalAttentionManager,
     "sink_full_attention": SinkFullAttentionManager,
+    "mamba": MambaManager,
     "cross_attention": CrossAttentionManager,
 }
 

@@ -27,8 +27,11 @@ from kvserve.protocol.engine_core import (
 from kvserve.protocol.kv_cache_interface import (
     KVCacheConfig,
     KVCacheSpec,
+    MambaSpec,
     build_kv_cache_config,
+    group_capacity_per_gib,
     kv_bytes_per_token,
+    max_concurrent_requests,
     max_tokens_per_request,
 )
 from kvserve.protocol.kv_events import KVEvent, KVEventBatch
@@ -171,6 +174,18 @@ class EngineCore:
             per_token,
             int(GiB // per_token),
         )
+        if any(g.kv_cache_spec.kind == MambaSpec.kind for g in kv_cache_config.kv_cache_groups):
+            # A Mamba group's block is a request's state: its capacity is in requests.
+            per_gib = group_capacity_per_gib(kv_cache_config)
+            logger.info(
+                "KV cache per GiB: %s; %d concurrent requests of max_model_len=%d tokens fit",
+                ", ".join(
+                    f"group {i} ({kind}) {n} {'requests' if kind == MambaSpec.kind else 'tokens'}"
+                    for i, (kind, n) in enumerate(per_gib)
+                ),
+                max_concurrent_requests(kv_cache_config, max(max_len, 1), max_batched),
+                max_len,
+            )
         log_phase(
             "KV cache",
             time.perf_counter() - start,

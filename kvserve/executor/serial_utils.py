@@ -31,6 +31,7 @@ from kvserve.protocol.kv_cache_interface import (
     KVCacheGroupSpec,
     KVCacheSpec,
     KVCacheTensor,
+    MambaSpec,
     MLAAttentionSpec,
     SinkFullAttentionSpec,
     SlidingWindowSpec,
@@ -158,7 +159,7 @@ SPEC_KINDS: dict[str, type[FullAttentionSpec]] = {
     cls.kind: cls
     for cls in (
         FullAttentionSpec, SlidingWindowSpec, ChunkedLocalAttentionSpec,
-        SinkFullAttentionSpec, MLAAttentionSpec,
+        SinkFullAttentionSpec, MLAAttentionSpec, MambaSpec,
     )
 }  # fmt: skip
 

@@ -9,6 +9,7 @@ so one block id costs ``group_size`` layer pages whatever the mix of attention t
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -143,6 +144,53 @@ class MLAAttentionSpec(FullAttentionSpec):
     def page_size_bytes(self) -> int:
         """Bytes one block takes in one layer: the latent only, no separate V."""
         return self.block_size * self.head_size * self.dtype_size
+
+
+@dataclass(frozen=True, kw_only=True)
+class MambaSpec(FullAttentionSpec):
+    """A Mamba layer: one block holds one request's whole recurrent state (the conv1d's
+    last inputs and the SSM state, float32), whatever the request's length, so a request
+    holds exactly one block of the group (vLLM's MambaSpec).
+
+    ``block_size`` is the pool's token block size (the hybrid coordinator's unit);
+    ``page_size_padded`` pads the state to the attention groups' page so the groups share
+    tensors (vLLM's hybrid allocator), 0 = the state's own bytes. The attention fields
+    are unused (0).
+    """
+
+    kind: ClassVar[str] = "mamba"
+    num_kv_heads: int = 0
+    head_size: int = 0
+    conv_state_shape: tuple[int, ...]
+    ssm_state_shape: tuple[int, ...]
+    page_size_padded: int = 0
+    # vLLM's mamba_cache_mode: "none" (one state block per request) or "align" (prefix
+    # caching: block-end states are cache entries, core/mamba_manager.py).
+    mamba_cache_mode: str = "none"
+
+    def __post_init__(self) -> None:
+        if self.mamba_cache_mode not in ("none", "align"):
+            raise ValueError(
+                f"mamba_cache_mode must be 'none' or 'align', got {self.mamba_cache_mode!r}"
+            )
+
+    @property
+    def state_bytes(self) -> int:
+        numel = math.prod(self.conv_state_shape) + math.prod(self.ssm_state_shape)
+        return numel * self.dtype_size
+
+    @property
+    def page_size_bytes(self) -> int:
+        if self.page_size_padded and self.page_size_padded < self.state_bytes:
+            raise ValueError(
+                f"page_size_padded {self.page_size_padded} < the state's {self.state_bytes} bytes"
+            )
+        return self.page_size_padded or self.state_bytes
+
+    def max_num_blocks(self, num_tokens: int, max_num_batched_tokens: int) -> int:
+        # Align mode: the entry read, the block ends the last step wrote (until hashed,
+        # core/mamba_manager.py) and the two entries of the step about to run.
+        return 5 if self.mamba_cache_mode == "align" else 1
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -290,6 +338,31 @@ def kv_bytes_per_token(config: KVCacheConfig) -> float:
     return config.bytes_per_block / config.block_size
 
 
+def group_capacity_per_gib(config: KVCacheConfig) -> list[tuple[str, int]]:
+    """Per group, what one GiB of the pool holds for it (the start-up log): attention
+    groups in tokens, Mamba groups in requests (one state block each). Every group's
+    block id costs ``bytes_per_block``, as the groups share the pool's memory."""
+    blocks_per_gib = (1 << 30) // config.bytes_per_block
+    return [
+        (
+            g.kv_cache_spec.kind,
+            blocks_per_gib * (1 if g.kv_cache_spec.kind == MambaSpec.kind else config.block_size),
+        )
+        for g in config.kv_cache_groups
+    ]
+
+
+def max_concurrent_requests(
+    config: KVCacheConfig, num_tokens: int, max_num_batched_tokens: int
+) -> int:
+    """How many requests of num_tokens tokens the pool holds at once."""
+    per_request = sum(
+        g.kv_cache_spec.max_num_blocks(num_tokens, max_num_batched_tokens)
+        for g in config.kv_cache_groups
+    )
+    return (config.num_blocks - 1) // per_request
+
+
 __all__ = [
     "FULL_ATTENTION_KINDS",
     "ChunkedLocalAttentionSpec",
@@ -300,10 +373,13 @@ __all__ = [
     "KVCacheSpec",
     "KVCacheTensor",
     "MLAAttentionSpec",
+    "MambaSpec",
     "SinkFullAttentionSpec",
     "SlidingWindowSpec",
     "build_kv_cache_config",
     "cdiv",
+    "group_capacity_per_gib",
     "kv_bytes_per_token",
+    "max_concurrent_requests",
     "max_tokens_per_request",
 ]

@@ -15,6 +15,12 @@ import numpy as np
 
 from kvserve.transformers_utils.arch_families import MLAConfig, MoEConfig, family_fields
 from kvserve.transformers_utils.gguf_reader import GGUFFile, GGUFTensor, open_gguf
+from kvserve.transformers_utils.mamba_arch import (
+    MAMBA,
+    MambaArch,
+    mamba_fields,
+    normalise_mamba_config,
+)
 from kvserve.transformers_utils.model_resolver import ResolvedModel
 from kvserve.utils.startup import startup_phase
 
@@ -31,7 +37,8 @@ _GGUF_ARCHITECTURES = {
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
 CHUNKED_ATTENTION = "chunked_attention"
-LAYER_TYPES = (FULL_ATTENTION, SLIDING_ATTENTION, CHUNKED_ATTENTION)
+# MAMBA: a Mamba-2 mixer with a recurrent state instead of attention (mamba_arch.py).
+LAYER_TYPES = (FULL_ATTENTION, SLIDING_ATTENTION, CHUNKED_ATTENTION, MAMBA)
 # llama.cpp's Gemma 3 files carry no pattern key: every 6th layer is global, as in HF's
 # Gemma3TextConfig default (``sliding_window_pattern=6``).
 _GEMMA3_SLIDING_PATTERN = 6
@@ -108,6 +115,8 @@ class ArchConfig:
     type_vocab_size: int = 0
     # Vision-language models: the vision side (None for text-only models).
     multimodal: MultiModalArch | None = None
+    # Mamba-2 mixers (the layers whose layer_types entry is "mamba"); None without.
+    mamba: MambaArch | None = None
 
     @property
     def is_encoder_only(self) -> bool:
@@ -127,6 +136,8 @@ class ArchConfig:
             raise ValueError(f"unsupported layer_types {unknown} (supported: {LAYER_TYPES})")
         if SLIDING_ATTENTION in self.layer_types and not self.sliding_window:
             raise ValueError("layer_types has sliding_attention layers but no sliding_window")
+        if MAMBA in self.layer_types and self.mamba is None:
+            raise ValueError("layer_types has mamba layers but no mamba config")
         if CHUNKED_ATTENTION in self.layer_types and not self.attention_chunk_size:
             raise ValueError("layer_types has chunked_attention layers but no attention_chunk_size")
 
@@ -321,6 +332,7 @@ def _from_hf_dir(model_dir: Path) -> ArchConfig:
     # Whether kvserve has a model for it is the model registry's question (an
     # out-of-tree model may be registered under any name).
     arch = str(architectures[0])
+    cfg = normalise_mamba_config(arch, cfg)
     multimodal = None
     if arch in _ENCODER_DECODER_ARCHITECTURES:
         multimodal, cfg = _whisper_multimodal(cfg)
@@ -358,6 +370,7 @@ def _from_hf_dir(model_dir: Path) -> ArchConfig:
             eos_token_ids=_eos_ids(cfg.get("eos_token_id"), gen_eos),
             **_hf_attention_variants(arch, cfg, num_layers),
             **family_fields(arch, cfg),
+            **mamba_fields(arch, cfg),
             multimodal=multimodal,
         )
     except (KeyError, TypeError, ValueError) as e:

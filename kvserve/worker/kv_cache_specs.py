@@ -3,6 +3,7 @@ the zeroed memory the cache lives in."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -10,15 +11,18 @@ import torch
 from kvserve.attention.cross_attention import CrossAttention
 from kvserve.attention.layer import Attention
 from kvserve.attention.mla import MLAAttention
+from kvserve.model_executor.layers.mamba.mamba_mixer2 import MambaMixer2
 from kvserve.protocol.kv_cache_interface import (
     ChunkedLocalAttentionSpec,
     CrossAttentionSpec,
     FullAttentionSpec,
     KVCacheSpec,
+    MambaSpec,
     MLAAttentionSpec,
     SinkFullAttentionSpec,
     SlidingWindowSpec,
 )
+from kvserve.transformers_utils.mamba_arch import STATE_DTYPE_SIZE
 from kvserve.utils.huge_pages import huge_page_zeros
 
 
@@ -58,3 +62,20 @@ def zeroed_tensor(shape: tuple[int, ...], dtype: torch.dtype, device: torch.devi
         return torch.zeros(shape, dtype=dtype, device=device)
     nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
     return huge_page_zeros(nbytes).view(dtype).view(shape)
+
+
+def make_mamba_spec(
+    layer: MambaMixer2, block_size: int, page_size: int, prefix_caching: bool
+) -> MambaSpec:
+    """A Mamba layer's state block, padded to ``page_size`` (the attention layers' page)
+    when that holds it, so the groups share tensors; else its own size."""
+    spec = MambaSpec(
+        block_size=block_size,
+        conv_state_shape=layer.conv_state_shape,
+        ssm_state_shape=layer.ssm_state_shape,
+        dtype_size=STATE_DTYPE_SIZE,
+        mamba_cache_mode="align" if prefix_caching else "none",
+    )
+    if page_size >= spec.state_bytes:
+        return dataclasses.replace(spec, page_size_padded=page_size)
+    return spec

@@ -26,9 +26,11 @@ from kvserve.config import EngineConfig
 from kvserve.distributed.kv_transfer.kv_connector.base import KVConnectorBase_V1
 from kvserve.distributed.parallel_state import get_pp_group
 from kvserve.forward_context import set_forward_context
+from kvserve.model_executor.layers.mamba.mamba_metadata import MambaMetadataBuilder
+from kvserve.model_executor.layers.mamba.mamba_mixer2 import MambaMixer2, get_mamba_layers
 from kvserve.model_executor.lora.model_manager import LoRAModelManager
 from kvserve.model_executor.model_loader import get_model
-from kvserve.protocol.kv_cache_interface import KVCacheConfig, KVCacheSpec
+from kvserve.protocol.kv_cache_interface import KVCacheConfig, KVCacheSpec, MambaSpec
 from kvserve.protocol.runner_output import (
     KVConnectorOutput,
     LogprobsLists,
@@ -44,10 +46,14 @@ from kvserve.utils.census import census_of, prefixed
 from kvserve.worker.encoder_runner import make_encoder_runner
 from kvserve.worker.input_batch import InputBatch
 from kvserve.worker.input_preparation import InputPreparer, StepInputs
-from kvserve.worker.kv_cache_specs import make_kv_cache_spec, zeroed_tensor
+from kvserve.worker.kv_cache_specs import make_kv_cache_spec, make_mamba_spec, zeroed_tensor
 from kvserve.worker.kv_connector import NO_OP_KV_CONNECTOR, KVConnector, get_kv_connector
 from kvserve.worker.logits_runner import LogitsRunner
 from kvserve.worker.lora_runner import ActiveLoRARunner, LoRARunner
+from kvserve.worker.mamba_state_runner import (
+    MambaStateRunner,
+    make_mamba_state_runner,
+)
 from kvserve.worker.output_head import make_output_head
 from kvserve.worker.request_states import KeepsRequestState, RequestStates
 from kvserve.worker.sleep_mode import WorkerSleepMode, named_module_tensors
@@ -105,6 +111,11 @@ class ModelRunner:
         self.kv_caches: dict[str, torch.Tensor] = {}
         self.attn_builders: list[AttentionMetadataBuilder] = []
         self.layer_to_group: dict[str, int] = {}
+        # Groups whose metadata is built from the unsplit rows (Mamba: a row's drafts are
+        # one sequence through its state, not one-token queries).
+        self.unsplit_groups: set[int] = set()
+        # Mamba layers: their states under speculative decoding (no-op without them).
+        self.mamba_state: MambaStateRunner = MambaStateRunner()
         self.inputs = InputPreparer(
             self.max_num_reqs, self.max_num_tokens, self.device, self.pin_memory
         )
@@ -197,34 +208,61 @@ class ModelRunner:
         layers.update(self.drafter.attention_layers())
         return layers
 
+    def _mamba_layers(self) -> dict[str, MambaMixer2]:
+        if self.model is None:
+            raise RuntimeError("load_model() must run first")
+        return get_mamba_layers(self.model)
+
     def get_kv_cache_spec(self) -> dict[str, KVCacheSpec]:
-        """One spec per attention layer, from the layer's own attention type."""
+        """One spec per attention layer, from the layer's own attention type, and one
+        per Mamba layer (its state, padded to the attention page)."""
         block_size = self.config.cache_config.block_size
         dtype_size = torch.empty(0, dtype=self.kv_cache_dtype).element_size()
-        return {
+        specs = {
             name: make_kv_cache_spec(layer, block_size, dtype_size)
             for name, layer in self._attention_layers().items()
         }
+        page_size = max((spec.page_size_bytes for spec in specs.values()), default=0)
+        for name, layer in self._mamba_layers().items():
+            specs[name] = make_mamba_spec(
+                layer, block_size, page_size, self.config.cache_config.enable_prefix_caching
+            )
+        return specs
 
     def initialize_kv_cache(self, kv_cache_config: KVCacheConfig) -> None:
         """Allocate the zeroed cache tensors (layers of different groups share them, see
         kv_cache_interface), bind them, build the input batch."""
         layers = self._attention_layers()
+        mamba_layers = self._mamba_layers()
         self.kv_caches, self.attn_builders, self.layer_to_group = {}, [], {}
+        page_sizes = {
+            name: group.kv_cache_spec.page_size_bytes
+            for group in kv_cache_config.kv_cache_groups
+            for name in group.layer_names
+        }
+        num_blocks = kv_cache_config.num_blocks
         for tensor in kv_cache_config.get_kv_cache_tensors():
             # A pipeline stage allocates only the tensors of its own layers.
-            shared_by = [name for name in tensor.shared_by if name in layers]
+            shared_by = [
+                name for name in tensor.shared_by if name in layers or name in mamba_layers
+            ]
             if not shared_by:
                 continue
-            first = layers[shared_by[0]]
-            shape = first.backend.get_kv_cache_shape(
-                kv_cache_config.num_blocks,
-                kv_cache_config.block_size,
-                first.num_kv_heads,
-                first.head_size,
-            )
+            attention = [name for name in shared_by if name in layers]
+            if attention:
+                first = layers[attention[0]]
+                shape = first.backend.get_kv_cache_shape(
+                    num_blocks, kv_cache_config.block_size, first.num_kv_heads, first.head_size
+                )
+            else:  # Mamba layers only: one plane of pages
+                itemsize = torch.empty(0, dtype=self.kv_cache_dtype).element_size()
+                shape = (1, num_blocks, max(page_sizes[n] for n in shared_by) // itemsize)
             memory = zeroed_tensor(shape, self.kv_cache_dtype, self.device)
             for name in shared_by:
+                if name in mamba_layers:  # the state's view of the same pages
+                    mamba_layers[name].bind_state_cache(memory, num_blocks)
+                    self.kv_caches[name] = memory
+                    continue
                 layer = layers[name]
                 own = layer.backend.get_kv_cache_shape(
                     kv_cache_config.num_blocks,
@@ -234,14 +272,24 @@ class ModelRunner:
                 )
                 # Equal page sizes share; the shapes may still differ (heads x head size).
                 self.kv_caches[name] = memory if tuple(own) == tuple(shape) else memory.view(own)
+        self.unsplit_groups = set()
         for group_id, group in enumerate(kv_cache_config.kv_cache_groups):
             spec = group.kv_cache_spec
             for name in group.layer_names:
                 self.layer_to_group[name] = group_id
+            if spec.kind == "mamba":
+                self.unsplit_groups.add(group_id)
+                assert isinstance(spec, MambaSpec)
+                align = spec.mamba_cache_mode == "align"
+                self.attn_builders.append(
+                    MambaMetadataBuilder(spec.block_size, self.device, align=align)
+                )
+                continue
             local = [name for name in group.layer_names if name in layers] or list(layers)
             backend = layers[local[0]].backend
             self.attn_builders.append(backend.get_builder_cls()(spec.block_size, self.device))
         bind_kv_cache(self.model, self.kv_caches)
+        self.mamba_state = make_mamba_state_runner(mamba_layers)
         self.drafter.bind_kv_cache(self.kv_caches, self.attn_builders, self.layer_to_group)
         self.kv_connector_runner = get_kv_connector(self.config, kv_cache_config, self.kv_caches)
         # Block tables fit the longest any group holds (a cross-attention group's encoder
@@ -327,10 +375,12 @@ class ModelRunner:
 
     # ---- per step: forward ----------------------------------------------------------------
 
-    def _build_attn_metadata(self, inputs: StepInputs) -> Any:
+    def _build_attn_metadata(self, inputs: StepInputs, unsplit: list[Any]) -> Any:
         per_group = [
-            builder.build(common)
-            for builder, common in zip(self.attn_builders, inputs.common_attn_metadata, strict=True)
+            builder.build(unsplit[g] if g in self.unsplit_groups else common)
+            for g, (builder, common) in enumerate(
+                zip(self.attn_builders, inputs.common_attn_metadata, strict=True)
+            )
         ]
         if len(per_group) == 1:
             return per_group[0]
@@ -359,8 +409,10 @@ class ModelRunner:
             else scheduler_output.num_common_prefix_blocks,
         )
         spec_metadata = self.spec_decode.spec_decode_metadata(batch, scheduler_output, inputs)
+        unsplit = list(inputs.common_attn_metadata)
         self.spec_decode.split_spec_rows(batch, scheduler_output, inputs)
-        attn_metadata = self._build_attn_metadata(inputs)
+        attn_metadata = self._build_attn_metadata(inputs, unsplit)
+        self.mamba_state.prepare(attn_metadata, batch, scheduler_output)
         mm_kwargs = self.encoder_runner.model_kwargs(batch, inputs, attn_metadata)
         self.lora_runner.set_active_loras(batch, inputs.num_scheduled_tokens)
         forward_start = time.perf_counter()
@@ -444,6 +496,7 @@ class ModelRunner:
             self.requests.append_sampled_lists(
                 sample_rows, spec_out.sampled_token_ids, sampled_token_ids
             )
+            self.mamba_state.commit(sampled_token_ids)
             if spec_out.logprobs_tensors is not None:
                 logprobs = spec_out.logprobs_tensors.tolists()
                 logprobs_row_starts = self.spec_decode.logprobs_row_starts(

@@ -80,8 +80,14 @@ def check_scheduler_integrity(scheduler: Scheduler) -> None:
     for group_blocks in (m.req_to_blocks for m in manager.coordinator.single_type_managers):
         holders = {rid for rid, blocks in group_blocks.items() if blocks}
         require_integrity(holders <= may_hold, f"{holders - may_hold} hold blocks idly")
+    slot_groups = [
+        i for i, m in enumerate(manager.coordinator.single_type_managers) if m.tracks_token_slots
+    ]
     for request in table.running:
-        num_slots = len(manager.get_block_ids(request.request_id)[0]) * scheduler.block_size
+        if not slot_groups:
+            break  # only Mamba groups: a state block per request, checked by its manager
+        block_ids = manager.get_block_ids(request.request_id)[slot_groups[0]]
+        num_slots = len(block_ids) * scheduler.block_size
         require_integrity(
             request.num_computed_tokens <= min(num_slots, request.num_tokens),
             f"{request} computed {request.num_computed_tokens} tokens in {num_slots} slots",

@@ -37,6 +37,8 @@ _IN_TREE: dict[str, str] = {
     "DeepseekV3ForCausalLM": f"{_PKG}.deepseek_v2:DeepseekV3ForCausalLM",
     "Phi3ForCausalLM": f"{_PKG}.phi3:Phi3ForCausalLM",
     "BertModel": f"{_PKG}.bert:BertModel",
+    "Mamba2ForCausalLM": f"{_PKG}.mamba2:Mamba2ForCausalLM",
+    "BambaForCausalLM": f"{_PKG}.bamba:BambaForCausalLM",
     "WhisperForConditionalGeneration": f"{_PKG}.whisper:WhisperForConditionalGeneration",
 }
 

@@ -11,7 +11,12 @@ from kvserve.config import SchedulerConfig, SpeculativeConfig
 from kvserve.core.kv_cache_manager import KVCacheManager
 from kvserve.core.request import RequestStatus
 from kvserve.core.sched.scheduler import Scheduler
-from kvserve.protocol.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from kvserve.protocol.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    MambaSpec,
+)
 from tests.core.sched.driver import BS, Driver
 
 
@@ -23,12 +28,20 @@ def build_scheduler(
     enable_prefix_caching: bool = True,
     speculative_config: SpeculativeConfig | None = None,
     max_concurrent_batches: int = 1,
+    num_mamba_groups: int = 0,
     **scheduler_kwargs: Any,
 ) -> Scheduler:
     """A real Scheduler over a pool of tiny blocks, built from its config sections: no
-    model is resolved or loaded."""
+    model is resolved or loaded. ``num_mamba_groups``: Mamba groups beside the attention
+    group (a hybrid model's layout; each request holds one state block in each)."""
     spec = FullAttentionSpec(block_size=BS, num_kv_heads=1, head_size=8)
-    kv_config = KVCacheConfig(num_blocks, [KVCacheGroupSpec(["layers.0.attn"], spec)])
+    groups = [KVCacheGroupSpec(["layers.0.attn"], spec)]
+    mamba = MambaSpec(
+        block_size=BS, conv_state_shape=(3, 8), ssm_state_shape=(2, 4, 4),
+        mamba_cache_mode="align" if enable_prefix_caching else "none",
+    )  # fmt: skip
+    groups += [KVCacheGroupSpec([f"layers.{i + 1}.mamba"], mamba) for i in range(num_mamba_groups)]
+    kv_config = KVCacheConfig(num_blocks, groups)
     manager = KVCacheManager(
         kv_config,
         max_model_len,

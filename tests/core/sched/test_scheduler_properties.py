@@ -47,13 +47,19 @@ class SchedulerMachine(RuleBasedStateMachine):
         "culprits_failed": 0,
     }
 
+    # Mamba groups beside the attention group (the Mamba machines below).
+    num_mamba_groups: ClassVar[int] = 0
+    enable_prefix_caching: ClassVar[bool] = True
+
     def __init__(self) -> None:
         super().__init__()
         self.scheduler = build_scheduler(
-            num_blocks=NUM_BLOCKS,
+            num_blocks=NUM_BLOCKS + 8 * self.num_mamba_groups,
+            enable_prefix_caching=self.enable_prefix_caching,
             max_num_batched_tokens=16,
             max_num_seqs=4,
             max_model_len=MAX_MODEL_LEN,
+            num_mamba_groups=self.num_mamba_groups,
         )
         self.driver = Driver(self.scheduler)
         self.ids = itertools.count()
@@ -135,13 +141,13 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert not self.scheduler.is_isolating
         self.scheduler.check_integrity()
         pool = self.scheduler.kv_cache_manager.block_pool
-        assert pool.get_num_free_blocks() == NUM_BLOCKS - 1, "KV blocks leaked"
+        assert pool.get_num_free_blocks() == pool.num_blocks - 1, "KV blocks leaked"
         stats = self.scheduler.make_stats()  # what kvserve:kv_cache_blocks_in_use shows
         assert stats is not None and stats.kv_cache_blocks_in_use == 0
 
     def _step(self, tokens: dict[str, int]) -> None:
         out, outputs = self.driver.step(tokens, fail_if=self.culprits)
-        totals = SchedulerMachine.totals
+        totals = type(self).totals
         totals["steps"] += 1
         stats = outputs.scheduler_stats
         if stats is None:  # a failed step
@@ -181,3 +187,56 @@ def test_scheduler_state_machine_keeps_its_invariants() -> None:
     assert totals["steps"] >= 300
     assert totals["preemptions"] > 0 and totals["prefix_hits"] > 0 and totals["errors"] > 0
     assert totals["failed_steps"] > totals["culprits_failed"] > 0
+
+
+class HybridMambaMachine(SchedulerMachine):
+    """The same machine over a hybrid layout without prefix caching: an attention group
+    and two Mamba groups, where every running request holds exactly one state block
+    per Mamba group."""
+
+    num_mamba_groups = 2
+    enable_prefix_caching = False
+    totals: ClassVar[dict[str, int]] = dict.fromkeys(SchedulerMachine.totals, 0)
+
+    @invariant()
+    def one_state_block_per_mamba_group(self) -> None:
+        managers = self.scheduler.kv_cache_manager.coordinator.single_type_managers
+        for request in self.scheduler.table.running:
+            for manager in managers[1:]:
+                assert len(manager.req_to_blocks.get(request.request_id, ())) == 1
+
+
+class AlignedMambaMachine(SchedulerMachine):
+    """The hybrid layout with prefix caching (align mode): block-end states are cache
+    entries and hits; a running request's live state is its table's last entry and it
+    holds at most 5 blocks per Mamba group (MambaManager.check_integrity)."""
+
+    num_mamba_groups = 2
+    totals: ClassVar[dict[str, int]] = dict.fromkeys(SchedulerMachine.totals, 0)
+
+
+_MAMBA_SETTINGS = settings(
+    max_examples=8,
+    stateful_step_count=40,
+    derandomize=True,
+    database=None,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+
+
+def test_scheduler_state_machine_with_mamba_groups() -> None:
+    HybridMambaMachine.totals = dict.fromkeys(SchedulerMachine.totals, 0)
+    run_state_machine_as_test(HybridMambaMachine, settings=_MAMBA_SETTINGS)
+    totals = HybridMambaMachine.totals
+    assert totals["steps"] >= 100
+    assert totals["preemptions"] > 0 and totals["errors"] > 0
+    assert totals["prefix_hits"] == 0
+
+
+def test_scheduler_state_machine_with_cached_mamba_states() -> None:
+    AlignedMambaMachine.totals = dict.fromkeys(SchedulerMachine.totals, 0)
+    run_state_machine_as_test(AlignedMambaMachine, settings=_MAMBA_SETTINGS)
+    totals = AlignedMambaMachine.totals
+    assert totals["steps"] >= 100
+    assert totals["preemptions"] > 0 and totals["prefix_hits"] > 0 and totals["errors"] > 0

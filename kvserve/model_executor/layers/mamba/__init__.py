@@ -1,0 +1,2 @@
+"""Mamba-2 mixers on the CPU in torch: the causal conv1d with its carried state, the
+chunked selective scan (SSD) for prefill and the one-token recurrence for decode."""

@@ -1,0 +1,133 @@
+"""The config.json fields of Mamba-2 mixers (pure ``Mamba2ForCausalLM`` and the
+Mamba-2 / attention hybrids such as Bamba), read into one frozen record.
+
+A Mamba layer keeps a fixed-size recurrent state per request instead of a growing KV:
+the last ``conv_kernel - 1`` inputs of its causal conv1d and the SSM state of every
+head. ``ArchConfig.layer_types`` says which layers are Mamba layers (``"mamba"``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+MAMBA = "mamba"
+# Bytes of one state element: the state is kept in float32 whatever the KV cache's dtype
+# (the recurrence accumulates over the whole sequence).
+STATE_DTYPE_SIZE = 4
+
+
+@dataclass(frozen=True)
+class MambaArch:
+    num_heads: int
+    head_dim: int
+    state_size: int
+    n_groups: int
+    conv_kernel: int
+    intermediate_size: int
+    chunk_size: int
+    use_conv_bias: bool
+    use_bias: bool
+    norm_eps: float
+    time_step_limit: tuple[float, float] = (0.0, math.inf)
+
+    def __post_init__(self) -> None:
+        if self.num_heads * self.head_dim != self.intermediate_size:
+            raise ValueError(
+                f"mamba heads x head_dim ({self.num_heads} x {self.head_dim}) must equal the "
+                f"mixer's intermediate size {self.intermediate_size}"
+            )
+        if self.num_heads % self.n_groups:
+            raise ValueError(f"mamba n_groups {self.n_groups} must divide {self.num_heads} heads")
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the causal conv1d: x, B and C."""
+        return self.intermediate_size + 2 * self.n_groups * self.state_size
+
+    @property
+    def conv_state_shape(self) -> tuple[int, int]:
+        return (self.conv_kernel - 1, self.conv_dim)
+
+    @property
+    def ssm_state_shape(self) -> tuple[int, int, int]:
+        return (self.num_heads, self.head_dim, self.state_size)
+
+    @property
+    def state_bytes(self) -> int:
+        """One request's state in one layer."""
+        numel = math.prod(self.conv_state_shape) + math.prod(self.ssm_state_shape)
+        return numel * STATE_DTYPE_SIZE
+
+
+def _float(value: Any) -> float:
+    # transformers 5 writes infinities as {"__float__": "Infinity"} (JSON has none).
+    return float(value["__float__"] if isinstance(value, dict) else value)
+
+
+def _limit(cfg: dict[str, Any]) -> tuple[float, float]:
+    limit = cfg.get("time_step_limit") or (0.0, math.inf)
+    return (_float(limit[0]), _float(limit[1]))
+
+
+def normalise_mamba_config(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """A pure Mamba-2 config.json lacks the attention numbers ArchConfig reads; fill
+    them with what they mean there (no attention layers, no MLP)."""
+    if arch != "Mamba2ForCausalLM":
+        return cfg
+    hidden = int(cfg["hidden_size"])
+    return {
+        **cfg,
+        "num_attention_heads": cfg.get("num_attention_heads") or 1,
+        "intermediate_size": cfg.get("intermediate_size") or int(cfg.get("expand", 2)) * hidden,
+        "rms_norm_eps": cfg.get("layer_norm_epsilon", 1e-5),
+        "max_position_embeddings": cfg.get("max_position_embeddings") or 1 << 20,
+    }
+
+
+def mamba_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """``ArchConfig`` keyword arguments of a Mamba-2 family (empty for the others)."""
+    if arch == "Mamba2ForCausalLM":
+        hidden = int(cfg["hidden_size"])
+        mamba = MambaArch(
+            num_heads=int(cfg["num_heads"]),
+            head_dim=int(cfg["head_dim"]),
+            state_size=int(cfg["state_size"]),
+            n_groups=int(cfg.get("n_groups", 1)),
+            conv_kernel=int(cfg.get("conv_kernel", 4)),
+            intermediate_size=int(cfg.get("expand", 2)) * hidden,
+            chunk_size=int(cfg.get("chunk_size", 256)),
+            use_conv_bias=bool(cfg.get("use_conv_bias", True)),
+            use_bias=bool(cfg.get("use_bias", False)),
+            norm_eps=float(cfg.get("layer_norm_epsilon", 1e-5)),
+            time_step_limit=_limit(cfg),
+        )
+        return {"mamba": mamba, "layer_types": (MAMBA,) * int(cfg["num_hidden_layers"])}
+    if arch == "BambaForCausalLM":
+        hidden = int(cfg["hidden_size"])
+        n_heads = int(cfg.get("mamba_n_heads", 128))
+        expand = int(cfg.get("mamba_expand", 2))
+        d_head = cfg.get("mamba_d_head", "auto")
+        mamba = MambaArch(
+            num_heads=n_heads,
+            head_dim=expand * hidden // n_heads if d_head == "auto" else int(d_head),
+            state_size=int(cfg.get("mamba_d_state", 256)),
+            n_groups=int(cfg.get("mamba_n_groups", 1)),
+            conv_kernel=int(cfg.get("mamba_d_conv", 4)),
+            intermediate_size=expand * hidden,
+            chunk_size=int(cfg.get("mamba_chunk_size", 256)),
+            use_conv_bias=bool(cfg.get("mamba_conv_bias", True)),
+            use_bias=bool(cfg.get("mamba_proj_bias", False)),
+            norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
+            time_step_limit=_limit(cfg),
+        )
+        attn = set(cfg.get("attn_layer_indices") or ())
+        layer_types = tuple(
+            "full_attention" if i in attn else MAMBA for i in range(int(cfg["num_hidden_layers"]))
+        )
+        return {"mamba": mamba, "layer_types": layer_types}
+    return {}
+
+
+__all__ = ["MAMBA", "STATE_DTYPE_SIZE", "MambaArch", "mamba_fields", "normalise_mamba_config"]
