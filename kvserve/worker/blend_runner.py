@@ -247,10 +247,15 @@ def make_blend_runner(
             else:
                 from kvserve.transformers_utils.tokenizer import get_tokenizer
 
-                tokenizer = get_tokenizer(config.model_config.resolved)
-                separator = list(
-                    tokenizer.encode(cache_config.blend_special_str, add_special_tokens=False)
-                )
+                try:
+                    tokenizer = get_tokenizer(config.model_config.resolved)
+                    separator = list(
+                        tokenizer.encode(cache_config.blend_special_str, add_special_tokens=False)
+                    )
+                except Exception as exc:  # no usable tokenizer: blending is off
+                    problem = f"cannot tokenize blend_special_str: {exc}"
+                if separator == []:
+                    problem = "blend_special_str tokenizes to nothing"
     if problem is not None or separator is None:
         if cache_config.enable_blending:
             raise ValueError(f"kv_connector_extra_config.enable_blending: {problem}")

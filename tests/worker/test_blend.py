@@ -29,8 +29,8 @@ GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
 FIRST = SamplingParams(max_tokens=1, temperature=0.0)
 
 
-@pytest.fixture(scope="module")
-def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:
+def build_tiny_llama(path: Path) -> Any:
+    """A 4-layer random Llama (no tokenizer) saved at path; the HF model in eval mode."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
@@ -41,9 +41,14 @@ def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:
         tie_word_embeddings=False,
     )  # fmt: skip
     model = LlamaForCausalLM(config).float().eval()
-    path = tmp_path_factory.mktemp("tiny_llama")
     model.save_pretrained(path)
-    return path, model
+    return model
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:
+    path = tmp_path_factory.mktemp("tiny_llama")
+    return path, build_tiny_llama(path)
 
 
 def _docs(seed: int, count: int) -> list[list[int]]:
