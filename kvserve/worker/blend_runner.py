@@ -29,6 +29,7 @@ from kvserve.distributed.kv_transfer.kv_connector.base import KVConnectorBase_V1
 from kvserve.distributed.kv_transfer.kv_connector.connectors.tiered_cache import (
     TieredCacheConnector,
 )
+from kvserve.distributed.parallel_state import GroupCoordinator, get_tp_group
 from kvserve.forward_context import ForwardContext
 from kvserve.kvcache.cache_engine import CacheEngine
 from kvserve.model_executor.layers.rotary_embedding import RotaryEmbedding
@@ -122,12 +123,32 @@ class SegmentKV:
         return self._move(kv.to(self.caches[0].device), start)
 
 
+@dataclass
+class _Segment:
+    spec: BlendSpec
+    start: int
+    tokens: list[int]
+    rows: torch.Tensor  # the segment's rows in the step's batch
+    slots: torch.Tensor
+    kv: torch.Tensor | None  # loaded and moved to start (None: not loaded)
+    found: bool
+
+
 class ActiveBlendRunner(BlendRunner):
-    def __init__(self, segments: SegmentKV, separator: list[int], check_layer: int) -> None:
+    def __init__(
+        self,
+        segments: SegmentKV,
+        separator: list[int],
+        check_layer: int,
+        tp_group: GroupCoordinator,
+    ) -> None:
         self.segments = segments
         self.separator = separator
         self.check_layer = check_layer
         self.stats = BlendStats()
+        # Each TP rank holds its own KV heads: ranks agree on which segments are reused
+        # and sum their deviations, so all select the same tokens.
+        self._tp_group = tp_group
         self._plan: _StepPlan | None = None
 
     def begin_step(
@@ -140,13 +161,32 @@ class ActiveBlendRunner(BlendRunner):
         blends: list[BlendSpec] = getattr(scheduler_output.kv_connector_metadata, "blends", [])
         if not blends:
             return
-        plan = _StepPlan()
         slot_mapping = inputs.common_attn_metadata[0].slot_mapping
+        found: list[_Segment] = []
         for spec in blends:
             row = batch.req_id_to_index.get(spec.req_id)
             if row is None or int(inputs.num_scheduled_tokens[row]) != spec.end - spec.start:
                 continue  # not this step's shape after all: computed in full (exact)
-            self._plan_request(plan, spec, int(inputs.query_start_loc_np[row]), slot_mapping)
+            first_row = int(inputs.query_start_loc_np[row]) - spec.start
+            found += self._find(spec, first_row, slot_mapping)
+        everywhere = self._agree([int(seg.found) for seg in found])
+        plan = _StepPlan()
+        by_request: dict[str, list[_Segment]] = {}
+        for seg, ok in zip(found, everywhere, strict=True):
+            if not ok:
+                self.stats.segment_misses += 1
+                plan.stores.append(_Store(seg.tokens, seg.start, seg.slots, seg.spec.tags))
+                continue
+            self.stats.segment_hits += 1
+            if seg.kv is not None:
+                self._place(seg.kv, seg.slots)
+                by_request.setdefault(seg.spec.req_id, []).append(seg)
+        for segs in by_request.values():
+            rows = torch.cat([seg.rows for seg in segs])
+            loaded = torch.cat([seg.kv[self.check_layer] for seg in segs if seg.kv is not None], 1)
+            plan.cached.append(
+                CachedTokens(rows, slot_mapping[rows], loaded, segs[0].spec.recompute_ratio)
+            )
         self._plan = plan
         if plan.cached:
             plan.selection = BlendSelection(
@@ -155,52 +195,41 @@ class ActiveBlendRunner(BlendRunner):
                 self.segments.caches[self.check_layer],
                 plan.cached,
                 int(inputs.query_start_loc_np[batch.num_reqs]),
+                self._tp_group,
             )
             context.token_selector = plan.selection
 
-    def _plan_request(
-        self, plan: _StepPlan, spec: BlendSpec, first_row: int, slot_mapping: torch.Tensor
-    ) -> None:
-        rows_of: list[torch.Tensor] = []
-        loaded_of: list[torch.Tensor] = []
+    def _find(self, spec: BlendSpec, first_row: int, slot_mapping: torch.Tensor) -> list[_Segment]:
+        """The request's segments computed in this step, loaded where the tier has them
+        (ratio 1.0 loads nothing: it only finds out which ones need storing)."""
+        segments = []
         for s, e in split_segments(spec.token_ids, self.separator):
             if s < spec.start:
                 continue  # KV the cache held before this step (a local prefix hit)
             tokens = spec.token_ids[s:e]
-            rows = torch.arange(
-                first_row + s - spec.start, first_row + e - spec.start, device=slot_mapping.device
-            )
-            slots = slot_mapping[rows]
+            rows = torch.arange(first_row + s, first_row + e, device=slot_mapping.device)
             if spec.recompute_ratio >= 1.0:
-                # Nothing is reused: only find out whether the segment needs storing.
-                found = self.segments.engine.contains_segment(tokens, spec.tags)
                 kv = None
+                hit = self.segments.engine.contains_segment(tokens, spec.tags)
             else:
                 kv = self.segments.load(tokens, s, spec.tags)
-                found = kv is not None
-            if not found:
-                self.stats.segment_misses += 1
-                plan.stores.append(_Store(tokens, s, slots, spec.tags))
-                continue
-            self.stats.segment_hits += 1
-            if kv is None:
-                continue
-            # The layers after the check layer start from the loaded KV; the check
-            # layer's copy stays aside (its cache gets the fresh K/V first).
-            for layer in range(self.check_layer + 1, len(self.segments.caches)):
-                cache = self.segments.caches[layer]
-                cache.view(2, -1, *cache.shape[-2:]).index_copy_(
-                    1, slots, kv[layer].to(cache.dtype)
-                )
-            rows_of.append(rows)
-            loaded_of.append(kv[self.check_layer])
-        if rows_of:
-            rows = torch.cat(rows_of)
-            plan.cached.append(
-                CachedTokens(
-                    rows, slot_mapping[rows], torch.cat(loaded_of, dim=1), spec.recompute_ratio
-                )
-            )
+                hit = kv is not None
+            segments.append(_Segment(spec, s, tokens, rows, slot_mapping[rows], kv, hit))
+        return segments
+
+    def _place(self, kv: torch.Tensor, slots: torch.Tensor) -> None:
+        """Loaded KV into the layers after the check layer; the check layer's copy stays
+        aside (its cache gets the fresh K/V first)."""
+        for layer in range(self.check_layer + 1, len(self.segments.caches)):
+            cache = self.segments.caches[layer]
+            cache.view(2, -1, *cache.shape[-2:]).index_copy_(1, slots, kv[layer].to(cache.dtype))
+
+    def _agree(self, flags: list[int]) -> list[int]:
+        """Each flag's minimum over the TP ranks (every rank has the same segments)."""
+        if self._tp_group.world_size == 1 or not flags:
+            return flags
+        gathered = self._tp_group.all_gather(torch.tensor(flags, dtype=torch.int64), dim=0)
+        return gathered.view(self._tp_group.world_size, -1).min(dim=0).values.tolist()
 
     def end_step(self) -> None:
         plan, self._plan = self._plan, None
@@ -265,15 +294,15 @@ def make_blend_runner(
     num_layers = len(kv_caches)
     check_layer = min(cache_config.blend_check_layer, num_layers - 1)
     segments = SegmentKV(connector.engine, list(kv_caches.values()), rotary)
-    return ActiveBlendRunner(segments, separator, check_layer)
+    return ActiveBlendRunner(segments, separator, check_layer, get_tp_group())
 
 
 def _unsupported(config: EngineConfig, model: Any, kv_cache_config: KVCacheConfig) -> str | None:
     """Why blending cannot run here, or None."""
     from kvserve.model_executor.models.llama import LlamaModel
 
-    if config.parallel_config.world_size > 1:
-        return "CacheBlend runs with one rank only (tensor/pipeline parallel: not yet)"
+    if config.parallel_config.pipeline_parallel_size > 1:
+        return "CacheBlend does not run with pipeline parallelism yet"
     if not isinstance(getattr(model, "model", None), LlamaModel):
         return "CacheBlend needs a Llama-family model (its layer loop selects the tokens)"
     if len(kv_cache_config.kv_cache_groups) != 1:

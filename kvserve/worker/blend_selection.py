@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from kvserve.distributed.parallel_state import GroupCoordinator
 from kvserve.forward_context import ForwardContext, TokenSelector
 
 
@@ -39,6 +40,7 @@ class BlendSelection(TokenSelector):
         check_cache: torch.Tensor,
         cached: list[CachedTokens],
         num_tokens: int,
+        tp_group: GroupCoordinator,
     ) -> None:
         self.check_layer = check_layer
         self._context = context
@@ -47,6 +49,7 @@ class BlendSelection(TokenSelector):
         self._num_tokens = num_tokens  # the step's real tokens (the batch may be padded)
         self._kept: torch.Tensor | None = None
         self._num_rows = 0
+        self._tp_group = tp_group  # each rank's deviation covers its own KV heads
         self.num_recomputed = 0  # cached tokens chosen for recompute in this step
         self.num_reused = 0
 
@@ -61,6 +64,7 @@ class BlendSelection(TokenSelector):
         for group in self._cached:
             fresh = flat[:, group.slots].float()
             deviation = (fresh - group.loaded.float()).square().sum(dim=(0, 2, 3))
+            deviation = self._tp_group.all_reduce(deviation)
             count = math.ceil(group.recompute_ratio * group.rows.shape[0])
             keep[group.rows] = False
             if count:

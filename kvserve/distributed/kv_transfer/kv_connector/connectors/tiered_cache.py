@@ -227,7 +227,7 @@ class TieredCacheConnector(TieredCacheWorker, KVConnectorBase_V1):
                 )
                 if spec is not None:
                     meta.saves.append(spec)
-        if meta.loads or meta.saves:
+        if meta.loads or meta.saves or meta.blends:
             self._stats_stale = 2  # this step and the next change the tiers' counters
         return meta
 
