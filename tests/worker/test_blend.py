@@ -187,3 +187,42 @@ def test_bad_blend_options_are_value_errors(blend_llm: Any) -> None:
         _ask(blend_llm, [1, 5, 6], FIRST, blend_recompute_ratio=1.5)
     assert _ask(blend_llm, [1, 5, 6], FIRST) == _ask(blend_llm, [1, 5, 6], FIRST, blend=False)
     assert_no_leak(blend_llm)
+
+
+def test_blend_step_beside_decoding_and_plain_requests(
+    blend_llm: Any, tiny_llama: tuple[Path, Any]
+) -> None:
+    """A blended prefill in the same steps as a decoding request and a plain prefill: the
+    others keep exactly HF's tokens (only the blended request's tokens are selected)."""
+    model = tiny_llama[1]
+    docs = _docs(5, 2)
+    for doc in docs:
+        _ask(blend_llm, _prompt([doc], [60]), FIRST)
+    engine = blend_llm.llm_engine
+    decoding = [1, *_docs(6, 1)[0][:20]]
+    plain = [1, *_docs(7, 1)[0]]
+    blended = _prompt([docs[1], docs[0]], [70, 71])
+    long = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    engine.add_request("decoding", {"prompt_token_ids": decoding}, long)
+    outputs: dict[str, list[int]] = {}
+
+    def step() -> None:
+        for out in engine.step():
+            if out.finished:
+                outputs[out.request_id] = list(out.outputs[0].token_ids)
+
+    step()
+    step()  # "decoding" is decoding now
+    plain_params = GREEDY.clone()
+    plain_params.extra_args = {"kv_transfer_params": {"blend": False}}
+    engine.add_request("plain", {"prompt_token_ids": plain}, plain_params)
+    engine.add_request("blended", {"prompt_token_ids": blended}, GREEDY)
+    stats = _runner(blend_llm).blend_runner.stats
+    reused = stats.tokens_reused
+    while engine.has_unfinished_requests():
+        step()
+    assert stats.tokens_reused > reused  # the blended prefill reused KV in that step
+    assert outputs["decoding"] == hf_greedy(model, decoding, 12)
+    assert outputs["plain"] == hf_greedy(model, plain, 4)
+    assert len(outputs["blended"]) == 4
+    assert_no_leak(blend_llm)
