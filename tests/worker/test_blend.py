@@ -107,7 +107,7 @@ def test_split_segments() -> None:
 def _hf_kv(model: Any, doc: list[int], offset: int) -> torch.Tensor:
     """[layers, 2, n, kv heads, head dim] of doc alone at positions offset.."""
     positions = torch.arange(offset, offset + len(doc))[None]
-    cache = model(torch.tensor([doc]), position_ids=positions, use_cache=True).past_key_values
+    cache = model(torch.tensor([doc]), position_ids=positions, use_cache=True).cache
     layers = [(cache.layers[i].keys, cache.layers[i].values) for i in range(len(cache.layers))]
     return torch.stack([torch.stack([k[0], v[0]]).transpose(1, 2) for k, v in layers])
 
