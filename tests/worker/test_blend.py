@@ -226,3 +226,32 @@ def test_blend_step_beside_decoding_and_plain_requests(
     assert outputs["plain"] == hf_greedy(model, plain, 4)
     assert len(outputs["blended"]) == 4
     assert_no_leak(blend_llm)
+
+
+def test_segments_survive_a_restart_on_the_disk_tier(
+    tiny_llama: tuple[Path, Any], tmp_path: Path
+) -> None:
+    """Segments are ordinary tier chunks: a disk-only engine stores them, and a new one
+    on the same directory (a restarted engine) loads them, moved to a new offset."""
+    _, model = tiny_llama
+    doc = _docs(9, 1)[0]  # more than one 32-token chunk, with a short last one
+    metadata = CacheEngineMetadata("tiny", 1, 0, "float32")
+    config = CacheEngineConfig(chunk_size=32, local_cpu=False, local_disk=str(tmp_path))
+    caches = [torch.zeros(2, 16, 16, 2, 16) for _ in range(4)]
+    rotary = RotaryEmbedding(16, 16, 10000.0, None, 1024)
+    slots = torch.arange(len(doc))
+    fresh = _hf_kv(model, doc, 0)
+    for layer, cache in enumerate(caches):
+        cache.view(2, -1, 2, 16)[:, slots] = fresh[layer]
+    first = CacheEngine(config, metadata)
+    SegmentKV(first, caches, rotary).store(doc, 0, slots, ())
+    first.flush(timeout=30)
+    first.close()
+    restarted = CacheEngine(config, metadata)
+    try:
+        loaded = SegmentKV(restarted, caches, rotary).load(doc, 90, ())
+        assert loaded is not None
+        torch.testing.assert_close(loaded, _hf_kv(model, doc, 90), atol=2e-5, rtol=1e-4)
+        assert restarted.stats.tier("disk").hits == -(-len(doc) // 32)
+    finally:
+        restarted.close()
