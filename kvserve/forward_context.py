@@ -13,6 +13,25 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
+class TokenSelector:
+    """Which tokens the layers after ``check_layer`` compute (CacheBlend, see
+    worker/blend_selection.py). This no-op form keeps every token: ``check_layer`` is -1,
+    so a model's layer loop never calls ``select`` and ``restore`` hands states back."""
+
+    check_layer: int = -1
+
+    def select(self, hidden_states: Any, residual: Any, positions: Any) -> tuple[Any, Any, Any]:
+        """After layer ``check_layer``: the rows the remaining layers compute."""
+        return hidden_states, residual, positions
+
+    def restore(self, hidden_states: Any) -> Any:
+        """After the last layer: the rows back at their places in the step's batch."""
+        return hidden_states
+
+
+NO_TOKEN_SELECTOR = TokenSelector()
+
+
 @dataclass
 class ForwardContext:
     # Backend-specific metadata built once per step (e.g. CPUAttentionMetadata).
@@ -20,6 +39,8 @@ class ForwardContext:
     # Worker-side KV connector; attention layers will call its per-layer
     # load/save hooks once the KV-transfer path exists.
     kv_connector: Any = None
+    # Set by the model runner's blend component for a step that reuses blended KV.
+    token_selector: TokenSelector = NO_TOKEN_SELECTOR
     # Room for later per-step values (e.g. virtual engine, dp metadata).
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -48,6 +69,11 @@ def get_forward_context() -> ForwardContext:
             "`with set_forward_context(attn_metadata): ...`"
         )
     return _current
+
+
+def current_token_selector() -> TokenSelector:
+    """The step's token selector; the no-op one outside a forward context."""
+    return NO_TOKEN_SELECTOR if _current is None else _current.token_selector
 
 
 def is_forward_context_set() -> bool:

@@ -1,10 +1,11 @@
-"""`kvserve bench serve|throughput|kvcache|memdiff|peers|quantization|soak|startup|cascade|moe|kv-transfer|pipeline|spec-decode`: wires the benchmarks into the kvserve command."""
+"""`kvserve bench serve|throughput|kvcache|blend|memdiff|peers|quantization|soak|startup|cascade|moe|kv-transfer|pipeline|spec-decode`: wires the benchmarks into the kvserve command."""
 
 from __future__ import annotations
 
 import argparse
 
 from kvserve.benchmarks import (
+    blend,
     cascade,
     kv_transfer,
     kvcache,
@@ -47,6 +48,11 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     )
     kvcache.add_cli_args(tiers)
     tiers.set_defaults(func=kvcache.main)
+    blending = sub.add_parser(
+        "blend", help="CacheBlend vs full prefill vs prefix caching: TTFT and agreement"
+    )
+    blend.add_cli_args(blending)
+    blending.set_defaults(func=blend.main)
     peer_parser = sub.add_parser("peers", help="kvserve vs HF transformers vs llama.cpp, same GGUF")
     peers.add_cli_args(peer_parser)
     peer_parser.set_defaults(func=peers.main)

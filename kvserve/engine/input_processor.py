@@ -15,6 +15,7 @@ from kvserve.lora.peft_config import read_peft_config
 from kvserve.lora.request import LoRARequest
 from kvserve.pooling_params import PoolingParams
 from kvserve.protocol.engine_core import EngineCoreRequest
+from kvserve.protocol.kv_blend import parse_blend_params
 from kvserve.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 if TYPE_CHECKING:
@@ -109,6 +110,8 @@ class InputProcessor:
             params = SamplingParams(max_tokens=1, output_kind=RequestOutputKind.FINAL_ONLY)
         assert isinstance(params, SamplingParams)
         params = self._finalize_params(params, len(prompt_token_ids))
+        kv_transfer_params = (params.extra_args or {}).get("kv_transfer_params")
+        parse_blend_params(kv_transfer_params)  # a bad blend option is the caller's error
         request = EngineCoreRequest(
             request_id=request_id,
             prompt_token_ids=prompt_token_ids,
@@ -117,7 +120,7 @@ class InputProcessor:
             arrival_time=arrival_time if arrival_time is not None else time.time(),
             priority=priority,
             cache_salt=cache_salt,
-            kv_transfer_params=(params.extra_args or {}).get("kv_transfer_params"),
+            kv_transfer_params=kv_transfer_params,
             pooling_params=pooling_params,
             lora_request=lora_request,
             mm_features=mm_features,

@@ -30,6 +30,8 @@ from kvserve.kvcache.storage.manager import StorageManager, create_backends
 
 TOKEN_DIM = 2
 Tags = tuple[tuple[str, str], ...]
+# The tag of position-independent segment chunks (CacheBlend).
+SEGMENT_TAG = ("kind", "blend_segment")
 
 
 @dataclass
@@ -204,6 +206,49 @@ class CacheEngine:
                 self.release(lookup_id)
         self.stats.observe_retrieve(time.perf_counter() - t0)
         return result
+
+    # ---- position-independent segments (CacheBlend) ---------------------------------------
+    # A segment's chunks are keyed by its own tokens alone (the chain starts at the
+    # segment, not the prompt), with its short last chunk, under a tag that keeps them
+    # apart from prefix chunks. The caller decides what position the KV is stored at.
+
+    def _segment_chunks(self, tokens: Sequence[int], tags: Tags) -> list[Chunk]:
+        return list(self.token_db.chunks(tokens, True, (*tags, SEGMENT_TAG)))
+
+    def store_segment(self, tokens: Sequence[int], kv: torch.Tensor, tags: Tags = ()) -> None:
+        """Stores the KV of a whole segment (kv covers every token of tokens)."""
+        if kv.shape[TOKEN_DIM] != len(tokens):
+            raise ValueError(
+                f"a segment's kv covers {kv.shape[TOKEN_DIM]} tokens, not {len(tokens)}"
+            )
+        t0 = time.perf_counter()
+        for chunk in self._segment_chunks(tokens, tags):
+            self.storage.put(chunk.key, kv.narrow(TOKEN_DIM, chunk.start, chunk.end - chunk.start))
+        self.stats.observe_store(time.perf_counter() - t0)
+
+    def contains_segment(self, tokens: Sequence[int], tags: Tags = ()) -> bool:
+        """Whether every chunk of the segment is held by some tier."""
+        return all(
+            self.storage.contains(chunk.key) is not None
+            for chunk in self._segment_chunks(tokens, tags)
+        )
+
+    def retrieve_segment(self, tokens: Sequence[int], tags: Tags = ()) -> torch.Tensor | None:
+        """The KV of the whole segment, or None when any chunk is missing (a segment is
+        reused whole or not at all)."""
+        t0 = time.perf_counter()
+        parts: list[torch.Tensor] = []
+        for chunk in self._segment_chunks(tokens, tags):
+            kv = self.storage.get(chunk.key)
+            if kv is None:
+                parts = []
+                break
+            parts.append(kv)
+        self.stats.observe_lookup(len(tokens), len(tokens) if parts else 0)
+        self.stats.observe_retrieve(time.perf_counter() - t0)
+        if not parts:
+            return None
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=TOKEN_DIM)
 
     def prefetch(self, tokens: Sequence[int], tags: Tags = ()) -> Future[int]:
         """Brings the stored prefix of tokens into the CPU tier in the background; the future

@@ -92,6 +92,17 @@ class CacheEngineConfig:
     # where they say (loopback unless configured); None: off.
     tier_events_endpoint: str | None = None
     control_endpoint: str | None = None
+    # CacheBlend (LMCache's names): prompts split at the separator into segments whose KV
+    # is stored and found by content alone, whatever their position; a request that
+    # reuses them recomputes blend_recompute_ratio of their tokens (lossy below 1.0).
+    enable_blending: bool = False
+    blend_special_str: str = " # # "
+    # The separator as comma-separated token ids (a model without a tokenizer); overrides
+    # blend_special_str.
+    blend_separator_ids: str | None = None
+    blend_recompute_ratio: float = 0.15
+    # The layer after which only the selected tokens are computed (LMCache's check layer).
+    blend_check_layer: int = 1
 
     def __post_init__(self) -> None:
         self.validate()
@@ -121,6 +132,34 @@ class CacheEngineConfig:
             self.remote_url = None
         if self.remote_url is not None:
             parse_remote_url(self.remote_url)
+        if not 0.0 <= self.blend_recompute_ratio <= 1.0:
+            raise CacheConfigError(
+                f"blend_recompute_ratio must be in [0, 1], got {self.blend_recompute_ratio}"
+            )
+        if self.blend_check_layer < 0:
+            raise CacheConfigError(f"blend_check_layer must be >= 0, got {self.blend_check_layer}")
+        if self.blend_separator_ids is not None:
+            self.blend_separator_token_ids()
+        elif not self.blend_special_str:
+            raise CacheConfigError("blend_special_str must not be empty")
+
+    def blend_separator_token_ids(self) -> list[int] | None:
+        """blend_separator_ids parsed (None: tokenize blend_special_str)."""
+        if self.blend_separator_ids is None:
+            return None
+        try:
+            ids = [int(part) for part in self.blend_separator_ids.split(",") if part.strip()]
+        except ValueError as exc:
+            raise CacheConfigError(
+                f"blend_separator_ids must be comma-separated token ids, got "
+                f"{self.blend_separator_ids!r}"
+            ) from exc
+        if not ids or min(ids) < 0:
+            raise CacheConfigError(
+                f"blend_separator_ids must name one or more token ids >= 0, got "
+                f"{self.blend_separator_ids!r}"
+            )
+        return ids
 
 
 def parse_remote_url(url: str) -> tuple[str, str, int, int]:

@@ -43,6 +43,7 @@ from kvserve.sample.sampler import Sampler
 from kvserve.sample.sampling_batch import SamplingBatch
 from kvserve.sample.spec_decode_metadata import SpecDecodeMetadata
 from kvserve.utils.census import census_of, prefixed
+from kvserve.worker.blend_runner import NO_BLEND_RUNNER, BlendRunner, make_blend_runner
 from kvserve.worker.encoder_runner import make_encoder_runner
 from kvserve.worker.input_batch import InputBatch
 from kvserve.worker.input_preparation import InputPreparer, StepInputs
@@ -134,6 +135,8 @@ class ModelRunner:
         self.encoder_runner = make_encoder_runner(config, self.device)
         # Set with the KV caches (initialize_kv_cache); the no-op one until then.
         self.kv_connector_runner: KVConnector = NO_OP_KV_CONNECTOR
+        # CacheBlend's segment reuse (the tiered connector's blending); no-op until then.
+        self.blend_runner: BlendRunner = NO_BLEND_RUNNER
         # Sleep mode: the KV cache's (and the weights') memory handed back and returned.
         self.sleep_mode = WorkerSleepMode(
             kv_tensors=lambda: list(self.kv_caches.values()),
@@ -299,6 +302,9 @@ class ModelRunner:
             * g.kv_cache_spec.block_size
             for g in kv_cache_config.kv_cache_groups
         )
+        self.blend_runner = make_blend_runner(
+            self.config, self.model, kv_cache_config, self.kv_caches, self.kv_connector
+        )
         self.input_batch = InputBatch(
             max_num_reqs=self.max_num_reqs,
             max_model_len=self.max_model_len,
@@ -419,10 +425,12 @@ class ModelRunner:
         self.thread_governor.begin(scheduler_output.total_num_scheduled_tokens)
         kv_connector = self.kv_connector_runner
         with (
-            set_forward_context(attn_metadata, kv_connector=kv_connector.connector),
+            set_forward_context(attn_metadata, kv_connector=kv_connector.connector) as context,
             kv_connector.step(scheduler_output) as kv_output,
         ):
+            self.blend_runner.begin_step(context, scheduler_output, batch, inputs)
             hidden_states = self.model(inputs.input_ids, inputs.positions, **mm_kwargs)
+            self.blend_runner.end_step()
         logits, pooler_output = self.output_head.compute(
             self.model, hidden_states, batch, inputs, spec_metadata
         )

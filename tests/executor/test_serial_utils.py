@@ -29,6 +29,7 @@ from kvserve.distributed.kv_transfer.kv_connector.connectors.tiered_cache import
 from kvserve.entrypoints.llm import LLM
 from kvserve.executor import serial_utils as wire
 from kvserve.lora.request import LoRARequest
+from kvserve.protocol.kv_blend import BlendSpec
 from kvserve.protocol.kv_connector_output import KVConnectorOutput
 from kvserve.protocol.runner_output import LogprobsLists, LogprobsTensors, ModelRunnerOutput
 from kvserve.protocol.scheduler_output import (
@@ -55,7 +56,8 @@ def _scheduler_output() -> SchedulerOutput:
                 loads=[LoadSpec("a", "k1", 0, 2, [[3, 4]])], saves=[SaveSpec("b", "k2", [[5]])]
             ),
             TieredCacheConnectorMetadata(
-                saves=[TransferSpec("b", [1, 2, 3], 0, 3, [[5]], (("salt", "s"),))]
+                saves=[TransferSpec("b", [1, 2, 3], 0, 3, [[5]], (("salt", "s"),))],
+                blends=[BlendSpec("c", [1, 3, 4, 2], 0, 4, 0.15)],
             ),
         ),
         extra_async_saves={"b": 1},

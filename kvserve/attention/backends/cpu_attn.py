@@ -20,6 +20,7 @@ work is gathers, one scatter and SDPA.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass, field
 
@@ -125,6 +126,58 @@ class CPUAttentionMetadata:
     kernel_decode: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     # The decode rows' split at a shared prefix (cascade.py); None: attend row by row.
     cascade: CascadeMetadata | None = None
+
+    def select_tokens(self, keep: torch.Tensor) -> CPUAttentionMetadata:
+        """The metadata of a step that goes on with only the tokens ``keep`` (sorted
+        int64 indices into this step's tokens; CacheBlend's recomputed tokens). Every
+        request keeps its context: a prefill's kept queries attend to the whole cache up
+        to their positions, the other tokens' K/V being whatever the cache holds. A
+        decode or prefill row must keep its last token."""
+        device = keep.device
+        new_index = torch.full((self.num_actual_tokens,), -1, dtype=torch.long, device=device)
+        new_index[keep] = torch.arange(keep.shape[0], device=device)
+        assert self.all_slots is not None
+        all_slots = self.all_slots[keep]
+        slot_mapping, token_indices = all_slots, None
+        if _any_negative(all_slots):
+            token_indices = torch.nonzero(all_slots >= 0).flatten()
+            slot_mapping = all_slots[token_indices]
+        decode = self.decode
+        if decode is not None:
+            decode = dataclasses.replace(decode, token_indices=new_index[decode.token_indices])
+        kernel_decode = self.kernel_decode
+        if kernel_decode is not None and decode is not None:
+            kernel_decode = (kernel_decode[0], kernel_decode[1], decode.token_indices)
+        prefills = []
+        for chunk in self.prefills:
+            rows = keep[(keep >= chunk.token_start) & (keep < chunk.token_end)]
+            local = rows - chunk.token_start
+            start = int(new_index[rows[0]])
+            prefills.append(
+                PrefillChunk(
+                    token_start=start,
+                    token_end=start + rows.shape[0],
+                    seq_len=chunk.seq_len,
+                    block_ids=chunk.block_ids,
+                    query_positions=chunk.query_positions[local],
+                    causal_mask=chunk.causal_mask[local],
+                    masks={key: mask[local] for key, mask in chunk.masks.items()},
+                    extra_visible=(
+                        None if chunk.extra_visible is None else chunk.extra_visible[local]
+                    ),
+                )
+            )
+        return CPUAttentionMetadata(
+            num_actual_tokens=int(keep.shape[0]),
+            block_size=self.block_size,
+            slot_mapping=slot_mapping,
+            slot_token_indices=token_indices,
+            decode=decode,
+            prefills=prefills,
+            all_slots=all_slots,
+            kernel_decode=kernel_decode,
+            cascade=self.cascade,
+        )
 
 
 def _any_negative(values: torch.Tensor) -> bool:

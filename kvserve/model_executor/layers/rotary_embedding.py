@@ -162,6 +162,22 @@ class RotaryEmbedding(nn.Module):
         rot = (rot.float() * cos + _rotate_half(rot.float()) * sin).to(x.dtype)
         return torch.cat((rot, rest), dim=-1) if rest.numel() else rot
 
+    @property
+    def is_pure_rotation(self) -> bool:
+        """Whether rotating by a then by b equals rotating by a + b (not with YaRN's
+        scaled cos/sin): what moving cached keys to other positions relies on."""
+        return self.attention_factor == 1.0
+
+    def rotate_by(self, key: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+        """``key [T, heads, head_size]`` rotated by ``delta [T]`` positions (negative
+        too): rotations compose, so keys rotated at position p and rotated by d equal keys
+        rotated at p + d, up to float rounding. Computed from ``inv_freq``, not the
+        table, which holds non-negative positions only."""
+        if not self.is_pure_rotation:
+            raise ValueError("keys under YaRN's scaled rotary cannot be moved to new positions")
+        cos, sin = self._cos_sin(delta)
+        return self._rotate(key, cos, sin)
+
     def forward(
         self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -21,6 +21,7 @@ from torch import nn
 
 from kvserve.attention.layer import Attention
 from kvserve.distributed.parallel_state import get_pp_group, get_pp_layer_range
+from kvserve.forward_context import current_token_selector
 from kvserve.model_executor.layers.activation import SiluAndMul
 from kvserve.model_executor.layers.layernorm import RMSNorm
 from kvserve.model_executor.layers.linear import (
@@ -176,10 +177,18 @@ class LlamaModel(nn.Module):
             hidden_states, _ = self.norm.forward(*stacked)
             return hidden_states
         residual: torch.Tensor | None = None
-        for layer in self.layers:
+        # CacheBlend: after the check layer only the selected tokens go on (a no-op
+        # selector's check layer is -1, so a plain step never calls it).
+        selector = current_token_selector()
+        check_layer = selector.check_layer
+        for index, layer in enumerate(self.layers):
             hidden_states, residual = layer.forward(positions, hidden_states, residual)
+            if index == check_layer:
+                hidden_states, residual, positions = selector.select(
+                    hidden_states, residual, positions
+                )
         hidden_states, _ = self.norm.forward(hidden_states, residual)
-        return hidden_states
+        return selector.restore(hidden_states)
 
     def _forward_stage(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """One pipeline stage: the previous stage's hidden states and residual in, this

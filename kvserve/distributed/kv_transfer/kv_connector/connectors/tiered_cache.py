@@ -47,6 +47,7 @@ from kvserve.distributed.kv_transfer.kv_connector.utils import (
 from kvserve.kvcache.config import load_cache_engine_config
 from kvserve.kvcache.integrity import kv_authenticator, read_secret
 from kvserve.kvcache.lookup import EngineStats, LookupClient, lookup_address
+from kvserve.protocol.kv_blend import BlendSpec, parse_blend_params
 from kvserve.utils.zmq_curve import socket_security
 
 if TYPE_CHECKING:
@@ -62,6 +63,8 @@ class _Tracked:
     request: ConnectorRequest
     block_ids: list[list[int]]
     saved_upto: int  # tokens from 0 the tier holds (or was asked to store) for this request
+    # CacheBlend's recompute ratio; None: a plain request (prefix chunks in, prefix out).
+    blend_ratio: float | None = None
 
 
 def _tags(cache_salt: str | None) -> tuple[tuple[str, str], ...]:
@@ -147,11 +150,25 @@ class TieredCacheConnector(TieredCacheWorker, KVConnectorBase_V1):
             self._lookup_client.close()
             self._lookup_client = LookupClient(addresses, security=self._security)
 
+    def _blend_ratio(self, request: ConnectorRequest) -> float | None:
+        """The request's recompute ratio when it is blended, else None."""
+        params = parse_blend_params(request.kv_transfer_params)
+        enabled = self.cache_config.enable_blending if params.enabled is None else params.enabled
+        if not enabled:
+            return None
+        if params.recompute_ratio is not None:
+            return params.recompute_ratio
+        return self.cache_config.blend_recompute_ratio
+
     def get_num_new_matched_tokens(
         self, request: ConnectorRequest, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         self._lookups.pop(request.request_id, None)
         if not self.kv_transfer_config.is_kv_consumer:
+            return 0, False
+        if self._blend_ratio(request) is not None:
+            # A blended prompt finds its KV segment by segment when its prefill runs (the
+            # worker side); no prefix of it is loaded here.
             return 0, False
         tokens = request.all_token_ids
         assert self._lookup_client is not None
@@ -174,7 +191,9 @@ class TieredCacheConnector(TieredCacheWorker, KVConnectorBase_V1):
     ) -> None:
         block_ids = [list(ids) for ids in blocks.get_block_ids()]
         hit, usable = self._lookups.pop(request.request_id, (0, 0))
-        self._tracked[request.request_id] = _Tracked(request, block_ids, hit)
+        self._tracked[request.request_id] = _Tracked(
+            request, block_ids, hit, self._blend_ratio(request)
+        )
         if num_external_tokens <= 0:
             self._release(request.request_id)
             return
@@ -195,6 +214,12 @@ class TieredCacheConnector(TieredCacheWorker, KVConnectorBase_V1):
         meta = TieredCacheConnectorMetadata(loads=self._pending_loads, releases=self._releases)
         self._pending_loads, self._releases = [], []
         scheduled = follow_scheduled_blocks(scheduler_output, self._tracked)
+        for req_id, computed in scheduled:
+            blend = self._plan_blend(
+                req_id, computed, scheduler_output.num_scheduled_tokens.get(req_id, 0)
+            )
+            if blend is not None:
+                meta.blends.append(blend)
         if self.kv_transfer_config.is_kv_producer:
             for req_id, computed in scheduled:
                 spec = self._plan_save(
@@ -202,7 +227,7 @@ class TieredCacheConnector(TieredCacheWorker, KVConnectorBase_V1):
                 )
                 if spec is not None:
                     meta.saves.append(spec)
-        if meta.loads or meta.saves:
+        if meta.loads or meta.saves or meta.blends:
             self._stats_stale = 2  # this step and the next change the tiers' counters
         return meta
 
@@ -211,10 +236,26 @@ class TieredCacheConnector(TieredCacheWorker, KVConnectorBase_V1):
             self._pinned.discard(req_id)
             self._releases.append(req_id)
 
+    def _plan_blend(self, req_id: str, computed: int, num_scheduled: int) -> BlendSpec | None:
+        """A blended request's step that runs the rest of its prompt at once (a prompt
+        that chunked prefill splits is computed in full, without reuse: exact)."""
+        tracked = self._tracked.get(req_id)
+        if tracked is None or tracked.blend_ratio is None:
+            return None
+        prompt = tracked.request.prompt_token_ids
+        if num_scheduled < 2 or computed + num_scheduled != len(prompt):
+            return None
+        request = tracked.request
+        return BlendSpec(
+            req_id, list(prompt), computed, len(prompt), tracked.blend_ratio,
+            _tags(request.cache_salt),
+        )  # fmt: skip
+
     def _plan_save(self, req_id: str, computed_after: int) -> TransferSpec | None:
         """The chunks whose KV is complete once this step ran and that were not saved yet."""
         tracked = self._tracked.get(req_id)
-        if tracked is None:
+        if tracked is None or tracked.blend_ratio is not None:
+            # A blended request's prefix KV is approximate: only its segments are stored.
             return None
         request = tracked.request
         num_prompt = len(request.prompt_token_ids)

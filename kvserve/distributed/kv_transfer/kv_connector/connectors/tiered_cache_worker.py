@@ -32,6 +32,7 @@ from kvserve.kvcache.builder import CacheEngineBuilder
 from kvserve.kvcache.control import ControlServer
 from kvserve.kvcache.key import CacheEngineMetadata
 from kvserve.kvcache.lookup import LookupServer, lookup_address
+from kvserve.protocol.kv_blend import BlendSpec
 
 if TYPE_CHECKING:
     import torch
@@ -63,6 +64,9 @@ class TieredCacheConnectorMetadata(KVConnectorMetadata):
     saves: list[TransferSpec] = field(default_factory=list)
     # Request ids whose lookup pins every rank drops (no load planned, or finished).
     releases: list[str] = field(default_factory=list)
+    # CacheBlend: requests whose whole prompt runs in this step with segment reuse (the
+    # model runner's blend component does the work: it needs the model's rotary).
+    blends: list[BlendSpec] = field(default_factory=list)
 
 
 class TieredCacheWorker:
