@@ -156,7 +156,7 @@ class KVCacheManager:
             assert not any(hits), "prefix hits while prefix caching is off"
         self.coordinator.save_new_computed_blocks(request_id, hits)
         new_blocks = self.coordinator.allocate_new_blocks(request_id, num_tokens_need_slot)
-        if self.enable_caching and not delay_cache_blocks:
+        if self.enable_caching and request.writes_prefix_cache and not delay_cache_blocks:
             # Only tokens whose KV exists after this step; lookahead slots stay unhashed.
             self.coordinator.cache_blocks(
                 request, min(num_computed_tokens + num_new_tokens, request.num_tokens)
@@ -165,7 +165,7 @@ class KVCacheManager:
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Caches blocks whose caching allocate_slots delayed (KV now arrived)."""
-        if self.enable_caching:
+        if self.enable_caching and request.writes_prefix_cache:
             self.coordinator.cache_blocks(request, num_computed_tokens)
 
     def free(self, request: Request) -> None:

@@ -105,6 +105,9 @@ class Request:
         # with the request's tokens, never part of them until the rejection sampler keeps them.
         self.spec_token_ids: list[int] = []
 
+        # False once a KV connector said it fills this request's KV approximately
+        # (CacheBlend): its blocks then never become prefix-cache entries.
+        self.writes_prefix_cache = True
         self.block_hashes: list[Any] = []
         self._block_hasher = block_hasher
         self.update_block_hashes()

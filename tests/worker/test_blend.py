@@ -228,6 +228,47 @@ def test_blend_step_beside_decoding_and_plain_requests(
     assert_no_leak(blend_llm)
 
 
+def test_blended_blocks_never_become_prefix_cache_hits(tiny_llama: tuple[Path, Any]) -> None:
+    """With prefix caching on, a blended prompt's approximate KV stays out of the prefix
+    cache: the same prompt sent exactly afterwards hits nothing and gets HF's tokens,
+    while exact prompts still share their prefix."""
+    from kvserve.entrypoints.llm import LLM
+
+    path, model = tiny_llama
+    extra = {"enable_blending": True, "blend_separator_ids": "3,4", "chunk_size": 32}
+    llm = LLM(
+        str(path),
+        skip_tokenizer_init=True,
+        block_size=16,
+        kv_cache_memory=16 << 20,
+        kv_transfer_config=json.dumps(
+            {"kv_connector": "TieredCacheConnector", "kv_connector_extra_config": extra}
+        ),
+    )
+    try:
+        docs = _docs(11, 2)
+        for doc in docs:
+            _ask(llm, _prompt([doc], [60]), FIRST)
+        ids = _prompt([docs[1], docs[0]], [70, 71])
+
+        def run(params: SamplingParams, **kv: Any) -> tuple[list[int], int]:
+            if kv:
+                params = params.clone()
+                params.extra_args = {"kv_transfer_params": kv}
+            out = llm.generate({"prompt_token_ids": ids}, params, use_tqdm=False)[0]
+            return list(out.outputs[0].token_ids), out.num_cached_tokens or 0
+
+        run(GREEDY)  # blended
+        exact, cached = run(GREEDY, blend=False)
+        assert cached == 0
+        assert exact == hf_greedy(model, ids, 4)
+        again, cached = run(GREEDY, blend=False)
+        assert cached > 0 and again == exact  # exact blocks are still shared
+        assert_no_leak(llm)
+    finally:
+        llm.llm_engine.shutdown()
+
+
 def test_segments_survive_a_restart_on_the_disk_tier(
     tiny_llama: tuple[Path, Any], tmp_path: Path
 ) -> None:

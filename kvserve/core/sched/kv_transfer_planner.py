@@ -134,6 +134,7 @@ class KVTransferPlanner(NoKVTransfer):
     def match_external(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         """External tokens beyond the local hits, and whether they load asynchronously
         (None: the connector decides in a later step)."""
+        request.writes_prefix_cache = self._connector.computes_exact_kv(request)
         if not request.use_prefix_cache_reads:
             return 0, False
         if request.mm_features:

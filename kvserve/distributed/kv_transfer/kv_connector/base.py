@@ -204,6 +204,12 @@ class KVConnectorBase_V1(ABC):
         admission failed (no free blocks), so keep it side-effect free or idempotent.
         """
 
+    def computes_exact_kv(self, request: ConnectorRequest) -> bool:
+        """Scheduler side: False when this connector fills the request's KV approximately
+        (CacheBlend reuses documents' KV computed elsewhere): such blocks must never become
+        prefix-cache entries that an exact request could hit."""
+        return True
+
     @abstractmethod
     def update_state_after_alloc(
         self, request: ConnectorRequest, blocks: ConnectorBlocks, num_external_tokens: int

@@ -160,6 +160,9 @@ class TieredCacheConnector(TieredCacheWorker, KVConnectorBase_V1):
             return params.recompute_ratio
         return self.cache_config.blend_recompute_ratio
 
+    def computes_exact_kv(self, request: ConnectorRequest) -> bool:
+        return self._blend_ratio(request) is None
+
     def get_num_new_matched_tokens(
         self, request: ConnectorRequest, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
