@@ -20,7 +20,6 @@ request at a time in a daemon thread; a failure is an answer with ``error`` set.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -32,6 +31,7 @@ import zmq
 from kvserve.kvcache import serde
 from kvserve.kvcache.key import CacheEngineKey
 from kvserve.utils.zmq_curve import PLAIN_SOCKETS, SocketSecurity
+from kvserve.utils.zmq_service import RouterService
 
 if TYPE_CHECKING:
     from kvserve.kvcache.cache_engine import CacheEngine
@@ -197,35 +197,19 @@ class ControlServer:
             security.term(self._ctx)
             raise RuntimeError(f"KV tier control service cannot bind {endpoint}: {exc}") from exc
         self.address = self._socket.getsockopt_string(zmq.LAST_ENDPOINT)
-        self._wake_r, self._wake_w = os.pipe()
-        self._thread = threading.Thread(target=self._serve, name="kv-control", daemon=True)
-        self._thread.start()
+        self._decoder = msgspec.msgpack.Decoder(ControlRequest)
+        self._encoder = msgspec.msgpack.Encoder()
+        self._service = RouterService(self._socket, self._handle, "kv-control")
 
-    def _serve(self) -> None:
-        decoder = msgspec.msgpack.Decoder(ControlRequest)  # type: ignore[var-annotated]
-        encoder = msgspec.msgpack.Encoder()
-        poller = zmq.Poller()
-        poller.register(self._socket, zmq.POLLIN)
-        poller.register(self._wake_r, zmq.POLLIN)
-        while True:
-            events = dict(poller.poll())
-            if self._wake_r in events:
-                return
-            try:
-                frames = self._socket.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                continue
-            if len(frames) < 2:  # [identity, header, *chunks]: not a client of ours
-                continue
-            try:
-                request = decoder.decode(frames[1].buffer)
-            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-                logger.warning("kv control: bad request dropped: %s", exc)
-                continue
-            reply, blobs = self._answer(request, [f.buffer for f in frames[2:]])
-            self._socket.send_multipart(
-                [frames[0].bytes, encoder.encode(reply), *blobs], copy=False
-            )
+    def _handle(self, frames: Sequence[zmq.Frame]) -> list[serde.Buffer] | None:
+        """[header, *chunks] -> [reply, *chunks]."""
+        try:
+            request = self._decoder.decode(frames[0].buffer)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            logger.warning("kv control: bad request dropped: %s", exc)
+            return None
+        reply, blobs = self._answer(request, [f.buffer for f in frames[1:]])
+        return [self._encoder.encode(reply), *blobs]
 
     def _answer(
         self, request: ControlRequest, blobs: list[memoryview]
@@ -274,13 +258,9 @@ class ControlServer:
             return ControlReply(request.seq, error=f"{type(exc).__name__}: {exc}"), []
 
     def close(self) -> None:
-        if self._thread.is_alive():
-            os.write(self._wake_w, b"x")
-            self._thread.join(5)
+        self._service.close()
         self._socket.close()
         self._security.term(self._ctx)
-        os.close(self._wake_r)
-        os.close(self._wake_w)
 
 
 class ControlError(RuntimeError):

@@ -24,8 +24,8 @@ import hashlib
 import logging
 import os
 import tempfile
-import threading
 import time
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import msgspec
@@ -33,6 +33,7 @@ import zmq
 
 from kvserve.kvcache.shared import SharedByKey
 from kvserve.utils.zmq_curve import PLAIN_SOCKETS, SocketSecurity
+from kvserve.utils.zmq_service import RouterService
 
 if TYPE_CHECKING:
     from kvserve.kvcache.cache_engine import CacheEngine
@@ -147,30 +148,17 @@ class LookupServer:
                 logger.warning("lookup socket %s exists; taking it over", path)
             self._socket.bind(key)
             self.address = key
-        self._wake_r, self._wake_w = os.pipe()
-        self._thread = threading.Thread(target=self._serve, name="kv-lookup", daemon=True)
-        self._thread.start()
+        self._decoder = msgspec.msgpack.Decoder(Request)
+        self._encoder = msgspec.msgpack.Encoder()
+        self._service = RouterService(self._socket, self._handle, "kv-lookup")
 
-    def _serve(self) -> None:
-        decoder = msgspec.msgpack.Decoder(Request)  # type: ignore[var-annotated]
-        encoder = msgspec.msgpack.Encoder()
-        poller = zmq.Poller()
-        poller.register(self._socket, zmq.POLLIN)
-        poller.register(self._wake_r, zmq.POLLIN)
-        while True:
-            events = dict(poller.poll())
-            if self._wake_r in events:
-                return
-            try:
-                ident, frame = self._socket.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                continue
-            try:
-                request = decoder.decode(frame)
-            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-                logger.warning("kv lookup: bad request dropped: %s", exc)
-                continue
-            self._socket.send_multipart([ident, encoder.encode(self._answer(request))])
+    def _handle(self, frames: Sequence[zmq.Frame]) -> list[bytes] | None:
+        try:
+            request = self._decoder.decode(frames[0].buffer)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            logger.warning("kv lookup: bad request dropped: %s", exc)
+            return None
+        return [self._encoder.encode(self._answer(request))]
 
     def _answer(self, request: Request) -> LookupReply:
         try:
@@ -184,13 +172,9 @@ class LookupServer:
             return LookupReply(request.seq, error=f"{type(exc).__name__}: {exc}")
 
     def close(self) -> None:
-        if self._thread.is_alive():
-            os.write(self._wake_w, b"x")
-            self._thread.join(5)
+        self._service.close()
         self._socket.close()
         self._security.term(self._ctx)
-        os.close(self._wake_r)
-        os.close(self._wake_w)
 
 
 class LookupClient:
