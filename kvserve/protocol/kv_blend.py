@@ -44,7 +44,8 @@ def parse_blend_params(kv_transfer_params: Mapping[str, Any] | None) -> BlendReq
 
 @dataclass
 class BlendSpec:
-    """One request whose whole remaining prompt [start, end) runs in this step, blended."""
+    """One request whose prompt tokens [start, end) run in this step, blended: the whole
+    rest of the prompt, or one chunk of it under chunked prefill."""
 
     req_id: str
     token_ids: list[int]  # the prompt

@@ -206,6 +206,8 @@ class ActiveBlendRunner(BlendRunner):
         for s, e in split_segments(spec.token_ids, self.separator):
             if s < spec.start:
                 continue  # KV the cache held before this step (a local prefix hit)
+            if e > spec.end:
+                break  # not wholly in this chunk of the prefill: computed in full
             tokens = spec.token_ids[s:e]
             rows = torch.arange(first_row + s, first_row + e, device=slot_mapping.device)
             if spec.recompute_ratio >= 1.0:

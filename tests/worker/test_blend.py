@@ -228,10 +228,13 @@ def test_blend_step_beside_decoding_and_plain_requests(
     assert_no_leak(blend_llm)
 
 
-def test_blended_blocks_never_become_prefix_cache_hits(tiny_llama: tuple[Path, Any]) -> None:
-    """With prefix caching on, a blended prompt's approximate KV stays out of the prefix
-    cache: the same prompt sent exactly afterwards hits nothing and gets HF's tokens,
-    while exact prompts still share their prefix."""
+def test_chunked_prefill_blends_each_chunk_and_keeps_exact_prefixes_apart(
+    tiny_llama: tuple[Path, Any],
+) -> None:
+    """A 64-token budget splits the prompt into chunks: the segments wholly inside a
+    chunk are blended (re-ordered documents still hit), 100% recompute stays exactly
+    full prefill, and with prefix caching on a blended prompt's approximate KV never
+    becomes a prefix-cache hit for an exact request, while exact prompts still share."""
     from kvserve.entrypoints.llm import LLM
 
     path, model = tiny_llama
@@ -241,15 +244,19 @@ def test_blended_blocks_never_become_prefix_cache_hits(tiny_llama: tuple[Path, A
         skip_tokenizer_init=True,
         block_size=16,
         kv_cache_memory=16 << 20,
+        max_num_batched_tokens=64,
         kv_transfer_config=json.dumps(
             {"kv_connector": "TieredCacheConnector", "kv_connector_extra_config": extra}
         ),
     )
     try:
-        docs = _docs(11, 2)
+        docs = [doc[:40] for doc in _docs(11, 3)]  # 42-token segments: one fits a chunk
         for doc in docs:
             _ask(llm, _prompt([doc], [60]), FIRST)
-        ids = _prompt([docs[1], docs[0]], [70, 71])
+        ids = _prompt([docs[2], docs[0], docs[1]], [70, 71])
+        assert len(ids) > 2 * 64  # three chunks
+        stats = _runner(llm).blend_runner.stats
+        hits, reused = stats.segment_hits, stats.tokens_reused
 
         def run(params: SamplingParams, **kv: Any) -> tuple[list[int], int]:
             if kv:
@@ -258,12 +265,16 @@ def test_blended_blocks_never_become_prefix_cache_hits(tiny_llama: tuple[Path, A
             out = llm.generate({"prompt_token_ids": ids}, params, use_tqdm=False)[0]
             return list(out.outputs[0].token_ids), out.num_cached_tokens or 0
 
-        run(GREEDY)  # blended
+        want = hf_greedy(model, ids, 4)
+        assert run(GREEDY, blend_recompute_ratio=1.0)[0] == want
+        blended, _ = run(GREEDY)
+        assert len(blended) == 4
+        assert stats.segment_hits > hits and stats.tokens_reused > reused
         exact, cached = run(GREEDY, blend=False)
-        assert cached == 0
-        assert exact == hf_greedy(model, ids, 4)
+        assert cached == 0  # nothing of the blended runs was a prefix-cache entry
+        assert exact == want
         again, cached = run(GREEDY, blend=False)
-        assert cached > 0 and again == exact  # exact blocks are still shared
+        assert cached > 0 and again == want  # exact blocks are still shared
         assert_no_leak(llm)
     finally:
         llm.llm_engine.shutdown()

@@ -240,19 +240,20 @@ class TieredCacheConnector(TieredCacheWorker, KVConnectorBase_V1):
             self._releases.append(req_id)
 
     def _plan_blend(self, req_id: str, computed: int, num_scheduled: int) -> BlendSpec | None:
-        """A blended request's step that runs the rest of its prompt at once (a prompt
-        that chunked prefill splits is computed in full, without reuse: exact)."""
+        """A blended request's prefill step, whole or one chunk of it: the segments that
+        lie wholly inside the step are blended (one that a chunk boundary cuts is computed
+        in full). A recompute after preemption, outputs included, is computed in full."""
         tracked = self._tracked.get(req_id)
         if tracked is None or tracked.blend_ratio is None:
             return None
         prompt = tracked.request.prompt_token_ids
-        if num_scheduled < 2 or computed + num_scheduled != len(prompt):
+        end = computed + num_scheduled
+        if num_scheduled < 2 or end > len(prompt):
             return None
         request = tracked.request
         return BlendSpec(
-            req_id, list(prompt), computed, len(prompt), tracked.blend_ratio,
-            _tags(request.cache_salt),
-        )  # fmt: skip
+            req_id, list(prompt), computed, end, tracked.blend_ratio, _tags(request.cache_salt)
+        )
 
     def _plan_save(self, req_id: str, computed_after: int) -> TransferSpec | None:
         """The chunks whose KV is complete once this step ran and that were not saved yet."""
