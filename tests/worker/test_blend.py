@@ -21,6 +21,7 @@ from kvserve.protocol.kv_blend import split_segments
 from kvserve.sampling_params import SamplingParams
 from kvserve.worker.blend_runner import SegmentKV
 from tests.family_models import hf_greedy
+from tests.kvcache.conftest import CacheServerProcess
 from tests.reference import assert_no_leak
 
 SEP = [3, 4]
@@ -280,15 +281,23 @@ def test_chunked_prefill_blends_each_chunk_and_keeps_exact_prefixes_apart(
         llm.llm_engine.shutdown()
 
 
-def test_segments_survive_a_restart_on_the_disk_tier(
-    tiny_llama: tuple[Path, Any], tmp_path: Path
+@pytest.mark.parametrize("tier", ["disk", "cache_server"])
+def test_segments_survive_a_restart_on_the_disk_and_remote_tiers(
+    tiny_llama: tuple[Path, Any], tmp_path: Path, tier: str
 ) -> None:
-    """Segments are ordinary tier chunks: a disk-only engine stores them, and a new one
-    on the same directory (a restarted engine) loads them, moved to a new offset."""
+    """Segments are ordinary tier chunks: an engine whose only tier is the disk or a
+    real cache server stores them, and a new one on the same store (a restarted engine,
+    or another instance) loads them, moved to a new offset."""
     _, model = tiny_llama
     doc = _docs(9, 1)[0]  # more than one 32-token chunk, with a short last one
     metadata = CacheEngineMetadata("tiny", 1, 0, "float32")
-    config = CacheEngineConfig(chunk_size=32, local_cpu=False, local_disk=str(tmp_path))
+    server = CacheServerProcess() if tier == "cache_server" else None
+    config = CacheEngineConfig(
+        chunk_size=32,
+        local_cpu=False,
+        local_disk=None if server else str(tmp_path),
+        remote_url=server.url if server else None,
+    )
     caches = [torch.zeros(2, 16, 16, 2, 16) for _ in range(4)]
     rotary = RotaryEmbedding(16, 16, 10000.0, None, 1024)
     slots = torch.arange(len(doc))
@@ -304,6 +313,8 @@ def test_segments_survive_a_restart_on_the_disk_tier(
         loaded = SegmentKV(restarted, caches, rotary).load(doc, 90, ())
         assert loaded is not None
         torch.testing.assert_close(loaded, _hf_kv(model, doc, 90), atol=2e-5, rtol=1e-4)
-        assert restarted.stats.tier("disk").hits == -(-len(doc) // 32)
+        assert restarted.stats.tier(tier).hits == -(-len(doc) // 32)
     finally:
         restarted.close()
+        if server is not None:
+            server.stop()
