@@ -36,6 +36,7 @@ _SOURCES = [
         "block_gemm_vnni.cpp",
         "decode_stack.cpp",
         "decode_step.cpp",
+        "mamba_decode.cpp",
     )
 ]
 # KVSERVE_MARCH: build for another CPU than this one (e.g. "haswell", AVX2 without
@@ -290,3 +291,30 @@ def decoder_stack(
     return torch.classes.kvserve.DecoderStack(
         num_heads, num_kv_heads, head_size, eps, scale, cos_sin_cache
     )
+
+
+def mamba_decode_step(
+    y: torch.Tensor,
+    xbc: torch.Tensor,
+    dt: torch.Tensor,
+    pages: torch.Tensor,
+    read_blocks: torch.Tensor,
+    write_blocks: torch.Tensor,
+    has_initial_state: torch.Tensor,
+    conv_weight: torch.Tensor,
+    conv_bias: torch.Tensor | None,
+    dt_bias: torch.Tensor,
+    A: torch.Tensor,
+    D: torch.Tensor,
+    time_step_limit: tuple[float, float],
+    n_groups: int,
+    state_size: int,
+) -> None:
+    """One token of each of R Mamba-2 requests (csrc/mamba_decode.cpp): conv1d + SiLU and
+    the SSM recurrence with the D skip into ``y [R, H*P]``, each state read from its
+    ``read_blocks`` entry of ``pages`` (zeros where ``has_initial_state`` is false) and
+    the new state written to its ``write_blocks`` entry."""
+    torch.ops.kvserve.mamba_decode_step(
+        y, xbc, dt, pages, read_blocks, write_blocks, has_initial_state, conv_weight,
+        conv_bias, dt_bias, A, D, time_step_limit[0], time_step_limit[1], n_groups, state_size,
+    )  # fmt: skip

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvserve import _custom_ops as ops
 from kvserve.forward_context import get_forward_context
 from kvserve.model_executor.layers.linear import ReplicatedLinear
 from kvserve.model_executor.layers.mamba.causal_conv1d import (
@@ -159,6 +160,8 @@ class MambaMixer2(nn.Module):
     def _forward_batch(
         self, md: MambaMetadata, xbc: torch.Tensor, dt: torch.Tensor, num_tokens: int
     ) -> torch.Tensor:
+        if not md.other_rows and md.decode_rows.numel() == num_tokens and ops.use_for(xbc):
+            return self._decode_in_pool(md, xbc, dt)
         conv_states, ssm_states = self.state_cache.gather(md.state_block_ids)
         fresh = ~md.has_initial_state
         if bool(fresh.any()):
@@ -198,6 +201,21 @@ class MambaMixer2(nn.Module):
                 xbc[rest], dt[rest], conv, ssm
             )
         self.state_cache.scatter(md.write_block_ids, conv_states, ssm_states)
+        return y
+
+    def _decode_in_pool(
+        self, md: MambaMetadata, xbc: torch.Tensor, dt: torch.Tensor
+    ) -> torch.Tensor:
+        """An all-decode step in one kernel call (csrc/mamba_decode.cpp), the states
+        read and written in the pool: what ``_step`` between a gather and a scatter
+        computes, without their passes over the states."""
+        y = xbc.new_empty(xbc.shape[0], self.intermediate_size)
+        ops.mamba_decode_step(
+            y, xbc, dt, self.state_cache.pages, md.state_block_ids, md.write_block_ids,
+            md.has_initial_state, self._conv_weight(), self.conv1d.bias, self.dt_bias,
+            -torch.exp(self.A_log), self.D, self.mamba.time_step_limit, self.n_groups,
+            self.state_size,
+        )  # fmt: skip
         return y
 
     def _run_keeping_states(
