@@ -22,6 +22,13 @@ from kvserve.transformers_utils.mamba_arch import (
     normalise_mamba_config,
 )
 from kvserve.transformers_utils.model_resolver import ResolvedModel
+from kvserve.transformers_utils.multimodal_arch import (
+    ENCODER_DECODER_ARCHITECTURES,
+    VLM_ARCHITECTURES,
+    MultiModalArch,
+    gemma3_multimodal,
+    whisper_multimodal,
+)
 from kvserve.utils.startup import startup_phase
 
 # Bidirectional encoders (pooling only): no causal mask, no LM head.
@@ -42,29 +49,6 @@ LAYER_TYPES = (FULL_ATTENTION, SLIDING_ATTENTION, CHUNKED_ATTENTION, MAMBA)
 # llama.cpp's Gemma 3 files carry no pattern key: every 6th layer is global, as in HF's
 # Gemma3TextConfig default (``sliding_window_pattern=6``).
 _GEMMA3_SLIDING_PATTERN = 6
-
-
-@dataclass(frozen=True)
-class MultiModalArch:
-    """What a vision-language checkpoint adds to its text model (Gemma 3 VLMs).
-
-    ``vision_config``: the vision tower's HF config dict; ``bidirectional_items``: image
-    tokens attend to each other both ways, so an image is computed in one step;
-    ``max_tokens_per_item``: the longest placeholder range an image can take (Pan-and-Scan
-    crops included), which sizes the encoder cache."""
-
-    vision_config: dict[str, Any]
-    mm_tokens_per_image: int
-    image_token_id: int
-    boi_token_id: int
-    eoi_token_id: int
-    bidirectional_items: bool
-    max_tokens_per_item: int
-    # An encoder-decoder model (Whisper): the item is the encoder's input, its output is
-    # kept as cross-attention K/V instead of being placed among the decoder's tokens;
-    # ``max_tokens_per_item`` is then the encoder output's length and ``vision_config``
-    # the model's HF config (the encoder's numbers).
-    encoder_decoder: bool = False
 
 
 @dataclass(frozen=True)
@@ -334,10 +318,10 @@ def _from_hf_dir(model_dir: Path) -> ArchConfig:
     arch = str(architectures[0])
     cfg = normalise_mamba_config(arch, cfg)
     multimodal = None
-    if arch in _ENCODER_DECODER_ARCHITECTURES:
-        multimodal, cfg = _whisper_multimodal(cfg)
-    elif arch in _VLM_ARCHITECTURES:
-        multimodal = _gemma3_multimodal(cfg)
+    if arch in ENCODER_DECODER_ARCHITECTURES:
+        multimodal, cfg = whisper_multimodal(cfg)
+    elif arch in VLM_ARCHITECTURES:
+        multimodal = gemma3_multimodal(cfg)
         # The text numbers are the language model's.
         text = cfg["text_config"]
         # HF ties the head by the top-level flag; the text config's may be a default.
@@ -392,64 +376,6 @@ def _hf_attention_variants(arch: str, cfg: dict[str, Any], num_layers: int) -> d
     use_window = cfg.get("use_sliding_window", arch != "Qwen2ForCausalLM")
     window = cfg.get("sliding_window") if use_window else None
     return {"sliding_window": None if window is None else int(window)}
-
-
-_VLM_ARCHITECTURES = ("Gemma3ForConditionalGeneration",)
-_ENCODER_DECODER_ARCHITECTURES = ("WhisperForConditionalGeneration",)
-
-
-def _whisper_multimodal(cfg: dict[str, Any]) -> tuple[MultiModalArch, dict[str, Any]]:
-    """Whisper's encoder side, and its config in the names ArchConfig reads (the
-    decoder's numbers: ``max_target_positions`` is the decoder's context)."""
-    try:
-        heads = int(cfg["decoder_attention_heads"])
-        decoder = {
-            "hidden_size": int(cfg["d_model"]),
-            "intermediate_size": int(cfg["decoder_ffn_dim"]),
-            "num_hidden_layers": int(cfg["decoder_layers"]),
-            "num_attention_heads": heads,
-            "num_key_value_heads": heads,
-            "max_position_embeddings": int(cfg["max_target_positions"]),
-            "layer_norm_eps": 1e-5,
-            "tie_word_embeddings": True,
-        }
-        encoder_len = int(cfg["max_source_positions"])
-    except (KeyError, TypeError, ValueError) as e:
-        raise ValueError(f"invalid Whisper config: {e!r}") from e
-    multimodal = MultiModalArch(
-        vision_config=dict(cfg),
-        mm_tokens_per_image=encoder_len,
-        image_token_id=-1,  # no placeholder tokens: the decoder never sees the audio's
-        boi_token_id=-1,
-        eoi_token_id=-1,
-        bidirectional_items=False,
-        max_tokens_per_item=encoder_len,
-        encoder_decoder=True,
-    )
-    return multimodal, {**cfg, **decoder}
-
-
-# Gemma 3's Pan-and-Scan: at most this many crops beside the image itself, each framed
-# by a few text tokens (HF's Gemma3Processor.replace_image_token).
-_GEMMA3_MAX_CROPS = 4
-_GEMMA3_CROP_TEXT_TOKENS = 32
-
-
-def _gemma3_multimodal(cfg: dict[str, Any]) -> MultiModalArch:
-    if not isinstance(cfg.get("text_config"), dict) or not isinstance(
-        cfg.get("vision_config"), dict
-    ):
-        raise ValueError("a Gemma 3 VLM config needs text_config and vision_config")
-    tokens = int(cfg.get("mm_tokens_per_image", 256))
-    return MultiModalArch(
-        vision_config=dict(cfg["vision_config"]),
-        mm_tokens_per_image=tokens,
-        image_token_id=int(cfg.get("image_token_index", cfg.get("image_token_id", 262144))),
-        boi_token_id=int(cfg.get("boi_token_index", cfg.get("boi_token_id", 255999))),
-        eoi_token_id=int(cfg.get("eoi_token_index", cfg.get("eoi_token_id", 256000))),
-        bidirectional_items=True,
-        max_tokens_per_item=(tokens + _GEMMA3_CROP_TEXT_TOKENS) * (1 + _GEMMA3_MAX_CROPS),
-    )
 
 
 def _bert_variants(cfg: dict[str, Any]) -> dict[str, Any]:

@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from kvserve.core.request import Request
     from kvserve.protocol.mm_inputs import MultiModalFeatureSpec
     from kvserve.protocol.runner_output import ModelRunnerOutput
-    from kvserve.transformers_utils.arch_config import MultiModalArch
+    from kvserve.transformers_utils.multimodal_arch import MultiModalArch
 
 
 class NoEncoderPlanner:

@@ -18,7 +18,7 @@ from kvserve.core.sched.scheduler import Scheduler
 from kvserve.multimodal import MultiModalFeatureSpec, PlaceholderRange
 from kvserve.protocol.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 from kvserve.sampling_params import SamplingParams
-from kvserve.transformers_utils.arch_config import MultiModalArch
+from kvserve.transformers_utils.multimodal_arch import MultiModalArch
 from tests.core.sched.driver import BS, Driver
 
 MakeDriver = Callable[..., Driver]
