@@ -24,6 +24,7 @@ from kvserve.attention.backends.abstract import (
     AttentionImpl,
     AttentionMetadataBuilder,
 )
+from kvserve.attention.backends.cpu_attn import CPUAttentionBackend
 from kvserve.attention.backends.utils import CommonAttentionMetadata, write_to_kv_cache
 from kvserve.utils.numpy_views import numpy_view
 
@@ -138,12 +139,8 @@ class CrossAttentionBackend(AttentionBackend):
     def get_name() -> str:
         return "CROSS_ATTN"
 
-    @staticmethod
-    def get_kv_cache_shape(
-        num_blocks: int, block_size: int, num_kv_heads: int, head_size: int
-    ) -> tuple[int, ...]:
-        # The CPU backend's layout, so a cross layer shares a tensor with a decoder layer.
-        return (2, num_blocks, block_size, num_kv_heads, head_size)
+    # The CPU backend's layout, so a cross layer shares a tensor with a decoder layer.
+    get_kv_cache_shape = staticmethod(CPUAttentionBackend.get_kv_cache_shape)
 
     @staticmethod
     def get_builder_cls() -> type[CrossAttentionMetadataBuilder]:
