@@ -50,6 +50,22 @@ class MultiModalProcessor:
         """``add_special_tokens``: False for a chat template's text (it holds BOS).
         ``cache_salt``: hashed into every item's identifier, so that requests of different
         salts (tenants) share no processor-cache, encoder-cache or EC-connector entry."""
+        unknown = sorted(set(mm_data) - set(self.modalities))
+        if unknown:
+            raise ValueError(
+                f"multi_modal_data: unsupported modality {unknown[0]!r} "
+                f"({' and '.join(self.modalities)} only)"
+            )
+        return self._process(prompt, mm_data, mm_processor_kwargs, add_special_tokens, cache_salt)
+
+    def _process(
+        self,
+        prompt: str,
+        mm_data: Mapping[str, Sequence[object]],
+        mm_processor_kwargs: Mapping[str, Any] | None,
+        add_special_tokens: bool,
+        cache_salt: str | None,
+    ) -> ProcessedPrompt:
         raise NotImplementedError
 
 
@@ -106,17 +122,14 @@ class Gemma3MultiModalProcessor(MultiModalProcessor):
         self.num_processed += 1
         return {"pixel_values": TensorData.from_array(np.asarray(out["pixel_values"]))}
 
-    def process(
+    def _process(
         self,
         prompt: str,
         mm_data: Mapping[str, Sequence[object]],
         mm_processor_kwargs: Mapping[str, Any] | None,
-        add_special_tokens: bool = True,
-        cache_salt: str | None = None,
+        add_special_tokens: bool,
+        cache_salt: str | None,
     ) -> ProcessedPrompt:
-        unknown = sorted(set(mm_data) - set(self.modalities))
-        if unknown:
-            raise ValueError(f"multi_modal_data: unsupported modality {unknown[0]!r} (image only)")
         images = _as_items("image", mm_data.get("image", []))
         kwargs = self._kwargs(mm_processor_kwargs)
         num_markers = prompt.count(self.boi_token)
@@ -211,17 +224,14 @@ class WhisperMultiModalProcessor(MultiModalProcessor):
             )
         return wave
 
-    def process(
+    def _process(
         self,
         prompt: str,
         mm_data: Mapping[str, Sequence[object]],
         mm_processor_kwargs: Mapping[str, Any] | None,
-        add_special_tokens: bool = True,
-        cache_salt: str | None = None,
+        add_special_tokens: bool,
+        cache_salt: str | None,
     ) -> ProcessedPrompt:
-        unknown = sorted(set(mm_data) - set(self.modalities))
-        if unknown:
-            raise ValueError(f"multi_modal_data: unsupported modality {unknown[0]!r} (audio only)")
         if mm_processor_kwargs:
             raise ValueError("mm_processor_kwargs: Whisper takes none")
         items = _as_items("audio", mm_data.get("audio", []))
