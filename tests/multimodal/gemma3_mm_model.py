@@ -12,6 +12,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from tests.byte_level_tokenizer import byte_level_tokenizer
+
 SPECIALS = [
     "<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>",
     "<start_of_image>", "<end_of_image>", "<image_soft_token>",
@@ -33,19 +35,8 @@ CHAT_TEMPLATE = (
 
 
 def _tokenizer() -> Any:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    pieces = SPECIALS + sorted(pre_tokenizers.ByteLevel.alphabet())
-    # Filler pieces up to the model's vocabulary, so every sampled id detokenizes.
-    pieces += [f"<u{i}>" for i in range(VOCAB_SIZE - len(pieces))]
-    vocab = {t: i for i, t in enumerate(pieces)}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(SPECIALS)
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>",
+    return byte_level_tokenizer(
+        SPECIALS, VOCAB_SIZE, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>",
         unk_token="<unk>", chat_template=CHAT_TEMPLATE,
         extra_special_tokens={
             "boi_token": "<start_of_image>", "eoi_token": "<end_of_image>",

@@ -11,6 +11,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from tests.byte_level_tokenizer import byte_level_tokenizer
+
 SAMPLING_RATE = 16000
 CHUNK_SECONDS = 1  # the feature extractor's window: 100 frames, 50 encoder positions
 NUM_MEL_BINS = 16
@@ -27,18 +29,8 @@ DECODER_START = "<|startoftranscript|><|en|><|transcribe|><|notimestamps|>"
 
 
 def _tokenizer() -> Any:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    pieces = SPECIALS + sorted(pre_tokenizers.ByteLevel.alphabet())
-    pieces += [f"<u{i}>" for i in range(VOCAB_SIZE - len(pieces))]
-    vocab = {t: i for i, t in enumerate(pieces)}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(SPECIALS)
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token="<|endoftext|>", eos_token="<|endoftext|>",
+    return byte_level_tokenizer(
+        SPECIALS, VOCAB_SIZE, bos_token="<|endoftext|>", eos_token="<|endoftext|>",
         pad_token="<|endoftext|>", unk_token="<|endoftext|>",
     )  # fmt: skip
 
