@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import time
 
 import httpx
 import openai
@@ -52,7 +51,14 @@ def test_64_concurrent_streams_complete_and_free_everything(server: RemoteServer
     )
 
 
-def test_client_disconnect_aborts_the_request_within_a_second(server: RemoteServer) -> None:
+def _generated(server: RemoteServer) -> float:
+    return server.metrics()["kvserve:generation_tokens_total"]
+
+
+# A client that leaves: its request is aborted, not run to its 400 tokens. Counted in
+# tokens rather than timed, so a busy machine's slower steps change nothing.
+def test_client_disconnect_aborts_the_request(server: RemoteServer) -> None:
+    before = _generated(server)
     body = {
         "model": MODEL,
         "prompt": "Once upon a time",
@@ -69,15 +75,14 @@ def test_client_disconnect_aborts_the_request_within_a_second(server: RemoteServ
             assert metrics["kvserve:num_requests_running"] == 1.0
             assert metrics["kvserve:kv_cache_usage_perc"] > 0.0
         # Leaving the `with` closes the connection mid-stream.
-        closed_at = time.monotonic()
-    server.wait_for_metrics(3.0, num_requests_running=0.0, kv_cache_usage_perc=0.0)
-    assert time.monotonic() - closed_at < 1.0
+    server.wait_for_metrics(30.0, num_requests_running=0.0, kv_cache_usage_perc=0.0)
+    assert _generated(server) - before < 400
 
 
 def test_non_streaming_disconnect_aborts_too(server: RemoteServer) -> None:
+    before = _generated(server)
     body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(server.url("/v1/completions"), json=body, timeout=1.5)
-    closed_at = time.monotonic()
-    server.wait_for_metrics(3.0, num_requests_running=0.0, kv_cache_usage_perc=0.0)
-    assert time.monotonic() - closed_at < 1.0
+        httpx.post(server.url("/v1/completions"), json=body, timeout=0.5)
+    server.wait_for_metrics(30.0, num_requests_running=0.0, kv_cache_usage_perc=0.0)
+    assert _generated(server) - before < 400
