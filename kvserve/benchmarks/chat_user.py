@@ -136,8 +136,10 @@ async def _chat_round(server: _Server, args: argparse.Namespace) -> dict[str, An
             after = await _metrics(client, server.url)
             ttfts.append(out.ttft)
             decode_s = sum(out.itl)
-            if out.output_tokens > 1 and decode_s > 0:
-                rates.append((out.output_tokens - 1) / decode_s)
+            # A server that sends no usage in its stream (llama_cpp.server): one token a chunk.
+            tokens = out.output_tokens or len(out.itl) + 1
+            if tokens > 1 and decode_s > 0:
+                rates.append((tokens - 1) / decode_s)
             if before is not None and after is not None:
                 for key, value in after.items():
                     split[key] = split.get(key, 0.0) + value - before.get(key, 0.0)
