@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from kvserve.args.mm_args import MultiModalArgs, add_mm_cli_args
+from kvserve.args.parallel_args import ParallelArgs, add_parallel_cli_args
 from kvserve.args.vllm_compat import VllmCompatArgs
 from kvserve.config import (
     DEFAULT_MODEL,
@@ -24,7 +25,6 @@ from kvserve.config import (
     KVTransferConfig,
     LoRAConfig,
     ModelConfig,
-    ParallelConfig,
     SchedulerConfig,
     SpeculativeConfig,
     StructuredOutputsConfig,
@@ -56,7 +56,7 @@ def _model_registrations() -> tuple[tuple[str, str], ...]:
 
 
 @dataclass
-class EngineArgs(MultiModalArgs, VllmCompatArgs):
+class EngineArgs(ParallelArgs, MultiModalArgs, VllmCompatArgs):
     """vLLM's engine arguments: those kvserve gives a meaning here are the fields below;
     the ones it accepts without use come from VllmCompatArgs (docs/vllm_compat.md)."""
 
@@ -84,14 +84,6 @@ class EngineArgs(MultiModalArgs, VllmCompatArgs):
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = 0
     scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
-    tensor_parallel_size: int = 1
-    pipeline_parallel_size: int = 1
-    distributed_executor_backend: Literal["uni", "mp", "ray"] | None = None
-    # Pipeline parallelism: several micro-batches in flight (False: one step at a time).
-    batch_queue: bool = True
-    data_parallel_size: int = 1
-    data_parallel_load_balance: Literal["least_loaded", "prefix"] = "least_loaded"
-    data_parallel_tolerate_failure: bool = False
     # A KVEventsConfig, a dict of its fields, or the JSON text of --kv-events-config.
     kv_events_config: KVEventsConfig | dict[str, Any] | str | None = None
     # A KVTransferConfig, a dict of its fields, or the JSON text of --kv-transfer-config.
@@ -244,15 +236,7 @@ class EngineArgs(MultiModalArgs, VllmCompatArgs):
                 long_prefill_token_threshold=self.long_prefill_token_threshold,
                 policy=self.scheduling_policy,
             ),
-            parallel_config=ParallelConfig(
-                tensor_parallel_size=self.tensor_parallel_size,
-                pipeline_parallel_size=self.pipeline_parallel_size,
-                distributed_executor_backend=self.distributed_executor_backend,
-                batch_queue=self.batch_queue,
-                data_parallel_size=self.data_parallel_size,
-                data_parallel_load_balance=self.data_parallel_load_balance,
-                data_parallel_tolerate_failure=self.data_parallel_tolerate_failure,
-            ),
+            parallel_config=self._parallel_config(),
             device_config=device_config,
             kv_events_config=(
                 None
@@ -325,41 +309,6 @@ class EngineArgs(MultiModalArgs, VllmCompatArgs):
         parser.add_argument(
             "--dtype", default="float32", choices=["auto", "float32", "float"],
             help="weights and activations compute in float32",
-        )  # fmt: skip
-        parser.add_argument(
-            "--tensor-parallel-size", "-tp", type=int, default=1,
-            help="split each layer across this many worker ranks (docs/distributed.md)",
-        )  # fmt: skip
-        parser.add_argument(
-            "--pipeline-parallel-size", "-pp", type=int, default=1,
-            help="split the decoder layers into this many stages (Llama; docs/distributed.md)",
-        )  # fmt: skip
-        parser.add_argument(
-            "--data-parallel-size", "-dp", type=int, default=1,
-            help="run this many engine cores (each with its own scheduler, KV cache and "
-            "-tp x -pp workers) behind one front end (docs/distributed.md)",
-        )  # fmt: skip
-        parser.add_argument(
-            "--data-parallel-load-balance", default="least_loaded",
-            choices=["least_loaded", "prefix"],
-            help="with -dp: send a new request to the core with the fewest waiting, then "
-            "running requests (least_loaded), or to the core holding the longest cached "
-            "prefix of its prompt unless that core is overloaded (prefix)",
-        )  # fmt: skip
-        parser.add_argument(
-            "--data-parallel-tolerate-failure", action="store_true",
-            help="with -dp: a dead engine core fails only its own requests (503) and the "
-            "others keep serving; by default one dead core takes the server down",
-        )  # fmt: skip
-        parser.add_argument(
-            "--no-batch-queue", dest="batch_queue", action="store_false",
-            help="with -pp: run one micro-batch at a time instead of keeping one per stage "
-            "in flight (the stages then take turns; for comparison)",
-        )  # fmt: skip
-        parser.add_argument(
-            "--distributed-executor-backend", default=None, choices=["uni", "mp", "ray"],
-            help="uni: one worker in the engine process; mp: a process per rank (the "
-            "default for several); ray: a Ray actor per rank, on one node or several",
         )  # fmt: skip
         parser.add_argument(
             "--prefix-caching-hash-seed", type=int, default=0,
@@ -524,6 +473,7 @@ class EngineArgs(MultiModalArgs, VllmCompatArgs):
         parser.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters")
         parser.add_argument("--max-loras", type=int, default=1, help="adapters in one batch")
         parser.add_argument("--max-lora-rank", type=int, default=16)
+        add_parallel_cli_args(parser)
         add_mm_cli_args(parser)
 
     @classmethod
