@@ -55,6 +55,7 @@ E2E_MODULES = frozenset(
         "distributed/kv_transfer/test_shared_storage_tp.py",
         "distributed/kv_transfer/test_shared_storage_tp_pp.py",
         "distributed/test_ec_connector.py",
+        "distributed/test_expert_parallel.py",
         "distributed/test_kv_events_engine.py",
         "distributed/test_parallel_state.py",
         "engine/test_async_llm.py",

@@ -24,6 +24,10 @@ class ParallelArgs:
     data_parallel_size: int = 1
     data_parallel_load_balance: Literal["least_loaded", "prefix"] = "least_loaded"
     data_parallel_tolerate_failure: bool = False
+    enable_expert_parallel: bool = False
+    data_parallel_address: str = "127.0.0.1"
+    data_parallel_rpc_port: int | None = None
+    data_parallel_master_port: int | None = None
 
     def _parallel_config(self) -> ParallelConfig:
         return ParallelConfig(
@@ -34,6 +38,10 @@ class ParallelArgs:
             data_parallel_size=self.data_parallel_size,
             data_parallel_load_balance=self.data_parallel_load_balance,
             data_parallel_tolerate_failure=self.data_parallel_tolerate_failure,
+            enable_expert_parallel=self.enable_expert_parallel,
+            data_parallel_address=self.data_parallel_address,
+            data_parallel_rpc_port=self.data_parallel_rpc_port,
+            data_parallel_master_port=self.data_parallel_master_port,
         )
 
 
@@ -63,6 +71,29 @@ def add_parallel_cli_args(parser: argparse.ArgumentParser) -> None:
         "--data-parallel-tolerate-failure", action="store_true",
         help="with -dp: a dead engine core fails only its own requests (503) and the "
         "others keep serving; by default one dead core takes the server down",
+    )  # fmt: skip
+    group.add_argument(
+        "--enable-expert-parallel", action="store_true",
+        help="MoE models: shard the experts across the -dp x -tp ranks (each loads only "
+        "its own) instead of splitting every expert over -tp; with -dp the cores run "
+        "attention on their own requests and step together, an idle core joining each "
+        "MoE layer with no tokens (docs/distributed.md#expert-parallelism)",
+    )  # fmt: skip
+    group.add_argument(
+        "--data-parallel-address", default="127.0.0.1",
+        help="with -dp and --enable-expert-parallel: the address the cores and their "
+        "workers meet at (loopback: one machine)",
+    )  # fmt: skip
+    group.add_argument(
+        "--data-parallel-rpc-port", type=int, default=None,
+        help="with -dp and --enable-expert-parallel: the port of the cores' own group "
+        "(the step agreement); their workers' torch.distributed world takes the next "
+        "one; default: free ports picked at start",
+    )  # fmt: skip
+    group.add_argument(
+        "--data-parallel-master-port", type=int, default=None,
+        help="with -dp and --enable-expert-parallel: the port of the workers' "
+        "torch.distributed world (default: the one after --data-parallel-rpc-port, or free)",
     )  # fmt: skip
     group.add_argument(
         "--no-batch-queue", dest="batch_queue", action="store_false",
