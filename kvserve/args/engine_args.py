@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from kvserve.args.kv_args import KVArgs, add_kv_cli_args
 from kvserve.args.mm_args import MultiModalArgs, add_mm_cli_args
 from kvserve.args.parallel_args import ParallelArgs, add_parallel_cli_args
 from kvserve.args.vllm_compat import VllmCompatArgs
@@ -20,9 +21,6 @@ from kvserve.config import (
     CacheConfig,
     DeviceConfig,
     EngineConfig,
-    KVEventsConfig,
-    KVSecurityConfig,
-    KVTransferConfig,
     LoRAConfig,
     ModelConfig,
     SchedulerConfig,
@@ -56,7 +54,7 @@ def _model_registrations() -> tuple[tuple[str, str], ...]:
 
 
 @dataclass
-class EngineArgs(ParallelArgs, MultiModalArgs, VllmCompatArgs):
+class EngineArgs(ParallelArgs, KVArgs, MultiModalArgs, VllmCompatArgs):
     """vLLM's engine arguments: those kvserve gives a meaning here are the fields below;
     the ones it accepts without use come from VllmCompatArgs (docs/vllm_compat.md)."""
 
@@ -84,16 +82,6 @@ class EngineArgs(ParallelArgs, MultiModalArgs, VllmCompatArgs):
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = 0
     scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
-    # A KVEventsConfig, a dict of its fields, or the JSON text of --kv-events-config.
-    kv_events_config: KVEventsConfig | dict[str, Any] | str | None = None
-    # A KVTransferConfig, a dict of its fields, or the JSON text of --kv-transfer-config.
-    kv_transfer_config: KVTransferConfig | dict[str, Any] | str | None = None
-    # YAML file of the tiered KV cache; on its own it turns on TieredCacheConnector.
-    kv_cache_config: str | None = None
-    # The MAC secret of KV that leaves the engine (else env KVSERVE_KV_SECRET), and the
-    # opt-out that lets a shared store run without one (docs/kv_cache_tier.md#security).
-    kv_secret_file: str | None = None
-    allow_unauthenticated_kv: bool = False
     disable_cascade_attn: bool = False
     # vLLM's: no tokenizer is loaded; prompts are token ids and outputs carry no text.
     skip_tokenizer_init: bool = False
@@ -161,19 +149,6 @@ class EngineArgs(ParallelArgs, MultiModalArgs, VllmCompatArgs):
             return value
         return dataclass_from_json(PoolerConfig, value, "pooler_config")
 
-    def _transfer_config(self) -> KVTransferConfig | None:
-        transfer = (
-            None
-            if self.kv_transfer_config is None
-            else KVTransferConfig.from_cli(self.kv_transfer_config)
-        )
-        if self.kv_cache_config is None:
-            return transfer
-        if transfer is None:
-            transfer = KVTransferConfig(kv_connector="TieredCacheConnector")
-        extra = {**transfer.kv_connector_extra_config, "kv_cache_config": self.kv_cache_config}
-        return dataclasses.replace(transfer, kv_connector_extra_config=extra)
-
     def _logits_processors(self) -> tuple[str | type, ...]:
         specs = tuple(self.logits_processors or ())
         if specs:
@@ -238,13 +213,9 @@ class EngineArgs(ParallelArgs, MultiModalArgs, VllmCompatArgs):
             ),
             parallel_config=self._parallel_config(),
             device_config=device_config,
-            kv_events_config=(
-                None
-                if self.kv_events_config is None
-                else KVEventsConfig.from_cli(self.kv_events_config)
-            ),
+            kv_events_config=self._events_config(),
             kv_transfer_config=self._transfer_config(),
-            kv_security_config=KVSecurityConfig(self.kv_secret_file, self.allow_unauthenticated_kv),
+            kv_security_config=self._security_config(),
             structured_outputs_config=self._structured_outputs_config(),
             speculative_config=(
                 None
@@ -395,37 +366,6 @@ class EngineArgs(ParallelArgs, MultiModalArgs, VllmCompatArgs):
         )  # fmt: skip
         parser.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
         parser.add_argument(
-            "--kv-events-config",
-            default=None,
-            help='KV cache events as JSON, e.g. \'{"enable_kv_cache_events": true, '
-            '"endpoint": "tcp://10.0.0.5:5557"}\' (default endpoint tcp://127.0.0.1:5557: '
-            "the events carry prompts' token ids, so other hosts are let in by address only)",
-        )
-        parser.add_argument(
-            "--kv-transfer-config",
-            default=None,
-            help='KV connector as JSON, e.g. \'{"kv_connector": "SharedStorageConnector", '
-            '"kv_role": "kv_both", "kv_connector_extra_config": '
-            '{"shared_storage_path": "/tmp/kv"}}\'',
-        )
-        parser.add_argument(
-            "--kv-cache-config",
-            default=None,
-            help="YAML file configuring the tiered KV cache (CPU, disk, Redis, cache server); "
-            "enables TieredCacheConnector unless --kv-transfer-config names another connector",
-        )
-        parser.add_argument(
-            "--kv-secret-file", default=None, metavar="PATH",
-            help="file holding the secret that authenticates (MACs) KV leaving the engine: "
-            "tiers, P2P transfers, the encoder cache; every engine sharing KV needs the same "
-            "(default: the environment variable KVSERVE_KV_SECRET)",
-        )  # fmt: skip
-        parser.add_argument(
-            "--allow-unauthenticated-kv", action="store_true",
-            help="let Redis, the cache server, shared storage and P2P run without a KV "
-            "secret: KV any writer of them plants is then loaded",
-        )  # fmt: skip
-        parser.add_argument(
             "--attention-sinks", type=int, default=0,
             help="StreamingLLM: full-attention layers keep this many first tokens plus a "
             "window of max_model_len minus them, so generation can run past max_model_len",
@@ -474,6 +414,7 @@ class EngineArgs(ParallelArgs, MultiModalArgs, VllmCompatArgs):
         parser.add_argument("--max-loras", type=int, default=1, help="adapters in one batch")
         parser.add_argument("--max-lora-rank", type=int, default=16)
         add_parallel_cli_args(parser)
+        add_kv_cli_args(parser)
         add_mm_cli_args(parser)
 
     @classmethod
