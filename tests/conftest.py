@@ -70,6 +70,7 @@ E2E_MODULES = frozenset(
         "entrypoints/openai/test_concurrency.py",
         "entrypoints/openai/test_schemathesis.py",
         "entrypoints/openai/test_serve_data_parallel.py",
+        "entrypoints/openai/test_serve_expert_parallel.py",
         "entrypoints/openai/test_serve_tensor_parallel.py",
         "entrypoints/openai/test_serving_embedding.py",
         "entrypoints/openai/test_serving_lora.py",

@@ -131,7 +131,7 @@ class EngineCoreProc:
                     self._send_outputs(outputs)
                     heap.after_work()
                 self.wave.finish_step(self.engine_core, ran_forward)
-            elif changed:
+            if changed and not has_work:
                 # e.g. the last request was aborted: let the client see the idle state.
                 self._send_outputs(EngineCoreOutputs(timestamp=time.monotonic()))
 
