@@ -59,6 +59,7 @@ class EngineCoreProc:
         self.engine_index = config.parallel_config.data_parallel_rank
         # Cores that share MoE layers step together (dp_wave.py); else a no-op.
         self.wave = make_dp_wave(config.parallel_config)
+        self.stop_requested = False  # a signal that came mid-step, in lockstep
         self.ctx = zmq.Context()
         self.input_socket = self.ctx.socket(zmq.PULL)
         self.input_socket.connect(input_address)
@@ -112,6 +113,8 @@ class EngineCoreProc:
         heap = HeapTrimmer()
         logger.info("engine core allocator: %s", running_allocator())
         while True:
+            if self.stop_requested:
+                raise SystemExit(0)
             busy = self.engine_core.has_work()
             if not busy:
                 heap.before_idle()
@@ -241,7 +244,14 @@ class EngineCoreProc:
             log_phase(name, seconds)
         memory_trace.start_from_env("engine_core")
 
+        running: list[EngineCoreProc] = []
+
         def _on_signal(signum: int, frame: Any) -> None:
+            if running and running[0].wave.lockstep:
+                # Mid-step, the peers wait on this core in a collective: it stops at the
+                # top of its loop instead, where a peer's next agreement sees it leave.
+                running[0].stop_requested = True
+                return
             raise SystemExit(0)
 
         signal.signal(signal.SIGTERM, _on_signal)
@@ -258,6 +268,7 @@ class EngineCoreProc:
             )
             ready_writer.close()
             raise SystemExit(1) from None
+        running.append(proc)
         ready_writer.send_bytes(encoder.encode(proc.ready_message()))
         ready_writer.close()
         proc.engine_core.settle_heap()

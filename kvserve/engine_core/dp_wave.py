@@ -43,6 +43,9 @@ IDLE_POLL_MS = int(os.environ.get("KVSERVE_DP_WAVE_IDLE_POLL_MS", "10"))
 class DPWave:
     """One core on its own: it steps when it has work."""
 
+    # Whether the core steps together with others (a signal must not stop it mid-step).
+    lockstep = False
+
     def poll_timeout_ms(self, has_work: bool) -> int | None:
         """How long the loop may wait on its sockets (None: until a message comes)."""
         return 0 if has_work else None
@@ -60,6 +63,8 @@ class DPWave:
 
 class ExpertParallelWave(DPWave):
     """Data-parallel cores that share MoE layers: they step together."""
+
+    lockstep = True
 
     def __init__(self, parallel: ParallelConfig) -> None:
         port = parallel.data_parallel_rpc_port
@@ -102,7 +107,11 @@ class ExpertParallelWave(DPWave):
 
     def finish_step(self, engine_core: EngineCore, ran_forward: bool) -> None:
         if not ran_forward:
-            engine_core.model_executor.collective_rpc("execute_dummy_batch")
+            try:
+                engine_core.model_executor.collective_rpc("execute_dummy_batch")
+            except RuntimeError as e:  # gloo, in a MoE layer: a peer is gone
+                message = f"data-parallel rank {self.rank}: a peer core left mid-step: {e}"
+                raise PeerCoreExitedError(message) from None
             self.num_dummy_steps += 1
 
     def shutdown(self) -> None:

@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 from kvserve.config import ParallelConfig
+from kvserve.engine.exceptions import EngineDeadError
 from kvserve.entrypoints.llm import LLM
 from kvserve.sampling_params import SamplingParams
 from tests.family_models import build_family_model, hf_greedy
@@ -92,3 +93,15 @@ def test_expert_parallel_refuses_what_it_cannot_run() -> None:
         ParallelConfig(
             data_parallel_size=2, data_parallel_tolerate_failure=True, enable_expert_parallel=True
         )
+
+
+def test_a_dead_core_stops_its_peer_and_the_engine(ep_llm: LLM) -> None:
+    """Last in the module (it ends the shared engine): the surviving core, idle in the
+    wave's agreement, leaves instead of waiting on its dead peer, and the engine reports
+    the death instead of hanging."""
+    cores = ep_llm.llm_engine.engine_core.cores  # type: ignore[attr-defined]
+    cores[0].proc.kill()
+    cores[1].proc.join(timeout=30)
+    assert not cores[1].proc.is_alive()
+    with pytest.raises(EngineDeadError):
+        _generate(ep_llm, PROMPTS[:1])
