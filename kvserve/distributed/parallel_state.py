@@ -252,16 +252,40 @@ def _new_groups(
     return mine
 
 
+def group_layouts(
+    tensor_parallel_size: int = 1,
+    pipeline_parallel_size: int = 1,
+    data_parallel_size: int = 1,
+    enable_expert_parallel: bool = False,
+) -> dict[str, list[list[int]]]:
+    """The global ranks of every group, by kind: TP groups (consecutive ranks) and PP
+    groups (strided) within each data-parallel block of ``tp x pp`` ranks; DP groups (one
+    rank per block) when there are several blocks; EP groups (every block's TP ranks of
+    one stage) with expert parallelism over more than one rank."""
+    tp, pp, dp = tensor_parallel_size, pipeline_parallel_size, data_parallel_size
+
+    def rank(d: int, p: int, t: int) -> int:
+        return (d * pp + p) * tp + t
+
+    layouts = {
+        "tp": [[rank(d, p, t) for t in range(tp)] for d in range(dp) for p in range(pp)],
+        "pp": [[rank(d, p, t) for p in range(pp)] for d in range(dp) for t in range(tp)],
+    }
+    if dp > 1:
+        layouts["dp"] = [[rank(d, p, t) for d in range(dp)] for p in range(pp) for t in range(tp)]
+    if enable_expert_parallel and dp * tp > 1:
+        layouts["ep"] = [[rank(d, p, t) for d in range(dp) for t in range(tp)] for p in range(pp)]
+    return layouts
+
+
 def initialize_model_parallel(
     tensor_parallel_size: int = 1,
     pipeline_parallel_size: int = 1,
     data_parallel_size: int = 1,
     enable_expert_parallel: bool = False,
 ) -> None:
-    """Split the world into TP groups (consecutive ranks) and PP groups (strided) within
-    each data-parallel block of ``tp x pp`` ranks; DP groups (one rank per block) when
-    the world spans several blocks; EP groups (every block's TP ranks of one stage) with
-    expert parallelism."""
+    """Creates this rank's groups of ``group_layouts`` (every rank creates every group,
+    in the same order, as torch.distributed requires)."""
     world = _state.world
     if world is None:
         raise RuntimeError("init_distributed_environment() must run first")
@@ -272,28 +296,12 @@ def initialize_model_parallel(
             f"data_parallel_size ({dp}) != world size ({world.world_size})"
         )
     backend = str(dist.get_backend())
-    block = tp * pp
-
-    def rank(d: int, p: int, t: int) -> int:
-        return d * block + p * tp + t
-
-    def groups(layouts: list[list[int]], name: str) -> GroupCoordinator:
-        return _new_groups(layouts, name, world.device, backend)
-
-    _state.tp = groups(
-        [[rank(d, p, t) for t in range(tp)] for d in range(dp) for p in range(pp)], "tp"
-    )
-    _state.pp = groups(
-        [[rank(d, p, t) for p in range(pp)] for d in range(dp) for t in range(tp)], "pp"
-    )
-    if dp > 1:
-        _state.dp = groups(
-            [[rank(d, p, t) for d in range(dp)] for p in range(pp) for t in range(tp)], "dp"
-        )
-    if enable_expert_parallel and dp * tp > 1:
-        _state.ep = groups(
-            [[rank(d, p, t) for d in range(dp) for t in range(tp)] for p in range(pp)], "ep"
-        )
+    layouts = group_layouts(tp, pp, dp, enable_expert_parallel)
+    groups = {
+        name: _new_groups(ranks, name, world.device, backend) for name, ranks in layouts.items()
+    }
+    _state.tp, _state.pp = groups["tp"], groups["pp"]
+    _state.dp, _state.ep = groups.get("dp"), groups.get("ep")
 
 
 def init_worker_distributed_environment(
