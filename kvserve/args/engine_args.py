@@ -9,7 +9,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from kvserve.args.kv_args import KVArgs, add_kv_cli_args
 from kvserve.args.mm_args import MultiModalArgs, add_mm_cli_args
+from kvserve.args.parallel_args import ParallelArgs, add_parallel_cli_args
 from kvserve.args.vllm_compat import VllmCompatArgs
 from kvserve.config import (
     DEFAULT_MODEL,
@@ -19,12 +21,8 @@ from kvserve.config import (
     CacheConfig,
     DeviceConfig,
     EngineConfig,
-    KVEventsConfig,
-    KVSecurityConfig,
-    KVTransferConfig,
     LoRAConfig,
     ModelConfig,
-    ParallelConfig,
     SchedulerConfig,
     SpeculativeConfig,
     StructuredOutputsConfig,
@@ -56,7 +54,7 @@ def _model_registrations() -> tuple[tuple[str, str], ...]:
 
 
 @dataclass
-class EngineArgs(MultiModalArgs, VllmCompatArgs):
+class EngineArgs(ParallelArgs, KVArgs, MultiModalArgs, VllmCompatArgs):
     """vLLM's engine arguments: those kvserve gives a meaning here are the fields below;
     the ones it accepts without use come from VllmCompatArgs (docs/vllm_compat.md)."""
 
@@ -84,24 +82,6 @@ class EngineArgs(MultiModalArgs, VllmCompatArgs):
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = 0
     scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
-    tensor_parallel_size: int = 1
-    pipeline_parallel_size: int = 1
-    distributed_executor_backend: Literal["uni", "mp", "ray"] | None = None
-    # Pipeline parallelism: several micro-batches in flight (False: one step at a time).
-    batch_queue: bool = True
-    data_parallel_size: int = 1
-    data_parallel_load_balance: Literal["least_loaded", "prefix"] = "least_loaded"
-    data_parallel_tolerate_failure: bool = False
-    # A KVEventsConfig, a dict of its fields, or the JSON text of --kv-events-config.
-    kv_events_config: KVEventsConfig | dict[str, Any] | str | None = None
-    # A KVTransferConfig, a dict of its fields, or the JSON text of --kv-transfer-config.
-    kv_transfer_config: KVTransferConfig | dict[str, Any] | str | None = None
-    # YAML file of the tiered KV cache; on its own it turns on TieredCacheConnector.
-    kv_cache_config: str | None = None
-    # The MAC secret of KV that leaves the engine (else env KVSERVE_KV_SECRET), and the
-    # opt-out that lets a shared store run without one (docs/kv_cache_tier.md#security).
-    kv_secret_file: str | None = None
-    allow_unauthenticated_kv: bool = False
     disable_cascade_attn: bool = False
     # vLLM's: no tokenizer is loaded; prompts are token ids and outputs carry no text.
     skip_tokenizer_init: bool = False
@@ -169,19 +149,6 @@ class EngineArgs(MultiModalArgs, VllmCompatArgs):
             return value
         return dataclass_from_json(PoolerConfig, value, "pooler_config")
 
-    def _transfer_config(self) -> KVTransferConfig | None:
-        transfer = (
-            None
-            if self.kv_transfer_config is None
-            else KVTransferConfig.from_cli(self.kv_transfer_config)
-        )
-        if self.kv_cache_config is None:
-            return transfer
-        if transfer is None:
-            transfer = KVTransferConfig(kv_connector="TieredCacheConnector")
-        extra = {**transfer.kv_connector_extra_config, "kv_cache_config": self.kv_cache_config}
-        return dataclasses.replace(transfer, kv_connector_extra_config=extra)
-
     def _logits_processors(self) -> tuple[str | type, ...]:
         specs = tuple(self.logits_processors or ())
         if specs:
@@ -244,23 +211,11 @@ class EngineArgs(MultiModalArgs, VllmCompatArgs):
                 long_prefill_token_threshold=self.long_prefill_token_threshold,
                 policy=self.scheduling_policy,
             ),
-            parallel_config=ParallelConfig(
-                tensor_parallel_size=self.tensor_parallel_size,
-                pipeline_parallel_size=self.pipeline_parallel_size,
-                distributed_executor_backend=self.distributed_executor_backend,
-                batch_queue=self.batch_queue,
-                data_parallel_size=self.data_parallel_size,
-                data_parallel_load_balance=self.data_parallel_load_balance,
-                data_parallel_tolerate_failure=self.data_parallel_tolerate_failure,
-            ),
+            parallel_config=self._parallel_config(),
             device_config=device_config,
-            kv_events_config=(
-                None
-                if self.kv_events_config is None
-                else KVEventsConfig.from_cli(self.kv_events_config)
-            ),
+            kv_events_config=self._events_config(),
             kv_transfer_config=self._transfer_config(),
-            kv_security_config=KVSecurityConfig(self.kv_secret_file, self.allow_unauthenticated_kv),
+            kv_security_config=self._security_config(),
             structured_outputs_config=self._structured_outputs_config(),
             speculative_config=(
                 None
@@ -325,41 +280,6 @@ class EngineArgs(MultiModalArgs, VllmCompatArgs):
         parser.add_argument(
             "--dtype", default="float32", choices=["auto", "float32", "float"],
             help="weights and activations compute in float32",
-        )  # fmt: skip
-        parser.add_argument(
-            "--tensor-parallel-size", "-tp", type=int, default=1,
-            help="split each layer across this many worker ranks (docs/distributed.md)",
-        )  # fmt: skip
-        parser.add_argument(
-            "--pipeline-parallel-size", "-pp", type=int, default=1,
-            help="split the decoder layers into this many stages (Llama; docs/distributed.md)",
-        )  # fmt: skip
-        parser.add_argument(
-            "--data-parallel-size", "-dp", type=int, default=1,
-            help="run this many engine cores (each with its own scheduler, KV cache and "
-            "-tp x -pp workers) behind one front end (docs/distributed.md)",
-        )  # fmt: skip
-        parser.add_argument(
-            "--data-parallel-load-balance", default="least_loaded",
-            choices=["least_loaded", "prefix"],
-            help="with -dp: send a new request to the core with the fewest waiting, then "
-            "running requests (least_loaded), or to the core holding the longest cached "
-            "prefix of its prompt unless that core is overloaded (prefix)",
-        )  # fmt: skip
-        parser.add_argument(
-            "--data-parallel-tolerate-failure", action="store_true",
-            help="with -dp: a dead engine core fails only its own requests (503) and the "
-            "others keep serving; by default one dead core takes the server down",
-        )  # fmt: skip
-        parser.add_argument(
-            "--no-batch-queue", dest="batch_queue", action="store_false",
-            help="with -pp: run one micro-batch at a time instead of keeping one per stage "
-            "in flight (the stages then take turns; for comparison)",
-        )  # fmt: skip
-        parser.add_argument(
-            "--distributed-executor-backend", default=None, choices=["uni", "mp", "ray"],
-            help="uni: one worker in the engine process; mp: a process per rank (the "
-            "default for several); ray: a Ray actor per rank, on one node or several",
         )  # fmt: skip
         parser.add_argument(
             "--prefix-caching-hash-seed", type=int, default=0,
@@ -446,37 +366,6 @@ class EngineArgs(MultiModalArgs, VllmCompatArgs):
         )  # fmt: skip
         parser.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
         parser.add_argument(
-            "--kv-events-config",
-            default=None,
-            help='KV cache events as JSON, e.g. \'{"enable_kv_cache_events": true, '
-            '"endpoint": "tcp://10.0.0.5:5557"}\' (default endpoint tcp://127.0.0.1:5557: '
-            "the events carry prompts' token ids, so other hosts are let in by address only)",
-        )
-        parser.add_argument(
-            "--kv-transfer-config",
-            default=None,
-            help='KV connector as JSON, e.g. \'{"kv_connector": "SharedStorageConnector", '
-            '"kv_role": "kv_both", "kv_connector_extra_config": '
-            '{"shared_storage_path": "/tmp/kv"}}\'',
-        )
-        parser.add_argument(
-            "--kv-cache-config",
-            default=None,
-            help="YAML file configuring the tiered KV cache (CPU, disk, Redis, cache server); "
-            "enables TieredCacheConnector unless --kv-transfer-config names another connector",
-        )
-        parser.add_argument(
-            "--kv-secret-file", default=None, metavar="PATH",
-            help="file holding the secret that authenticates (MACs) KV leaving the engine: "
-            "tiers, P2P transfers, the encoder cache; every engine sharing KV needs the same "
-            "(default: the environment variable KVSERVE_KV_SECRET)",
-        )  # fmt: skip
-        parser.add_argument(
-            "--allow-unauthenticated-kv", action="store_true",
-            help="let Redis, the cache server, shared storage and P2P run without a KV "
-            "secret: KV any writer of them plants is then loaded",
-        )  # fmt: skip
-        parser.add_argument(
             "--attention-sinks", type=int, default=0,
             help="StreamingLLM: full-attention layers keep this many first tokens plus a "
             "window of max_model_len minus them, so generation can run past max_model_len",
@@ -524,6 +413,8 @@ class EngineArgs(MultiModalArgs, VllmCompatArgs):
         parser.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters")
         parser.add_argument("--max-loras", type=int, default=1, help="adapters in one batch")
         parser.add_argument("--max-lora-rank", type=int, default=16)
+        add_parallel_cli_args(parser)
+        add_kv_cli_args(parser)
         add_mm_cli_args(parser)
 
     @classmethod

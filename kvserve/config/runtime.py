@@ -101,6 +101,17 @@ class ParallelConfig:
     # A dead core fails only its own requests (503) while the others keep serving;
     # without it, one dead core takes the whole engine down.
     data_parallel_tolerate_failure: bool = False
+    # Expert parallelism (MoE models): the experts are sharded across the
+    # data_parallel_size x tensor_parallel_size ranks instead of split on their
+    # intermediate dim; with data_parallel_size > 1 the workers of every core join one
+    # torch.distributed world and the cores step in lockstep (engine_core/dp_wave.py).
+    enable_expert_parallel: bool = False
+    # Where the cores meet (with expert parallelism across cores): the cores' own group
+    # on data_parallel_rpc_port, their workers' world on data_parallel_master_port;
+    # unset ports are picked free by the front end before it starts the cores.
+    data_parallel_address: str = "127.0.0.1"
+    data_parallel_rpc_port: int | None = None
+    data_parallel_master_port: int | None = None
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1 or self.pipeline_parallel_size < 1:
@@ -127,9 +138,37 @@ class ParallelConfig:
                 f" x pipeline_parallel_size = {self.world_size}: use 'mp'"
             )
 
+        if self.enable_expert_parallel:
+            self._check_expert_parallel()
+
+    def _check_expert_parallel(self) -> None:
+        if self.pipeline_parallel_size > 1:
+            raise ValueError(
+                "enable_expert_parallel does not run with pipeline_parallel_size > 1 "
+                f"(got {self.pipeline_parallel_size})"
+            )
+        if self.data_parallel_size > 1 and self.data_parallel_tolerate_failure:
+            raise ValueError(
+                "data_parallel_tolerate_failure cannot be used with enable_expert_parallel: "
+                "every core takes part in every MoE layer, so no core can go on without another"
+            )
+
     @property
     def world_size(self) -> int:
         return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def expert_parallel_across_dp(self) -> bool:
+        """Whether the cores' workers share one torch.distributed world (and the cores
+        step together): expert parallelism with several data-parallel cores."""
+        return self.enable_expert_parallel and self.data_parallel_size > 1
+
+    @property
+    def distributed_world_size(self) -> int:
+        """The ranks of the torch.distributed world a worker joins (1: none)."""
+        if self.expert_parallel_across_dp:
+            return self.world_size * self.data_parallel_size
+        return self.world_size
 
 
 def _cuda_available() -> bool:

@@ -5,8 +5,11 @@ one thing together (a TP group shares each layer, a PP group passes activations 
 with two torch.distributed groups: a gloo ``cpu_group`` for metadata and CPU tensors, and
 a ``device_group`` for the activations (NCCL on CUDA, the gloo group itself on a CPU).
 
-Ranks are laid out as vLLM does: ``rank = pp_rank * tp_size + tp_rank``, so a TP group is
-a run of consecutive ranks and a PP group takes one rank from each run.
+Ranks are laid out as vLLM does: ``rank = (dp_rank * pp_size + pp_rank) * tp_size +
+tp_rank``, so a TP group is a run of consecutive ranks and a PP group takes one rank from
+each run. Workers of several data-parallel cores share one world only with expert
+parallelism; then a DP group takes the same (pp, tp) position from every core and an EP
+group is every core's TP group of one pipeline stage (DP x TP ranks).
 
 Nothing here is initialised in a single-process engine: ``get_tp_group()`` then answers
 with a one-rank stand-in whose collectives return their input, so layers that ask for
@@ -179,11 +182,15 @@ class _State:
     world: GroupCoordinator | None = None
     tp: GroupCoordinator | None = None
     pp: GroupCoordinator | None = None
+    dp: GroupCoordinator | None = None
+    ep: GroupCoordinator | None = None
 
 
 _state = _State()
 _SINGLE_TP = GroupCoordinator.single("tp")
 _SINGLE_PP = GroupCoordinator.single("pp")
+_SINGLE_DP = GroupCoordinator.single("dp")
+_SINGLE_EP = GroupCoordinator.single("ep")
 
 
 def _env_int(name: str, value: int | None, default: int | None = None) -> int:
@@ -245,26 +252,56 @@ def _new_groups(
     return mine
 
 
+def group_layouts(
+    tensor_parallel_size: int = 1,
+    pipeline_parallel_size: int = 1,
+    data_parallel_size: int = 1,
+    enable_expert_parallel: bool = False,
+) -> dict[str, list[list[int]]]:
+    """The global ranks of every group, by kind: TP groups (consecutive ranks) and PP
+    groups (strided) within each data-parallel block of ``tp x pp`` ranks; DP groups (one
+    rank per block) when there are several blocks; EP groups (every block's TP ranks of
+    one stage) with expert parallelism over more than one rank."""
+    tp, pp, dp = tensor_parallel_size, pipeline_parallel_size, data_parallel_size
+
+    def rank(d: int, p: int, t: int) -> int:
+        return (d * pp + p) * tp + t
+
+    layouts = {
+        "tp": [[rank(d, p, t) for t in range(tp)] for d in range(dp) for p in range(pp)],
+        "pp": [[rank(d, p, t) for p in range(pp)] for d in range(dp) for t in range(tp)],
+    }
+    if dp > 1:
+        layouts["dp"] = [[rank(d, p, t) for d in range(dp)] for p in range(pp) for t in range(tp)]
+    if enable_expert_parallel and dp * tp > 1:
+        layouts["ep"] = [[rank(d, p, t) for d in range(dp) for t in range(tp)] for p in range(pp)]
+    return layouts
+
+
 def initialize_model_parallel(
-    tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1
+    tensor_parallel_size: int = 1,
+    pipeline_parallel_size: int = 1,
+    data_parallel_size: int = 1,
+    enable_expert_parallel: bool = False,
 ) -> None:
-    """Split the world into TP groups (consecutive ranks) and PP groups (strided)."""
+    """Creates this rank's groups of ``group_layouts`` (every rank creates every group,
+    in the same order, as torch.distributed requires)."""
     world = _state.world
     if world is None:
         raise RuntimeError("init_distributed_environment() must run first")
-    tp, pp = tensor_parallel_size, pipeline_parallel_size
-    if tp * pp != world.world_size:
+    tp, pp, dp = tensor_parallel_size, pipeline_parallel_size, data_parallel_size
+    if tp * pp * dp != world.world_size:
         raise ValueError(
-            f"tensor_parallel_size ({tp}) x pipeline_parallel_size ({pp}) != world size "
-            f"({world.world_size})"
+            f"tensor_parallel_size ({tp}) x pipeline_parallel_size ({pp}) x "
+            f"data_parallel_size ({dp}) != world size ({world.world_size})"
         )
     backend = str(dist.get_backend())
-    _state.tp = _new_groups(
-        [list(range(i * tp, (i + 1) * tp)) for i in range(pp)], "tp", world.device, backend
-    )
-    _state.pp = _new_groups(
-        [list(range(i, tp * pp, tp)) for i in range(tp)], "pp", world.device, backend
-    )
+    layouts = group_layouts(tp, pp, dp, enable_expert_parallel)
+    groups = {
+        name: _new_groups(ranks, name, world.device, backend) for name, ranks in layouts.items()
+    }
+    _state.tp, _state.pp = groups["tp"], groups["pp"]
+    _state.dp, _state.ep = groups.get("dp"), groups.get("ep")
 
 
 def init_worker_distributed_environment(
@@ -273,16 +310,29 @@ def init_worker_distributed_environment(
     distributed_init_method: str | None,
     device: torch.device,
 ) -> None:
-    """A worker's groups: the world (NCCL for CUDA tensors, gloo otherwise), then TP/PP."""
+    """A worker's groups: the world (NCCL for CUDA tensors, gloo otherwise), then TP/PP,
+    and DP/EP. ``rank`` is the worker's rank within its engine core; with expert
+    parallelism across cores the world spans them all and meets at the front end's
+    address (ParallelConfig.data_parallel_address / data_parallel_master_port)."""
+    dp = parallel_config.data_parallel_size if parallel_config.expert_parallel_across_dp else 1
+    if dp > 1:
+        port = parallel_config.data_parallel_master_port
+        if port is None:
+            raise ValueError("data_parallel_master_port must be set (the front end picks one)")
+        rank += parallel_config.data_parallel_rank * parallel_config.world_size
+        distributed_init_method = f"tcp://{parallel_config.data_parallel_address}:{port}"
     init_distributed_environment(
-        parallel_config.world_size,
+        parallel_config.distributed_world_size,
         rank,
         distributed_init_method,
         backend="nccl" if device.type == "cuda" else "gloo",
         device=device,
     )
     initialize_model_parallel(
-        parallel_config.tensor_parallel_size, parallel_config.pipeline_parallel_size
+        parallel_config.tensor_parallel_size,
+        parallel_config.pipeline_parallel_size,
+        dp,
+        parallel_config.enable_expert_parallel,
     )
 
 
@@ -302,6 +352,17 @@ def get_tp_group() -> GroupCoordinator:
 
 def get_pp_group() -> GroupCoordinator:
     return _state.pp or _SINGLE_PP
+
+
+def get_dp_group() -> GroupCoordinator:
+    """The workers at this one's (pp, tp) position in every data-parallel core (one rank
+    unless expert parallelism joins the cores)."""
+    return _state.dp or _SINGLE_DP
+
+
+def get_ep_group() -> GroupCoordinator:
+    """The ranks this one shares the experts with (one rank without expert parallelism)."""
+    return _state.ep or _SINGLE_EP
 
 
 def get_tensor_model_parallel_rank() -> int:
@@ -335,10 +396,10 @@ def tensor_model_parallel_all_gather(tensor: torch.Tensor, dim: int = -1) -> tor
 
 
 def destroy_model_parallel() -> None:
-    for group in (_state.tp, _state.pp):
+    for group in (_state.tp, _state.pp, _state.dp, _state.ep):
         if group is not None:
             group.destroy()
-    _state.tp = _state.pp = None
+    _state.tp = _state.pp = _state.dp = _state.ep = None
 
 
 def destroy_distributed_environment() -> None:

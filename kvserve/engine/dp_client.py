@@ -43,6 +43,7 @@ from kvserve.protocol.engine_core import (
     FinishReason,
     SchedulerStats,
 )
+from kvserve.utils.processes import free_port
 
 if TYPE_CHECKING:
     from kvserve.executor.abstract import Executor
@@ -59,6 +60,26 @@ def rank_config(config: EngineConfig, rank: int) -> EngineConfig:
     return ranked
 
 
+def with_meeting_ports(config: EngineConfig) -> EngineConfig:
+    """With expert parallelism across the cores, the ports they and their workers meet
+    on (ParallelConfig.data_parallel_rpc_port / data_parallel_master_port): the given
+    rpc port and the next one, or free ones picked here."""
+    parallel = config.parallel_config
+    if not parallel.expert_parallel_across_dp:
+        return config
+    rpc_port = parallel.data_parallel_rpc_port
+    master_port = parallel.data_parallel_master_port
+    if rpc_port is None:
+        rpc_port = free_port()
+    if master_port is None:
+        master_port = rpc_port + 1 if parallel.data_parallel_rpc_port is not None else free_port()
+    met = copy.copy(config)
+    met.parallel_config = dataclasses.replace(
+        parallel, data_parallel_rpc_port=rpc_port, data_parallel_master_port=master_port
+    )
+    return met
+
+
 def start_cores(
     config: EngineConfig,
     make_client: Callable[[EngineConfig, CoreStartup], ClientT],
@@ -68,6 +89,7 @@ def start_cores(
     at once (each client waits for its handshake on a thread of its own) while
     ``while_starting`` runs here; a core that fails to start stops the others."""
     size = config.parallel_config.data_parallel_size
+    config = with_meeting_ports(config)
     startups = [claim_engine_core() for _ in range(size)]
     clients: list[ClientT] = []
     errors: list[BaseException] = []

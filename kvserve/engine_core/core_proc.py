@@ -23,6 +23,7 @@ import zmq
 
 from kvserve.config import EngineConfig
 from kvserve.engine_core.core import EngineCore
+from kvserve.engine_core.dp_wave import PeerCoreExitedError, make_dp_wave
 from kvserve.protocol.core_messages import (
     AbortRequestsMessage,
     AddRequestMessage,
@@ -56,6 +57,9 @@ class EngineCoreProc:
         self.engine_core: EngineCore = EngineCore(config, log_stats=True)
         self.scheduler = self.engine_core.scheduler
         self.engine_index = config.parallel_config.data_parallel_rank
+        # Cores that share MoE layers step together (dp_wave.py); else a no-op.
+        self.wave = make_dp_wave(config.parallel_config)
+        self.stop_requested = False  # a signal that came mid-step, in lockstep
         self.ctx = zmq.Context()
         self.input_socket = self.ctx.socket(zmq.PULL)
         self.input_socket.connect(input_address)
@@ -85,7 +89,15 @@ class EngineCoreProc:
             "is_sleeping": self.engine_core.is_sleeping,
             "get_stats": self._snapshot_stats,
             "ping": lambda: "pong",
+            "collective_rpc": self._worker_rpc,
         }
+
+    def _worker_rpc(self, method: str, *args: Any) -> list[Any]:
+        """A Worker method on every worker of this core (vLLM's collective_rpc utility);
+        by name only, never a function path, since the name comes off a socket."""
+        if ":" in method or method.startswith("_"):
+            raise ValueError(f"collective_rpc takes a public Worker method name, got {method!r}")
+        return list(self.engine_core.model_executor.collective_rpc(method, args=args))
 
     def ready_message(self) -> ReadyMessage:
         config = self.engine_core.config
@@ -101,22 +113,28 @@ class EngineCoreProc:
         heap = HeapTrimmer()
         logger.info("engine core allocator: %s", running_allocator())
         while True:
+            if self.stop_requested:
+                raise SystemExit(0)
             busy = self.engine_core.has_work()
             if not busy:
                 heap.before_idle()
             # Block (no spin) when idle; when busy only peek, so the step is not delayed.
-            events = dict(self.poller.poll(0 if busy else None))
+            events = dict(self.poller.poll(self.wave.poll_timeout_ms(busy)))
             if self.parent_sentinel is not None and self.parent_sentinel in events:
                 logger.info("front-end process exited; engine core shutting down")
                 return
             if self.executor_failure_fd is not None and self.executor_failure_fd in events:
                 self.engine_core.model_executor.check_failed()
             changed = self._process_input_socket()
-            if self.engine_core.has_work():
-                outputs, _ = self.engine_core.step()
-                self._send_outputs(outputs)
-                heap.after_work()
-            elif changed:
+            has_work = self.engine_core.has_work()
+            if self.wave.any_has_work(has_work):
+                ran_forward = False
+                if has_work:
+                    outputs, ran_forward = self.engine_core.step()
+                    self._send_outputs(outputs)
+                    heap.after_work()
+                self.wave.finish_step(self.engine_core, ran_forward)
+            if changed and not has_work:
                 # e.g. the last request was aborted: let the client see the idle state.
                 self._send_outputs(EngineCoreOutputs(timestamp=time.monotonic()))
 
@@ -197,6 +215,7 @@ class EngineCoreProc:
             pass  # the client notices the exit through the process sentinel anyway
 
     def shutdown(self) -> None:
+        self.wave.shutdown()
         self.input_socket.close(linger=0)
         # A little linger so the last outputs / error message still reach the client.
         self.output_socket.close(linger=1000)
@@ -225,7 +244,14 @@ class EngineCoreProc:
             log_phase(name, seconds)
         memory_trace.start_from_env("engine_core")
 
+        running: list[EngineCoreProc] = []
+
         def _on_signal(signum: int, frame: Any) -> None:
+            if running and running[0].wave.lockstep:
+                # Mid-step, the peers wait on this core in a collective: it stops at the
+                # top of its loop instead, where a peer's next agreement sees it leave.
+                running[0].stop_requested = True
+                return
             raise SystemExit(0)
 
         signal.signal(signal.SIGTERM, _on_signal)
@@ -242,6 +268,7 @@ class EngineCoreProc:
             )
             ready_writer.close()
             raise SystemExit(1) from None
+        running.append(proc)
         ready_writer.send_bytes(encoder.encode(proc.ready_message()))
         ready_writer.close()
         proc.engine_core.settle_heap()
@@ -250,6 +277,10 @@ class EngineCoreProc:
             proc.run_busy_loop()
         except SystemExit:
             logger.info("engine core received a shutdown signal")
+        except PeerCoreExitedError as e:
+            # At shutdown the cores stop one after the other; a crash is reported by the
+            # front end for the core that crashed.
+            logger.warning("engine core stopping: %s", e)
         except Exception as e:
             logger.exception("engine core failed")
             proc.send_engine_error(f"EngineCore failed: {type(e).__name__}: {e}")

@@ -13,6 +13,7 @@ from kvserve.distributed.parallel_state import (
     destroy_distributed_environment,
     init_worker_distributed_environment,
 )
+from kvserve.model_executor.layers.fused_moe import FusedMoE
 from kvserve.model_executor.models.registry import ModelRegistry
 from kvserve.protocol.kv_cache_interface import KVCacheConfig, KVCacheSpec
 from kvserve.protocol.runner_output import ModelRunnerOutput
@@ -36,6 +37,8 @@ class Worker(WorkerBase):
         torch.manual_seed(config.model_config.seed)
         self.device: torch.device | None = None
         self._model_runner: ModelRunner | None = None
+        # Steps this rank joined with no requests of its own (expert parallelism).
+        self.num_dummy_batches = 0
 
     @property
     def model_runner(self) -> ModelRunner:
@@ -53,7 +56,7 @@ class Worker(WorkerBase):
             torch.cuda.manual_seed_all(self.config.model_config.seed)
         else:
             self.device = torch.device(device_type)
-        if self.config.parallel_config.world_size > 1:
+        if self.config.parallel_config.distributed_world_size > 1:
             init_worker_distributed_environment(
                 self.config.parallel_config, self.rank, self.distributed_init_method, self.device
             )
@@ -80,6 +83,34 @@ class Worker(WorkerBase):
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> None:
         self.model_runner.execute_model(scheduler_output)
+
+    @torch.inference_mode()
+    def execute_dummy_batch(self) -> None:
+        """Joins every MoE layer's collectives with no tokens: the step of a core without
+        requests while another core steps (expert parallelism, engine_core/dp_wave.py)."""
+        for layer in self._moe_layers():
+            layer.dummy_forward()
+        self.num_dummy_batches += 1
+
+    def _moe_layers(self) -> list[FusedMoE]:
+        model = self.model_runner.model
+        return [m for m in model.modules() if isinstance(m, FusedMoE)]
+
+    def expert_placement(self) -> dict[str, int]:
+        """Which experts this rank holds, and how many expert weights it loaded."""
+        layers = self._moe_layers()
+        if not layers:
+            return {"moe_layers": 0, "dummy_batches": self.num_dummy_batches}
+        placement = layers[0].placement
+        return {
+            "moe_layers": len(layers),
+            "ep_rank": placement.ep_rank,
+            "ep_size": placement.ep_size,
+            "first_local_expert": placement.first_local_expert,
+            "num_local_experts": placement.num_local_experts,
+            "expert_params": sum(m.w13_weight.numel() + m.w2_weight.numel() for m in layers),
+            "dummy_batches": self.num_dummy_batches,
+        }
 
     def sample_tokens(self, grammar_output: GrammarOutput | None = None) -> ModelRunnerOutput:
         return self.model_runner.sample_tokens(grammar_output)
@@ -109,7 +140,7 @@ class Worker(WorkerBase):
         if self._model_runner is not None:
             self._model_runner.shutdown()
         self._model_runner = None
-        if self.config.parallel_config.world_size > 1:
+        if self.config.parallel_config.distributed_world_size > 1:
             destroy_distributed_environment()
         gc.collect()
         if self.device is not None and self.device.type == "cuda":

@@ -49,9 +49,9 @@ def test_no_op_arguments_are_logged_by_name(caplog: pytest.LogCaptureFixture) ->
 
 
 def test_default_only_arguments_refuse_what_kvserve_lacks() -> None:
-    EngineArgs(enable_expert_parallel=False, tokenizer_mode="auto").create_engine_config()
-    with pytest.raises(ValueError, match=r"enable_expert_parallel=True is not supported"):
-        EngineArgs(enable_expert_parallel=True).create_engine_config()
+    EngineArgs(num_scheduler_steps=1, tokenizer_mode="auto").create_engine_config()
+    with pytest.raises(ValueError, match=r"num_scheduler_steps=4 is not supported"):
+        EngineArgs(num_scheduler_steps=4).create_engine_config()
     with pytest.raises(ValueError, match=r"rope_scaling"):
         EngineArgs(rope_scaling={"rope_type": "dynamic", "factor": 2.0}).create_engine_config()
 

@@ -92,3 +92,26 @@ def test_bad_layouts_are_refused() -> None:
         ps.init_distributed_environment(2, 3, "tcp://127.0.0.1:1")
     with pytest.raises(RuntimeError, match="init_distributed_environment"):
         ps.initialize_model_parallel(2, 1)
+
+
+def test_group_layouts_with_data_and_expert_parallelism() -> None:
+    """vLLM's layout, rank = (dp_rank * pp + pp_rank) * tp + tp_rank: a DP group takes one
+    (pp, tp) position from every core, an EP group every core's TP ranks of one stage."""
+    layouts = ps.group_layouts(2, 1, 2, enable_expert_parallel=True)
+    assert layouts == {
+        "tp": [[0, 1], [2, 3]],
+        "pp": [[0], [1], [2], [3]],
+        "dp": [[0, 2], [1, 3]],
+        "ep": [[0, 1, 2, 3]],
+    }
+    layouts = ps.group_layouts(2, 2, 2)
+    assert layouts["tp"] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert layouts["pp"] == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert layouts["dp"] == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert "ep" not in layouts  # expert parallelism off
+    # One core: no DP group; expert parallelism shares the experts over its TP ranks.
+    assert ps.group_layouts(2, 1, 1, enable_expert_parallel=True) == {
+        "tp": [[0, 1]],
+        "pp": [[0], [1]],
+        "ep": [[0, 1]],
+    }

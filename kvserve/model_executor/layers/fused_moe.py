@@ -11,7 +11,8 @@ The expert weights are stacked: ``w13_weight [E, 2 * I, H]`` (gate rows then up 
 and ``w2_weight [E, H, I]``. Tensor parallelism splits the intermediate dim ``I`` of
 every expert across ranks (vLLM's TP layout for experts): each rank holds
 ``I / tp_size`` rows of w1/w3 and columns of w2, and the partial outputs are all-reduced
-where ``RowParallelLinear`` reduces.
+where ``RowParallelLinear`` reduces. With expert parallelism each rank instead holds
+whole experts, a share of them (expert_parallel.py).
 """
 
 from __future__ import annotations
@@ -20,8 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvserve.distributed.parallel_state import get_tp_group
-from kvserve.model_executor.layers.linear import divide, get_tp_rank_size
+from kvserve.model_executor.layers.expert_parallel import make_experts_placement
+from kvserve.model_executor.layers.linear import divide
 from kvserve.transformers_utils.arch_families import MoEConfig
 
 
@@ -61,16 +62,34 @@ def fused_experts(
     w2: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
+    first_expert: int = 0,
+    global_num_experts: int | None = None,
 ) -> torch.Tensor:
     """``sum_k w[t, k] * down_e(silu(gate_e(x_t)) * up_e(x_t))`` for ``e = topk_ids[t, k]``;
-    ``hidden_states [T, H]``, ``w13 [E, 2I, H]``, ``w2 [E, H, I]``."""
+    ``hidden_states [T, H]``, ``w13 [E, 2I, H]``, ``w2 [E, H, I]``. Where the weights
+    hold only experts ``[first_expert, first_expert + E)`` of ``global_num_experts``
+    (expert parallelism), the other experts' terms are left out (other ranks add them)."""
     top_k = topk_ids.shape[1]
     num_experts = w13.shape[0]
     flat_ids = topk_ids.reshape(-1)
+    out = torch.zeros_like(hidden_states)
+    if flat_ids.numel() == 0:
+        return out
+    local_only = global_num_experts is not None and global_num_experts != num_experts
+    if local_only:
+        flat_ids = flat_ids - first_expert
+        # Others' experts go to a bucket past the last, which the sort puts at the end.
+        flat_ids = flat_ids.masked_fill((flat_ids < 0) | (flat_ids >= num_experts), num_experts)
     # Stable: within an expert, rows keep token order (deterministic sums).
     order = torch.argsort(flat_ids, stable=True)
-    token_of_row = order // top_k
     counts = torch.bincount(flat_ids, minlength=num_experts)
+    if local_only:
+        counts = counts[:num_experts]
+        num_rows = int(counts.sum())
+        if num_rows == 0:
+            return out
+        order = order[:num_rows]
+    token_of_row = order // top_k
     offsets = torch.cumsum(counts, 0, dtype=torch.int32)
     rows = hidden_states.index_select(0, token_of_row)
     gate_up = F.grouped_mm(rows, w13.transpose(1, 2), offs=offsets)
@@ -78,7 +97,6 @@ def fused_experts(
     activated = F.silu(gate_up[:, :intermediate]) * gate_up[:, intermediate:]
     down = F.grouped_mm(activated, w2.transpose(1, 2), offs=offsets)
     down = down * topk_weights.reshape(-1)[order].to(down.dtype).unsqueeze(-1)
-    out = torch.zeros_like(hidden_states)
     return out.index_add_(0, token_of_row, down)
 
 
@@ -94,10 +112,13 @@ class FusedMoE(nn.Module):
         super().__init__()
         self.config = config
         self.prefix = prefix
-        self.tp_rank, self.tp_size = get_tp_rank_size()
+        self.hidden_size = hidden_size
+        self.experts = make_experts_placement(config.num_experts)
+        self.placement = self.experts.placement
+        self.tp_rank, self.tp_size = self.experts.tp_rank, self.experts.tp_size
         self.intermediate_size_per_partition = divide(config.intermediate_size, self.tp_size)
         size = self.intermediate_size_per_partition
-        num_experts = config.num_experts
+        num_experts = self.placement.num_local_experts
         self.w13_weight = nn.Parameter(
             torch.empty(num_experts, 2 * size, hidden_size), requires_grad=False
         )
@@ -123,7 +144,12 @@ class FusedMoE(nn.Module):
             offset = 0 if shard_id == "w1" else size
             target = param.data.narrow(-2, offset, size)
         if expert_id is not None:
-            target = target[expert_id]
+            local = self.placement.local_index(expert_id)
+            if local is None:
+                return  # another expert-parallel rank holds it
+            target = target[local]
+        elif self.placement.ep_size > 1:  # all experts stacked: this rank's run of them
+            shard = shard.narrow(0, self.placement.first_local_expert, target.shape[0])
         if target.shape != shard.shape:
             raise ValueError(
                 f"{self.prefix}: expert weight {shard_id} shape {tuple(shard.shape)} does not "
@@ -138,17 +164,31 @@ class FusedMoE(nn.Module):
         router_logits: torch.Tensor,
         correction_bias: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        weights, ids = select_experts(router_logits, self.config, correction_bias)
-        out = fused_experts(hidden_states, self.w13_weight, self.w2_weight, weights, ids)
-        if self.tp_size > 1:  # each rank holds a slice of every expert's intermediate dim
-            out = get_tp_group().all_reduce(out)
-        return out
+        dispatched = self.experts.dispatch(hidden_states, router_logits)
+        weights, ids = select_experts(dispatched.router_logits, self.config, correction_bias)
+        out = fused_experts(
+            dispatched.hidden_states,
+            self.w13_weight,
+            self.w2_weight,
+            weights,
+            ids,
+            self.placement.first_local_expert,
+            self.config.num_experts,
+        )
+        return self.experts.combine(out, dispatched)
+
+    def dummy_forward(self) -> None:
+        """This layer's collectives with no tokens of this rank's own: what a core
+        without requests runs while another core steps (expert parallelism)."""
+        hidden = self.w2_weight.new_empty((0, self.hidden_size))
+        self.forward(hidden, hidden.new_empty((0, self.config.num_experts), dtype=torch.float32))
 
     def extra_repr(self) -> str:
         c = self.config
         return (
             f"experts={c.num_experts}, top_k={c.top_k}, intermediate={c.intermediate_size}, "
-            f"scoring={c.scoring_func}, tp={self.tp_rank}/{self.tp_size}"
+            f"scoring={c.scoring_func}, tp={self.tp_rank}/{self.tp_size}, "
+            f"ep={self.placement.ep_rank}/{self.placement.ep_size}"
         )
 
 

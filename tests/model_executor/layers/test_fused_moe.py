@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from kvserve.benchmarks.moe import per_expert_loop
-from kvserve.model_executor.layers import fused_moe
+from kvserve.model_executor.layers import expert_parallel
+from kvserve.model_executor.layers.expert_parallel import ExpertPlacement
 from kvserve.model_executor.layers.fused_moe import FusedMoE, fused_experts, select_experts
 from kvserve.transformers_utils.arch_families import MoEConfig
 
@@ -139,7 +140,7 @@ def test_tensor_parallel_shards_sum_to_the_full_layer(monkeypatch: pytest.Monkey
     logits = torch.randn(9, EXPERTS)
     partials = []
     for rank in range(2):
-        monkeypatch.setattr(fused_moe, "get_tp_rank_size", lambda rank=rank: (rank, 2))
+        monkeypatch.setattr(expert_parallel, "get_tp_rank_size", lambda rank=rank: (rank, 2))
         shard = FusedMoE(config, HIDDEN)
         assert shard.w13_weight.shape == (EXPERTS, INTER, HIDDEN)  # 2 * INTER / 2
         for e, weights in enumerate(experts):
@@ -159,3 +160,38 @@ def test_fused_experts_weights_each_expert_output() -> None:
     e = experts[5]
     expected = (F.silu(x @ e["w1"].T) * (x @ e["w3"].T)) @ e["w2"].T
     torch.testing.assert_close(out, expected)
+
+
+@pytest.mark.parametrize("num_tokens", [0, 1, 9])
+def test_expert_parallel_shares_sum_to_the_full_layer(num_tokens: int) -> None:
+    """Each of 2 expert-parallel ranks holds 4 whole experts and adds only their terms;
+    the partial outputs (summed over the EP group) add up to the full layer's."""
+    config = MoEConfig(num_experts=EXPERTS, top_k=2, intermediate_size=INTER)
+    full, _ = _layer(config)
+    x = torch.randn(num_tokens, HIDDEN)
+    weights, ids = select_experts(torch.randn(num_tokens, EXPERTS), config)
+    partials = []
+    for rank in range(2):
+        placement = ExpertPlacement(EXPERTS, ep_rank=rank, ep_size=2)
+        mine = slice(placement.first_local_expert, placement.first_local_expert + 4)
+        partials.append(
+            fused_experts(
+                x,
+                full.w13_weight[mine],
+                full.w2_weight[mine],
+                weights,
+                ids,
+                placement.first_local_expert,
+                EXPERTS,
+            )
+        )
+    expected = fused_experts(x, full.w13_weight, full.w2_weight, weights, ids)
+    torch.testing.assert_close(partials[0] + partials[1], expected)
+
+
+def test_expert_placement_splits_evenly_or_says_why() -> None:
+    placement = ExpertPlacement(8, ep_rank=1, ep_size=4)
+    assert (placement.first_local_expert, placement.num_local_experts) == (2, 2)
+    assert [placement.local_index(e) for e in (1, 2, 3, 4)] == [None, 0, 1, None]
+    with pytest.raises(ValueError, match="do not split evenly"):
+        ExpertPlacement(6, ep_rank=0, ep_size=4)

@@ -1,0 +1,107 @@
+"""The parallelism engine arguments (tensor, pipeline and data parallel; vLLM's names),
+their CLI flags, and the ParallelConfig they make.
+
+One dataclass of fields, one ``_parallel_config`` that turns them into the config, one
+``add_parallel_cli_args`` that declares their flags in one argument group: a new
+parallelism option adds a line to each."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from typing import Literal
+
+from kvserve.config import ParallelConfig
+
+
+@dataclass
+class ParallelArgs:
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    distributed_executor_backend: Literal["uni", "mp", "ray"] | None = None
+    # Pipeline parallelism: several micro-batches in flight (False: one step at a time).
+    batch_queue: bool = True
+    data_parallel_size: int = 1
+    data_parallel_load_balance: Literal["least_loaded", "prefix"] = "least_loaded"
+    data_parallel_tolerate_failure: bool = False
+    enable_expert_parallel: bool = False
+    data_parallel_address: str = "127.0.0.1"
+    data_parallel_rpc_port: int | None = None
+    data_parallel_master_port: int | None = None
+
+    def _parallel_config(self) -> ParallelConfig:
+        return ParallelConfig(
+            tensor_parallel_size=self.tensor_parallel_size,
+            pipeline_parallel_size=self.pipeline_parallel_size,
+            distributed_executor_backend=self.distributed_executor_backend,
+            batch_queue=self.batch_queue,
+            data_parallel_size=self.data_parallel_size,
+            data_parallel_load_balance=self.data_parallel_load_balance,
+            data_parallel_tolerate_failure=self.data_parallel_tolerate_failure,
+            enable_expert_parallel=self.enable_expert_parallel,
+            data_parallel_address=self.data_parallel_address,
+            data_parallel_rpc_port=self.data_parallel_rpc_port,
+            data_parallel_master_port=self.data_parallel_master_port,
+        )
+
+
+def add_parallel_cli_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("parallelism (docs/distributed.md)")
+    group.add_argument(
+        "--tensor-parallel-size", "-tp", type=int, default=1,
+        help="split each layer across this many worker ranks (docs/distributed.md)",
+    )  # fmt: skip
+    group.add_argument(
+        "--pipeline-parallel-size", "-pp", type=int, default=1,
+        help="split the decoder layers into this many stages (Llama; docs/distributed.md)",
+    )  # fmt: skip
+    group.add_argument(
+        "--data-parallel-size", "-dp", type=int, default=1,
+        help="run this many engine cores (each with its own scheduler, KV cache and "
+        "-tp x -pp workers) behind one front end (docs/distributed.md)",
+    )  # fmt: skip
+    group.add_argument(
+        "--data-parallel-load-balance", default="least_loaded",
+        choices=["least_loaded", "prefix"],
+        help="with -dp: send a new request to the core with the fewest waiting, then "
+        "running requests (least_loaded), or to the core holding the longest cached "
+        "prefix of its prompt unless that core is overloaded (prefix)",
+    )  # fmt: skip
+    group.add_argument(
+        "--data-parallel-tolerate-failure", action="store_true",
+        help="with -dp: a dead engine core fails only its own requests (503) and the "
+        "others keep serving; by default one dead core takes the server down",
+    )  # fmt: skip
+    group.add_argument(
+        "--enable-expert-parallel", action="store_true",
+        help="MoE models: shard the experts across the -dp x -tp ranks (each loads only "
+        "its own) instead of splitting every expert over -tp; with -dp the cores run "
+        "attention on their own requests and step together, an idle core joining each "
+        "MoE layer with no tokens (docs/distributed.md#expert-parallelism)",
+    )  # fmt: skip
+    group.add_argument(
+        "--data-parallel-address", default="127.0.0.1",
+        help="with -dp and --enable-expert-parallel: the address the cores and their "
+        "workers meet at (loopback: one machine)",
+    )  # fmt: skip
+    group.add_argument(
+        "--data-parallel-rpc-port", type=int, default=None,
+        help="with -dp and --enable-expert-parallel: the port of the cores' own group "
+        "(the step agreement); their workers' torch.distributed world takes the next "
+        "one; default: free ports picked at start",
+    )  # fmt: skip
+    group.add_argument(
+        "--data-parallel-master-port", type=int, default=None,
+        help="with -dp and --enable-expert-parallel: the port of the workers' "
+        "torch.distributed world (default: the one after --data-parallel-rpc-port, or free)",
+    )  # fmt: skip
+    group.add_argument(
+        "--no-batch-queue", dest="batch_queue", action="store_false",
+        help="with -pp: run one micro-batch at a time instead of keeping one per stage "
+        "in flight (the stages then take turns; for comparison)",
+    )  # fmt: skip
+    group.add_argument(
+        "--distributed-executor-backend", default=None, choices=["uni", "mp", "ray"],
+        help="uni: one worker in the engine process; mp: a process per rank (the "
+        "default for several); ray: a Ray actor per rank, on one node or several",
+    )  # fmt: skip
