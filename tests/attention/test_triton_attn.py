@@ -1,0 +1,107 @@
+"""The Triton backend's kernels under Triton's interpreter (CPU tensors; the suite sets
+TRITON_INTERPRET=1 on machines without a GPU, tests/conftest.py) against the CPU backend:
+float32 outputs within 1e-5 and identical caches, on mixed prefill/decode batches with
+ragged lengths, -1 padded block tables and null blocks, GQA ratios 1/3/8, several block
+sizes and every attention variant. tests/attention/test_triton_attn_cuda.py runs the same
+cases compiled on a GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from kvserve.attention.backends.registry import get_attn_backend
+from kvserve.attention.backends.triton_attn import TritonAttentionBackend
+from kvserve.attention.backends.utils import make_common_attn_metadata
+from kvserve.attention.ops.triton_reshape_and_cache import reshape_and_cache
+from tests.attention.triton_cases import Case, run_case
+
+if torch.cuda.is_available():
+    pytest.skip(
+        "CPU interpreter tests (the CUDA ones: test_triton_attn_cuda.py)", allow_module_level=True
+    )
+
+# decode, whole prefill, decode, chunked prefill, long decode, long chunked prefill.
+QUERY_LENS = [1, 5, 1, 7, 1, 12]
+COMPUTED = [6, 0, 13, 9, 40, 33]
+
+
+# GQA ratios 1/3/8 and block sizes (5: not a power of two, 16: one per tile) in pairs:
+# the interpreter runs every program in Python, so the full product would cost seconds.
+@pytest.mark.parametrize(
+    ("block_size", "num_heads", "num_kv_heads"),
+    [(4, 2, 2), (5, 6, 2), (16, 8, 1), (4, 3, 1), (16, 2, 2)],
+)
+def test_mixed_batch_matches_cpu_backend(
+    block_size: int, num_heads: int, num_kv_heads: int
+) -> None:
+    case = Case(num_heads=num_heads, num_kv_heads=num_kv_heads, block_size=block_size)
+    run_case(case, QUERY_LENS, COMPUTED, seed=block_size * 10 + num_heads, device="cpu")
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        Case(num_heads=6, num_kv_heads=2, window=8),
+        Case(num_heads=6, num_kv_heads=2, window=8, sinks=4),
+        Case(num_heads=6, num_kv_heads=2, window=8, sinks=20),  # sinks past the window
+        Case(num_heads=6, num_kv_heads=2, chunk=16),
+        Case(num_heads=6, num_kv_heads=2, soft_cap=5.0),
+        Case(num_heads=6, num_kv_heads=2, window=8, soft_cap=20.0, block_size=16),
+        Case(num_heads=8, num_kv_heads=1, chunk=12, block_size=5),
+        Case(num_heads=4, num_kv_heads=2, head_size=12),  # head size padded to 16
+        Case(num_heads=4, num_kv_heads=2, cache_dtype=torch.float16),
+    ],
+    ids=lambda c: "-".join(f"{k}={v}" for k, v in vars(c).items() if v != getattr(Case, k, None)),
+)
+def test_variants_match_cpu_backend(case: Case) -> None:
+    run_case(case, QUERY_LENS, COMPUTED, seed=7, device="cpu")
+
+
+def test_encoder_only_sees_whole_prompt() -> None:
+    case = Case(num_heads=6, num_kv_heads=2, causal=False)
+    run_case(case, [9, 1, 4], [0, 0, 0], seed=3, device="cpu")
+
+
+def test_cache_write_touches_exactly_the_named_slots() -> None:
+    torch.manual_seed(0)
+    block_size, heads, head_size = 4, 3, 12
+    kv_cache = torch.full((2, 6, block_size, heads, head_size), -7.0)
+    kv = torch.randn(5, 2, heads, head_size)
+    slots = torch.tensor([9, -1, 0, 23, 14])
+    reshape_and_cache(kv[:, 0], kv[:, 1], kv_cache, slots)
+    flat = kv_cache.view(2, -1, heads, head_size)
+    expected = torch.full_like(flat, -7.0)
+    for t, slot in enumerate(slots.tolist()):
+        if slot >= 0:
+            expected[0, slot], expected[1, slot] = kv[t, 0], kv[t, 1]
+    assert torch.equal(flat, expected)
+    # Only the first num_tokens tokens are written; a float16 cache stores rounded values.
+    half = torch.zeros(2, 6, block_size, heads, head_size, dtype=torch.float16)
+    reshape_and_cache(kv[:, 0], kv[:, 1], half, slots, num_tokens=1)
+    assert torch.equal(half.view(2, -1, heads, head_size)[0, 9], kv[0, 0].half())
+    assert int(half.count_nonzero()) == 2 * heads * head_size
+
+
+def test_padding_rows_are_zero_and_not_cached() -> None:
+    """A batch padded past its tokens (a captured batch size): the padding rows' output
+    is zero and their K/V go nowhere, whatever their slot entries say."""
+    torch.manual_seed(1)
+    heads, kv_heads, head_size, bs = 4, 2, 16, 4
+    common = make_common_attn_metadata([1, 3], [5, 0], [[1, 2], [3]], bs)
+    common.slot_mapping = torch.cat([common.slot_mapping, torch.tensor([0, 0])])
+    md = TritonAttentionBackend.get_builder_cls()(bs, "cpu").build(common)
+    impl = TritonAttentionBackend.get_impl_cls()(heads, head_size, 0.25, kv_heads)
+    kv_cache = torch.zeros(2, 4, bs, kv_heads, head_size)
+    q, k = torch.randn(6, heads, head_size), torch.randn(6, kv_heads, head_size)
+    out = impl.forward(torch.nn.Module(), q, k, k, kv_cache, md)
+    assert out[4:].eq(0).all() and out[:4].ne(0).any()
+    assert kv_cache[:, 0].eq(0).all()  # block 0 (the padding rows' slots) untouched
+
+
+def test_registry_selects_triton() -> None:
+    assert get_attn_backend("cpu", name="TRITON") is TritonAttentionBackend
+    assert get_attn_backend("cuda") is TritonAttentionBackend
+    assert get_attn_backend("cpu").get_name() == "CPU_ATTN"  # on a CPU only when forced
