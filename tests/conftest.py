@@ -46,6 +46,7 @@ def pytest_configure(config: pytest.Config) -> None:
 E2E_MODULES = frozenset(
     {
         "attention/test_cascade.py",
+        "attention/test_triton_attn_e2e.py",
         "benchmarks/test_cascade.py",
         "benchmarks/test_peers.py",
         "benchmarks/test_soak.py",
