@@ -16,6 +16,7 @@ from kvserve.attention.backends.registry import get_attn_backend
 from kvserve.attention.backends.triton_attn import TritonAttentionBackend
 from kvserve.attention.backends.utils import make_common_attn_metadata
 from kvserve.attention.ops.triton_reshape_and_cache import reshape_and_cache
+from kvserve.attention.ops.triton_unified_attention import choose_num_splits, unified_attention
 from tests.attention.triton_cases import Case, run_case
 
 if torch.cuda.is_available():
@@ -105,3 +106,54 @@ def test_registry_selects_triton() -> None:
     assert get_attn_backend("cpu", name="TRITON") is TritonAttentionBackend
     assert get_attn_backend("cuda") is TritonAttentionBackend
     assert get_attn_backend("cpu").get_name() == "CPU_ATTN"  # on a CPU only when forced
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        Case(num_heads=6, num_kv_heads=2),
+        Case(num_heads=6, num_kv_heads=2, window=8, sinks=4, soft_cap=5.0),
+        Case(num_heads=8, num_kv_heads=1, chunk=12, block_size=5),
+    ],
+    ids=["plain", "window-sinks-softcap", "chunk"],
+)
+def test_split_kv_matches_one_pass(case: Case) -> None:
+    """Split-KV (a GPU's choice for long contexts of small batches, forced here) gives the
+    single pass's output: each split's partial softmax, merged, is the whole one. Splits
+    past a short request's keys see nothing and must weigh nothing."""
+    torch.manual_seed(5)
+    bs = case.block_size
+    query_lens, computed = [1, 1, 6, 1], [90, 3, 40, 60]
+    tables, next_block = [], 1
+    for c, n in zip(computed, query_lens, strict=True):
+        count = -(-(c + n) // bs)
+        tables.append(list(range(next_block, next_block + count)))
+        next_block += count
+    common = make_common_attn_metadata(query_lens, computed, tables, bs)
+    md = TritonAttentionBackend.get_builder_cls()(bs, "cpu").build(common)
+    kv_cache = torch.randn(2, next_block, bs, case.num_kv_heads, case.head_size)
+    query = torch.randn(sum(query_lens), case.num_heads, case.head_size)
+    impl = TritonAttentionBackend.get_impl_cls()(
+        case.num_heads, case.head_size, case.head_size**-0.5, case.num_kv_heads,
+        case.window, case.chunk, case.soft_cap,
+    )  # fmt: skip
+    impl.num_sink_tokens = case.sinks
+    outputs = []
+    for splits in (1, 4):
+        out = torch.zeros_like(query)
+        unified_attention(
+            out, query, kv_cache, md.block_table, md.seq_lens, md.query_start_loc,
+            md.num_reqs, md.num_actual_tokens, impl.variant(), md.max_seq_len, splits,
+        )  # fmt: skip
+        outputs.append(out)
+    assert outputs[0].abs().sum() > 0
+    torch.testing.assert_close(outputs[1], outputs[0], atol=1e-5, rtol=1e-5)
+
+
+def test_split_choice() -> None:
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert choose_num_splits(cpu, 4, 100_000, 16) == 1  # interpreted: never
+    assert choose_num_splits(cuda, 200, 100_000, 16) == 1  # the GPU is full already
+    assert choose_num_splits(cuda, 8, 64, 16) == 1  # 4 tiles: one split's worth
+    assert choose_num_splits(cuda, 8, 4096, 16) == 16
+    assert choose_num_splits(cuda, 40, 4096, 16) == 4  # 4 x 40 programs fill 128

@@ -62,3 +62,10 @@ def test_realistic_sizes(
     query_lens = [1] * 12 + [300, 77, 1]
     computed = [1000, 37, 513, 4, 2047, 700, 90, 1, 1200, 64, 300, 999, 0, 900, 1536]
     run_case(case, query_lens, computed, seed=num_heads, device="cuda", atol=2e-5)
+
+
+@pytest.mark.parametrize("window", [None, 1024])
+def test_long_decodes_take_split_kv(window: int | None) -> None:
+    """Two long decodes: few programs, so the backend splits their keys (choose_num_splits)."""
+    case = Case(16, 8, 128, block_size=16, window=window)
+    run_case(case, [1, 1], [3000, 1500], seed=3, device="cuda", atol=2e-5)

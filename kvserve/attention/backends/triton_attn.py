@@ -100,7 +100,7 @@ class TritonAttentionImpl(AttentionImpl):
             output[n:] = 0  # padding rows (a captured batch size): the CPU backend's zeros
         unified_attention(
             output, query, kv_cache, md.block_table, md.seq_lens, md.query_start_loc,
-            md.num_reqs, n, self.variant(),
+            md.num_reqs, n, self.variant(), md.max_seq_len,
         )  # fmt: skip
         return output
 

@@ -35,6 +35,12 @@ from kvserve.attention.ops.triton_kernel import check_launchable
 
 # Triton's tl.dot needs M, N and K of at least 16 on NVIDIA GPUs.
 MIN_DOT = 16
+# Split-KV: below this many (query block, KV head) programs a GPU has idle SMs (an H100
+# has 132), so long contexts are cut into up to MAX_SPLITS parts of at least
+# MIN_TILES_PER_SPLIT tiles each, merged by a second kernel.
+SPLIT_BELOW_PROGRAMS = 128
+MAX_SPLITS = 16
+MIN_TILES_PER_SPLIT = 4
 
 
 @dataclass(frozen=True)
@@ -75,6 +81,10 @@ def _unified_attention_kernel(
     stride_v_slot,
     stride_v_head,
     stride_bt,
+    part_out_ptr,
+    part_max_ptr,
+    part_sum_ptr,
+    tiles_per_split,
     NUM_QUERIES_PER_KV: tl.constexpr,
     HEAD_SIZE: tl.constexpr,
     HEAD_PAD: tl.constexpr,
@@ -87,6 +97,7 @@ def _unified_attention_kernel(
     USE_SINKS: tl.constexpr,
     USE_CHUNK: tl.constexpr,
     USE_SOFTCAP: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
 ):
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -133,8 +144,10 @@ def _unified_attention_kernel(
             key_start = tl.maximum(key_start, (first_pos // chunk_size) * chunk_size)
     tile_start = key_start // TILE_N
     num_sink_tiles = tile_start * 0
-    if CAUSAL and USE_WINDOW and USE_SINKS:
-        num_sink_tiles = tl.minimum((num_sink_tokens + TILE_N - 1) // TILE_N, tile_start)
+    if CAUSAL:  # nested constexpr ifs: no boolean operators on constexprs in the body
+        if USE_WINDOW:
+            if USE_SINKS:
+                num_sink_tiles = tl.minimum((num_sink_tokens + TILE_N - 1) // TILE_N, tile_start)
     num_tiles = num_sink_tiles + (key_end + TILE_N - 1) // TILE_N - tile_start
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -142,7 +155,13 @@ def _unified_attention_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_PAD], dtype=tl.float32)
     keys = tl.arange(0, TILE_N)
     table_row = block_table_ptr + seq.to(tl.int64) * stride_bt
-    for t in range(0, num_tiles):
+    t_begin = num_tiles * 0
+    if NUM_SPLITS > 1:
+        # Split-KV: this program walks its split's share of the tiles only.
+        split = tl.program_id(2)
+        t_begin = split * tiles_per_split
+        num_tiles = tl.minimum(num_tiles, t_begin + tiles_per_split)
+    for t in range(t_begin, num_tiles):
         tile = tl.where(t < num_sink_tiles, t, tile_start + t - num_sink_tiles)
         k_pos = tile * TILE_N + keys
         k_ok = k_pos < key_end
@@ -187,12 +206,58 @@ def _unified_attention_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision="ieee")
         m_i = m_new
 
+    if NUM_SPLITS > 1:
+        # Partial state (unnormalized sum, running max, exp-sum), merged by _merge_splits.
+        part = (token * (NUM_QUERIES_PER_KV * tl.num_programs(1)) + head) * NUM_SPLITS + split
+        tl.store(part_max_ptr + part, m_i, mask=row_ok)
+        tl.store(part_sum_ptr + part, l_i, mask=row_ok)
+        tl.store(
+            part_out_ptr + part[:, None] * HEAD_PAD + dims[None, :],
+            acc,
+            mask=row_ok[:, None],
+        )
+        return
     out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
     o_offs = token[:, None] * stride_o_t + head[:, None] * stride_o_h + dims[None, :]
     tl.store(
         out_ptr + o_offs,
         out.to(out_ptr.dtype.element_ty),
         mask=row_ok[:, None] & dim_ok[None, :],
+    )
+
+
+@triton.jit
+def _merge_splits_kernel(
+    out_ptr,
+    part_out_ptr,
+    part_max_ptr,
+    part_sum_ptr,
+    stride_o_t,
+    stride_o_h,
+    num_heads,
+    HEAD_SIZE: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+):
+    """One (token, head): the splits' partial softmaxes rescaled to a common max and
+    summed; a split that saw no key has max -inf and weighs 0."""
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    base = (token * num_heads + head) * NUM_SPLITS
+    splits = tl.arange(0, NUM_SPLITS)
+    dims = tl.arange(0, HEAD_PAD)
+    m = tl.load(part_max_ptr + base + splits)
+    l = tl.load(part_sum_ptr + base + splits)  # noqa: E741
+    acc = tl.load(part_out_ptr + (base + splits)[:, None] * HEAD_PAD + dims[None, :])
+    m_all = tl.max(m, axis=0)
+    m_safe = tl.where(m_all == float("-inf"), 0.0, m_all)
+    w = tl.exp(m - m_safe)
+    total = tl.sum(w * l, axis=0)
+    out = tl.sum(w[:, None] * acc, axis=0) / tl.where(total > 0.0, total, 1.0)
+    tl.store(
+        out_ptr + token * stride_o_t + head * stride_o_h + dims,
+        out.to(out_ptr.dtype.element_ty),
+        mask=dims < HEAD_SIZE,
     )
 
 
@@ -213,12 +278,16 @@ def unified_attention(
     num_seqs: int,
     num_tokens: int,
     variant: AttentionVariant,
+    max_seq_len: int | None = None,
+    num_splits: int | None = None,
 ) -> None:
     """Attention of ``query [T, num_heads, head_size]``'s first ``num_tokens`` rows over
     ``kv_cache [2, num_blocks, block_size, num_kv_heads, head_size]`` into ``output``
     (same shape as ``query``; rows past ``num_tokens`` untouched). ``block_table`` int32
     ``[>= num_seqs, max_blocks]``, ``seq_lens`` int32 ``[num_seqs]``, ``query_start_loc``
-    int32 ``[num_seqs + 1]``, all on the query's device."""
+    int32 ``[num_seqs + 1]``, all on the query's device. ``num_splits`` (a power of
+    two) cuts each program's keys into that many parts run in parallel; None chooses
+    from ``max_seq_len`` (``choose_num_splits``)."""
     if num_tokens == 0 or num_seqs == 0:
         return
     num_heads, head_size = query.shape[1:]
@@ -232,7 +301,24 @@ def unified_attention(
     # Tiles of whole cache blocks where they are big enough: one table read per tile.
     tile_n = max(MIN_DOT, min(64, triton.next_power_of_2(block_size)))
     v = variant
-    grid = (num_tokens // block_q + num_seqs, num_kv_heads)
+    num_q_blocks = num_tokens // block_q + num_seqs
+    if num_splits is None:
+        num_splits = choose_num_splits(
+            query.device, num_q_blocks * num_kv_heads, max_seq_len, tile_n
+        )
+    if num_splits & (num_splits - 1) or num_splits < 1:
+        raise ValueError(f"num_splits must be a power of two, got {num_splits}")
+    tiles_per_split = 0
+    part_out = part_max = part_sum = output  # unused without splits
+    if num_splits > 1:
+        max_tiles = -(-(max_seq_len or int(seq_lens.max())) // tile_n)
+        tiles_per_split = -(-max_tiles // num_splits)
+        part_out = query.new_empty(
+            (num_tokens, num_heads, num_splits, head_pad), dtype=torch.float32
+        )
+        part_max = query.new_empty((num_tokens, num_heads, num_splits), dtype=torch.float32)
+        part_sum = torch.empty_like(part_max)
+    grid = (num_q_blocks, num_kv_heads, num_splits)
     check_launchable(_unified_attention_kernel, query)
     _unified_attention_kernel[grid](
         output, query, k_cache, v_cache, block_table, seq_lens, query_start_loc,
@@ -246,6 +332,7 @@ def unified_attention(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_table.stride(0),
+        part_out, part_max, part_sum, tiles_per_split,
         NUM_QUERIES_PER_KV=group,
         HEAD_SIZE=head_size,
         HEAD_PAD=head_pad,
@@ -258,4 +345,27 @@ def unified_attention(
         USE_SINKS=v.num_sink_tokens > 0,
         USE_CHUNK=v.attention_chunk_size is not None,
         USE_SOFTCAP=v.logits_soft_cap is not None,
+        NUM_SPLITS=num_splits,
     )  # fmt: skip
+    if num_splits > 1:
+        _merge_splits_kernel[(num_tokens, num_heads)](
+            output, part_out, part_max, part_sum, output.stride(0), output.stride(1), num_heads,
+            HEAD_SIZE=head_size, HEAD_PAD=head_pad, NUM_SPLITS=num_splits,
+        )  # fmt: skip
+
+
+def choose_num_splits(
+    device: torch.device, num_programs: int, max_seq_len: int | None, tile_n: int
+) -> int:
+    """Splits for a step: 1 unless on a GPU with fewer programs than SPLIT_BELOW_PROGRAMS
+    and keys enough for two splits of MIN_TILES_PER_SPLIT tiles (long-context decodes of
+    small batches), then the largest power of two that neither overfills the GPU nor
+    goes below MIN_TILES_PER_SPLIT. Interpreted (CPU) runs never split: no SMs to fill."""
+    if device.type != "cuda" or max_seq_len is None or num_programs >= SPLIT_BELOW_PROGRAMS:
+        return 1
+    tiles = -(-max_seq_len // tile_n)
+    limit = min(MAX_SPLITS, tiles // MIN_TILES_PER_SPLIT, -(-SPLIT_BELOW_PROGRAMS // num_programs))
+    splits = 1
+    while splits * 2 <= limit:
+        splits *= 2
+    return splits
