@@ -15,6 +15,7 @@ pytest.importorskip("triton")
 from kvserve.attention.backends.registry import get_attn_backend
 from kvserve.attention.backends.triton_attn import TritonAttentionBackend
 from kvserve.attention.backends.utils import make_common_attn_metadata
+from kvserve.attention.ops.triton_kernel import check_launchable
 from kvserve.attention.ops.triton_reshape_and_cache import reshape_and_cache
 from kvserve.attention.ops.triton_unified_attention import choose_num_splits, unified_attention
 from tests.attention.triton_cases import Case, run_case
@@ -157,3 +158,10 @@ def test_split_choice() -> None:
     assert choose_num_splits(cuda, 8, 64, 16) == 1  # 4 tiles: one split's worth
     assert choose_num_splits(cuda, 8, 4096, 16) == 16
     assert choose_num_splits(cuda, 40, 4096, 16) == 4  # 4 x 40 programs fill 128
+
+
+def test_cpu_launch_of_a_compiled_kernel_says_what_to_set() -> None:
+    """A process that imported triton without TRITON_INTERPRET has compiled kernels only,
+    which cannot touch CPU memory: the launch names the fix instead of crashing inside."""
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
+        check_launchable(object(), torch.zeros(1))
