@@ -7,6 +7,11 @@ cases compiled on a GPU."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -165,3 +170,23 @@ def test_cpu_launch_of_a_compiled_kernel_says_what_to_set() -> None:
     which cannot touch CPU memory: the launch names the fix instead of crashing inside."""
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
         check_launchable(object(), torch.zeros(1))
+
+
+def test_kernels_compile_for_sm90(tmp_path: Path) -> None:
+    """The compiled path, which the interpreter never takes, through Triton's compiler
+    and ptxas for an H100, in a process without TRITON_INTERPRET."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path)
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"
+    root = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
+    result = subprocess.run(
+        [sys.executable, "-m", "tests.attention.triton_compile_check"],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.count("sm_90 cubin") == 3, result.stdout
