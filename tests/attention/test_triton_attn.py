@@ -17,6 +17,7 @@ import torch
 
 pytest.importorskip("triton")
 
+from kvserve.attention.backends.cpu_attn import CPUAttentionBackend
 from kvserve.attention.backends.registry import get_attn_backend
 from kvserve.attention.backends.triton_attn import TritonAttentionBackend
 from kvserve.attention.backends.utils import make_common_attn_metadata
@@ -190,3 +191,42 @@ def test_kernels_compile_for_sm90(tmp_path: Path) -> None:
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.count("sm_90 cubin") == 3, result.stdout
+
+
+@pytest.mark.parametrize(
+    "case",
+    [Case(num_heads=6, num_kv_heads=2), Case(num_heads=6, num_kv_heads=2, window=6, sinks=2)],
+    ids=["plain", "window-sinks"],
+)
+def test_selected_tokens_match_cpu_backend(case: Case) -> None:
+    """CacheBlend goes on with some tokens of a step only (select_tokens): the kept
+    queries sit at scattered positions of their requests, attend to the cache up to
+    them, and only their K/V are written."""
+    torch.manual_seed(9)
+    bs = case.block_size
+    query_lens, computed = [1, 14, 1, 9], [11, 0, 5, 20]
+    tables, next_block = [], 1
+    for c, n in zip(computed, query_lens, strict=True):
+        count = -(-(c + n) // bs)
+        tables.append(list(range(next_block, next_block + count)))
+        next_block += count
+    # Every decode and every prefill's last token stay (CacheBlend's rule), plus a few.
+    keep = torch.tensor([0, 1, 4, 5, 9, 14, 15, 16, 19, 20, 24])
+    common = make_common_attn_metadata(query_lens, computed, tables, bs)
+    num_tokens = sum(query_lens)
+    query = torch.randn(num_tokens, case.num_heads, case.head_size)
+    kv = torch.randn(num_tokens, 2, case.num_kv_heads, case.head_size)
+    kv_cache = torch.randn(2, next_block, bs, case.num_kv_heads, case.head_size)
+    results = []
+    for backend in (CPUAttentionBackend, TritonAttentionBackend):
+        impl = backend.get_impl_cls()(
+            case.num_heads, case.head_size, case.head_size**-0.5, case.num_kv_heads,
+            case.window, case.chunk, case.soft_cap,
+        )  # fmt: skip
+        impl.num_sink_tokens = case.sinks
+        md = backend.get_builder_cls()(bs, "cpu").build(common).select_tokens(keep)
+        cache = kv_cache.clone()
+        out = impl.forward(torch.nn.Module(), query[keep], kv[keep, 0], kv[keep, 1], cache, md)
+        results.append((out, cache))
+    torch.testing.assert_close(results[1][0], results[0][0], atol=1e-5, rtol=1e-5)
+    assert torch.equal(results[1][1], results[0][1])

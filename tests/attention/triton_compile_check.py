@@ -35,13 +35,13 @@ def main() -> None:
     types = {name: "*bf16" for name in pointers}
     types.update({f"part_{p}_ptr": "*fp32" for p in ("out", "max", "sum")})
     types.update({"scale": "fp32", "soft_cap": "fp32"})
-    for name in ("block_table_ptr", "seq_lens_ptr", "query_start_loc_ptr"):
+    for name in ("block_table_ptr", "seq_lens_ptr", "query_start_loc_ptr", "positions_ptr"):
         types[name] = "*i32"
     # Every variant switched on, split-KV included: the branches that plain layers skip.
     constexprs = dict(
         NUM_QUERIES_PER_KV=4, HEAD_SIZE=64, HEAD_PAD=64, BLOCK_SIZE=16, BLOCK_Q=4,
         BLOCK_M=16, TILE_N=16, CAUSAL=True, USE_WINDOW=True, USE_SINKS=True,
-        USE_CHUNK=True, USE_SOFTCAP=True, NUM_SPLITS=8,
+        USE_CHUNK=True, USE_SOFTCAP=True, NUM_SPLITS=8, USE_POSITIONS=True,
     )  # fmt: skip
     size = _compile(attn_ops._unified_attention_kernel, types, constexprs)
     print(f"unified_attention sm_90 cubin {size} bytes")

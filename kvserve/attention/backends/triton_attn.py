@@ -15,6 +15,7 @@ under Triton's interpreter: how the tests check them without a GPU.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -39,13 +40,32 @@ class TritonAttentionMetadata:
     seq_lens: torch.Tensor  # int32 [num_reqs], device
     block_table: torch.Tensor  # int32 [num_reqs, max_blocks], device (-1 padding allowed)
     slot_mapping: torch.Tensor  # int64 [num_actual_tokens], -1 = skip, device
+    # int32 [num_actual_tokens]: each query's position, where a request's queries are not
+    # its last q_len positions (after select_tokens); None: they are.
+    positions: torch.Tensor | None = None
 
     def select_tokens(self, keep: torch.Tensor) -> TritonAttentionMetadata:
-        # The kernel places a request's queries at its last q_len positions; CacheBlend's
-        # kept tokens are scattered, which needs per-token positions it does not take.
-        raise NotImplementedError(
-            "CacheBlend token selection is not supported by the TRITON attention backend; "
-            "use KVSERVE_ATTENTION_BACKEND=CPU_ATTN"
+        """The metadata of a step that goes on with only the tokens ``keep`` (sorted int64
+        indices into this step's tokens; CacheBlend's recomputed tokens). Each request
+        keeps its keys: a kept query attends to the cache up to its own position."""
+        n = self.num_actual_tokens
+        starts = self.query_start_loc.long()
+        tokens = torch.arange(n, device=keep.device)
+        request = torch.searchsorted(starts[1:], tokens, right=True)
+        positions = self.positions
+        if positions is None:
+            context_lens = self.seq_lens.long() - (starts[1:] - starts[:-1])
+            positions = (context_lens[request] + tokens - starts[request]).int()
+        counts = torch.bincount(request[keep], minlength=self.num_reqs)
+        query_start_loc = torch.zeros_like(self.query_start_loc)
+        query_start_loc[1:] = counts.cumsum(0)
+        return dataclasses.replace(
+            self,
+            num_actual_tokens=int(keep.shape[0]),
+            max_query_len=int(counts.max()) if self.num_reqs else 0,
+            query_start_loc=query_start_loc,
+            slot_mapping=self.slot_mapping[keep],
+            positions=positions[keep],
         )
 
 
@@ -100,7 +120,7 @@ class TritonAttentionImpl(AttentionImpl):
             output[n:] = 0  # padding rows (a captured batch size): the CPU backend's zeros
         unified_attention(
             output, query, kv_cache, md.block_table, md.seq_lens, md.query_start_loc,
-            md.num_reqs, n, self.variant(), md.max_seq_len,
+            md.num_reqs, n, self.variant(), md.max_seq_len, positions=md.positions,
         )  # fmt: skip
         return output
 

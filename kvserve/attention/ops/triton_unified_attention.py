@@ -64,6 +64,7 @@ def _unified_attention_kernel(
     block_table_ptr,
     seq_lens_ptr,
     query_start_loc_ptr,
+    positions_ptr,
     num_seqs,
     scale,
     soft_cap,
@@ -98,6 +99,7 @@ def _unified_attention_kernel(
     USE_CHUNK: tl.constexpr,
     USE_SOFTCAP: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
+    USE_POSITIONS: tl.constexpr,
 ):
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -123,7 +125,6 @@ def _unified_attention_kernel(
     q_tok = local_block * BLOCK_Q + rows // NUM_QUERIES_PER_KV  # index within the request
     head = kv_head * NUM_QUERIES_PER_KV + rows % NUM_QUERIES_PER_KV
     row_ok = (rows // NUM_QUERIES_PER_KV < BLOCK_Q) & (q_tok < q_len)
-    q_pos = context_len + q_tok
     dims = tl.arange(0, HEAD_PAD)
     dim_ok = dims < HEAD_SIZE
 
@@ -131,9 +132,18 @@ def _unified_attention_kernel(
     q_offs = token[:, None] * stride_q_t + head[:, None] * stride_q_h + dims[None, :]
     q = tl.load(q_ptr + q_offs, mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
 
+    # Positions: a request's last q_len, or given per token (ascending within a request:
+    # CacheBlend's kept tokens).
+    block_end = tl.minimum((local_block + 1) * BLOCK_Q, q_len) - 1
+    if USE_POSITIONS:
+        q_pos = tl.load(positions_ptr + token, mask=row_ok, other=0)
+        first_pos = tl.load(positions_ptr + q_start + local_block * BLOCK_Q)
+        last_pos = tl.load(positions_ptr + q_start + block_end)
+    else:
+        q_pos = context_len + q_tok
+        first_pos = context_len + local_block * BLOCK_Q
+        last_pos = context_len + block_end
     # Keys this block's queries may see: [key_start, key_end), plus the sinks.
-    first_pos = context_len + local_block * BLOCK_Q
-    last_pos = context_len + tl.minimum((local_block + 1) * BLOCK_Q, q_len) - 1
     key_end = seq_len
     key_start = first_pos * 0
     if CAUSAL:
@@ -280,6 +290,7 @@ def unified_attention(
     variant: AttentionVariant,
     max_seq_len: int | None = None,
     num_splits: int | None = None,
+    positions: torch.Tensor | None = None,
 ) -> None:
     """Attention of ``query [T, num_heads, head_size]``'s first ``num_tokens`` rows over
     ``kv_cache [2, num_blocks, block_size, num_kv_heads, head_size]`` into ``output``
@@ -287,7 +298,8 @@ def unified_attention(
     ``[>= num_seqs, max_blocks]``, ``seq_lens`` int32 ``[num_seqs]``, ``query_start_loc``
     int32 ``[num_seqs + 1]``, all on the query's device. ``num_splits`` (a power of
     two) cuts each program's keys into that many parts run in parallel; None chooses
-    from ``max_seq_len`` (``choose_num_splits``)."""
+    from ``max_seq_len`` (``choose_num_splits``). ``positions`` (int32 ``[num_tokens]``,
+    ascending within a request) places each query; None: a request's last positions."""
     if num_tokens == 0 or num_seqs == 0:
         return
     num_heads, head_size = query.shape[1:]
@@ -322,6 +334,7 @@ def unified_attention(
     check_launchable(_unified_attention_kernel, query)
     _unified_attention_kernel[grid](
         output, query, k_cache, v_cache, block_table, seq_lens, query_start_loc,
+        seq_lens if positions is None else positions,
         num_seqs,
         float(v.scale),
         float(v.logits_soft_cap or 1.0),
@@ -346,6 +359,7 @@ def unified_attention(
         USE_CHUNK=v.attention_chunk_size is not None,
         USE_SOFTCAP=v.logits_soft_cap is not None,
         NUM_SPLITS=num_splits,
+        USE_POSITIONS=positions is not None,
     )  # fmt: skip
     if num_splits > 1:
         _merge_splits_kernel[(num_tokens, num_heads)](
