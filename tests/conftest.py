@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,11 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # tiers across processes, shared storage and P2P refuse to start without a secret, and the
 # secure path is the one tested. Tests of the opt-out and of the refusal unset it.
 os.environ.setdefault("KVSERVE_KV_SECRET", "kvserve-tests-kv-secret-0123456789")
+# Without a GPU, Triton kernels (the TRITON attention backend's) run only interpreted, a
+# mode Triton reads once, at its import: set it before anything imports triton. A CUDA
+# machine (its driver's control device present) compiles them instead.
+if "triton" not in sys.modules and not os.path.exists("/dev/nvidiactl"):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -40,6 +46,7 @@ def pytest_configure(config: pytest.Config) -> None:
 E2E_MODULES = frozenset(
     {
         "attention/test_cascade.py",
+        "attention/test_triton_attn_e2e.py",
         "benchmarks/test_cascade.py",
         "benchmarks/test_peers.py",
         "benchmarks/test_soak.py",

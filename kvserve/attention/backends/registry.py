@@ -2,22 +2,43 @@
 
 from __future__ import annotations
 
+import functools
 import importlib
+import importlib.util
+import logging
 import os
 
 import torch
 
 from kvserve.attention.backends.abstract import AttentionBackend
 
-# name -> "module:Class". GPU_FLASH is the slot for a Triton / FlashAttention backend;
-# until it is registered, CUDA falls back to the torch backend, which is device-agnostic.
+logger = logging.getLogger(__name__)
+
+# name -> "module:Class". FLASH_ATTN is the slot for a FlashAttention backend. The torch
+# backend (CPU_ATTN) is device-agnostic: CUDA falls back to it without Triton.
 _BACKENDS: dict[str, str | None] = {
     "CPU_ATTN": "kvserve.attention.backends.cpu_attn:CPUAttentionBackend",
-    "GPU_FLASH": None,
+    "TRITON": "kvserve.attention.backends.triton_attn:TritonAttentionBackend",
+    "FLASH_ATTN": None,
 }
-_DEFAULT_FOR_DEVICE = {"cpu": "CPU_ATTN", "cuda": "GPU_FLASH"}
+# The package a backend cannot load without (an optional dependency).
+_REQUIRES = {"TRITON": "triton"}
+_DEFAULT_FOR_DEVICE = {"cpu": "CPU_ATTN", "cuda": "TRITON"}
 _FALLBACK = "CPU_ATTN"
 ENV_BACKEND = "KVSERVE_ATTENTION_BACKEND"
+
+
+def _installed(name: str) -> bool:
+    package = _REQUIRES.get(name)
+    return package is None or importlib.util.find_spec(package) is not None
+
+
+@functools.cache
+def _log_fallback(preferred: str, device_type: str) -> None:
+    logger.info(
+        "attention backend %s needs the %s package, not installed: %s on %s uses %s",
+        preferred, _REQUIRES.get(preferred), device_type, device_type, _FALLBACK,
+    )  # fmt: skip
 
 
 def register_backend(name: str, target: str) -> None:
@@ -41,7 +62,17 @@ def get_attn_backend(
         if _BACKENDS.get(forced) is None:
             available = sorted(k for k, v in _BACKENDS.items() if v)
             raise ValueError(f"attention backend {forced!r} is not available: {available}")
+        if not _installed(forced):
+            raise ValueError(
+                f"attention backend {forced!r} needs the {_REQUIRES[forced]!r} package, "
+                "which is not installed"
+            )
         return _load(forced)
     device_type = torch.device(device if device is not None else "cpu").type
     preferred = _DEFAULT_FOR_DEVICE.get(device_type, _FALLBACK)
-    return _load(preferred if _BACKENDS.get(preferred) else _FALLBACK)
+    if not _BACKENDS.get(preferred):
+        return _load(_FALLBACK)
+    if not _installed(preferred):
+        _log_fallback(preferred, device_type)
+        return _load(_FALLBACK)
+    return _load(preferred)
