@@ -316,8 +316,10 @@ def _unsupported(config: EngineConfig, model: Any, kv_cache_config: KVCacheConfi
         return "CacheBlend does not run with speculative decoding"
     from kvserve.attention.layer import get_attention_layers
 
+    # Both take a position per query, which the selected tokens need.
     if any(
-        layer.backend.get_name() != "CPU_ATTN" for layer in get_attention_layers(model).values()
+        layer.backend.get_name() not in ("CPU_ATTN", "TRITON")
+        for layer in get_attention_layers(model).values()
     ):
-        return "CacheBlend runs on the CPU attention backend only"
+        return "CacheBlend runs on the CPU_ATTN and TRITON attention backends only"
     return None

@@ -263,4 +263,16 @@ def make_encoder_runner(config: EngineConfig, device: torch.device) -> EncoderRu
         ec_connector = ECConnector(ec, name, config.kv_security_config)
     if mm_arch.encoder_decoder:
         return CrossAttentionEncoderRunner(device, False, ec_connector)
+    if mm_arch.bidirectional_items:
+        from kvserve.attention.backends.registry import get_attn_backend
+
+        backend = get_attn_backend(device).get_name()
+        if backend != "CPU_ATTN":
+            # Its prefill chunks carry the image-group mask; another backend's would stay
+            # causal and give other tokens than HF's, silently.
+            raise ValueError(
+                f"{config.model_config.arch.architecture}'s image tokens attend "
+                f"bidirectionally, which only the CPU_ATTN backend implements, not {backend}: "
+                "set KVSERVE_ATTENTION_BACKEND=CPU_ATTN"
+            )
     return MultiModalEncoderRunner(device, mm_arch.bidirectional_items, ec_connector)

@@ -248,3 +248,14 @@ def test_bad_inputs_are_value_errors_and_the_engine_keeps_serving(
     assert not any(o.outputs[0].finish_reason == "error" for o in outs)
     gauges = {m.name: m.value for m in llm.get_metrics() if isinstance(m, Gauge)}
     assert gauges["kvserve:kv_cache_blocks_in_use"] == 0  # no block leaked
+
+
+def test_a_backend_without_the_image_mask_is_refused(
+    vlm: tuple[Path, Any, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Gemma 3's image tokens see their whole image; TRITON's kernel has no such mask yet, so
+    it is refused at start-up rather than giving other tokens than HF's."""
+    pytest.importorskip("triton")
+    monkeypatch.setenv("KVSERVE_ATTENTION_BACKEND", "TRITON")
+    with pytest.raises(ValueError, match=r"attend bidirectionally.*CPU_ATTN"):
+        LLM(model=str(vlm[0]), kv_cache_memory=16 << 20)
