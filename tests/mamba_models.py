@@ -1,5 +1,6 @@
-"""Tiny random Mamba-2 checkpoints built with transformers (pure ``Mamba2ForCausalLM``
-and the ``BambaForCausalLM`` hybrid), saved without a tokenizer, plus HF references.
+"""Tiny random Mamba-2 checkpoints built with transformers (pure ``Mamba2ForCausalLM``,
+the ``BambaForCausalLM`` and ``NemotronHForCausalLM`` hybrids), saved without a
+tokenizer, plus HF references.
 
 Shapes are chosen so prompts of a few dozen tokens cross the scan's chunks (chunk_size
 8) and, in the hybrid, the state pads up to an attention page."""
@@ -11,7 +12,7 @@ from typing import Any
 
 import torch
 
-MAMBA_FAMILIES = ("mamba2", "bamba")
+MAMBA_FAMILIES = ("mamba2", "bamba", "nemotron_h")
 
 _COMMON: dict[str, Any] = dict(
     vocab_size=160,
@@ -39,6 +40,16 @@ def _config(kind: str) -> Any:
             attn_layer_indices=[1], mamba_n_heads=8, mamba_d_head=8, mamba_n_groups=2,
             mamba_d_state=8, mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=8,
             max_position_embeddings=512,
+        )  # fmt: skip
+    if kind == "nemotron_h":
+        # The legacy pattern string (Mamba, attention, MLP, Mamba); HF turns it into
+        # layers_block_type. Its heads x head_dim (64) differ from expand x hidden.
+        common = {**_COMMON, "num_hidden_layers": 4}
+        return tf.NemotronHConfig(
+            **common, hybrid_override_pattern="M*-M", intermediate_size=48,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=8, mamba_num_heads=8,
+            mamba_head_dim=8, n_groups=2, ssm_state_size=8, conv_kernel=4, chunk_size=8,
+            expand=4, max_position_embeddings=512,
         )  # fmt: skip
     raise ValueError(kind)
 

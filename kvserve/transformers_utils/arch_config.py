@@ -17,6 +17,7 @@ from kvserve.transformers_utils.arch_families import MLAConfig, MoEConfig, famil
 from kvserve.transformers_utils.gguf_reader import GGUFFile, GGUFTensor, open_gguf
 from kvserve.transformers_utils.mamba_arch import (
     MAMBA,
+    MLP,
     MambaArch,
     mamba_fields,
     normalise_mamba_config,
@@ -44,8 +45,9 @@ _GGUF_ARCHITECTURES = {
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
 CHUNKED_ATTENTION = "chunked_attention"
-# MAMBA: a Mamba-2 mixer with a recurrent state instead of attention (mamba_arch.py).
-LAYER_TYPES = (FULL_ATTENTION, SLIDING_ATTENTION, CHUNKED_ATTENTION, MAMBA)
+# MAMBA: a Mamba-2 mixer with a recurrent state instead of attention, MLP: a
+# feed-forward-only layer of a hybrid (mamba_arch.py).
+LAYER_TYPES = (FULL_ATTENTION, SLIDING_ATTENTION, CHUNKED_ATTENTION, MAMBA, MLP)
 # llama.cpp's Gemma 3 files carry no pattern key: every 6th layer is global, as in HF's
 # Gemma3TextConfig default (``sliding_window_pattern=6``).
 _GEMMA3_SLIDING_PATTERN = 6

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from typing import Any
 
 MAMBA = "mamba"
+# A layer with a feed-forward block and no token mixer (NemotronH's "-"): no cache.
+MLP = "mlp"
 # Bytes of one state element: the state is kept in float32 whatever the KV cache's dtype
 # (the recurrence accumulates over the whole sequence).
 STATE_DTYPE_SIZE = 4
@@ -71,9 +73,53 @@ def _limit(cfg: dict[str, Any]) -> tuple[float, float]:
     return (_float(limit[0]), _float(limit[1]))
 
 
+# NemotronH's block kinds: transformers 5 names (and the pattern letters of
+# ``hybrid_override_pattern``, and the older names) -> ArchConfig.layer_types.
+_NEMOTRON_H_KINDS = {
+    "linear_attention": MAMBA, "M": MAMBA, "mamba": MAMBA,
+    "full_attention": "full_attention", "*": "full_attention", "attention": "full_attention",
+    "mlp": MLP, "-": MLP,
+}  # fmt: skip
+
+
+def _nemotron_h_layer_types(cfg: dict[str, Any]) -> tuple[str, ...]:
+    blocks = cfg.get("layers_block_type") or list(cfg.get("hybrid_override_pattern") or "")
+    if not blocks:
+        raise ValueError(
+            "NemotronH config has neither layers_block_type nor hybrid_override_pattern"
+        )
+    unknown = sorted({str(b) for b in blocks} - set(_NEMOTRON_H_KINDS))
+    if unknown:
+        # "moe" / "E": routed experts (Nemotron 3 Nano) are not implemented here yet.
+        raise ValueError(
+            f"NemotronH layers_block_type {unknown} not supported (mamba, attention, mlp)"
+        )
+    return tuple(_NEMOTRON_H_KINDS[str(b)] for b in blocks)
+
+
+def _nemotron_h_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """transformers 5 writes no num_hidden_layers (the block list's length is it), and
+    NemotronH's attention has no bias whatever ``attention_bias`` says."""
+    for key, wanted in (
+        ("mlp_hidden_act", "relu2"),
+        ("mamba_hidden_act", "silu"),
+        ("mlp_bias", False),
+    ):
+        if cfg.get(key, wanted) != wanted:
+            raise ValueError(f"NemotronH {key} {cfg[key]!r} not supported (only {wanted!r})")
+    return {
+        **cfg,
+        "num_hidden_layers": len(_nemotron_h_layer_types(cfg)),
+        "rms_norm_eps": cfg.get("layer_norm_epsilon", 1e-5),
+        "attention_bias": False,
+    }
+
+
 def normalise_mamba_config(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
     """A pure Mamba-2 config.json lacks the attention numbers ArchConfig reads; fill
     them with what they mean there (no attention layers, no MLP)."""
+    if arch == "NemotronHForCausalLM":
+        return _nemotron_h_config(cfg)
     if arch != "Mamba2ForCausalLM":
         return cfg
     hidden = int(cfg["hidden_size"])
@@ -127,7 +173,41 @@ def mamba_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
             "full_attention" if i in attn else MAMBA for i in range(int(cfg["num_hidden_layers"]))
         )
         return {"mamba": mamba, "layer_types": layer_types}
+    if arch == "NemotronHForCausalLM":
+        return {"mamba": _nemotron_h_mamba(cfg), "layer_types": _nemotron_h_layer_types(cfg)}
     return {}
 
 
-__all__ = ["MAMBA", "STATE_DTYPE_SIZE", "MambaArch", "mamba_fields", "normalise_mamba_config"]
+def _first(cfg: dict[str, Any], keys: tuple[str, ...], default: Any) -> Any:
+    """The first of ``keys`` present (transformers 5 renamed NemotronH's ``mamba_*``)."""
+    return next((cfg[k] for k in keys if cfg.get(k) is not None), default)
+
+
+def _nemotron_h_mamba(cfg: dict[str, Any]) -> MambaArch:
+    n_heads, d_head = int(cfg.get("mamba_num_heads", 128)), int(cfg.get("mamba_head_dim", 64))
+    limit = _first(cfg, ("time_step_limit", "mamba_dt_limit"), None)
+    return MambaArch(
+        num_heads=n_heads,
+        head_dim=d_head,
+        state_size=int(cfg.get("ssm_state_size", 128)),
+        n_groups=int(_first(cfg, ("n_groups", "mamba_n_groups"), 8)),
+        conv_kernel=int(_first(cfg, ("conv_kernel", "mamba_d_conv"), 4)),
+        # Heads x head_dim, not expand x hidden (the checkpoints' expand may disagree).
+        intermediate_size=n_heads * d_head,
+        chunk_size=int(_first(cfg, ("chunk_size", "mamba_chunk_size"), 128)),
+        use_conv_bias=bool(_first(cfg, ("use_conv_bias", "mamba_conv_bias"), True)),
+        # HF's mixer takes its projections' bias from use_bias (mamba_proj_bias is unused).
+        use_bias=bool(cfg.get("use_bias", False)),
+        norm_eps=float(cfg.get("layer_norm_epsilon", 1e-5)),
+        time_step_limit=_limit({"time_step_limit": limit}),
+    )
+
+
+__all__ = [
+    "MAMBA",
+    "MLP",
+    "STATE_DTYPE_SIZE",
+    "MambaArch",
+    "mamba_fields",
+    "normalise_mamba_config",
+]

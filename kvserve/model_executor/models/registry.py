@@ -39,6 +39,7 @@ _IN_TREE: dict[str, str] = {
     "BertModel": f"{_PKG}.bert:BertModel",
     "Mamba2ForCausalLM": f"{_PKG}.mamba2:Mamba2ForCausalLM",
     "BambaForCausalLM": f"{_PKG}.bamba:BambaForCausalLM",
+    "NemotronHForCausalLM": f"{_PKG}.nemotron_h:NemotronHForCausalLM",
     "WhisperForConditionalGeneration": f"{_PKG}.whisper:WhisperForConditionalGeneration",
 }
 

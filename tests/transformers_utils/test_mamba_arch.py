@@ -1,0 +1,61 @@
+"""The Mamba config readers on config.json dicts: NemotronH's block pattern in its
+spellings (transformers 5's ``layers_block_type``, the released checkpoints'
+``hybrid_override_pattern`` and their older names), and what is refused by name."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from kvserve.transformers_utils.mamba_arch import (
+    MAMBA,
+    MLP,
+    mamba_fields,
+    normalise_mamba_config,
+)
+
+_ARCH = "NemotronHForCausalLM"
+
+
+def _nemotron_h(**overrides: Any) -> dict[str, Any]:
+    # The names NVIDIA's released configs use (mamba_* before transformers 5's renames).
+    return {
+        "hidden_size": 64, "num_attention_heads": 4, "mamba_num_heads": 4,
+        "mamba_head_dim": 32, "ssm_state_size": 16, "mamba_n_groups": 2, "mamba_d_conv": 4,
+        "mamba_chunk_size": 64, "expand": 2, "layer_norm_epsilon": 1e-5,
+        "hybrid_override_pattern": "M-M*-", "num_hidden_layers": 5,
+        **overrides,
+    }  # fmt: skip
+
+
+def test_nemotron_h_pattern_and_renamed_fields() -> None:
+    cfg = normalise_mamba_config(_ARCH, _nemotron_h())
+    assert cfg["num_hidden_layers"] == 5 and cfg["attention_bias"] is False
+    fields = mamba_fields(_ARCH, cfg)
+    assert fields["layer_types"] == (MAMBA, MLP, MAMBA, "full_attention", MLP)
+    mamba = fields["mamba"]
+    assert (mamba.n_groups, mamba.conv_kernel, mamba.chunk_size) == (2, 4, 64)
+    # heads x head_dim, not expand x hidden (both 128 here; 4 x 32).
+    assert mamba.intermediate_size == 128
+
+
+def test_nemotron_h_block_list_wins_and_counts_the_layers() -> None:
+    # transformers 5 writes the list and no num_hidden_layers; old names are accepted.
+    raw = _nemotron_h(layers_block_type=["mamba", "attention", "mlp"], num_hidden_layers=None)
+    fields = mamba_fields(_ARCH, normalise_mamba_config(_ARCH, raw))
+    assert fields["layer_types"] == (MAMBA, "full_attention", MLP)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "field"),
+    [
+        ({"hybrid_override_pattern": "M*E"}, "layers_block_type"),
+        ({"mlp_hidden_act": "silu"}, "mlp_hidden_act"),
+        ({"mlp_bias": True}, "mlp_bias"),
+        ({"hybrid_override_pattern": ""}, "hybrid_override_pattern"),
+    ],
+)
+def test_nemotron_h_unsupported_configs_are_refused(overrides: dict[str, Any], field: str) -> None:
+    with pytest.raises(ValueError, match=field):
+        normalise_mamba_config(_ARCH, _nemotron_h(**overrides))
