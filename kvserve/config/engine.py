@@ -54,7 +54,7 @@ class EngineConfig:
             raise ValueError("speculative decoding is not supported with pipeline parallelism")
         if self.model_config.is_pooling:
             self._configure_pooling(context_len)
-        if "mamba" in self.model_config.arch.layer_types:
+        if self.model_config.arch.mamba is not None:
             self._configure_mamba()
         mm_arch = self.model_config.arch.multimodal
         if mm_arch is not None and mm_arch.encoder_decoder:

@@ -15,6 +15,9 @@ from typing import Any
 MAMBA = "mamba"
 # A layer with a feed-forward block and no token mixer (NemotronH's "-"): no cache.
 MLP = "mlp"
+# A layer whose Mamba-2 mixer and attention run side by side on the same input
+# (FalconH1): a state block and attention pages.
+PARALLEL_HYBRID = "parallel_hybrid"
 # Bytes of one state element: the state is kept in float32 whatever the KV cache's dtype
 # (the recurrence accumulates over the whole sequence).
 STATE_DTYPE_SIZE = 4
@@ -33,6 +36,12 @@ class MambaArch:
     use_bias: bool
     norm_eps: float
     time_step_limit: tuple[float, float] = (0.0, math.inf)
+    # The gated output norm: rmsnorm(y * silu(z)) by default; FalconH1 may norm before
+    # the gate or have no norm (y * silu(z)).
+    rms_norm: bool = True
+    norm_before_gate: bool = False
+    # out_proj's bias where it differs from in_proj's (FalconH1's projectors_bias).
+    out_proj_bias: bool | None = None
 
     def __post_init__(self) -> None:
         if self.num_heads * self.head_dim != self.intermediate_size:
@@ -61,6 +70,22 @@ class MambaArch:
         """One request's state in one layer."""
         numel = math.prod(self.conv_state_shape) + math.prod(self.ssm_state_shape)
         return numel * STATE_DTYPE_SIZE
+
+
+@dataclass(frozen=True)
+class MupMultipliers:
+    """FalconH1's muP scalars: each scales one tensor of the forward (HF's names).
+    ``ssm`` scales in_proj's outputs by part: z, x, B, C, dt."""
+
+    embedding: float = 1.0
+    lm_head: float = 1.0
+    key: float = 1.0
+    attention_in: float = 1.0
+    attention_out: float = 1.0
+    ssm_in: float = 1.0
+    ssm_out: float = 1.0
+    ssm: tuple[float, float, float, float, float] = (1.0, 1.0, 1.0, 1.0, 1.0)
+    mlp: tuple[float, float] = (1.0, 1.0)  # gate, down
 
 
 def _float(value: Any) -> float:
@@ -175,7 +200,52 @@ def mamba_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
         return {"mamba": mamba, "layer_types": layer_types}
     if arch == "NemotronHForCausalLM":
         return {"mamba": _nemotron_h_mamba(cfg), "layer_types": _nemotron_h_layer_types(cfg)}
+    if arch == "FalconH1ForCausalLM":
+        return _falcon_h1_fields(cfg)
     return {}
+
+
+def _falcon_h1_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    for key, wanted in (("hidden_act", "silu"), ("mlp_bias", False)):
+        if cfg.get(key, wanted) != wanted:
+            raise ValueError(f"FalconH1 {key} {cfg[key]!r} not supported (only {wanted!r})")
+    hidden = int(cfg["hidden_size"])
+    d_ssm = cfg.get("mamba_d_ssm") or int(cfg.get("mamba_expand", 2)) * hidden
+    n_heads = int(cfg.get("mamba_n_heads", 128))
+    d_head = cfg.get("mamba_d_head", "auto")
+    mamba = MambaArch(
+        num_heads=n_heads,
+        head_dim=int(d_ssm) // n_heads if d_head == "auto" else int(d_head),
+        state_size=int(cfg.get("mamba_d_state", 256)),
+        n_groups=int(cfg.get("mamba_n_groups", 1)),
+        conv_kernel=int(cfg.get("mamba_d_conv", 4)),
+        intermediate_size=int(d_ssm),
+        chunk_size=int(cfg.get("mamba_chunk_size", 256)),
+        use_conv_bias=bool(cfg.get("mamba_conv_bias", True)),
+        use_bias=bool(cfg.get("mamba_proj_bias", False)),
+        norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
+        time_step_limit=_limit(cfg),
+        rms_norm=bool(cfg.get("mamba_rms_norm", False)),
+        norm_before_gate=bool(cfg.get("mamba_norm_before_gate", True)),
+        out_proj_bias=bool(cfg.get("projectors_bias", False)),
+    )
+    ssm = tuple(float(m) for m in cfg.get("ssm_multipliers") or (1.0,) * 5)
+    mlp = tuple(float(m) for m in cfg.get("mlp_multipliers") or (1.0,) * 2)
+    if len(ssm) != 5 or len(mlp) != 2:
+        raise ValueError("FalconH1 ssm_multipliers needs 5 values and mlp_multipliers 2")
+    mup = MupMultipliers(
+        embedding=float(cfg.get("embedding_multiplier", 1.0)),
+        lm_head=float(cfg.get("lm_head_multiplier", 1.0)),
+        key=float(cfg.get("key_multiplier", 1.0)),
+        attention_in=float(cfg.get("attention_in_multiplier", 1.0)),
+        attention_out=float(cfg.get("attention_out_multiplier", 1.0)),
+        ssm_in=float(cfg.get("ssm_in_multiplier", 1.0)),
+        ssm_out=float(cfg.get("ssm_out_multiplier", 1.0)),
+        ssm=(ssm[0], ssm[1], ssm[2], ssm[3], ssm[4]),
+        mlp=(mlp[0], mlp[1]),
+    )
+    layers = (PARALLEL_HYBRID,) * int(cfg["num_hidden_layers"])
+    return {"mamba": mamba, "layer_types": layers, "mup": mup}
 
 
 def _first(cfg: dict[str, Any], keys: tuple[str, ...], default: Any) -> Any:

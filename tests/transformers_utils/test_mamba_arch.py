@@ -11,6 +11,7 @@ import pytest
 from kvserve.transformers_utils.mamba_arch import (
     MAMBA,
     MLP,
+    PARALLEL_HYBRID,
     mamba_fields,
     normalise_mamba_config,
 )
@@ -59,3 +60,21 @@ def test_nemotron_h_block_list_wins_and_counts_the_layers() -> None:
 def test_nemotron_h_unsupported_configs_are_refused(overrides: dict[str, Any], field: str) -> None:
     with pytest.raises(ValueError, match=field):
         normalise_mamba_config(_ARCH, _nemotron_h(**overrides))
+
+
+def test_falcon_h1_parallel_layers_and_multipliers() -> None:
+    cfg = {
+        "hidden_size": 64, "num_hidden_layers": 2, "mamba_d_ssm": 96, "mamba_n_heads": 4,
+        "mamba_n_groups": 1, "mamba_d_state": 16, "projectors_bias": True,
+        "ssm_multipliers": [1, 2, 3, 4, 5], "mlp_multipliers": [0.5, 2], "key_multiplier": 3,
+    }  # fmt: skip
+    fields = mamba_fields("FalconH1ForCausalLM", cfg)
+    assert fields["layer_types"] == (PARALLEL_HYBRID,) * 2
+    mamba = fields["mamba"]
+    # mamba_d_ssm, not expand x hidden; HF's defaults: no norm, norm before the gate.
+    assert (mamba.intermediate_size, mamba.head_dim) == (96, 24)
+    assert (mamba.rms_norm, mamba.norm_before_gate, mamba.out_proj_bias) == (False, True, True)
+    mup = fields["mup"]
+    assert mup.ssm == (1, 2, 3, 4, 5) and mup.mlp == (0.5, 2) and mup.key == 3
+    with pytest.raises(ValueError, match="ssm_multipliers"):
+        mamba_fields("FalconH1ForCausalLM", {**cfg, "ssm_multipliers": [1, 2]})

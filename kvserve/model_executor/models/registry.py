@@ -40,6 +40,7 @@ _IN_TREE: dict[str, str] = {
     "Mamba2ForCausalLM": f"{_PKG}.mamba2:Mamba2ForCausalLM",
     "BambaForCausalLM": f"{_PKG}.bamba:BambaForCausalLM",
     "NemotronHForCausalLM": f"{_PKG}.nemotron_h:NemotronHForCausalLM",
+    "FalconH1ForCausalLM": f"{_PKG}.falcon_h1:FalconH1ForCausalLM",
     "WhisperForConditionalGeneration": f"{_PKG}.whisper:WhisperForConditionalGeneration",
 }
 

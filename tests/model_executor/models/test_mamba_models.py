@@ -1,7 +1,8 @@
 """Mamba-2 models through ``LLM`` against HF transformers on the same tiny random
 checkpoint: pure ``Mamba2ForCausalLM`` and the ``BambaForCausalLM`` and
 ``NemotronHForCausalLM`` hybrids (Mamba-2 + attention; NemotronH also has MLP-only layers
-and attention without positions). Greedy tokens identical through batching, chunked prefill whose chunks
+and attention without positions), and ``FalconH1ForCausalLM`` (Mamba-2 beside attention
+in every layer, muP multipliers). Greedy tokens identical through batching, chunked prefill whose chunks
 split the scan's chunks (16-token budget, scan chunks of 8), preemption by recompute
 (the hybrid's attention blocks run short), aborts, and n-gram speculative decoding
 (rejected drafts must not advance the state), and prefix caching (a prompt resumes
@@ -24,7 +25,7 @@ from tests.reference import assert_no_leak
 
 MAX_TOKENS = 10
 # Hybrids of two Mamba layers and one attention layer (the tiny configs).
-HYBRIDS = ("bamba", "nemotron_h")
+HYBRIDS = ("bamba", "nemotron_h", "falcon_h1")
 
 
 def _prompts(vocab: int) -> list[list[int]]:
