@@ -1,5 +1,6 @@
 """Tiny random Mamba-2 checkpoints built with transformers (pure ``Mamba2ForCausalLM``,
-the ``BambaForCausalLM``, ``NemotronHForCausalLM`` and ``FalconH1ForCausalLM`` hybrids),
+the ``BambaForCausalLM``, ``NemotronHForCausalLM``, ``FalconH1ForCausalLM`` and
+``GraniteMoeHybridForCausalLM`` hybrids),
 saved without a tokenizer, plus HF references.
 
 Shapes are chosen so prompts of a few dozen tokens cross the scan's chunks (chunk_size
@@ -12,7 +13,7 @@ from typing import Any
 
 import torch
 
-MAMBA_FAMILIES = ("mamba2", "bamba", "nemotron_h", "falcon_h1")
+MAMBA_FAMILIES = ("mamba2", "bamba", "nemotron_h", "falcon_h1", "granitemoehybrid")
 
 _COMMON: dict[str, Any] = dict(
     vocab_size=160,
@@ -63,6 +64,17 @@ def _config(kind: str) -> Any:
             key_multiplier=0.7, attention_in_multiplier=1.3, attention_out_multiplier=0.8,
             ssm_in_multiplier=1.2, ssm_out_multiplier=0.9,
             ssm_multipliers=[1.1, 0.9, 1.2, 0.8, 1.5], mlp_multipliers=[1.3, 0.7],
+        )  # fmt: skip
+    if kind == "granitemoehybrid":
+        # Routed experts beside the shared MLP, Granite's scalars away from 1, RoPE on.
+        return tf.GraniteMoeHybridConfig(
+            **_COMMON, intermediate_size=24, shared_intermediate_size=40,
+            num_local_experts=4, num_experts_per_tok=2, num_attention_heads=4,
+            num_key_value_heads=2, layer_types=["mamba", "attention", "mamba"],
+            mamba_n_heads=8, mamba_d_head=8, mamba_n_groups=2, mamba_d_state=8,
+            mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=8, max_position_embeddings=512,
+            position_embedding_type="rope", embedding_multiplier=2.0, logits_scaling=2.0,
+            residual_multiplier=0.6, attention_multiplier=0.4,
         )  # fmt: skip
     raise ValueError(kind)
 

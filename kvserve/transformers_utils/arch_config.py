@@ -106,8 +106,10 @@ class ArchConfig:
     multimodal: MultiModalArch | None = None
     # Mamba-2 mixers (the layers whose layer_types entry is "mamba"); None without.
     mamba: MambaArch | None = None
-    # FalconH1's muP multipliers; None for models without.
+    # FalconH1's muP multipliers (Granite's scalars too); None for models without.
     mup: MupMultipliers | None = None
+    # Attention without RoPE (GraniteMoeHybrid's position_embedding_type "nope").
+    no_rope: bool = False
 
     @property
     def is_encoder_only(self) -> bool:

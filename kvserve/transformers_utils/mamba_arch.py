@@ -12,6 +12,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from kvserve.transformers_utils.arch_families import MoEConfig
+
 MAMBA = "mamba"
 # A layer with a feed-forward block and no token mixer (NemotronH's "-"): no cache.
 MLP = "mlp"
@@ -86,6 +88,8 @@ class MupMultipliers:
     ssm_out: float = 1.0
     ssm: tuple[float, float, float, float, float] = (1.0, 1.0, 1.0, 1.0, 1.0)
     mlp: tuple[float, float] = (1.0, 1.0)  # gate, down
+    # GraniteMoeHybrid's attention_multiplier: the score scale instead of 1/sqrt(d).
+    attention_scale: float | None = None
 
 
 def _float(value: Any) -> float:
@@ -145,6 +149,13 @@ def normalise_mamba_config(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
     them with what they mean there (no attention layers, no MLP)."""
     if arch == "NemotronHForCausalLM":
         return _nemotron_h_config(cfg)
+    if arch == "GraniteMoeHybridForCausalLM":
+        # ArchConfig's MLP is the shared one every token takes; the experts' size moves.
+        return {
+            **cfg,
+            "intermediate_size": cfg.get("shared_intermediate_size", 1024),
+            "expert_intermediate_size": cfg.get("intermediate_size"),
+        }
     if arch != "Mamba2ForCausalLM":
         return cfg
     hidden = int(cfg["hidden_size"])
@@ -202,7 +213,49 @@ def mamba_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
         return {"mamba": _nemotron_h_mamba(cfg), "layer_types": _nemotron_h_layer_types(cfg)}
     if arch == "FalconH1ForCausalLM":
         return _falcon_h1_fields(cfg)
+    if arch == "GraniteMoeHybridForCausalLM":
+        return _granite_hybrid_fields(cfg)
     return {}
+
+
+_GRANITE_KINDS = {
+    "mamba": MAMBA, "linear_attention": MAMBA,
+    "attention": "full_attention", "full_attention": "full_attention",
+}  # fmt: skip
+
+
+def _granite_hybrid_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Bamba's Mamba fields; Granite's multipliers as muP scalars (the residual one
+    scales every mixer's and MLP's output)."""
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"GraniteMoeHybrid hidden_act {cfg['hidden_act']!r} not supported")
+    fields = mamba_fields("BambaForCausalLM", {**cfg, "attn_layer_indices": []})
+    blocks = cfg.get("layer_types") or cfg.get("layers_block_type") or []
+    if len(blocks) != int(cfg["num_hidden_layers"]):
+        raise ValueError("GraniteMoeHybrid layer_types must name every layer")
+    unknown = sorted({str(b) for b in blocks} - set(_GRANITE_KINDS))
+    if unknown:
+        raise ValueError(f"GraniteMoeHybrid layer_types {unknown} not supported")
+    residual = float(cfg.get("residual_multiplier", 1.0))
+    mup = MupMultipliers(
+        embedding=float(cfg.get("embedding_multiplier", 1.0)),
+        lm_head=1.0 / float(cfg.get("logits_scaling", 1.0)),
+        attention_out=residual,
+        ssm_out=residual,
+        mlp=(1.0, residual),
+        attention_scale=float(cfg.get("attention_multiplier", 1.0)),
+    )
+    fields.update(layer_types=tuple(_GRANITE_KINDS[str(b)] for b in blocks), mup=mup)
+    # Granite 4.0-H has no positions in its attention ("nope"; HF's default None).
+    fields["no_rope"] = cfg.get("position_embedding_type") != "rope"
+    num_experts = int(cfg.get("num_local_experts") or 0)
+    if num_experts:  # softmax over the top-k logits = softmax, renormalised over top-k
+        fields["moe"] = MoEConfig(
+            num_experts=num_experts,
+            top_k=int(cfg.get("num_experts_per_tok", 2)),
+            intermediate_size=int(cfg["expert_intermediate_size"]),
+        )
+    return fields
 
 
 def _falcon_h1_fields(cfg: dict[str, Any]) -> dict[str, Any]:

@@ -78,3 +78,25 @@ def test_falcon_h1_parallel_layers_and_multipliers() -> None:
     assert mup.ssm == (1, 2, 3, 4, 5) and mup.mlp == (0.5, 2) and mup.key == 3
     with pytest.raises(ValueError, match="ssm_multipliers"):
         mamba_fields("FalconH1ForCausalLM", {**cfg, "ssm_multipliers": [1, 2]})
+
+
+def test_granite_hybrid_experts_shared_mlp_and_scalars() -> None:
+    cfg = {
+        "hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 32,
+        "shared_intermediate_size": 96, "num_local_experts": 4, "num_experts_per_tok": 2,
+        "layer_types": ["mamba", "attention"], "mamba_n_heads": 4, "residual_multiplier": 0.5,
+        "attention_multiplier": 0.25, "logits_scaling": 4.0,
+    }  # fmt: skip
+    arch = "GraniteMoeHybridForCausalLM"
+    normalised = normalise_mamba_config(arch, cfg)
+    assert normalised["intermediate_size"] == 96  # the shared MLP's
+    fields = mamba_fields(arch, normalised)
+    assert fields["layer_types"] == (MAMBA, "full_attention")
+    assert (fields["moe"].num_experts, fields["moe"].intermediate_size) == (4, 32)
+    mup = fields["mup"]
+    assert (mup.attention_scale, mup.lm_head, mup.ssm_out, mup.mlp) == (0.25, 0.25, 0.5, (1, 0.5))
+    assert fields["no_rope"]  # HF's default position_embedding_type (None) is NoPE
+    dense = mamba_fields(arch, normalise_mamba_config(arch, {**cfg, "num_local_experts": 0}))
+    assert "moe" not in dense
+    with pytest.raises(ValueError, match="layer_types"):
+        mamba_fields(arch, normalise_mamba_config(arch, {**cfg, "layer_types": ["mamba"]}))

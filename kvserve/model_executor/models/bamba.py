@@ -38,13 +38,14 @@ class NoRotary(nn.Module):
 
 class BambaAttention(nn.Module):
     """The hybrids' attention: RoPE on the first ``partial_rotary_factor`` of each head
-    (none at 0)."""
+    (none at 0); scores scaled by ``scale`` (default ``1/sqrt(head_dim)``)."""
 
     def __init__(
         self,
         arch: ArchConfig,
         prefix: str,
         partial_rotary_factor: float = _PARTIAL_ROTARY_FACTOR,
+        scale: float | None = None,
     ) -> None:
         super().__init__()
         head_dim = arch.head_dim
@@ -66,7 +67,7 @@ class BambaAttention(nn.Module):
         self.attn = Attention(
             num_heads=self.qkv_proj.num_heads,
             head_size=head_dim,
-            scale=head_dim**-0.5,
+            scale=head_dim**-0.5 if scale is None else scale,
             num_kv_heads=self.qkv_proj.num_kv_heads,
             layer_name=f"{prefix}.attn",
         )

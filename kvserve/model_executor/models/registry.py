@@ -41,6 +41,7 @@ _IN_TREE: dict[str, str] = {
     "BambaForCausalLM": f"{_PKG}.bamba:BambaForCausalLM",
     "NemotronHForCausalLM": f"{_PKG}.nemotron_h:NemotronHForCausalLM",
     "FalconH1ForCausalLM": f"{_PKG}.falcon_h1:FalconH1ForCausalLM",
+    "GraniteMoeHybridForCausalLM": f"{_PKG}.granitemoehybrid:GraniteMoeHybridForCausalLM",
     "WhisperForConditionalGeneration": f"{_PKG}.whisper:WhisperForConditionalGeneration",
 }
 

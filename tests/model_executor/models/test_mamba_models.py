@@ -1,8 +1,9 @@
 """Mamba-2 models through ``LLM`` against HF transformers on the same tiny random
 checkpoint: pure ``Mamba2ForCausalLM`` and the ``BambaForCausalLM`` and
 ``NemotronHForCausalLM`` hybrids (Mamba-2 + attention; NemotronH also has MLP-only layers
-and attention without positions), and ``FalconH1ForCausalLM`` (Mamba-2 beside attention
-in every layer, muP multipliers). Greedy tokens identical through batching, chunked prefill whose chunks
+and attention without positions), ``FalconH1ForCausalLM`` (Mamba-2 beside attention
+in every layer, muP multipliers) and ``GraniteMoeHybridForCausalLM`` (Bamba's layout with
+routed experts and a shared MLP). Greedy tokens identical through batching, chunked prefill whose chunks
 split the scan's chunks (16-token budget, scan chunks of 8), preemption by recompute
 (the hybrid's attention blocks run short), aborts, and n-gram speculative decoding
 (rejected drafts must not advance the state), and prefix caching (a prompt resumes
@@ -25,7 +26,7 @@ from tests.reference import assert_no_leak
 
 MAX_TOKENS = 10
 # Hybrids of two Mamba layers and one attention layer (the tiny configs).
-HYBRIDS = ("bamba", "nemotron_h", "falcon_h1")
+HYBRIDS = ("bamba", "nemotron_h", "falcon_h1", "granitemoehybrid")
 
 
 def _prompts(vocab: int) -> list[list[int]]:
