@@ -1,9 +1,11 @@
 """The config.json fields of Mamba-2 mixers (pure ``Mamba2ForCausalLM`` and the
-Mamba-2 / attention hybrids such as Bamba), read into one frozen record.
+Mamba-2 / attention hybrids: Bamba, NemotronH, FalconH1, GraniteMoeHybrid), read into
+one frozen record, with each family's layer pattern and scalars.
 
 A Mamba layer keeps a fixed-size recurrent state per request instead of a growing KV:
 the last ``conv_kernel - 1`` inputs of its causal conv1d and the SSM state of every
-head. ``ArchConfig.layer_types`` says which layers are Mamba layers (``"mamba"``).
+head. ``ArchConfig.layer_types`` says which layers are Mamba layers (``"mamba"``, or
+``"parallel_hybrid"`` with attention beside), and which have no mixer (``"mlp"``).
 """
 
 from __future__ import annotations
@@ -145,8 +147,10 @@ def _nemotron_h_config(cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 def normalise_mamba_config(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
-    """A pure Mamba-2 config.json lacks the attention numbers ArchConfig reads; fill
-    them with what they mean there (no attention layers, no MLP)."""
+    """The top-level numbers ArchConfig reads, where a family's config.json spells them
+    otherwise: a pure Mamba-2 lacks the attention ones (filled with what they mean
+    there: no attention layers, no MLP), NemotronH counts its layers by its pattern,
+    GraniteMoeHybrid's dense MLP is its shared one."""
     if arch == "NemotronHForCausalLM":
         return _nemotron_h_config(cfg)
     if arch == "GraniteMoeHybridForCausalLM":
