@@ -54,7 +54,7 @@ class EngineConfig:
             raise ValueError("speculative decoding is not supported with pipeline parallelism")
         if self.model_config.is_pooling:
             self._configure_pooling(context_len)
-        if "mamba" in self.model_config.arch.layer_types:
+        if self.model_config.arch.mamba is not None:
             self._configure_mamba()
         mm_arch = self.model_config.arch.multimodal
         if mm_arch is not None and mm_arch.encoder_decoder:
@@ -98,7 +98,8 @@ class EngineConfig:
         the block size doubles until it is (the state is padded up to the page)."""
         arch, cache = self.model_config.arch, self.cache_config
         assert arch.mamba is not None
-        if any(kind != "mamba" for kind in arch.layer_types):
+        # Feed-forward-only layers (NemotronH's "mlp") hold no cache.
+        if any(kind not in ("mamba", "mlp") for kind in arch.layer_types):
             dtype_size = _DTYPE_SIZES[cache.kv_dtype(self.model_config.dtype)]
             per_token = 2 * arch.num_key_value_heads * arch.head_dim * dtype_size
             block_size = cache.block_size

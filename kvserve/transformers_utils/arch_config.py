@@ -17,7 +17,10 @@ from kvserve.transformers_utils.arch_families import MLAConfig, MoEConfig, famil
 from kvserve.transformers_utils.gguf_reader import GGUFFile, GGUFTensor, open_gguf
 from kvserve.transformers_utils.mamba_arch import (
     MAMBA,
+    MLP,
+    PARALLEL_HYBRID,
     MambaArch,
+    MupMultipliers,
     mamba_fields,
     normalise_mamba_config,
 )
@@ -44,8 +47,10 @@ _GGUF_ARCHITECTURES = {
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
 CHUNKED_ATTENTION = "chunked_attention"
-# MAMBA: a Mamba-2 mixer with a recurrent state instead of attention (mamba_arch.py).
-LAYER_TYPES = (FULL_ATTENTION, SLIDING_ATTENTION, CHUNKED_ATTENTION, MAMBA)
+# MAMBA: a Mamba-2 mixer with a recurrent state instead of attention, MLP: a
+# feed-forward-only layer of a hybrid, PARALLEL_HYBRID: a Mamba-2 mixer beside full
+# attention (mamba_arch.py).
+LAYER_TYPES = (FULL_ATTENTION, SLIDING_ATTENTION, CHUNKED_ATTENTION, MAMBA, MLP, PARALLEL_HYBRID)
 # llama.cpp's Gemma 3 files carry no pattern key: every 6th layer is global, as in HF's
 # Gemma3TextConfig default (``sliding_window_pattern=6``).
 _GEMMA3_SLIDING_PATTERN = 6
@@ -101,6 +106,10 @@ class ArchConfig:
     multimodal: MultiModalArch | None = None
     # Mamba-2 mixers (the layers whose layer_types entry is "mamba"); None without.
     mamba: MambaArch | None = None
+    # FalconH1's muP multipliers (Granite's scalars too); None for models without.
+    mup: MupMultipliers | None = None
+    # Attention without RoPE (GraniteMoeHybrid's position_embedding_type "nope").
+    no_rope: bool = False
 
     @property
     def is_encoder_only(self) -> bool:
@@ -120,7 +129,7 @@ class ArchConfig:
             raise ValueError(f"unsupported layer_types {unknown} (supported: {LAYER_TYPES})")
         if SLIDING_ATTENTION in self.layer_types and not self.sliding_window:
             raise ValueError("layer_types has sliding_attention layers but no sliding_window")
-        if MAMBA in self.layer_types and self.mamba is None:
+        if {MAMBA, PARALLEL_HYBRID} & set(self.layer_types) and self.mamba is None:
             raise ValueError("layer_types has mamba layers but no mamba config")
         if CHUNKED_ATTENTION in self.layer_types and not self.attention_chunk_size:
             raise ValueError("layer_types has chunked_attention layers but no attention_chunk_size")

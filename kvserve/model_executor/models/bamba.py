@@ -27,8 +27,26 @@ from kvserve.transformers_utils.mamba_arch import MAMBA
 _PARTIAL_ROTARY_FACTOR = 0.5
 
 
+class NoRotary(nn.Module):
+    """Attention without positions (NemotronH: the Mamba layers carry the order)."""
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return q, k
+
+
 class BambaAttention(nn.Module):
-    def __init__(self, arch: ArchConfig, prefix: str) -> None:
+    """The hybrids' attention: RoPE on the first ``partial_rotary_factor`` of each head
+    (none at 0); scores scaled by ``scale`` (default ``1/sqrt(head_dim)``)."""
+
+    def __init__(
+        self,
+        arch: ArchConfig,
+        prefix: str,
+        partial_rotary_factor: float = _PARTIAL_ROTARY_FACTOR,
+        scale: float | None = None,
+    ) -> None:
         super().__init__()
         head_dim = arch.head_dim
         self.qkv_proj = QKVParallelLinear(
@@ -39,15 +57,17 @@ class BambaAttention(nn.Module):
             arch.num_attention_heads * head_dim, arch.hidden_size,
             bias=arch.attention_bias, prefix=f"{prefix}.o_proj",
         )  # fmt: skip
-        self.rotary_emb = get_rope(
-            head_dim, arch.rope_theta, arch.rope_scaling,
-            rotary_dim=int(head_dim * _PARTIAL_ROTARY_FACTOR),
-            max_position=arch.max_position_embeddings,
-        )  # fmt: skip
+        rotary_dim = int(head_dim * partial_rotary_factor)
+        self.rotary_emb: nn.Module = NoRotary()
+        if rotary_dim:
+            self.rotary_emb = get_rope(
+                head_dim, arch.rope_theta, arch.rope_scaling, rotary_dim=rotary_dim,
+                max_position=arch.max_position_embeddings,
+            )  # fmt: skip
         self.attn = Attention(
             num_heads=self.qkv_proj.num_heads,
             head_size=head_dim,
-            scale=head_dim**-0.5,
+            scale=head_dim**-0.5 if scale is None else scale,
             num_kv_heads=self.qkv_proj.num_kv_heads,
             layer_name=f"{prefix}.attn",
         )
@@ -55,7 +75,7 @@ class BambaAttention(nn.Module):
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         q, k, v = self.qkv_proj.forward(hidden_states).split(self.qkv_split, dim=-1)
-        q, k = self.rotary_emb.forward(positions, q, k)
+        q, k = self.rotary_emb(positions, q, k)
         return self.o_proj.forward(self.attn.forward(q, k, v))
 
 

@@ -39,6 +39,9 @@ _IN_TREE: dict[str, str] = {
     "BertModel": f"{_PKG}.bert:BertModel",
     "Mamba2ForCausalLM": f"{_PKG}.mamba2:Mamba2ForCausalLM",
     "BambaForCausalLM": f"{_PKG}.bamba:BambaForCausalLM",
+    "NemotronHForCausalLM": f"{_PKG}.nemotron_h:NemotronHForCausalLM",
+    "FalconH1ForCausalLM": f"{_PKG}.falcon_h1:FalconH1ForCausalLM",
+    "GraniteMoeHybridForCausalLM": f"{_PKG}.granitemoehybrid:GraniteMoeHybridForCausalLM",
     "WhisperForConditionalGeneration": f"{_PKG}.whisper:WhisperForConditionalGeneration",
 }
 

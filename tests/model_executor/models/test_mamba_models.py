@@ -1,6 +1,9 @@
 """Mamba-2 models through ``LLM`` against HF transformers on the same tiny random
-checkpoint: pure ``Mamba2ForCausalLM`` and the ``BambaForCausalLM`` hybrid (Mamba-2 +
-attention). Greedy tokens identical through batching, chunked prefill whose chunks
+checkpoint: pure ``Mamba2ForCausalLM`` and the ``BambaForCausalLM`` and
+``NemotronHForCausalLM`` hybrids (Mamba-2 + attention; NemotronH also has MLP-only layers
+and attention without positions), ``FalconH1ForCausalLM`` (Mamba-2 beside attention
+in every layer, muP multipliers) and ``GraniteMoeHybridForCausalLM`` (Bamba's layout with
+routed experts and a shared MLP). Greedy tokens identical through batching, chunked prefill whose chunks
 split the scan's chunks (16-token budget, scan chunks of 8), preemption by recompute
 (the hybrid's attention blocks run short), aborts, and n-gram speculative decoding
 (rejected drafts must not advance the state), and prefix caching (a prompt resumes
@@ -22,6 +25,8 @@ from tests.mamba_models import MAMBA_FAMILIES, build_mamba_model, hf_greedy
 from tests.reference import assert_no_leak
 
 MAX_TOKENS = 10
+# Hybrids of two Mamba layers and one attention layer (the tiny configs).
+HYBRIDS = ("bamba", "nemotron_h", "falcon_h1", "granitemoehybrid")
 
 
 def _prompts(vocab: int) -> list[list[int]]:
@@ -53,11 +58,11 @@ def test_greedy_matches_hf_through_batching_chunking_and_preemption(
     family: Any, caching: bool
 ) -> None:
     kind, path, prompts, expected = family
-    # The hybrid's blocks are 32 tokens (an attention page holds a state): a request
+    # The hybrids' blocks are 32 tokens (an attention page holds a state): a request
     # holds 1-2 attention blocks and a state block per Mamba group (up to 5 with
     # prefix caching, core/mamba_manager.py), so these small pools preempt. A pure Mamba
     # request's blocks do not grow with it: it is never preempted for want of blocks.
-    num_blocks = {("bamba", True): 14, ("bamba", False): 8}.get((kind, caching), 8)
+    num_blocks = 14 if kind in HYBRIDS and caching else 8
     llm = LLM(
         path, skip_tokenizer_init=True, block_size=4, max_num_batched_tokens=16,
         num_blocks_override=num_blocks, enable_prefix_caching=caching,
@@ -66,7 +71,7 @@ def test_greedy_matches_hf_through_batching_chunking_and_preemption(
     assert _run(llm, prompts) == expected
     # One at a time: no batching, the same tokens.
     assert _run(llm, [prompts[4]]) == [expected[4]]
-    if kind == "bamba":
+    if kind in HYBRIDS:
         assert scheduler.num_preemptions > 0, "the small pool should have preempted"
     # An abort mid-prefill frees the request's state block and attention blocks.
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)

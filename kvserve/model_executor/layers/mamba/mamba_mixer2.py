@@ -28,19 +28,33 @@ from kvserve.transformers_utils.mamba_arch import MambaArch
 
 class MambaRMSNormGated(nn.Module):
     """``rmsnorm(y * silu(gate))`` over groups of ``group_size`` channels (HF's
-    MambaRMSNormGated, norm after the gate)."""
+    MambaRMSNormGated, norm after the gate), or ``rmsnorm(y) * silu(gate)`` with
+    ``norm_before_gate`` (FalconH1's ``mamba_norm_before_gate``)."""
 
-    def __init__(self, hidden_size: int, group_size: int, eps: float) -> None:
+    def __init__(
+        self, hidden_size: int, group_size: int, eps: float, norm_before_gate: bool = False
+    ) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
         self.group_size = group_size
         self.eps = eps
+        self.norm_before_gate = norm_before_gate
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        x = x.float() * F.silu(gate.float())
+        x = x.float()
+        if not self.norm_before_gate:
+            x = x * F.silu(gate.float())
         grouped = x.view(*x.shape[:-1], -1, self.group_size)
         grouped = grouped * torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * grouped.view(x.shape)
+        normed = self.weight * grouped.view(x.shape)
+        return normed * F.silu(gate.float()) if self.norm_before_gate else normed
+
+
+class SiluGate(nn.Module):
+    """``y * silu(gate)`` without a norm (FalconH1 with ``mamba_rms_norm`` off)."""
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        return x * F.silu(gate)
 
 
 class MambaMixer2(nn.Module):
@@ -67,13 +81,16 @@ class MambaMixer2(nn.Module):
         self.dt_bias = nn.Parameter(torch.zeros(self.num_heads), requires_grad=False)
         self.A_log = nn.Parameter(torch.zeros(self.num_heads), requires_grad=False)
         self.D = nn.Parameter(torch.ones(self.num_heads), requires_grad=False)
-        self.norm = MambaRMSNormGated(
-            self.intermediate_size, self.intermediate_size // self.n_groups, mamba.norm_eps
-        )
+        self.norm: nn.Module = SiluGate()
+        if mamba.rms_norm:
+            self.norm = MambaRMSNormGated(
+                self.intermediate_size, self.intermediate_size // self.n_groups,
+                mamba.norm_eps, mamba.norm_before_gate,
+            )  # fmt: skip
         self.out_proj = ReplicatedLinear(
             self.intermediate_size,
             hidden_size,
-            bias=mamba.use_bias,
+            bias=mamba.use_bias if mamba.out_proj_bias is None else mamba.out_proj_bias,
             prefix=f"{layer_name}.out_proj",
         )
         self.state_cache: MambaStateCache = NoStateCache()
@@ -154,7 +171,7 @@ class MambaMixer2(nn.Module):
             y, _, _ = self._run_sequence(xbc, dt, conv0, ssm0)
         else:
             y = self._forward_batch(metadata, xbc, dt, num_tokens)
-        y = self.norm.forward(y.reshape(num_tokens, self.intermediate_size), gate)
+        y = self.norm(y.reshape(num_tokens, self.intermediate_size), gate)
         return self.out_proj.forward(y)
 
     def _forward_batch(
