@@ -92,6 +92,14 @@ class EngineArgs(MultiModalArgs, VllmCompatArgs):
     data_parallel_size: int = 1
     data_parallel_load_balance: Literal["least_loaded", "prefix"] = "least_loaded"
     data_parallel_tolerate_failure: bool = False
+    # Multi-node data parallelism (vLLM's names; config/runtime.py ParallelConfig).
+    data_parallel_backend: Literal["mp", "ray"] = "mp"
+    data_parallel_size_local: int | None = None
+    data_parallel_start_rank: int = 0
+    data_parallel_address: str | None = None
+    data_parallel_rpc_port: int = 29550
+    # `kvserve serve --headless`: this node runs its engine cores only (entrypoints/headless.py).
+    headless: bool = False
     # A KVEventsConfig, a dict of its fields, or the JSON text of --kv-events-config.
     kv_events_config: KVEventsConfig | dict[str, Any] | str | None = None
     # A KVTransferConfig, a dict of its fields, or the JSON text of --kv-transfer-config.
@@ -252,6 +260,11 @@ class EngineArgs(MultiModalArgs, VllmCompatArgs):
                 data_parallel_size=self.data_parallel_size,
                 data_parallel_load_balance=self.data_parallel_load_balance,
                 data_parallel_tolerate_failure=self.data_parallel_tolerate_failure,
+                data_parallel_backend=self.data_parallel_backend,
+                data_parallel_size_local=self.data_parallel_size_local,
+                data_parallel_start_rank=self.data_parallel_start_rank,
+                data_parallel_address=self.data_parallel_address,
+                data_parallel_rpc_port=self.data_parallel_rpc_port,
             ),
             device_config=device_config,
             kv_events_config=(
@@ -350,6 +363,34 @@ class EngineArgs(MultiModalArgs, VllmCompatArgs):
             "--data-parallel-tolerate-failure", action="store_true",
             help="with -dp: a dead engine core fails only its own requests (503) and the "
             "others keep serving; by default one dead core takes the server down",
+        )  # fmt: skip
+        parser.add_argument(
+            "--data-parallel-backend", "-dpb", default="mp", choices=["mp", "ray"],
+            help="with -dp: engine cores as processes (mp) or as Ray actors across the "
+            "cluster's nodes (ray; docs/distributed.md)",
+        )  # fmt: skip
+        parser.add_argument(
+            "--data-parallel-size-local", "-dpl", type=int, default=None,
+            help="with -dp: how many of the ranks run on this node (default: all; the "
+            "others come from --headless nodes)",
+        )  # fmt: skip
+        parser.add_argument(
+            "--data-parallel-start-rank", "-dpr", type=int, default=0,
+            help="with --headless: this node's first rank",
+        )  # fmt: skip
+        parser.add_argument(
+            "--data-parallel-address", "-dpa", default=None,
+            help="with -dp over several nodes: the front end's address (where the other "
+            "nodes' cores connect)",
+        )  # fmt: skip
+        parser.add_argument(
+            "--data-parallel-rpc-port", "-dpp", type=int, default=29550,
+            help="with -dp over several nodes: the front end's handshake port",
+        )  # fmt: skip
+        parser.add_argument(
+            "--headless", action="store_true",
+            help="run this node's engine cores only (no API server), for the front end at "
+            "--data-parallel-address",
         )  # fmt: skip
         parser.add_argument(
             "--no-batch-queue", dest="batch_queue", action="store_false",

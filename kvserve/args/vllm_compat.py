@@ -90,24 +90,9 @@ IGNORED_ARGS: dict[str, IgnoredArg] = {
     "tokenizer_pool_size": IgnoredArg("no-op", "tokenization runs in the front end", cli=int),
     # Features kvserve does not have: accepted only where they are off.
     "enable_expert_parallel": IgnoredArg("default-only", "no MoE models", (False,), cli="flag"),
-    # Data parallelism runs its cores as local processes, launched by the front end.
-    "data_parallel_backend": IgnoredArg(
-        "default-only", "data-parallel cores are local processes", ("mp",)
-    ),
+    # External load balancing (one server per rank) is not done: the front end balances.
     "data_parallel_rank": IgnoredArg(
-        "default-only", "no external launchers: the front end starts every core", (0,), cli=int
-    ),
-    "data_parallel_size_local": IgnoredArg(
-        "default-only", "every data-parallel core runs on this machine", cli=int
-    ),
-    "data_parallel_address": IgnoredArg(
-        "default-only", "every data-parallel core runs on this machine"
-    ),
-    "data_parallel_rpc_port": IgnoredArg(
-        "default-only", "every data-parallel core runs on this machine", cli=int
-    ),
-    "headless": IgnoredArg(
-        "default-only", "the front end runs with its engine cores", (False,), cli="flag"
+        "default-only", "no external load balancing: the front end balances", (0,), cli=int
     ),
     "num_scheduler_steps": IgnoredArg("default-only", "one step per schedule", (1,), cli=int),
     "tokenizer_mode": IgnoredArg(
@@ -170,12 +155,7 @@ class VllmCompatArgs:
     additional_config: Any = None
     tokenizer_pool_size: int | None = None
     enable_expert_parallel: bool | None = None
-    data_parallel_backend: str | None = None
     data_parallel_rank: int | None = None
-    data_parallel_size_local: int | None = None
-    data_parallel_address: str | None = None
-    data_parallel_rpc_port: int | None = None
-    headless: bool | None = None
     num_scheduler_steps: int | None = None
     tokenizer_mode: str | None = None
     config_format: str | None = None

@@ -101,6 +101,18 @@ class ParallelConfig:
     # A dead core fails only its own requests (503) while the others keep serving;
     # without it, one dead core takes the whole engine down.
     data_parallel_tolerate_failure: bool = False
+    # Where the cores run (vLLM's names): "mp", processes this front end spawns for its
+    # data_parallel_size_local ranks (the others come from --headless nodes); "ray", one
+    # Ray actor per rank, placed across the cluster's nodes (engine/dp_ray.py).
+    data_parallel_backend: Literal["mp", "ray"] = "mp"
+    # Ranks run on this node: [data_parallel_start_rank, + data_parallel_size_local).
+    # None: all of them (mp), or none here (ray: every rank is an actor).
+    data_parallel_size_local: int | None = None
+    data_parallel_start_rank: int = 0
+    # The front end's address and handshake port, where the cores it did not spawn
+    # connect (None: 127.0.0.1, or this node's address in the Ray cluster).
+    data_parallel_address: str | None = None
+    data_parallel_rpc_port: int = 29550
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1 or self.pipeline_parallel_size < 1:
@@ -117,6 +129,7 @@ class ParallelConfig:
                 "data_parallel_load_balance must be 'least_loaded' or 'prefix', "
                 f"got {self.data_parallel_load_balance!r}"
             )
+        self._check_data_parallel_layout()
         if not isinstance(self.batch_queue, bool):
             raise ValueError(f"batch_queue must be a bool, got {self.batch_queue!r}")
         if self.distributed_executor_backend is None:
@@ -126,6 +139,44 @@ class ParallelConfig:
                 f"distributed_executor_backend='uni' runs one worker, but tensor_parallel_size"
                 f" x pipeline_parallel_size = {self.world_size}: use 'mp'"
             )
+
+    def _check_data_parallel_layout(self) -> None:
+        size = self.data_parallel_size
+        if self.data_parallel_backend not in ("mp", "ray"):
+            raise ValueError(
+                f"data_parallel_backend must be 'mp' or 'ray', got {self.data_parallel_backend!r}"
+            )
+        local = self.data_parallel_size_local
+        if local is not None and not 0 <= local <= size:
+            raise ValueError(
+                f"data_parallel_size_local must be in [0, data_parallel_size={size}], got {local}"
+            )
+        if not 0 <= self.data_parallel_start_rank < size:
+            raise ValueError(
+                f"data_parallel_start_rank must be in [0, {size}), "
+                f"got {self.data_parallel_start_rank}"
+            )
+        if local is not None and self.data_parallel_start_rank + local > size:
+            raise ValueError(
+                f"data_parallel_start_rank + data_parallel_size_local = "
+                f"{self.data_parallel_start_rank + local} exceeds data_parallel_size={size}"
+            )
+        if self.data_parallel_backend == "ray" and local:
+            raise ValueError("data_parallel_size_local: with the ray backend Ray places every rank")
+        if not 0 <= self.data_parallel_rpc_port < 65536:
+            raise ValueError(
+                f"data_parallel_rpc_port must be a TCP port, got {self.data_parallel_rpc_port}"
+            )
+
+    @property
+    def local_data_parallel_ranks(self) -> range:
+        """The ranks this node's front end (or headless launcher) spawns."""
+        if self.data_parallel_backend == "ray":
+            return range(0)
+        local = self.data_parallel_size_local
+        if local is None:
+            local = self.data_parallel_size - self.data_parallel_start_rank
+        return range(self.data_parallel_start_rank, self.data_parallel_start_rank + local)
 
     @property
     def world_size(self) -> int:
