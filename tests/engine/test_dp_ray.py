@@ -2,16 +2,21 @@
 on a two-node ``ray.cluster_utils.Cluster`` (one CPU and a custom resource per node, so
 one rank per node): transformers' greedy tokens (those of one core), both cores served
 requests (their own metrics, by engine label), each on its own node; the front end
-talks to them over TCP ZMQ (msgpack), as to a headless node's cores."""
+talks to them over TCP ZMQ (msgpack), as to a headless node's cores. A killed actor
+process ends the engine with a clear error within seconds."""
 
 from __future__ import annotations
 
+import os
+import signal
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from kvserve.engine.exceptions import EngineDeadError
 from kvserve.entrypoints.llm import LLM
 from kvserve.metrics.reader import Counter
 from kvserve.sampling_params import SamplingParams
@@ -69,5 +74,13 @@ def test_dp2_on_two_ray_nodes_matches_transformers(two_node_cluster: Any, tmp_pa
             if n["Alive"] and any(r.startswith("dp_node_") for r in n["Resources"])
         ]
         assert len(workers) == 2 and sorted(actors.node_ids) == sorted(workers)
+        # A rank's actor process killed: its lost connection ends the engine within seconds.
+        core = llm.llm_engine.engine_core.cores[1]
+        assert core.proc.pid is not None  # from its hello
+        os.kill(core.proc.pid, signal.SIGKILL)
+        killed_at = time.monotonic()
+        with pytest.raises(EngineDeadError, match="died"):
+            llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+        assert time.monotonic() - killed_at < 15
     finally:
         llm.llm_engine.shutdown()
