@@ -96,6 +96,8 @@ class EngineArgs(MultiModalArgs, VllmCompatArgs):
     data_parallel_backend: Literal["mp", "ray"] = "mp"
     data_parallel_size_local: int | None = None
     data_parallel_start_rank: int = 0
+    # External load balancing: this server runs only this rank's core.
+    data_parallel_rank: int | None = None
     data_parallel_address: str | None = None
     data_parallel_rpc_port: int = 29550
     # `kvserve serve --headless`: this node runs its engine cores only (entrypoints/headless.py).
@@ -263,6 +265,8 @@ class EngineArgs(MultiModalArgs, VllmCompatArgs):
                 data_parallel_backend=self.data_parallel_backend,
                 data_parallel_size_local=self.data_parallel_size_local,
                 data_parallel_start_rank=self.data_parallel_start_rank,
+                data_parallel_rank=self.data_parallel_rank or 0,
+                data_parallel_external_lb=self.data_parallel_rank is not None,
                 data_parallel_address=self.data_parallel_address,
                 data_parallel_rpc_port=self.data_parallel_rpc_port,
             ),
@@ -377,6 +381,11 @@ class EngineArgs(MultiModalArgs, VllmCompatArgs):
         parser.add_argument(
             "--data-parallel-start-rank", "-dpr", type=int, default=0,
             help="with --headless: this node's first rank",
+        )  # fmt: skip
+        parser.add_argument(
+            "--data-parallel-rank", "-dpn", type=int, default=None,
+            help="with -dp: external load balancing, this server runs this rank's core only "
+            "(one server per rank, balanced by the caller)",
         )  # fmt: skip
         parser.add_argument(
             "--data-parallel-address", "-dpa", default=None,

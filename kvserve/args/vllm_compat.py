@@ -90,10 +90,6 @@ IGNORED_ARGS: dict[str, IgnoredArg] = {
     "tokenizer_pool_size": IgnoredArg("no-op", "tokenization runs in the front end", cli=int),
     # Features kvserve does not have: accepted only where they are off.
     "enable_expert_parallel": IgnoredArg("default-only", "no MoE models", (False,), cli="flag"),
-    # External load balancing (one server per rank) is not done: the front end balances.
-    "data_parallel_rank": IgnoredArg(
-        "default-only", "no external load balancing: the front end balances", (0,), cli=int
-    ),
     "num_scheduler_steps": IgnoredArg("default-only", "one step per schedule", (1,), cli=int),
     "tokenizer_mode": IgnoredArg(
         "default-only", "HF tokenizers only (fast where one exists)", ("auto", "hf")
@@ -155,7 +151,6 @@ class VllmCompatArgs:
     additional_config: Any = None
     tokenizer_pool_size: int | None = None
     enable_expert_parallel: bool | None = None
-    data_parallel_rank: int | None = None
     num_scheduler_steps: int | None = None
     tokenizer_mode: str | None = None
     config_format: str | None = None

@@ -113,6 +113,9 @@ class ParallelConfig:
     # connect (None: 127.0.0.1, or this node's address in the Ray cluster).
     data_parallel_address: str | None = None
     data_parallel_rpc_port: int = 29550
+    # External load balancing (vLLM's --data-parallel-rank): this front end runs only
+    # the core of data_parallel_rank; one server per rank, balanced by the caller.
+    data_parallel_external_lb: bool = False
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1 or self.pipeline_parallel_size < 1:
@@ -161,12 +164,24 @@ class ParallelConfig:
                 f"data_parallel_start_rank + data_parallel_size_local = "
                 f"{self.data_parallel_start_rank + local} exceeds data_parallel_size={size}"
             )
+        if self.data_parallel_external_lb and (
+            self.data_parallel_backend != "mp" or local not in (None, 1)
+        ):
+            raise ValueError(
+                "data_parallel_rank (external load balancing) runs one local mp core: "
+                "leave data_parallel_backend and data_parallel_size_local unset"
+            )
         if self.data_parallel_backend == "ray" and local:
             raise ValueError("data_parallel_size_local: with the ray backend Ray places every rank")
         if not 0 <= self.data_parallel_rpc_port < 65536:
             raise ValueError(
                 f"data_parallel_rpc_port must be a TCP port, got {self.data_parallel_rpc_port}"
             )
+
+    @property
+    def front_end_balances(self) -> bool:
+        """Several cores behind this front end (DPClient), not one rank's core alone."""
+        return self.data_parallel_size > 1 and not self.data_parallel_external_lb
 
     @property
     def local_data_parallel_ranks(self) -> range:

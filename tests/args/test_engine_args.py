@@ -131,3 +131,11 @@ def test_data_parallel_layout_is_validated_by_name() -> None:
     assert not ParallelConfig(
         data_parallel_size=2, data_parallel_backend="ray"
     ).local_data_parallel_ranks
+    # External load balancing: one rank's core alone, no DP client.
+    config = EngineArgs(data_parallel_size=2, data_parallel_rank=1).create_engine_config()
+    assert config.parallel_config.data_parallel_rank == 1
+    assert not config.parallel_config.front_end_balances
+    with pytest.raises(ValueError, match="data_parallel_rank"):
+        EngineArgs(
+            data_parallel_size=2, data_parallel_rank=1, data_parallel_backend="ray"
+        ).create_engine_config()

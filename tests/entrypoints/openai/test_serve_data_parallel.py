@@ -5,7 +5,7 @@ non-zero within seconds; with --data-parallel-tolerate-failure the dead core's r
 get 503 and the other core keeps serving. Two "nodes": a front end running rank 0 and a
 ``--headless`` process running rank 1 that connects to it over TCP, same text, both
 ranks serve (metrics and the dashboard's per-core rows); the headless node exits once
-the front end is gone."""
+the front end is gone. External load balancing (--data-parallel-rank): one rank's core."""
 
 from __future__ import annotations
 
@@ -183,3 +183,20 @@ def _read(log: Any) -> str:
 def _cores_of(server: RemoteServer) -> list[psutil.Process]:
     children = psutil.Process(server.proc.pid).children()
     return [c for c in children if "resource_tracker" not in " ".join(c.cmdline())]
+
+
+def test_external_load_balancing_runs_one_ranks_core(tmp_path: Path) -> None:
+    """--data-parallel-rank: this server is rank 1 of 2 (the caller balances over the
+    servers): one core, reporting as engine 1."""
+    build_family_model("qwen3", tmp_path)
+    server = RemoteServer(str(tmp_path), "--skip-tokenizer-init", "-dp", "2", "-dpn", "1")
+    try:
+        client = server.client()
+        completion = client.completions.create(
+            model=client.models.list().data[0].id, prompt=[5, 17, 42], max_tokens=3
+        )
+        assert completion.choices[0].finish_reason is not None
+        assert _per_engine(server, "kvserve:request_success_total") == {"1": 1.0}
+        assert len(_cores_of(server)) == 1
+    finally:
+        server.stop()
