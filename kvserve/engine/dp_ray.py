@@ -67,7 +67,6 @@ class RayCoreActors:
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     placement_group=self.placement_group, placement_group_bundle_index=rank
                 ),
-                name=None,
             ).remote()
             for rank in range(size)
         ]

@@ -26,7 +26,6 @@ import msgspec
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from kvserve.protocol.core_messages import ReadyMessage, StartupErrorMessage
 from kvserve.protocol.dp_handshake import (
     CoreAddressesMessage,
     CoreHandshakeMessage,
@@ -222,8 +221,7 @@ class DPHandshakeServer:
         writer = self.startups[rank].ready_writer
         writer.send_bytes(frame)
         writer.close()
-        if isinstance(message, ReadyMessage | StartupErrorMessage):
-            logger.debug("data-parallel rank %d handshake: %s", rank, type(message).__name__)
+        logger.debug("data-parallel rank %d handshake: %s", rank, type(message).__name__)
 
     def _on_hello(self, identity: bytes, hello: CoreHelloMessage, fd: int) -> None:
         startup = self.startups.get(hello.rank)
