@@ -67,6 +67,7 @@ E2E_MODULES = frozenset(
         "distributed/test_parallel_state.py",
         "engine/test_async_llm.py",
         "engine/test_data_parallel.py",
+        "engine/test_dp_ray.py",
         "engine_core/test_core_isolation.py",
         "engine_core/test_core_proc.py",
         "entrypoints/disagg/test_launcher_e2e.py",

@@ -25,9 +25,17 @@ class ParallelArgs:
     data_parallel_load_balance: Literal["least_loaded", "prefix"] = "least_loaded"
     data_parallel_tolerate_failure: bool = False
     enable_expert_parallel: bool = False
-    data_parallel_address: str = "127.0.0.1"
-    data_parallel_rpc_port: int | None = None
+    # Multi-node data parallelism (vLLM's names; config/runtime.py ParallelConfig).
+    data_parallel_backend: Literal["mp", "ray"] = "mp"
+    data_parallel_size_local: int | None = None
+    data_parallel_start_rank: int = 0
+    # External load balancing: this server runs only this rank's core.
+    data_parallel_rank: int | None = None
+    data_parallel_address: str | None = None
+    data_parallel_rpc_port: int = 29550
     data_parallel_master_port: int | None = None
+    # `kvserve serve --headless`: this node runs its engine cores only (engine/headless.py).
+    headless: bool = False
 
     def _parallel_config(self) -> ParallelConfig:
         return ParallelConfig(
@@ -39,6 +47,11 @@ class ParallelArgs:
             data_parallel_load_balance=self.data_parallel_load_balance,
             data_parallel_tolerate_failure=self.data_parallel_tolerate_failure,
             enable_expert_parallel=self.enable_expert_parallel,
+            data_parallel_backend=self.data_parallel_backend,
+            data_parallel_size_local=self.data_parallel_size_local,
+            data_parallel_start_rank=self.data_parallel_start_rank,
+            data_parallel_rank=self.data_parallel_rank or 0,
+            data_parallel_external_lb=self.data_parallel_rank is not None,
             data_parallel_address=self.data_parallel_address,
             data_parallel_rpc_port=self.data_parallel_rpc_port,
             data_parallel_master_port=self.data_parallel_master_port,
@@ -80,20 +93,43 @@ def add_parallel_cli_args(parser: argparse.ArgumentParser) -> None:
         "MoE layer with no tokens (docs/distributed.md#expert-parallelism)",
     )  # fmt: skip
     group.add_argument(
-        "--data-parallel-address", default="127.0.0.1",
-        help="with -dp and --enable-expert-parallel: the address the cores and their "
-        "workers meet at (loopback: one machine)",
+        "--data-parallel-backend", "-dpb", default="mp", choices=["mp", "ray"],
+        help="with -dp: engine cores as processes (mp) or as Ray actors across the "
+        "cluster's nodes (ray; docs/distributed.md)",
     )  # fmt: skip
     group.add_argument(
-        "--data-parallel-rpc-port", type=int, default=None,
-        help="with -dp and --enable-expert-parallel: the port of the cores' own group "
-        "(the step agreement); their workers' torch.distributed world takes the next "
-        "one; default: free ports picked at start",
+        "--data-parallel-size-local", "-dpl", type=int, default=None,
+        help="with -dp: how many of the ranks run on this node (default: all; the "
+        "others come from --headless nodes)",
+    )  # fmt: skip
+    group.add_argument(
+        "--data-parallel-start-rank", "-dpr", type=int, default=0,
+        help="with --headless: this node's first rank",
+    )  # fmt: skip
+    group.add_argument(
+        "--data-parallel-rank", "-dpn", type=int, default=None,
+        help="with -dp: external load balancing, this server runs this rank's core only "
+        "(one server per rank, balanced by the caller)",
+    )  # fmt: skip
+    group.add_argument(
+        "--data-parallel-address", "-dpa", default=None,
+        help="with -dp over several nodes: the front end's address (where the other "
+        "nodes' cores connect, and where cores sharing experts meet; default loopback)",
+    )  # fmt: skip
+    group.add_argument(
+        "--data-parallel-rpc-port", "-dpp", type=int, default=29550,
+        help="with -dp over several nodes: the front end's handshake port",
     )  # fmt: skip
     group.add_argument(
         "--data-parallel-master-port", type=int, default=None,
         help="with -dp and --enable-expert-parallel: the port of the workers' "
-        "torch.distributed world (default: the one after --data-parallel-rpc-port, or free)",
+        "torch.distributed world; the cores' step agreement takes the next one "
+        "(default: free ports picked at start)",
+    )  # fmt: skip
+    group.add_argument(
+        "--headless", action="store_true",
+        help="run this node's engine cores only (no API server), for the front end at "
+        "--data-parallel-address",
     )  # fmt: skip
     group.add_argument(
         "--no-batch-queue", dest="batch_queue", action="store_false",

@@ -89,19 +89,6 @@ IGNORED_ARGS: dict[str, IgnoredArg] = {
     "additional_config": IgnoredArg("no-op", "no platform plug-ins read it", cli="json"),
     "tokenizer_pool_size": IgnoredArg("no-op", "tokenization runs in the front end", cli=int),
     # Features kvserve does not have: accepted only where they are off.
-    # Data parallelism runs its cores as local processes, launched by the front end.
-    "data_parallel_backend": IgnoredArg(
-        "default-only", "data-parallel cores are local processes", ("mp",)
-    ),
-    "data_parallel_rank": IgnoredArg(
-        "default-only", "no external launchers: the front end starts every core", (0,), cli=int
-    ),
-    "data_parallel_size_local": IgnoredArg(
-        "default-only", "every data-parallel core runs on this machine", cli=int
-    ),
-    "headless": IgnoredArg(
-        "default-only", "the front end runs with its engine cores", (False,), cli="flag"
-    ),
     "num_scheduler_steps": IgnoredArg("default-only", "one step per schedule", (1,), cli=int),
     "tokenizer_mode": IgnoredArg(
         "default-only", "HF tokenizers only (fast where one exists)", ("auto", "hf")
@@ -162,10 +149,6 @@ class VllmCompatArgs:
     show_hidden_metrics_for_version: str | None = None
     additional_config: Any = None
     tokenizer_pool_size: int | None = None
-    data_parallel_backend: str | None = None
-    data_parallel_rank: int | None = None
-    data_parallel_size_local: int | None = None
-    headless: bool | None = None
     num_scheduler_steps: int | None = None
     tokenizer_mode: str | None = None
     config_format: str | None = None

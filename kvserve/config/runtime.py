@@ -106,12 +106,27 @@ class ParallelConfig:
     # intermediate dim; with data_parallel_size > 1 the workers of every core join one
     # torch.distributed world and the cores step in lockstep (engine_core/dp_wave.py).
     enable_expert_parallel: bool = False
-    # Where the cores meet (with expert parallelism across cores): the cores' own group
-    # on data_parallel_rpc_port, their workers' world on data_parallel_master_port;
-    # unset ports are picked free by the front end before it starts the cores.
-    data_parallel_address: str = "127.0.0.1"
-    data_parallel_rpc_port: int | None = None
+    # Where the cores run (vLLM's names): "mp", processes this front end spawns for its
+    # data_parallel_size_local ranks (the others come from --headless nodes); "ray", one
+    # Ray actor per rank, placed across the cluster's nodes (engine/dp_ray.py).
+    data_parallel_backend: Literal["mp", "ray"] = "mp"
+    # Ranks run on this node: [data_parallel_start_rank, + data_parallel_size_local).
+    # None: all of them (mp), or none here (ray: every rank is an actor).
+    data_parallel_size_local: int | None = None
+    data_parallel_start_rank: int = 0
+    # The front end's address and handshake port, where the cores it did not spawn
+    # connect (None: 127.0.0.1, or this node's address in the Ray cluster); cores that
+    # share experts meet at the same address.
+    data_parallel_address: str | None = None
+    data_parallel_rpc_port: int = 29550
+    # With expert parallelism across cores: their workers' torch.distributed world on
+    # data_parallel_master_port, the cores' own step-agreement group on the next port;
+    # unset, the front end picks free ports before it starts the cores.
     data_parallel_master_port: int | None = None
+    data_parallel_wave_port: int | None = None
+    # External load balancing (vLLM's --data-parallel-rank): this front end runs only
+    # the core of data_parallel_rank; one server per rank, balanced by the caller.
+    data_parallel_external_lb: bool = False
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1 or self.pipeline_parallel_size < 1:
@@ -128,6 +143,7 @@ class ParallelConfig:
                 "data_parallel_load_balance must be 'least_loaded' or 'prefix', "
                 f"got {self.data_parallel_load_balance!r}"
             )
+        self._check_data_parallel_layout()
         if not isinstance(self.batch_queue, bool):
             raise ValueError(f"batch_queue must be a bool, got {self.batch_queue!r}")
         if self.distributed_executor_backend is None:
@@ -152,6 +168,56 @@ class ParallelConfig:
                 "data_parallel_tolerate_failure cannot be used with enable_expert_parallel: "
                 "every core takes part in every MoE layer, so no core can go on without another"
             )
+
+    def _check_data_parallel_layout(self) -> None:
+        size = self.data_parallel_size
+        if self.data_parallel_backend not in ("mp", "ray"):
+            raise ValueError(
+                f"data_parallel_backend must be 'mp' or 'ray', got {self.data_parallel_backend!r}"
+            )
+        local = self.data_parallel_size_local
+        if local is not None and not 0 <= local <= size:
+            raise ValueError(
+                f"data_parallel_size_local must be in [0, data_parallel_size={size}], got {local}"
+            )
+        if not 0 <= self.data_parallel_start_rank < size:
+            raise ValueError(
+                f"data_parallel_start_rank must be in [0, {size}), "
+                f"got {self.data_parallel_start_rank}"
+            )
+        if local is not None and self.data_parallel_start_rank + local > size:
+            raise ValueError(
+                f"data_parallel_start_rank + data_parallel_size_local = "
+                f"{self.data_parallel_start_rank + local} exceeds data_parallel_size={size}"
+            )
+        if self.data_parallel_external_lb and (
+            self.data_parallel_backend != "mp" or local not in (None, 1)
+        ):
+            raise ValueError(
+                "data_parallel_rank (external load balancing) runs one local mp core: "
+                "leave data_parallel_backend and data_parallel_size_local unset"
+            )
+        if self.data_parallel_backend == "ray" and local:
+            raise ValueError("data_parallel_size_local: with the ray backend Ray places every rank")
+        if not 0 <= self.data_parallel_rpc_port < 65536:
+            raise ValueError(
+                f"data_parallel_rpc_port must be a TCP port, got {self.data_parallel_rpc_port}"
+            )
+
+    @property
+    def front_end_balances(self) -> bool:
+        """Several cores behind this front end (DPClient), not one rank's core alone."""
+        return self.data_parallel_size > 1 and not self.data_parallel_external_lb
+
+    @property
+    def local_data_parallel_ranks(self) -> range:
+        """The ranks this node's front end (or headless launcher) spawns."""
+        if self.data_parallel_backend == "ray":
+            return range(0)
+        local = self.data_parallel_size_local
+        if local is None:
+            local = self.data_parallel_size - self.data_parallel_start_rank
+        return range(self.data_parallel_start_rank, self.data_parallel_start_rank + local)
 
     @property
     def world_size(self) -> int:

@@ -320,7 +320,8 @@ def init_worker_distributed_environment(
         if port is None:
             raise ValueError("data_parallel_master_port must be set (the front end picks one)")
         rank += parallel_config.data_parallel_rank * parallel_config.world_size
-        distributed_init_method = f"tcp://{parallel_config.data_parallel_address}:{port}"
+        address = parallel_config.data_parallel_address or "127.0.0.1"
+        distributed_init_method = f"tcp://{address}:{port}"
     init_distributed_environment(
         parallel_config.distributed_world_size,
         rank,

@@ -73,7 +73,7 @@ class AsyncLLM(EngineClient):
         # The tokenizer loads here while the core process(es) load the model.
         self.engine_core: AsyncEngineCoreClient = (
             DPAsyncClient(config, log_stats, while_starting=self.front_end.load, **client_kwargs)
-            if config.parallel_config.data_parallel_size > 1
+            if config.parallel_config.front_end_balances
             else AsyncMPClient(
                 config, log_stats, while_starting=self.front_end.load, **client_kwargs
             )

@@ -33,7 +33,7 @@ class EngineCoreClient(ABC):
 
         ``while_starting`` (front-end setup) runs while a background core loads its model,
         or, for the in-process core, before it."""
-        if config.parallel_config.data_parallel_size > 1:
+        if config.parallel_config.front_end_balances:
             # Several cores: each in a process of its own, whatever multiprocess_mode says.
             from kvserve.engine.dp_client import DPClient
 

@@ -17,12 +17,11 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
-from multiprocessing.process import BaseProcess
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal, Protocol
 
-from kvserve.utils.processes import pipe, spawn, stop
+from kvserve.utils.processes import ProcessHandle, pipe, spawn, stop
 
 if TYPE_CHECKING:
     from kvserve.config import EngineConfig
@@ -30,14 +29,35 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
+class CoreStartupHandle(Protocol):
+    """An engine core on its way up, as its client takes it: a process spawned here
+    (CoreStartup), or a core on another node or in a Ray actor (dp_remote.py)."""
+
+    @property
+    def transport(self) -> Literal["ipc", "tcp"]:
+        """How the client's two sockets are reached: "ipc" on this machine, else "tcp"."""
+
+    @property
+    def proc(self) -> ProcessHandle: ...
+    @property
+    def ready_reader(self) -> Connection: ...
+    @property
+    def started(self) -> float: ...
+
+    def send_config(
+        self, config: EngineConfig, input_address: str, output_address: str, log_level: int
+    ) -> None: ...
+
+
 @dataclass
 class CoreStartup:
     """A spawned engine core that waits for its config (then loads the model)."""
 
-    proc: BaseProcess
+    proc: ProcessHandle
     config_writer: Connection
     ready_reader: Connection
     started: float  # time.perf_counter() at the spawn
+    transport: Literal["ipc", "tcp"] = field(default="ipc", init=False)
 
     @classmethod
     def spawn(cls) -> CoreStartup:

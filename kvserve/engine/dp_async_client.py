@@ -10,9 +10,16 @@ from typing import Any
 from kvserve.config import EngineConfig
 from kvserve.engine.async_mp_client import AsyncMPClient
 from kvserve.engine.core_client import AsyncEngineCoreClient
-from kvserve.engine.core_launcher import CoreStartup
+from kvserve.engine.core_launcher import CoreStartupHandle
 from kvserve.engine.dp_balancer import DPLoadBalancer
-from kvserve.engine.dp_client import DPFailures, merge_census, merge_stats, start_cores
+from kvserve.engine.dp_client import (
+    DPFailures,
+    merge_census,
+    merge_stats,
+    rank_config,
+    start_cores,
+)
+from kvserve.engine.dp_launcher import DPCoreLauncher
 from kvserve.engine.exceptions import EngineDeadError
 from kvserve.protocol.engine_core import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 
@@ -36,13 +43,14 @@ class DPAsyncClient(AsyncEngineCoreClient):
             self.balancer, config.parallel_config.data_parallel_tolerate_failure
         )
 
-        def make(ranked: EngineConfig, startup: CoreStartup) -> AsyncMPClient:
+        def make(ranked: EngineConfig, startup: CoreStartupHandle) -> AsyncMPClient:
             return AsyncMPClient(
                 ranked, log_stats, outputs_queue=self.outputs_queue, startup=startup, **kwargs
             )
 
         steps = [step for step in (while_starting, also_while_starting) if step is not None]
-        self.cores = start_cores(config, make, steps)
+        self.launcher = DPCoreLauncher(config, rank_config)
+        self.cores = start_cores(self.launcher, make, steps)
 
     @property
     def dead_reason(self) -> str | None:  # type: ignore[override]
@@ -120,3 +128,4 @@ class DPAsyncClient(AsyncEngineCoreClient):
     def shutdown(self) -> None:
         for core in self.cores:
             core.shutdown()
+        self.launcher.close()

@@ -31,8 +31,9 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from kvserve.config import EngineConfig
 from kvserve.engine.core_client import EngineCoreClient
-from kvserve.engine.core_launcher import CoreStartup, claim_engine_core
+from kvserve.engine.core_launcher import CoreStartupHandle
 from kvserve.engine.dp_balancer import DPLoadBalancer
+from kvserve.engine.dp_launcher import DPCoreLauncher
 from kvserve.engine.exceptions import EngineDeadError
 from kvserve.engine.mp_client import SyncMPClient
 from kvserve.protocol.engine_core import (
@@ -43,7 +44,6 @@ from kvserve.protocol.engine_core import (
     FinishReason,
     SchedulerStats,
 )
-from kvserve.utils.processes import free_port
 
 if TYPE_CHECKING:
     from kvserve.executor.abstract import Executor
@@ -60,37 +60,18 @@ def rank_config(config: EngineConfig, rank: int) -> EngineConfig:
     return ranked
 
 
-def with_meeting_ports(config: EngineConfig) -> EngineConfig:
-    """With expert parallelism across the cores, the ports they and their workers meet
-    on (ParallelConfig.data_parallel_rpc_port / data_parallel_master_port): the given
-    rpc port and the next one, or free ones picked here."""
-    parallel = config.parallel_config
-    if not parallel.expert_parallel_across_dp:
-        return config
-    rpc_port = parallel.data_parallel_rpc_port
-    master_port = parallel.data_parallel_master_port
-    if rpc_port is None:
-        rpc_port = free_port()
-    if master_port is None:
-        master_port = rpc_port + 1 if parallel.data_parallel_rpc_port is not None else free_port()
-    met = copy.copy(config)
-    met.parallel_config = dataclasses.replace(
-        parallel, data_parallel_rpc_port=rpc_port, data_parallel_master_port=master_port
-    )
-    return met
-
-
 def start_cores(
-    config: EngineConfig,
-    make_client: Callable[[EngineConfig, CoreStartup], ClientT],
+    launcher: DPCoreLauncher,
+    make_client: Callable[[EngineConfig, CoreStartupHandle], ClientT],
     while_starting: Sequence[Callable[[], object]],
 ) -> list[ClientT]:
-    """One client per rank. All the processes are spawned first and load their models
-    at once (each client waits for its handshake on a thread of its own) while
-    ``while_starting`` runs here; a core that fails to start stops the others."""
+    """One client per rank. All the processes are spawned first (or the remote cores
+    asked for) and load their models at once (each client waits for its handshake on a
+    thread of its own) while ``while_starting`` runs here; a core that fails to start
+    stops the others."""
+    config = launcher.config
     size = config.parallel_config.data_parallel_size
-    config = with_meeting_ports(config)
-    startups = [claim_engine_core() for _ in range(size)]
+    startups = [launcher.startup(rank) for rank in range(size)]
     clients: list[ClientT] = []
     errors: list[BaseException] = []
     with ThreadPoolExecutor(size, thread_name_prefix="DPCoreStart") as pool:
@@ -111,6 +92,7 @@ def start_cores(
     if errors:
         for client in clients:
             client.shutdown()  # type: ignore[attr-defined]
+        launcher.close()
         raise errors[0]
     logger.info("%d data-parallel engine cores ready", size)
     return clients
@@ -209,12 +191,13 @@ class DPClient(EngineCoreClient):
             self.balancer, config.parallel_config.data_parallel_tolerate_failure
         )
 
-        def make(ranked: EngineConfig, startup: CoreStartup) -> SyncMPClient:
+        def make(ranked: EngineConfig, startup: CoreStartupHandle) -> SyncMPClient:
             return SyncMPClient(
                 ranked, log_stats, outputs_queue=self.outputs_queue, startup=startup
             )
 
-        self.cores = start_cores(config, make, [while_starting] if while_starting else [])
+        self.launcher = DPCoreLauncher(config, rank_config)
+        self.cores = start_cores(self.launcher, make, [while_starting] if while_starting else [])
 
     def _alive_cores(self) -> list[SyncMPClient]:
         return [self.cores[i] for i in self.balancer.alive]
@@ -274,6 +257,7 @@ class DPClient(EngineCoreClient):
     def shutdown(self) -> None:
         for core in self.cores:
             core.shutdown()
+        self.launcher.close()
 
     def call_utility(self, method: str, *args: Any) -> list[Any]:
         """A utility call to every live core; their answers by rank."""

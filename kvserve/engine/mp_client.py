@@ -21,7 +21,6 @@ import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from concurrent.futures import Future
-from multiprocessing.process import BaseProcess
 from typing import TYPE_CHECKING, Any, Literal
 
 import msgspec
@@ -30,7 +29,7 @@ import zmq.asyncio
 
 from kvserve.config import EngineConfig
 from kvserve.engine.core_client import EngineCoreClient
-from kvserve.engine.core_launcher import CoreStartup, claim_engine_core
+from kvserve.engine.core_launcher import CoreStartupHandle, claim_engine_core
 from kvserve.engine.exceptions import EngineDeadError
 from kvserve.protocol.core_messages import (
     AbortRequestsMessage,
@@ -45,7 +44,7 @@ from kvserve.protocol.core_messages import (
     UtilityResultMessage,
 )
 from kvserve.protocol.engine_core import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
-from kvserve.utils.processes import ChildResources, startup_error, wait_for_handshake
+from kvserve.utils.processes import ChildResources, ProcessHandle, startup_error, wait_for_handshake
 from kvserve.utils.startup import log_phase
 
 if TYPE_CHECKING:
@@ -68,7 +67,7 @@ class MPClient(ABC):
         startup_timeout: float | None = None,
         while_starting: Callable[[], object] | None = None,
         also_while_starting: Callable[[], object] | None = None,
-        startup: CoreStartup | None = None,
+        startup: CoreStartupHandle | None = None,
     ) -> None:
         """Spawns the core and blocks until it is ready (or raises its startup error).
 
@@ -92,14 +91,18 @@ class MPClient(ABC):
         ctx: zmq.Context[Any] = zmq.asyncio.Context() if asyncio_mode else zmq.Context()
         self.input_socket = ctx.socket(zmq.PUSH)
         self.output_socket = ctx.socket(zmq.PULL)
+        if startup is not None:
+            transport = startup.transport
         tmpdir = tempfile.mkdtemp(prefix="kvserve-") if transport == "ipc" else None
         self.resources = ChildResources(
             ctx, [self.input_socket, self.output_socket], tmpdir=tmpdir, stop_grace_s=5.0
         )
         self._finalizer = weakref.finalize(self, self.resources)
         try:
-            input_address = _bind(self.input_socket, tmpdir, "input")
-            output_address = _bind(self.output_socket, tmpdir, "output")
+            # A core on another node reaches the front end at its data-parallel address.
+            host = config.parallel_config.data_parallel_address or "127.0.0.1"
+            input_address = _bind(self.input_socket, tmpdir, "input", host)
+            output_address = _bind(self.output_socket, tmpdir, "output", host)
             self.proc = self._start_proc(
                 input_address,
                 output_address,
@@ -116,7 +119,7 @@ class MPClient(ABC):
         output_address: str,
         timeout: float | None,
         while_starting: list[Callable[[], object]],
-    ) -> BaseProcess:
+    ) -> ProcessHandle:
         startup = self._startup or claim_engine_core()
         self._startup = None
         proc = startup.proc
@@ -203,16 +206,16 @@ class MPClient(ABC):
         self._finalizer()
 
 
-def _bind(sock: zmq.Socket[Any], tmpdir: str | None, name: str) -> str:
+def _bind(sock: zmq.Socket[Any], tmpdir: str | None, name: str, host: str) -> str:
     if tmpdir is not None:
         address = f"ipc://{tmpdir}/{name}.sock"
         sock.bind(address)
         return address
-    sock.bind("tcp://127.0.0.1:*")
+    sock.bind(f"tcp://{host}:*")
     return sock.getsockopt_string(zmq.LAST_ENDPOINT)
 
 
-def _ready(data: bytes, proc: BaseProcess) -> ReadyMessage:
+def _ready(data: bytes, proc: ProcessHandle) -> ReadyMessage:
     message = msgspec.msgpack.decode(data, type=HandshakeMessage)
     if isinstance(message, StartupErrorMessage):
         proc.join(5)  # it exits on its own after saying why

@@ -76,7 +76,7 @@ class EngineCore:
         # Data parallelism with prefix balancing: the front end's prefix index follows
         # this core's events, which ride on its outputs (core_proc.py).
         self.in_band_kv_events = InBandEventPublisher(
-            parallel.data_parallel_size > 1
+            parallel.front_end_balances
             and parallel.data_parallel_load_balance == "prefix"
             and config.cache_config.enable_prefix_caching
         )

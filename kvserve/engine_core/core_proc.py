@@ -12,11 +12,11 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import signal
+import threading
 import time
 import traceback
 from collections.abc import Callable
-from multiprocessing.connection import Connection
-from typing import Any
+from typing import Any, Protocol
 
 import msgspec
 import zmq
@@ -49,10 +49,26 @@ from kvserve.utils.startup import log_phase
 logger = logging.getLogger(__name__)
 
 
+class ReadyWriter(Protocol):
+    """Where the core's handshake goes: its pipe to the parent (a Connection), or its
+    ZMQ link to a front end on another node (engine_core/remote_core.py)."""
+
+    def send_bytes(self, buf: bytes) -> None: ...
+    def close(self) -> None: ...
+
+
 class EngineCoreProc:
     """Runs inside the child process: busy loop of drain inputs -> step -> send outputs."""
 
-    def __init__(self, config: EngineConfig, input_address: str, output_address: str) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        input_address: str,
+        output_address: str,
+        stop_fd: int | None = None,
+    ) -> None:
+        """``stop_fd``: readable when the core must exit (a core the front end did not
+        spawn: its link to the front end is gone or asked it to stop; dp_remote.py)."""
         # Stats are always on here: they ride on every output message and cost a few ints.
         self.engine_core: EngineCore = EngineCore(config, log_stats=True)
         self.scheduler = self.engine_core.scheduler
@@ -74,6 +90,9 @@ class EngineCoreProc:
         self.parent_sentinel = parent.sentinel if parent is not None else None
         if self.parent_sentinel is not None:
             self.poller.register(self.parent_sentinel, zmq.POLLIN)
+        self.stop_fd = stop_fd
+        if stop_fd is not None:
+            self.poller.register(stop_fd, zmq.POLLIN)
         # Worker processes (mp executor): a lost one ends the core at once, even when idle.
         self.executor_failure_fd = self.engine_core.model_executor.failure_fd()
         if self.executor_failure_fd is not None:
@@ -122,6 +141,9 @@ class EngineCoreProc:
             events = dict(self.poller.poll(self.wave.poll_timeout_ms(busy)))
             if self.parent_sentinel is not None and self.parent_sentinel in events:
                 logger.info("front-end process exited; engine core shutting down")
+                return
+            if self.stop_fd is not None and self.stop_fd in events:
+                logger.info("the front end closed its link; engine core shutting down")
                 return
             if self.executor_failure_fd is not None and self.executor_failure_fd in events:
                 self.engine_core.model_executor.check_failed()
@@ -229,9 +251,10 @@ class EngineCoreProc:
         config: EngineConfig,
         input_address: str,
         output_address: str,
-        ready_writer: Connection,
+        ready_writer: ReadyWriter,
         log_level: int = logging.INFO,
         startup_phases: dict[str, float] | None = None,
+        stop_fd: int | None = None,
     ) -> None:
         """The spawned process's life once its imports are done and it has its config
         (core_launcher._core_main). Exit code 0 on SIGTERM/SIGINT, 1 on failure.
@@ -254,11 +277,12 @@ class EngineCoreProc:
                 return
             raise SystemExit(0)
 
-        signal.signal(signal.SIGTERM, _on_signal)
-        signal.signal(signal.SIGINT, _on_signal)
+        if threading.current_thread() is threading.main_thread():  # not so in a Ray actor
+            signal.signal(signal.SIGTERM, _on_signal)
+            signal.signal(signal.SIGINT, _on_signal)
         encoder = msgspec.msgpack.Encoder()
         try:
-            proc = EngineCoreProc(config, input_address, output_address)
+            proc = EngineCoreProc(config, input_address, output_address, stop_fd)
         except Exception as e:
             logger.exception("engine core failed to start")
             ready_writer.send_bytes(

@@ -11,7 +11,7 @@ sockets, and agree again every IDLE_POLL_MS.
 
 The cores' group is a gloo process group of its own (not torch.distributed's default
 one, which a core's in-process worker joins with the other cores' workers), on a TCP
-store at data_parallel_address:data_parallel_rpc_port that core 0 hosts.
+store at data_parallel_address:data_parallel_wave_port that core 0 hosts.
 
 ``DPWave`` is the no-op form (one core, or no expert parallelism): a core steps when it
 has work and blocks on its sockets when it has none.
@@ -67,14 +67,14 @@ class ExpertParallelWave(DPWave):
     lockstep = True
 
     def __init__(self, parallel: ParallelConfig) -> None:
-        port = parallel.data_parallel_rpc_port
+        port = parallel.data_parallel_wave_port
         if port is None:
-            raise ValueError("data_parallel_rpc_port must be set (the front end picks one)")
+            raise ValueError("data_parallel_wave_port must be set (the front end picks one)")
         timeout = timedelta(seconds=COLLECTIVE_TIMEOUT_S)
         self.rank = parallel.data_parallel_rank
         self.size = parallel.data_parallel_size
         store = dist.TCPStore(
-            parallel.data_parallel_address,
+            parallel.data_parallel_address or "127.0.0.1",
             port,
             self.size,
             is_master=self.rank == 0,

@@ -106,6 +106,7 @@ class MultiprocExecutor(Executor):
         share = usable_cores() // self.config.parallel_config.data_parallel_size
         threads = max(1, share // self.world_size)
         readers = []
+        procs: list[BaseProcess] = []
         log_level = logging.getLogger("kvserve").getEffectiveLevel()
         for rank in range(self.world_size):
             sock = res.ctx.socket(zmq.PUSH)
@@ -119,9 +120,10 @@ class MultiprocExecutor(Executor):
             proc = spawn(run_worker, (*args, log_level), f"Worker{rank}", num_threads=threads)
             writer.close()
             res.procs.append(proc)
+            procs.append(proc)
             readers.append(reader)
         for rank, reader in enumerate(readers):
-            self._wait_ready(rank, reader, res.procs[rank])
+            self._wait_ready(rank, reader, procs[rank])
         logger.info(
             "MultiprocExecutor: %d workers ready (%d threads each), pids %s",
             self.world_size, threads, [p.pid for p in res.procs],

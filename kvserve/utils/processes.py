@@ -25,7 +25,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
-from typing import Any
+from typing import Any, Protocol
 
 import zmq
 
@@ -94,6 +94,23 @@ def _write_all(fd: int, data: bytes) -> None:
         pass  # our own stderr is gone: the lines are still kept for the report
 
 
+class ProcessHandle(Protocol):
+    """What a parent needs of a child: a spawned process (BaseProcess), or an engine core
+    on another node or in a Ray actor (engine/dp_remote.py), watched through the same
+    sentinel fd."""
+
+    @property
+    def pid(self) -> int | None: ...
+    @property
+    def exitcode(self) -> int | None: ...
+    @property
+    def sentinel(self) -> int: ...
+    def is_alive(self) -> bool: ...
+    def join(self, timeout: float | None = None) -> None: ...
+    def terminate(self) -> None: ...
+    def kill(self) -> None: ...
+
+
 # Each child spawn() started, with the tail of its stderr (released with the process).
 _stderr_tails: weakref.WeakKeyDictionary[BaseProcess, StderrTail] = weakref.WeakKeyDictionary()
 
@@ -147,7 +164,7 @@ def pipe() -> tuple[Connection, Connection]:
 
 
 def wait_for_handshake(
-    reader: Connection, proc: BaseProcess, timeout: float | None, who: str
+    reader: Connection, proc: ProcessHandle, timeout: float | None, who: str
 ) -> bytes:
     """The child's first message (closing ``reader``); raises TimeoutError if none came
     in ``timeout`` s while it lives, RuntimeError with its exit code and its last lines
@@ -169,11 +186,12 @@ def wait_for_handshake(
     raise RuntimeError(startup_failure(proc, who))
 
 
-def startup_failure(proc: BaseProcess, who: str) -> str:
+def startup_failure(proc: ProcessHandle, who: str) -> str:
     """Why ``proc`` ended before its handshake: its exit code, its stderr's last lines,
     and the fix when it is the unguarded main script."""
     code = "still exiting" if proc.exitcode is None else f"exit code {proc.exitcode}"
-    tail = _stderr_tails[proc].text() if proc in _stderr_tails else ""
+    known = isinstance(proc, BaseProcess) and proc in _stderr_tails
+    tail = _stderr_tails[proc].text() if known else ""  # type: ignore[index]
     message = f"{who} exited during startup ({code})"
     if _UNGUARDED_MAIN in tail:
         message += ": " + UNGUARDED_MAIN_HINT
@@ -182,7 +200,7 @@ def startup_failure(proc: BaseProcess, who: str) -> str:
     return message
 
 
-def stop(procs: list[BaseProcess], grace_s: float = 3.0) -> None:
+def stop(procs: list[ProcessHandle], grace_s: float = 3.0) -> None:
     """SIGTERM, then SIGKILL for whatever outlives ``grace_s``."""
     for proc in procs:
         if proc.is_alive():
@@ -208,7 +226,7 @@ class ChildResources:
 
     ctx: zmq.Context[Any]
     sockets: list[zmq.Socket[Any]] = field(default_factory=list)
-    procs: list[BaseProcess] = field(default_factory=list)
+    procs: list[ProcessHandle] = field(default_factory=list)
     tmpdir: str | None = None
     fds: list[int] = field(default_factory=list)
     # A thread reading the sockets, woken through ``wake_fd`` before they close.

@@ -110,3 +110,32 @@ def test_logits_processors_load_by_name_and_bad_names_fail_naming_the_field() ->
     ]:
         with pytest.raises(ValueError, match=f"logits_processors: .*{why}"):
             EngineArgs(logits_processors=[bad]).create_engine_config()
+
+
+def test_data_parallel_layout_is_validated_by_name() -> None:
+    from kvserve.config.runtime import ParallelConfig
+
+    with pytest.raises(ValueError, match="data_parallel_backend"):
+        ParallelConfig(data_parallel_size=2, data_parallel_backend="slurm")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="data_parallel_size_local"):
+        ParallelConfig(data_parallel_size=2, data_parallel_size_local=3)
+    with pytest.raises(ValueError, match="data_parallel_start_rank"):
+        ParallelConfig(data_parallel_size=2, data_parallel_size_local=2, data_parallel_start_rank=1)
+    with pytest.raises(ValueError, match="data_parallel_rpc_port"):
+        ParallelConfig(data_parallel_size=2, data_parallel_rpc_port=70000)
+    # A headless node's ranks, and the Ray backend's (none spawned by the front end).
+    node = ParallelConfig(
+        data_parallel_size=4, data_parallel_size_local=2, data_parallel_start_rank=2
+    )
+    assert list(node.local_data_parallel_ranks) == [2, 3]
+    assert not ParallelConfig(
+        data_parallel_size=2, data_parallel_backend="ray"
+    ).local_data_parallel_ranks
+    # External load balancing: one rank's core alone, no DP client.
+    config = EngineArgs(data_parallel_size=2, data_parallel_rank=1).create_engine_config()
+    assert config.parallel_config.data_parallel_rank == 1
+    assert not config.parallel_config.front_end_balances
+    with pytest.raises(ValueError, match="data_parallel_rank"):
+        EngineArgs(
+            data_parallel_size=2, data_parallel_rank=1, data_parallel_backend="ray"
+        ).create_engine_config()

@@ -1,14 +1,17 @@
 """``LLM(..., data_parallel_size=2)``: two engine-core processes behind one front end.
 
-On a tiny random Qwen3 checkpoint (token ids, no tokenizer): greedy tokens identical to
-one core and to HF transformers, both cores served requests (their own metrics, by the
-engine label), n > 1 children stay on one core; and the prefix policy sends every turn
-of a multi-turn workload to the core holding its prefix, for at least twice the fleet's
-prefix hit rate of least_loaded on the same workload (the cores' own counters).
+On a tiny random Llama with two PEFT adapters (the LoRA tests' checkpoint), the DP engine
+with LoRA and ngram speculative decoding on: greedy tokens identical to one plain core
+and to HF transformers, both cores served requests (their own metrics, by the engine
+label), n > 1 children stay on one core; adapters (HF + PEFT merged) and JSON-schema
+structured outputs (one core's tokens) on both cores; and the prefix policy sends every
+turn of a multi-turn workload to the core holding its prefix, for at least twice the
+fleet's prefix hit rate of least_loaded on the same workload (the cores' own counters).
 """
 
 from __future__ import annotations
 
+import json
 import random
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,9 +20,12 @@ from typing import Any
 import pytest
 
 from kvserve.entrypoints.llm import LLM
+from kvserve.lora.request import LoRARequest
 from kvserve.metrics.reader import Counter
-from kvserve.sampling_params import SamplingParams
-from tests.family_models import build_family_model, hf_greedy
+from kvserve.sampling_params import SamplingParams, StructuredOutputsParams
+from tests.entrypoints.test_llm_tiny_models import CORPUS
+from tests.family_models import hf_greedy
+from tests.lora.adapters import build_base_and_adapters, merged_reference
 
 BLOCK_SIZE = 4
 MAX_TOKENS = 6
@@ -28,15 +34,34 @@ COMMON: dict[str, Any] = dict(
 )
 
 
+# Features that must work across cores, on in the shared DP engine (its tokenizer too).
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}
+CROSS_CORE: dict[str, Any] = dict(
+    enable_lora=True, max_loras=2, max_lora_rank=8, speculative_config=json.dumps(NGRAM)
+)
+
+
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:
-    path = tmp_path_factory.mktemp("qwen3_dp")
-    return path, build_family_model("qwen3", path)
+def lora_models(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any, dict[str, Path]]:
+    directory = tmp_path_factory.mktemp("llama_dp")
+    base, adapters = build_base_and_adapters(directory)
+    return directory, base, adapters
+
+
+@pytest.fixture(scope="module")
+def checkpoint(lora_models: tuple[Path, Any, dict[str, Path]]) -> tuple[Path, Any]:
+    return lora_models[0] / "base", lora_models[1]
 
 
 @pytest.fixture(scope="module")
 def dp_llm(checkpoint: tuple[Path, Any]) -> Iterator[LLM]:
-    llm = LLM(str(checkpoint[0]), data_parallel_size=2, disable_log_stats=False, **COMMON)
+    llm = LLM(
+        str(checkpoint[0]),
+        data_parallel_size=2,
+        disable_log_stats=False,
+        **{**COMMON, "skip_tokenizer_init": False},
+        **CROSS_CORE,
+    )
     yield llm
     llm.llm_engine.shutdown()
 
@@ -84,6 +109,50 @@ def test_two_cores_give_one_cores_tokens_and_both_serve(
     after = _per_engine(dp_llm, "request_success")
     grew = {e: after.get(e, 0) - before.get(e, 0) for e in after}
     assert sorted(grew.values()) == [0, 3], grew
+
+
+def test_lora_and_structured_outputs_on_both_cores(
+    lora_models: tuple[Path, Any, dict[str, Path]], dp_llm: LLM
+) -> None:
+    directory, _, adapters = lora_models
+    loras = [LoRARequest(n, i + 1, str(p)) for i, (n, p) in enumerate(adapters.items())]
+    refs = {n: merged_reference(directory, p) for n, p in adapters.items()}
+    tokenizer = dp_llm.get_tokenizer()
+    prompts = [tokenizer.encode(text) for text in CORPUS[:4]]
+    before = _per_engine(dp_llm, "request_success")
+    # Each adapter on several prompts, one request at a time: least_loaded alternates.
+    for prompt in prompts:
+        for lora in loras:
+            (out,) = dp_llm.generate(
+                [{"prompt_token_ids": prompt}], _greedy(), lora_request=lora, use_tqdm=False
+            )
+            expected = hf_greedy(refs[lora.lora_name], prompt, MAX_TOKENS)
+            assert list(out.outputs[0].token_ids) == expected, lora.lora_name
+    after = _per_engine(dp_llm, "request_success")
+    assert all(after[e] - before.get(e, 0) >= 2 for e in ("0", "1")), (before, after)
+    # ngram speculation ran on both cores (their own counters).
+    drafted = _per_engine(dp_llm, "spec_decode_num_draft_tokens")
+    assert drafted.get("0", 0) > 0 and drafted.get("1", 0) > 0, drafted
+
+    schema = {
+        "type": "object",
+        "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "maximum": 9}},
+        "required": ["ok", "n"],
+        "additionalProperties": False,
+    }
+    spec = StructuredOutputsParams(json=schema, disable_any_whitespace=True)
+    params = SamplingParams(temperature=0.0, max_tokens=24, structured_outputs=spec)
+    inputs: list[Any] = [{"prompt_token_ids": p} for p in prompts]
+    dp_outputs = dp_llm.generate(inputs, params, use_tqdm=False)
+    one = LLM(str(directory / "base"), **{**COMMON, "skip_tokenizer_init": False})
+    try:
+        one_outputs = one.generate(inputs, params, use_tqdm=False)
+    finally:
+        one.llm_engine.shutdown()
+    for dp_out, one_out in zip(dp_outputs, one_outputs, strict=True):
+        assert list(dp_out.outputs[0].token_ids) == list(one_out.outputs[0].token_ids)
+        value = json.loads(dp_out.outputs[0].text)
+        assert set(value) == {"ok", "n"} and isinstance(value["ok"], bool), value
 
 
 def test_aborts_reach_the_owning_core_and_no_block_leaks(dp_llm: LLM) -> None:

@@ -218,6 +218,13 @@ def serve_main(args: argparse.Namespace) -> int:
         except ValueError as exc:
             raise SystemExit(f"--reasoning-parser: {exc}") from None
     check_server_args(args)
+    if getattr(args, "headless", False):
+        # Engine cores only, for a front end on another node: no HTTP, no tokenizer.
+        from kvserve.engine.core_launcher import discard_prestarted_core
+        from kvserve.engine.headless import run_headless
+
+        discard_prestarted_core()
+        return run_headless(model_sources(args)[0].engine_args.create_engine_config())
     # Request lines and the periodic stats line are INFO: show them unless asked not to.
     # The tool call parser's choice is logged once at startup, whatever the request logging.
     names = ["kvserve.metrics", "kvserve.entrypoints.openai.serving_chat"] + (

@@ -81,6 +81,7 @@ class OpenAIServing:
                 "the server runs without a tokenizer (--skip-tokenizer-init): send token ids",
                 param="prompt",
             )
+
         def encode() -> list[int]:
             return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
