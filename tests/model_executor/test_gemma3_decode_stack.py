@@ -1,0 +1,171 @@
+"""Gemma 3 through the native decode stack (csrc/decode_stack.cpp, its fused step in
+csrc/decode_step.cpp): (1 + w) norms in the sandwich scheme, per-head q/k norms,
+GELU(tanh), sliding-window and global layers with their own RoPE tables.
+
+Against the module path the comparisons are exact (the same kernels in the same order);
+against HF transformers the greedy tokens must be equal.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import Gemma3ForCausalLM, Gemma3TextConfig, PreTrainedModel
+
+from kvserve import _custom_ops as ops
+from kvserve.model_executor.model_loader import get_model
+from kvserve.transformers_utils.arch_config import load_arch_config
+from kvserve.transformers_utils.model_resolver import resolve_model
+from tests.model_executor.test_llama_decode_stack import _decode_run, _load
+
+pytestmark = pytest.mark.skipif(not ops.available(), reason="needs the C++ CPU kernels")
+
+VOCAB = 256
+
+
+@pytest.fixture(scope="module")
+def tiny_gemma3(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, PreTrainedModel]:
+    """Window 4 (prompts and decodes cross it), a global layer with linearly scaled RoPE
+    between two sliding ones, a final logit soft-cap, random norm weights."""
+    torch.manual_seed(3)
+    config = Gemma3TextConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=256,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        sliding_window=4,
+        query_pre_attn_scalar=24,
+        final_logit_softcapping=3.0,
+        rope_parameters={
+            "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1_000_000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+        },
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        initializer_range=0.1,
+    )
+    model = Gemma3ForCausalLM(config)
+    with torch.no_grad():  # HF starts Gemma norms at zero (scale 1); make them matter
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.normal_(0.0, 0.3)
+    path = tmp_path_factory.mktemp("tiny_gemma3")
+    model.save_pretrained(path)
+    return path, model.eval()
+
+
+@pytest.mark.parametrize(
+    ("quantization", "int8", "num_requests"),
+    [
+        (None, False, 3),  # float32 weights: the per-op path
+        ("q4_1", False, 1),  # block weights, float activations: the fused step
+        ("q4_1", False, 8),
+        ("q4_1", False, 12),  # over 8 rows: the per-op path on block weights
+        ("q8_0", True, 3),  # int8 activations (fused with AVX-512 VNNI's packed copy)
+    ],
+)
+def test_gemma3_decode_steps_equal_the_module_path_exactly(
+    quantization: str | None,
+    int8: bool,
+    num_requests: int,
+    tiny_gemma3: tuple[Path, PreTrainedModel],
+    paged_runner: Callable,
+) -> None:
+    path, _ = tiny_gemma3
+    native = _load(path, quantization, int8)
+    modules = _load(path, quantization, int8)
+    modules.model.decode_stack = None
+
+    got = _decode_run(paged_runner, native, num_requests)
+    want = _decode_run(paged_runner, modules, num_requests)
+    stack = native.model.decode_stack
+    assert stack._stack is not None and stack.applies_final_norm  # the decode steps took it
+    for step, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert torch.equal(g, w), f"step {step} differs"
+
+
+@torch.no_grad()
+def test_gemma3_decode_stack_greedy_matches_hf(
+    tiny_gemma3: tuple[Path, PreTrainedModel], paged_runner: Callable
+) -> None:
+    path, hf = tiny_gemma3
+    model = _load(path)
+    runner = paged_runner(model, block_size=4)
+    torch.manual_seed(11)
+    prompts = {f"r{i}": torch.randint(3, VOCAB, (n,)).tolist() for i, n in enumerate((9, 5, 13))}
+    logits = runner.step(list(prompts.items()))
+    tokens = {r: [int(lg[-1].argmax())] for r, lg in zip(prompts, logits, strict=True)}
+    for _ in range(11):  # batched decode steps, through the stack
+        logits = runner.step([(r, t[-1:]) for r, t in tokens.items()])
+        for r, lg in zip(prompts, logits, strict=True):
+            tokens[r].append(int(lg[-1].argmax()))
+    assert model.model.decode_stack._stack is not None
+    for r, prompt in prompts.items():
+        want = hf.generate(
+            torch.tensor([prompt]), max_new_tokens=12, min_new_tokens=12, do_sample=False,
+            eos_token_id=None, pad_token_id=0,
+        )[0, len(prompt):].tolist()  # fmt: skip
+        assert tokens[r] == want, r
+
+
+def test_gemma3_attention_soft_cap_takes_the_modules(
+    tmp_path: Path, tiny_gemma3: tuple[Path, PreTrainedModel], paged_runner: Callable
+) -> None:
+    """The decode kernel has no soft-capped scores: such a model keeps the modules."""
+    _, hf = tiny_gemma3
+    hf.config.attn_logit_softcapping = 2.0
+    try:
+        hf.save_pretrained(tmp_path)
+    finally:
+        hf.config.attn_logit_softcapping = None
+    model = _load(tmp_path)
+    runner = paged_runner(model, block_size=4)
+    runner.step([("a", [5, 6, 7])])
+    runner.step([("a", [8])])
+    stack = model.model.decode_stack
+    assert stack._supported is False and stack._stack is None
+
+
+@pytest.mark.slow
+@torch.no_grad()
+def test_gemma3_270m_gguf_decode_equals_the_module_path(paged_runner: Callable) -> None:
+    """The packaged Gemma 3 270M with the engine's default lossless GGUF blocks (so the
+    fused step): the same logits bit for bit, hence the same greedy tokens, as the
+    modules, for two requests side by side."""
+    from tests.gemma3_fixtures import GEMMA3
+
+    resolved = resolve_model(GEMMA3)
+    arch = load_arch_config(resolved)
+    runs = []
+    for use_stack in (True, False):
+        model = get_model(resolved, arch, quantization="gguf")
+        if not use_stack:
+            model.model.decode_stack = None
+        runner = paged_runner(model, block_size=16, num_blocks=16)
+        prompts = {"a": [2, *range(1000, 1040)], "b": [2, 818, 5279, 529, 7001, 563]}
+        logits = runner.step(list(prompts.items()))
+        tokens = {r: [int(lg[-1].argmax())] for r, lg in zip(prompts, logits, strict=True)}
+        steps = []
+        for _ in range(12):
+            logits = runner.step([(r, t[-1:]) for r, t in tokens.items()])
+            steps.append(torch.cat(logits))
+            for r, lg in zip(prompts, logits, strict=True):
+                tokens[r].append(int(lg[-1].argmax()))
+        if use_stack:
+            assert model.model.decode_stack._stack is not None
+            assert all(layer.mlp.down_proj.quant_weight is not None for layer in model.model.layers)
+        runs.append((tokens, steps))
+        del model, runner
+    (got_tokens, got), (want_tokens, want) = runs
+    assert got_tokens == want_tokens
+    for step, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert torch.equal(g, w), f"step {step} differs"
