@@ -169,3 +169,66 @@ def test_gemma3_270m_gguf_decode_equals_the_module_path(paged_runner: Callable) 
     assert got_tokens == want_tokens
     for step, (g, w) in enumerate(zip(got, want, strict=True)):
         assert torch.equal(g, w), f"step {step} differs"
+
+
+FAMILY_COMMON = {
+    "vocab_size": VOCAB,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "initializer_range": 0.1,
+}
+
+
+@pytest.fixture(scope="module")
+def family_checkpoints() -> dict[str, Path]:
+    """Tiny random checkpoints by family, built on first use (see _family_path)."""
+    return {}
+
+
+def _family_path(kind: str, checkpoints: dict[str, Path], factory: pytest.TempPathFactory) -> Path:
+    """Qwen3 (q/k norms, random norm weights), Phi-3 (fused checkpoint projections),
+    Mistral (every layer sliding, window 4)."""
+    import transformers as tf
+
+    if kind not in checkpoints:
+        torch.manual_seed(4)
+        if kind == "qwen3":
+            model = tf.Qwen3ForCausalLM(tf.Qwen3Config(**FAMILY_COMMON, head_dim=16))
+            with torch.no_grad():  # HF starts norms at one; make the q/k norms matter
+                for name, param in model.named_parameters():
+                    if name.endswith("norm.weight"):
+                        param.normal_(1.0, 0.3)
+        elif kind == "phi3":
+            model = tf.Phi3ForCausalLM(tf.Phi3Config(**FAMILY_COMMON, pad_token_id=0))
+        else:
+            model = tf.MistralForCausalLM(tf.MistralConfig(**FAMILY_COMMON, sliding_window=4))
+        path = factory.mktemp(kind)
+        model.save_pretrained(path)
+        checkpoints[kind] = path
+    return checkpoints[kind]
+
+
+@pytest.mark.parametrize("quantization", [None, "q4_1"])
+@pytest.mark.parametrize("kind", ["qwen3", "phi3", "mistral"])
+def test_family_decode_steps_equal_the_module_path_exactly(
+    kind: str,
+    quantization: str | None,
+    family_checkpoints: dict[str, Path],
+    tmp_path_factory: pytest.TempPathFactory,
+    paged_runner: Callable,
+) -> None:
+    """Qwen3's q/k norms (RMSNorm weights), Phi-3's and Mistral's shapes through the same
+    stack: float32 weights (per-op path) and block weights (the fused step)."""
+    path = _family_path(kind, family_checkpoints, tmp_path_factory)
+    native = _load(path, quantization)
+    modules = _load(path, quantization)
+    modules.model.decode_stack = None
+
+    got = _decode_run(paged_runner, native, 3)
+    want = _decode_run(paged_runner, modules, 3)
+    assert native.model.decode_stack._stack is not None
+    for step, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert torch.equal(g, w), f"step {step} differs"

@@ -8,8 +8,8 @@ order, so its result equals the module path bit for bit.
 
 The layers it reads have Llama's parts (``input_layernorm``, ``self_attn`` with
 ``qkv_proj``/``o_proj``/``rotary_emb``/``attn``, ``post_attention_layernorm``, ``mlp``
-with ``gate_up_proj``/``down_proj``/``act_fn``) and optionally Gemma 3's: per-head
-``q_norm``/``k_norm`` before RoPE, ``pre_feedforward_layernorm`` and
+with ``gate_up_proj``/``down_proj``/``act_fn``), optionally per-head ``q_norm``/``k_norm``
+before RoPE (Qwen3, Gemma 3) and Gemma 3's ``pre_feedforward_layernorm`` and
 ``post_feedforward_layernorm`` (the sandwich scheme: each sublayer's output normed before
 its residual add), GELU(tanh), each layer its own RoPE table. The model that builds the
 stack vouches that its layers' forward is one of these two schemes.
@@ -106,6 +106,8 @@ class LlamaDecodeStack:
     def _layer_args(self, layer: Any, eps: float) -> list[Any] | None:
         """add_layer's arguments for one decoder layer, None: the stack cannot run it."""
         a, mlp = layer.self_attn, layer.mlp
+        if not hasattr(mlp, "gate_up_proj"):  # routed experts (Qwen3-MoE's sparse layers)
+            return None
         sandwich = hasattr(layer, "pre_feedforward_layernorm")
         norm_modules = [layer.input_layernorm, layer.post_attention_layernorm]
         if sandwich:
