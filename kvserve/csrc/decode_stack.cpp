@@ -19,6 +19,7 @@
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <optional>
 #include <tuple>
 #include <utility>
@@ -147,16 +148,38 @@ class DecoderStack : public torch::CustomClassHolder {
     kv_caches_ = std::move(kv_caches);
   }
 
+  // Each layer's KV cache group (an index into forward's per-group lists); all 0 by
+  // default, the single group of a model without hybrid attention.
+  void set_kv_groups(std::vector<int64_t> kv_groups) {
+    TORCH_CHECK(kv_groups.size() == layers_.size(), "one KV cache group per layer expected");
+    num_kv_groups_ = 0;
+    for (size_t i = 0; i < layers_.size(); ++i) {
+      TORCH_CHECK(kv_groups[i] >= 0, "KV cache groups are numbered from 0");
+      layers_[i].kv_group = kv_groups[i];
+      num_kv_groups_ = std::max(num_kv_groups_, kv_groups[i] + 1);
+    }
+  }
+
   // hidden: [T, H] embeddings of the step's tokens, every one a decode row; returns
   // (last layer's MLP output, residual stream) for the model's final fused add + norm, or
   // with set_final_norm (the normed states, residual stream); in the sandwich scheme
   // (the final norm of the residual stream, or without one the stream itself; the
-  // stream). The attention arguments are CPUAttentionMetadata's kernel inputs; rows at
-  // and past num_actual_tokens are padding, whose attention output is zero.
+  // stream). The attention arguments are CPUAttentionMetadata's kernel inputs, one of
+  // each per KV cache group; rows at and past num_actual_tokens are padding, whose
+  // attention output is zero.
   std::tuple<at::Tensor, at::Tensor> forward(at::Tensor hidden, at::Tensor positions,
-                                             at::Tensor slot_mapping, at::Tensor block_table,
-                                             at::Tensor seq_lens, at::Tensor token_indices,
+                                             std::vector<at::Tensor> slot_mappings,
+                                             std::vector<at::Tensor> block_tables,
+                                             std::vector<at::Tensor> seq_lens,
+                                             std::vector<at::Tensor> token_indices,
                                              int64_t num_actual_tokens) {
+    const GroupInputs groups{std::move(slot_mappings), std::move(block_tables),
+                             std::move(seq_lens), std::move(token_indices)};
+    TORCH_CHECK(static_cast<int64_t>(groups.size()) == num_kv_groups_ &&
+                    groups.slot_mappings.size() == groups.size() &&
+                    groups.seq_lens.size() == groups.size() &&
+                    groups.token_indices.size() == groups.size(),
+                "attention inputs for ", num_kv_groups_, " KV cache groups expected");
     TORCH_CHECK(!layers_.empty(), "the decoder stack has no layers");
     TORCH_CHECK(kv_caches_.size() == layers_.size(), "set_kv_caches first: ",
                 kv_caches_.size(), " KV caches for ", layers_.size(), " layers");
@@ -166,8 +189,8 @@ class DecoderStack : public torch::CustomClassHolder {
     const int64_t tokens = hidden.size(0);
     const bool padded = num_actual_tokens != tokens;
     if (!padded && fused_step_supports(layers_, tokens))
-      return fused_decode_step(layers_, shape_, hidden, positions, kv_caches, slot_mapping,
-                               block_table, seq_lens, token_indices, final_norm_);
+      return fused_decode_step(layers_, shape_, hidden, positions, kv_caches, groups,
+                               final_norm_);
     const int64_t num_heads = shape_.num_heads, num_kv_heads = shape_.num_kv_heads;
     const int64_t head_size = shape_.head_size;
     const double eps = shape_.eps;
@@ -184,6 +207,7 @@ class DecoderStack : public torch::CustomClassHolder {
     at::Tensor x = norm(hidden, layers_[0].input_norm);
     for (size_t i = 0; i < layers_.size(); ++i) {
       const Layer& layer = layers_[i];
+      const size_t g = static_cast<size_t>(layer.kv_group);
       if (i > 0 && layers_[i - 1].sandwich()) {
         residual = at::add(residual, norm(x, layers_[i - 1].post_ff_norm));
         x = norm(residual, layer.input_norm);
@@ -210,7 +234,8 @@ class DecoderStack : public torch::CustomClassHolder {
       cache_and_decode_attention(attn_heads, q.view({tokens, num_heads, head_size}),
                                  k.view({tokens, num_kv_heads, head_size}),
                                  v.view({tokens, num_kv_heads, head_size}), kv_caches[i],
-                                 slot_mapping, block_table, seq_lens, token_indices, shape_.scale,
+                                 groups.slot_mappings[g], groups.block_tables[g],
+                                 groups.seq_lens[g], groups.token_indices[g], shape_.scale,
                                  layer.sliding_window);
 
       x = layer.o(attn);
@@ -245,6 +270,7 @@ class DecoderStack : public torch::CustomClassHolder {
   std::vector<Layer> layers_;
   std::vector<at::Tensor> kv_caches_;
   std::optional<FinalNorm> final_norm_;
+  int64_t num_kv_groups_ = 1;
 };
 
 }  // namespace kvserve_cpu
@@ -256,5 +282,6 @@ TORCH_LIBRARY_FRAGMENT(kvserve, m) {
       .def("num_layers", &kvserve_cpu::DecoderStack::num_layers)
       .def("set_final_norm", &kvserve_cpu::DecoderStack::set_final_norm)
       .def("set_kv_caches", &kvserve_cpu::DecoderStack::set_kv_caches)
+      .def("set_kv_groups", &kvserve_cpu::DecoderStack::set_kv_groups)
       .def("forward", &kvserve_cpu::DecoderStack::forward);
 }

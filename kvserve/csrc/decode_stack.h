@@ -46,6 +46,7 @@ struct Layer {
   at::Tensor cos_sin_cache;  // this layer's RoPE table (Gemma: local or global base)
   Activation activation = Activation::kSilu;
   int64_t sliding_window = 0;  // <= 0: none
+  int64_t kv_group = 0;        // which of the step's KV cache groups' inputs it reads
 
   bool sandwich() const { return pre_ff_norm.defined(); }
 };
@@ -79,6 +80,14 @@ inline void qk_norm_token(float* q, int64_t nq, float* k, int64_t nk, int64_t he
     rms_norm_row(k + h * head_size, k + h * head_size, k_w, head_size, eps);
 }
 
+// A step's attention inputs (CPUAttentionMetadata's kernel inputs), one entry per KV
+// cache group: a hybrid model's sliding-window and global layers have their own block
+// tables and slots.
+struct GroupInputs {
+  std::vector<at::Tensor> slot_mappings, block_tables, seq_lens, token_indices;
+  size_t size() const { return block_tables.size(); }
+};
+
 // Decode steps of at most this many rows may take the fused step.
 constexpr int64_t kFusedStepMaxRows = 8;
 
@@ -94,7 +103,6 @@ bool fused_step_supports(const std::vector<Layer>& layers, int64_t tokens);
 std::tuple<at::Tensor, at::Tensor> fused_decode_step(
     const std::vector<Layer>& layers, const StackShape& shape, const at::Tensor& hidden,
     const at::Tensor& positions, const std::vector<at::Tensor>& kv_caches,
-    const at::Tensor& slot_mapping, const at::Tensor& block_table, const at::Tensor& seq_lens,
-    const at::Tensor& token_indices, const std::optional<FinalNorm>& final_norm);
+    const GroupInputs& groups, const std::optional<FinalNorm>& final_norm);
 
 }  // namespace kvserve_cpu

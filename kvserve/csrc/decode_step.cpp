@@ -130,8 +130,7 @@ bool fused_step_supports(const std::vector<Layer>& layers, int64_t tokens) {
 std::tuple<at::Tensor, at::Tensor> fused_decode_step(
     const std::vector<Layer>& layers, const StackShape& shape, const at::Tensor& hidden,
     const at::Tensor& positions, const std::vector<at::Tensor>& kv_caches,
-    const at::Tensor& slot_mapping, const at::Tensor& block_table, const at::Tensor& seq_lens,
-    const at::Tensor& token_indices, const std::optional<FinalNorm>& final_norm) {
+    const GroupInputs& groups, const std::optional<FinalNorm>& final_norm) {
   // Everything that can fail is checked here: nothing may throw inside the region.
   const int64_t T = hidden.size(0), H = hidden.size(1);
   const int64_t head_size = shape.head_size;
@@ -168,17 +167,26 @@ std::tuple<at::Tensor, at::Tensor> fused_decode_step(
       qkv.narrow(1, q_size + kv_size, kv_size).view({T, shape.num_kv_heads, head_size});
 
   const int threads_wanted = static_cast<int>(std::max<int64_t>(1, at::get_num_threads()));
-  const DecodeAttentionPlan plan0 =
-      plan_decode_attention(attn_heads, q_heads, kv_caches[0], block_table, seq_lens,
-                            token_indices, shape.scale, first.sliding_window, threads_wanted);
-  at::Tensor cache0 = kv_caches[0];
-  const KVWritePlan write0 = plan_kv_write(k_heads, v_heads, cache0, slot_mapping);
+  // One plan per KV cache group, from its first layer; the others take it over.
+  std::vector<DecodeAttentionPlan> group_plans;
+  std::vector<KVWritePlan> group_writes;
+  for (size_t g = 0; g < groups.size(); ++g) {
+    size_t i = 0;
+    while (i < layers.size() && layers[i].kv_group != static_cast<int64_t>(g)) ++i;
+    TORCH_CHECK(i < layers.size(), "KV cache group ", g, " has no layer");
+    at::Tensor cache = kv_caches[i];
+    group_plans.push_back(plan_decode_attention(
+        attn_heads, q_heads, cache, groups.block_tables[g], groups.seq_lens[g],
+        groups.token_indices[g], shape.scale, layers[i].sliding_window, threads_wanted));
+    group_writes.push_back(plan_kv_write(k_heads, v_heads, cache, groups.slot_mappings[g]));
+  }
   std::vector<LayerViews> views;
   views.reserve(layers.size());
   for (size_t i = 0; i < layers.size(); ++i) {
     const Layer& l = layers[i];
-    DecodeAttentionPlan attention = plan0.for_layer(kv_caches[i], l.sliding_window);
-    KVWritePlan kv_write = write0;
+    DecodeAttentionPlan attention =
+        group_plans[l.kv_group].for_layer(kv_caches[i], l.sliding_window);
+    KVWritePlan kv_write = group_writes[l.kv_group];
     kv_write.k_cache = kv_caches[i].data_ptr();  // same shape and type: for_layer checked
     views.push_back({ProjectionView(l.qkv), ProjectionView(l.o), ProjectionView(l.gate_up),
                      ProjectionView(l.down), l.input_norm.data_ptr<float>(),

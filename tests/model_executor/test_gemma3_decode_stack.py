@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -115,6 +116,69 @@ def test_gemma3_decode_stack_greedy_matches_hf(
             eos_token_id=None, pad_token_id=0,
         )[0, len(prompt):].tolist()  # fmt: skip
         assert tokens[r] == want, r
+
+
+def _count_stack_steps(worker: Any) -> None:
+    """Wraps the worker's decode stack so its taken steps are counted on the model."""
+    stack = worker.model_runner.model.model.decode_stack
+    forward = stack.forward
+
+    def counted(hidden: torch.Tensor, positions: torch.Tensor) -> Any:
+        out = forward(hidden, positions)
+        stack.taken_steps = getattr(stack, "taken_steps", 0) + (out is not None)
+        return out
+
+    stack.forward = counted
+
+
+def _drop_stack(worker: Any) -> None:
+    worker.model_runner.model.model.decode_stack = None
+
+
+@pytest.mark.parametrize("quantization", [None, "q8_0"])
+def test_gemma3_engine_decodes_through_the_stack_with_hybrid_kv_groups(
+    quantization: str | None, tiny_gemma3: tuple[Path, PreTrainedModel]
+) -> None:
+    """Through the engine the sliding-window and global layers are two KV cache groups
+    (their own block tables and slots): the stack takes every decode step (per-op path
+    on float32 weights, the fused step on q8_0 blocks). Float32: HF's greedy tokens;
+    q8_0 (lossy): the same tokens as the engine without the stack."""
+    from kvserve.entrypoints.llm import LLM
+    from kvserve.sampling_params import SamplingParams
+
+    path, hf = tiny_gemma3
+    llm = LLM(
+        str(path), skip_tokenizer_init=True, block_size=4, max_num_batched_tokens=16,
+        quantization=quantization, enable_prefix_caching=False,
+    )  # fmt: skip
+    try:
+        llm.collective_rpc(_count_stack_steps)
+        torch.manual_seed(12)
+        prompts = [
+            {"prompt_token_ids": torch.randint(3, VOCAB, (n,)).tolist()} for n in (10, 6, 19)
+        ]
+        params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+        got = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+        taken = llm.collective_rpc(
+            lambda w: getattr(w.model_runner.model.model.decode_stack, "taken_steps", 0)
+        )
+        assert taken[0] >= 9, taken
+        if quantization is None:
+            with torch.no_grad():
+                want = [
+                    hf.generate(
+                        torch.tensor([p["prompt_token_ids"]]), max_new_tokens=10,
+                        min_new_tokens=10, do_sample=False, eos_token_id=None, pad_token_id=0,
+                    )[0, len(p["prompt_token_ids"]):].tolist()
+                    for p in prompts
+                ]  # fmt: skip
+        else:
+            llm.collective_rpc(_drop_stack)
+            outputs = llm.generate(prompts, params, use_tqdm=False)
+            want = [list(o.outputs[0].token_ids) for o in outputs]
+        assert got == want
+    finally:
+        llm.llm_engine.shutdown()
 
 
 def test_gemma3_attention_soft_cap_takes_the_modules(

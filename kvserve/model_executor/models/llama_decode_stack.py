@@ -75,17 +75,23 @@ def _eps(norm: nn.Module) -> float:
     return eps
 
 
-def _decode_step_metadata() -> CPUAttentionMetadata | None:
-    """This step's attention metadata when the stack can run it, else None."""
+def _decode_ready(md: Any) -> bool:
+    """Whether one KV cache group's metadata is a step the stack implements."""
+    return (
+        type(md) is CPUAttentionMetadata
+        and not md.prefills
+        and md.kernel_decode is not None
+        and md.all_slots is not None
+    )
+
+
+def _step_metadata() -> Any:
+    """This step's attention metadata (one, or by layer name for several KV cache
+    groups), None where no step is set or a KV connector's per-layer hooks must run."""
     if not is_forward_context_set():
         return None
     ctx = get_forward_context()
-    md = ctx.attn_metadata
-    if ctx.kv_connector is not None or type(md) is not CPUAttentionMetadata:
-        return None
-    if md.prefills or md.kernel_decode is None or md.all_slots is None:
-        return None
-    return md
+    return None if ctx.kv_connector is not None else ctx.attn_metadata
 
 
 class LlamaDecodeStack:
@@ -102,6 +108,10 @@ class LlamaDecodeStack:
         self._stack: Any = None
         self._supported: bool | None = None
         self._caches: list[torch.Tensor] = []
+        # A hybrid model's step metadata comes by layer name, one object per KV cache
+        # group: the first layer name of each group, in the stack's group order (None:
+        # one metadata for every layer).
+        self._group_leaders: list[str] | None = None
 
     def _layer_args(self, layer: Any, eps: float) -> list[Any] | None:
         """add_layer's arguments for one decoder layer, None: the stack cannot run it."""
@@ -147,7 +157,7 @@ class LlamaDecodeStack:
             a.rotary_emb.cos_sin_cache, activation,
         ]  # fmt: skip
 
-    def _build(self) -> Any:
+    def _build(self, md: Any) -> Any:
         attn = self.layers[0].self_attn.attn
         eps = _eps(self.layers[0].input_layernorm)
         layer_args = []
@@ -168,6 +178,15 @@ class LlamaDecodeStack:
         )  # fmt: skip
         for args in layer_args:
             stack.add_layer(*args)
+        if isinstance(md, dict):  # KV cache groups by identity of their metadata
+            groups: list[int] = []
+            firsts: dict[int, str] = {}
+            for layer in self.layers:
+                name = layer.self_attn.attn.layer_name
+                firsts.setdefault(id(md[name]), name)
+                groups.append(list(firsts).index(id(md[name])))
+            self._group_leaders = list(firsts.values())
+            stack.set_kv_groups(groups)
         final = _norm_weight(self.final_norm)
         # Llama's scheme fuses the last add into RMSNorm; the sandwich one norms the stream.
         sandwich = hasattr(self.layers[-1], "pre_feedforward_layernorm")
@@ -196,20 +215,31 @@ class LlamaDecodeStack:
         With ``applies_final_norm`` the first is already the final norm's output."""
         if self._supported is False or not ops.use_for(hidden_states):
             return None
-        md = _decode_step_metadata()
-        if md is None or not hidden_states.is_contiguous():
+        step_md = _step_metadata()
+        if step_md is None or not hidden_states.is_contiguous():
+            return None
+        if isinstance(step_md, dict):
+            leaders = self._group_leaders
+            mds = [step_md[self.layers[0].self_attn.attn.layer_name]] if leaders is None else [
+                step_md[name] for name in leaders
+            ]  # fmt: skip
+        else:
+            mds = [step_md]
+        if not all(_decode_ready(md) for md in mds):
             return None
         if self._stack is None:
-            self._stack = self._build()
+            self._stack = self._build(step_md)
             self._supported = self._stack is not None
             if self._stack is None:
                 return None
+            return self.forward(hidden_states, positions)  # with the groups now known
+        if isinstance(step_md, dict) != (self._group_leaders is not None):
+            return None  # not the metadata shape the stack was built for
         caches = self._kv_caches()
         if caches[0].numel() == 0:
             return None
-        assert md.kernel_decode is not None and md.all_slots is not None
-        block_table, seq_lens, token_indices = md.kernel_decode
         return self._stack.forward(  # type: ignore[no-any-return]
-            hidden_states, positions, md.all_slots, block_table, seq_lens, token_indices,
-            md.num_actual_tokens,
+            hidden_states, positions, [md.all_slots for md in mds],
+            [md.kernel_decode[0] for md in mds], [md.kernel_decode[1] for md in mds],
+            [md.kernel_decode[2] for md in mds], mds[0].num_actual_tokens,
         )  # fmt: skip
