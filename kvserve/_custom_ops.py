@@ -223,6 +223,10 @@ def silu_and_mul(out: torch.Tensor, x: torch.Tensor) -> None:
     torch.ops.kvserve.silu_and_mul(out, x)
 
 
+def gelu_tanh_and_mul(out: torch.Tensor, x: torch.Tensor) -> None:
+    torch.ops.kvserve.gelu_tanh_and_mul(out, x)
+
+
 def require() -> None:
     """For features that exist only as kernels (block-quantized linear layers)."""
     if not available():

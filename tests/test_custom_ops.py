@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kvserve import _custom_ops as ops
-from kvserve.model_executor.layers.activation import SiluAndMul
+from kvserve.model_executor.layers.activation import GeluAndMul, SiluAndMul
 from kvserve.model_executor.layers.layernorm import RMSNorm
 from kvserve.model_executor.layers.rotary_embedding import RotaryEmbedding
 
@@ -105,6 +105,20 @@ def test_silu_and_mul_kernel_matches_torch() -> None:
     with ops.disabled():
         ref = SiluAndMul()(x)
     torch.testing.assert_close(SiluAndMul()(x), ref, rtol=1e-6, atol=1e-6)
+
+
+def test_gelu_tanh_and_mul_kernel_matches_float64() -> None:
+    # Gemma's MLP. The kernel's g * sigmoid(2u) is 0.5 g (1 + tanh(u)) rewritten; against
+    # the float64 value it is within float32 rounding, closer than torch's float32 one
+    # (whose 1 + tanh(u) cancels for negative g: up to 4e-4 relative).
+    torch.manual_seed(2)
+    x = torch.randn(33, 2 * 1536) * 4
+    x[0, :8] = torch.tensor([0.0, -0.0, 1e-30, -1e-30, 30.0, -30.0, 100.0, -100.0])
+    gate, up = x.double().chunk(2, dim=-1)
+    inner = (2 / torch.pi) ** 0.5 * (gate + 0.044715 * gate**3)
+    want = 0.5 * gate * (1 + torch.tanh(inner)) * up
+    got = GeluAndMul(approximate="tanh")(x)
+    torch.testing.assert_close(got.double(), want, rtol=4e-6, atol=1e-6)
 
 
 def test_cache_write_skips_negative_slots_and_matches_index_copy() -> None:

@@ -100,6 +100,8 @@ void add_rms_norm_row(const float* y, float* residual, const float* w, float* ou
                       float eps);
 // out = silu(gate) * up.
 void silu_mul_row(float* out, const float* gate, const float* up, int64_t d);
+// out = gelu_tanh(gate) * up (Gemma's GELU, tanh approximation).
+void gelu_tanh_mul_row(float* out, const float* gate, const float* up, int64_t d);
 
 // The kernels registered as torch.ops.kvserve.*, callable directly from other kernels
 // (decode_stack.cpp runs a whole decoder stack through them without the dispatcher).
@@ -114,6 +116,7 @@ void rms_norm(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, do
 void fused_add_rms_norm(at::Tensor& x, at::Tensor& residual, const at::Tensor& weight,
                         double eps);
 void silu_and_mul(at::Tensor& out, const at::Tensor& x);
+void gelu_tanh_and_mul(at::Tensor& out, const at::Tensor& x);
 at::Tensor block_linear(const at::Tensor& x_in, const at::Tensor& qs, const at::Tensor& d,
                         const at::Tensor& m, int64_t kind);
 at::Tensor block_linear_int8(const at::Tensor& x_in, const at::Tensor& qs, const at::Tensor& d,

@@ -84,6 +84,20 @@ void silu_mul_row(float* out, const float* gate, const float* up, int64_t d) {
   }
 }
 
+// gelu_tanh(g) = 0.5 g (1 + tanh(u)), u = sqrt(2/pi) (g + 0.044715 g^3), written as
+// g * sigmoid(2u) (the same function: 0.5 (1 + tanh(u)) = sigmoid(2u)) so that the
+// sigmoid above's one vectorizable exp of a non-positive argument serves here too.
+void gelu_tanh_mul_row(float* out, const float* gate, const float* up, int64_t d) {
+#pragma omp simd
+  for (int64_t i = 0; i < d; ++i) {
+    const float g = gate[i];
+    const float z = 1.5957691216057308f * (g + 0.044715f * (g * g * g));  // 2u
+    const float e = exp_nonpositive(-std::fabs(z));
+    const float sig = (z >= 0.f ? 1.f : e) / (1.f + e);
+    out[i] = g * sig * up[i];
+  }
+}
+
 // Neox-style rotary embedding in place. query/key: [T, heads * head_size] with any row
 // stride (views into the fused qkv output); cos_sin_cache: [max_pos, rot_dim] holding
 // cos in the first half of each row and sin in the second, as vLLM lays it out.
@@ -169,6 +183,21 @@ void silu_and_mul(at::Tensor& out, const at::Tensor& x) {
   });
 }
 
+// out[t, i] = gelu_tanh(x[t, i]) * x[t, d + i] (Gemma's gated MLP).
+void gelu_tanh_and_mul(at::Tensor& out, const at::Tensor& x) {
+  check_float(out, "out");
+  check_float(x, "x");
+  TORCH_CHECK(x.is_contiguous() && out.is_contiguous(), "gelu_tanh_and_mul needs contiguous rows");
+  const int64_t d = x.size(-1) / 2;
+  const int64_t rows = x.numel() / (2 * d);
+  const float* xp = x.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, rows, grain_for(10 * d), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r)
+      gelu_tanh_mul_row(op + r * d, xp + r * 2 * d, xp + r * 2 * d + d, d);
+  });
+}
+
 }  // namespace kvserve_cpu
 
 TORCH_LIBRARY(kvserve, m) {
@@ -182,6 +211,7 @@ TORCH_LIBRARY(kvserve, m) {
   m.def("rms_norm(Tensor(a!) out, Tensor x, Tensor weight, float eps) -> ()");
   m.def("fused_add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
   m.def("silu_and_mul(Tensor(a!) out, Tensor x) -> ()");
+  m.def("gelu_tanh_and_mul(Tensor(a!) out, Tensor x) -> ()");
   m.def("dequantize_blocks(Tensor qs, Tensor d, Tensor m, int kind) -> Tensor");
   m.def("block_linear(Tensor x, Tensor qs, Tensor d, Tensor m, int kind) -> Tensor");
   m.def("dense_linear(Tensor x, Tensor w) -> Tensor");
@@ -196,4 +226,5 @@ TORCH_LIBRARY_IMPL(kvserve, CPU, m) {
   m.impl("rms_norm", &kvserve_cpu::rms_norm);
   m.impl("fused_add_rms_norm", &kvserve_cpu::fused_add_rms_norm);
   m.impl("silu_and_mul", &kvserve_cpu::silu_and_mul);
+  m.impl("gelu_tanh_and_mul", &kvserve_cpu::gelu_tanh_and_mul);
 }

@@ -31,22 +31,61 @@ struct Projection {
   bool fused_step_ready() const { return packed_int8() || (kind >= 0 && !int8_activations); }
 };
 
+// The MLP's gate activation.
+enum class Activation : int64_t { kSilu = 0, kGeluTanh = 1 };
+
+// One decoder layer. Two residual schemes: Llama's (post_norm is the fused add + norm
+// before the MLP) and Gemma's sandwich (pre_ff_norm defined: post_norm normalises the
+// attention output before its residual add, pre_ff_norm the MLP input, post_ff_norm the
+// MLP output before its add). Norm weights are the kernels' factors (Gemma's 1 + w).
 struct Layer {
   at::Tensor input_norm, post_norm;
+  at::Tensor pre_ff_norm, post_ff_norm;  // undefined: Llama's scheme
+  at::Tensor q_norm, k_norm;  // per-head norms of q and k before RoPE; undefined: none
   Projection qkv, o, gate_up, down;
+  at::Tensor cos_sin_cache;  // this layer's RoPE table (Gemma: local or global base)
+  Activation activation = Activation::kSilu;
   int64_t sliding_window = 0;  // <= 0: none
+  int64_t kv_group = 0;        // which of the step's KV cache groups' inputs it reads
+
+  bool sandwich() const { return pre_ff_norm.defined(); }
 };
 
 struct StackShape {
   int64_t num_heads, num_kv_heads, head_size;
   double eps, scale;
-  at::Tensor cos_sin_cache;
 };
 
-// The model's norm after the last layer, when the stack applies it (Llama's RMSNorm).
+// The model's norm after the last layer, when the stack applies it: Llama's fused add +
+// norm of (last MLP output, residual), or in the sandwich scheme the norm of the residual.
 struct FinalNorm {
   at::Tensor weight;
   double eps;
+};
+
+// residual += y, row by row (the sandwich scheme's add after a norm).
+inline void add_row(float* residual, const float* y, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) residual[i] = residual[i] + y[i];
+}
+
+// One token's query and key heads normalised in place, head by head (Gemma's and
+// Qwen3's q/k norms); k_w null: no norms.
+inline void qk_norm_token(float* q, int64_t nq, float* k, int64_t nk, int64_t head_size,
+                          const float* q_w, const float* k_w, float eps) {
+  if (k_w == nullptr) return;
+  for (int64_t h = 0; h < nq; ++h)
+    rms_norm_row(q + h * head_size, q + h * head_size, q_w, head_size, eps);
+  for (int64_t h = 0; h < nk; ++h)
+    rms_norm_row(k + h * head_size, k + h * head_size, k_w, head_size, eps);
+}
+
+// A step's attention inputs (CPUAttentionMetadata's kernel inputs), one entry per KV
+// cache group: a hybrid model's sliding-window and global layers have their own block
+// tables and slots.
+struct GroupInputs {
+  std::vector<at::Tensor> slot_mappings, block_tables, seq_lens, token_indices;
+  size_t size() const { return block_tables.size(); }
 };
 
 // Decode steps of at most this many rows may take the fused step.
@@ -59,11 +98,11 @@ bool fused_step_supports(const std::vector<Layer>& layers, int64_t tokens);
 // between the threads by output features, attention by heads, the small row operations
 // repeated on each thread instead of waited for. Same kernels, same order of arithmetic
 // as the per-op path, so the same result bit for bit. Returns (last MLP output, residual),
-// or with `final_norm` (norm(last MLP output + residual), that sum).
+// or with `final_norm` (norm(last MLP output + residual), that sum); in the sandwich
+// scheme (final norm of the residual stream, or the stream itself, the stream).
 std::tuple<at::Tensor, at::Tensor> fused_decode_step(
     const std::vector<Layer>& layers, const StackShape& shape, const at::Tensor& hidden,
     const at::Tensor& positions, const std::vector<at::Tensor>& kv_caches,
-    const at::Tensor& slot_mapping, const at::Tensor& block_table, const at::Tensor& seq_lens,
-    const at::Tensor& token_indices, const std::optional<FinalNorm>& final_norm);
+    const GroupInputs& groups, const std::optional<FinalNorm>& final_norm);
 
 }  // namespace kvserve_cpu

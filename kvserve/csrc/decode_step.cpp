@@ -8,8 +8,8 @@
 // stack. Each projection is split between them by groups of output features, attention
 // by heads; the row operations are repeated on every thread (each keeps its own copy of
 // the residual stream and of the quantized input) rather than run once and waited for.
-// Only the rotary embedding and the KV-cache write, which change shared data, run on one
-// thread. Every value is computed by the same functions as the per-op path, in the same
+// Only the q/k norms, the rotary embedding and the KV-cache write, which change shared
+// data, run on one thread. Every value is computed by the same functions as the per-op path, in the same
 // order, so the step's output is the same bit for bit.
 
 #include <ATen/ops/empty.h>
@@ -88,12 +88,34 @@ void linear_share(const ProjectionView& w, const float* x, int64_t T, ThreadInpu
     for (int64_t n = n0; n < n1; ++n) out[r * w.N + n] = out[r * w.N + n] + w.bias[n];
 }
 
+const float* data_or_null(const at::Tensor& t) {
+  return t.defined() ? t.data_ptr<float>() : nullptr;
+}
+
 struct LayerViews {
   ProjectionView qkv, o, gate_up, down;
   const float *input_norm, *post_norm;
+  const float *pre_ff_norm, *post_ff_norm;  // null: Llama's scheme
+  const float *q_norm, *k_norm;             // null: none
+  const float* cos_sin;
+  int64_t rot_dim;
+  Activation activation;
   DecodeAttentionPlan attention;
   KVWritePlan kv_write;
+
+  bool sandwich() const { return pre_ff_norm != nullptr; }
 };
+
+// out = norm(residual += norm(y)), row by row: the sandwich scheme's residual add of a
+// sublayer's output (y_norm) and the next norm (w), `tmp` the normed output.
+void sandwich_add_norm(const float* y, const float* y_norm, float* residual, const float* w,
+                       float* out, float* tmp, int64_t T, int64_t H, float eps) {
+  for (int64_t r = 0; r < T; ++r) {
+    rms_norm_row(tmp + r * H, y + r * H, y_norm, H, eps);
+    add_row(residual + r * H, tmp + r * H, H);
+    rms_norm_row(out + r * H, residual + r * H, w, H, eps);
+  }
+}
 
 }  // namespace
 
@@ -108,8 +130,7 @@ bool fused_step_supports(const std::vector<Layer>& layers, int64_t tokens) {
 std::tuple<at::Tensor, at::Tensor> fused_decode_step(
     const std::vector<Layer>& layers, const StackShape& shape, const at::Tensor& hidden,
     const at::Tensor& positions, const std::vector<at::Tensor>& kv_caches,
-    const at::Tensor& slot_mapping, const at::Tensor& block_table, const at::Tensor& seq_lens,
-    const at::Tensor& token_indices, const std::optional<FinalNorm>& final_norm) {
+    const GroupInputs& groups, const std::optional<FinalNorm>& final_norm) {
   // Everything that can fail is checked here: nothing may throw inside the region.
   const int64_t T = hidden.size(0), H = hidden.size(1);
   const int64_t head_size = shape.head_size;
@@ -128,11 +149,12 @@ std::tuple<at::Tensor, at::Tensor> fused_decode_step(
               "positions must be int64, one per row");
   const at::Tensor pos = positions.contiguous();
   const int64_t* pos_ptr = pos.data_ptr<int64_t>();
-  const at::Tensor& cos_sin = shape.cos_sin_cache;
-  const int64_t rot_dim = cos_sin.size(1), max_pos = cos_sin.size(0);
-  for (int64_t t = 0; t < T; ++t)
-    TORCH_CHECK(pos_ptr[t] >= 0 && pos_ptr[t] < max_pos, "position ", pos_ptr[t],
-                " outside the rotary cache of ", max_pos);
+  for (const Layer& l : layers) {
+    const int64_t max_pos = l.cos_sin_cache.size(0);
+    for (int64_t t = 0; t < T; ++t)
+      TORCH_CHECK(pos_ptr[t] >= 0 && pos_ptr[t] < max_pos, "position ", pos_ptr[t],
+                  " outside the rotary cache of ", max_pos);
+  }
 
   const auto options = hidden.options();
   at::Tensor qkv = at::empty({T, qkv_n}, options), attn = at::empty({T, q_size}, options);
@@ -145,28 +167,40 @@ std::tuple<at::Tensor, at::Tensor> fused_decode_step(
       qkv.narrow(1, q_size + kv_size, kv_size).view({T, shape.num_kv_heads, head_size});
 
   const int threads_wanted = static_cast<int>(std::max<int64_t>(1, at::get_num_threads()));
-  const DecodeAttentionPlan plan0 =
-      plan_decode_attention(attn_heads, q_heads, kv_caches[0], block_table, seq_lens,
-                            token_indices, shape.scale, first.sliding_window, threads_wanted);
-  at::Tensor cache0 = kv_caches[0];
-  const KVWritePlan write0 = plan_kv_write(k_heads, v_heads, cache0, slot_mapping);
+  // One plan per KV cache group, from its first layer; the others take it over.
+  std::vector<DecodeAttentionPlan> group_plans;
+  std::vector<KVWritePlan> group_writes;
+  for (size_t g = 0; g < groups.size(); ++g) {
+    size_t i = 0;
+    while (i < layers.size() && layers[i].kv_group != static_cast<int64_t>(g)) ++i;
+    TORCH_CHECK(i < layers.size(), "KV cache group ", g, " has no layer");
+    at::Tensor cache = kv_caches[i];
+    group_plans.push_back(plan_decode_attention(
+        attn_heads, q_heads, cache, groups.block_tables[g], groups.seq_lens[g],
+        groups.token_indices[g], shape.scale, layers[i].sliding_window, threads_wanted));
+    group_writes.push_back(plan_kv_write(k_heads, v_heads, cache, groups.slot_mappings[g]));
+  }
   std::vector<LayerViews> views;
   views.reserve(layers.size());
   for (size_t i = 0; i < layers.size(); ++i) {
     const Layer& l = layers[i];
-    DecodeAttentionPlan attention = plan0.for_layer(kv_caches[i], l.sliding_window);
-    KVWritePlan kv_write = write0;
+    DecodeAttentionPlan attention =
+        group_plans[l.kv_group].for_layer(kv_caches[i], l.sliding_window);
+    KVWritePlan kv_write = group_writes[l.kv_group];
     kv_write.k_cache = kv_caches[i].data_ptr();  // same shape and type: for_layer checked
     views.push_back({ProjectionView(l.qkv), ProjectionView(l.o), ProjectionView(l.gate_up),
                      ProjectionView(l.down), l.input_norm.data_ptr<float>(),
-                     l.post_norm.data_ptr<float>(), std::move(attention), std::move(kv_write)});
+                     l.post_norm.data_ptr<float>(), data_or_null(l.pre_ff_norm),
+                     data_or_null(l.post_ff_norm), data_or_null(l.q_norm),
+                     data_or_null(l.k_norm), l.cos_sin_cache.data_ptr<float>(),
+                     l.cos_sin_cache.size(1), l.activation, std::move(attention),
+                     std::move(kv_write)});
   }
 
   const float* final_weight = final_norm ? final_norm->weight.data_ptr<float>() : nullptr;
   const float final_eps = final_norm ? static_cast<float>(final_norm->eps) : 0.0f;
   const float eps = static_cast<float>(shape.eps);
   const float* hidden_ptr = hidden.data_ptr<float>();
-  const float* cos_sin_ptr = cos_sin.data_ptr<float>();
   float* qkv_ptr = qkv.data_ptr<float>();
   float* o_ptr = o.data_ptr<float>();
   float* gate_up_ptr = gate_up.data_ptr<float>();
@@ -177,24 +211,30 @@ std::tuple<at::Tensor, at::Tensor> fused_decode_step(
 #pragma omp parallel num_threads(threads_wanted)
   {
     const int tid = omp_get_thread_num(), threads = omp_get_num_threads();
-    CacheAligned<float> residual(T * H), x(T * H), act(T * inter);
+    CacheAligned<float> residual(T * H), x(T * H), act(T * inter), tmp(T * H);
     std::copy(hidden_ptr, hidden_ptr + T * H, residual.data());
     ThreadInput in(T, max_k);
     for (int64_t r = 0; r < T; ++r)
       rms_norm_row(x.data() + r * H, hidden_ptr + r * H, views[0].input_norm, H, eps);
     for (size_t i = 0; i < views.size(); ++i) {
       const LayerViews& l = views[i];
-      if (i > 0)
+      if (i > 0 && views[i - 1].sandwich())
+        sandwich_add_norm(down_ptr, views[i - 1].post_ff_norm, residual.data(), l.input_norm,
+                          x.data(), tmp.data(), T, H, eps);
+      else if (i > 0)
         for (int64_t r = 0; r < T; ++r)
           add_rms_norm_row(down_ptr + r * H, residual.data() + r * H, l.input_norm,
                            x.data() + r * H, H, eps);
       linear_share(l.qkv, x.data(), T, in, qkv_ptr, tid, threads);
 #pragma omp barrier
       if (tid == 0) {
-        for (int64_t t = 0; t < T; ++t)
-          rope_token(qkv_ptr + t * qkv_n, shape.num_heads, qkv_ptr + t * qkv_n + q_size,
-                     shape.num_kv_heads, head_size, cos_sin_ptr + pos_ptr[t] * rot_dim,
-                     rot_dim / 2);
+        for (int64_t t = 0; t < T; ++t) {
+          float* row = qkv_ptr + t * qkv_n;
+          qk_norm_token(row, shape.num_heads, row + q_size, shape.num_kv_heads, head_size,
+                        l.q_norm, l.k_norm, eps);
+          rope_token(row, shape.num_heads, row + q_size, shape.num_kv_heads, head_size,
+                     l.cos_sin + pos_ptr[t] * l.rot_dim, l.rot_dim / 2);
+        }
         l.kv_write.run();
       }
 #pragma omp barrier
@@ -203,23 +243,44 @@ std::tuple<at::Tensor, at::Tensor> fused_decode_step(
 #pragma omp barrier
       linear_share(l.o, attn_ptr, T, in, o_ptr, tid, threads);
 #pragma omp barrier
-      for (int64_t r = 0; r < T; ++r)
-        add_rms_norm_row(o_ptr + r * H, residual.data() + r * H, l.post_norm, x.data() + r * H,
-                         H, eps);
+      if (l.sandwich())
+        sandwich_add_norm(o_ptr, l.post_norm, residual.data(), l.pre_ff_norm, x.data(),
+                          tmp.data(), T, H, eps);
+      else
+        for (int64_t r = 0; r < T; ++r)
+          add_rms_norm_row(o_ptr + r * H, residual.data() + r * H, l.post_norm,
+                           x.data() + r * H, H, eps);
       linear_share(l.gate_up, x.data(), T, in, gate_up_ptr, tid, threads);
 #pragma omp barrier
-      for (int64_t r = 0; r < T; ++r)
-        silu_mul_row(act.data() + r * inter, gate_up_ptr + r * 2 * inter,
-                     gate_up_ptr + r * 2 * inter + inter, inter);
+      for (int64_t r = 0; r < T; ++r) {
+        const float* gate = gate_up_ptr + r * 2 * inter;
+        if (l.activation == Activation::kGeluTanh)
+          gelu_tanh_mul_row(act.data() + r * inter, gate, gate + inter, inter);
+        else
+          silu_mul_row(act.data() + r * inter, gate, gate + inter, inter);
+      }
       linear_share(l.down, act.data(), T, in, down_ptr, tid, threads);
 #pragma omp barrier
     }
     if (tid == 0) {
-      // The model's final fused add + norm, as its module would run it on (down, residual).
-      if (final_weight != nullptr)
+      const LayerViews& last = views.back();
+      if (last.sandwich()) {
+        // The last MLP output's residual add, then the model's final norm of the stream
+        // (or the stream itself) into `down`, which no thread reads any more.
+        for (int64_t r = 0; r < T; ++r) {
+          rms_norm_row(tmp.data() + r * H, down_ptr + r * H, last.post_ff_norm, H, eps);
+          add_row(residual.data() + r * H, tmp.data() + r * H, H);
+          if (final_weight != nullptr)
+            rms_norm_row(down_ptr + r * H, residual.data() + r * H, final_weight, H, final_eps);
+          else
+            std::copy(residual.data() + r * H, residual.data() + (r + 1) * H, down_ptr + r * H);
+        }
+      } else if (final_weight != nullptr) {
+        // The model's final fused add + norm, as its module would run it on (down, residual).
         for (int64_t r = 0; r < T; ++r)
           add_rms_norm_row(down_ptr + r * H, residual.data() + r * H, final_weight,
                            down_ptr + r * H, H, final_eps);
+      }
       std::copy(residual.data(), residual.data() + T * H, residual_out.data_ptr<float>());
     }
   }

@@ -68,7 +68,7 @@ class GemmaRMSNorm(nn.Module):
         self._scale: torch.Tensor | None = None
         self._scale_version = -1
 
-    def _kernel_scale(self) -> torch.Tensor:
+    def kernel_scale(self) -> torch.Tensor:
         version = self.weight._version
         if self._scale is None or self._scale_version != version:
             self._scale = (1.0 + self.weight.float()).contiguous()
@@ -81,7 +81,7 @@ class GemmaRMSNorm(nn.Module):
             # torch's ops the norm was ~40% of Gemma's prefill (four norms per layer
             # plus the per-head q/k norms).
             out = torch.empty_like(x)
-            ops.rms_norm(out, x, self._kernel_scale(), self.eps)
+            ops.rms_norm(out, x, self.kernel_scale(), self.eps)
             return out
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)

@@ -117,6 +117,8 @@ class DeepseekV2MLAAttention(nn.Module):
 
 
 class DeepseekV2DecoderLayer(LlamaDecoderLayer):
+    runs_in_decode_stack = False  # MLA attention, routed experts
+
     def make_attention(
         self, arch: ArchConfig, qkv_bias: bool, o_bias: bool, prefix: str, layer_idx: int
     ) -> nn.Module:

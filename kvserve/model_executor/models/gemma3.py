@@ -31,6 +31,7 @@ from kvserve.model_executor.layers.vocab_parallel_embedding import (
     ParallelLMHead,
     VocabParallelEmbedding,
 )
+from kvserve.model_executor.models.llama_decode_stack import LlamaDecodeStack
 from kvserve.model_executor.models.weight_utils import load_hf_weights
 from kvserve.transformers_utils.arch_config import ArchConfig
 
@@ -95,9 +96,12 @@ class Gemma3Attention(nn.Module):
         num_tokens = hidden_states.shape[0]
         qkv = self.qkv_proj.forward(hidden_states)
         q, k, v = qkv.split(self.qkv_split, dim=-1)
-        # Per-head norms before RoPE; contiguous outputs let the rotary kernel work in place.
-        q = self.q_norm.forward(q.reshape(num_tokens, -1, self.head_dim)).view(num_tokens, -1)
-        k = self.k_norm.forward(k.reshape(num_tokens, -1, self.head_dim)).view(num_tokens, -1)
+        # Per-head norms before RoPE; contiguous inputs take the norm kernel at any number
+        # of rows (the fused decode stack's arithmetic), contiguous outputs let the rotary
+        # kernel work in place.
+        q = self.q_norm.forward(q.contiguous().view(num_tokens, -1, self.head_dim))
+        k = self.k_norm.forward(k.contiguous().view(num_tokens, -1, self.head_dim))
+        q, k = q.view(num_tokens, -1), k.view(num_tokens, -1)
         q, k = self.rotary_emb.forward(positions, q, k)
         return self.o_proj.forward(self.attn.forward(q, k, v))
 
@@ -140,6 +144,9 @@ class Gemma3Model(nn.Module):
             for i in range(arch.num_hidden_layers)
         )
         self.norm = GemmaRMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        # Decode steps as one C++ call (same kernels, same result); None: always the
+        # modules (tests compare the two).
+        self.decode_stack: LlamaDecodeStack | None = LlamaDecodeStack(list(self.layers), self.norm)
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens.forward(input_ids) * self.embed_scale
@@ -153,6 +160,11 @@ class Gemma3Model(nn.Module):
         """``inputs_embeds``: the step's embeddings (scaled text embeddings with image
         embeddings merged in, Gemma3ForConditionalGeneration) instead of ``input_ids``'."""
         hidden_states = self.embed_input_ids(input_ids) if inputs_embeds is None else inputs_embeds
+        stack = self.decode_stack
+        stacked = stack.forward(hidden_states, positions) if stack is not None else None
+        if stacked is not None:  # (the final norm of the residual stream, or the stream)
+            assert stack is not None
+            return stacked[0] if stack.applies_final_norm else self.norm.forward(stacked[0])
         for layer in self.layers:
             hidden_states = layer.forward(positions, hidden_states)
         return self.norm.forward(hidden_states)

@@ -98,6 +98,11 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
+    # Whether the fused decode stack (llama_decode_stack) computes this layer's forward:
+    # Llama's parts, optionally per-head q/k norms (Qwen3). A family whose attention or
+    # MLP is another computation (MLA, experts) says False.
+    runs_in_decode_stack: ClassVar[bool] = True
+
     def __init__(
         self, arch: ArchConfig, qkv_bias: bool, o_bias: bool, prefix: str, layer_idx: int
     ) -> None:
@@ -157,10 +162,10 @@ class LlamaModel(nn.Module):
         )
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         # Decode steps as one C++ call (same kernels, same result); None: always the
-        # modules (tests compare the two). It implements Llama's own layers only.
+        # modules (tests compare the two).
         self.decode_stack: LlamaDecodeStack | None = (
-            LlamaDecodeStack(list(self.layers), self.norm)  # type: ignore[arg-type]
-            if layer_cls is LlamaDecoderLayer and self.pp.world_size == 1
+            LlamaDecodeStack(list(self.layers), self.norm)
+            if layer_cls.runs_in_decode_stack and self.pp.world_size == 1
             else None
         )
 

@@ -16,6 +16,8 @@ from kvserve.transformers_utils.arch_config import ArchConfig
 
 
 class MixtralDecoderLayer(LlamaDecoderLayer):
+    runs_in_decode_stack = False  # routed experts
+
     def make_mlp(self, arch: ArchConfig, prefix: str, layer_idx: int) -> nn.Module:
         assert arch.moe is not None, "Mixtral's config names its experts"
         return SparseMoeBlock(arch.moe, arch.hidden_size, prefix)

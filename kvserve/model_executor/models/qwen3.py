@@ -27,9 +27,11 @@ class Qwen3Attention(LlamaAttention):
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         num_tokens = hidden_states.shape[0]
         q, k, v = self.qkv_proj.forward(hidden_states).split(self.qkv_split, dim=-1)
-        # Contiguous outputs let the rotary kernel rotate in place.
-        q = self.q_norm.forward(q.reshape(num_tokens, -1, self.head_dim)).view(num_tokens, -1)
-        k = self.k_norm.forward(k.reshape(num_tokens, -1, self.head_dim)).view(num_tokens, -1)
+        # Contiguous inputs take the norm kernel at any number of rows (the fused decode
+        # stack's arithmetic); contiguous outputs let the rotary kernel rotate in place.
+        q = self.q_norm.forward(q.contiguous().view(num_tokens, -1, self.head_dim))
+        k = self.k_norm.forward(k.contiguous().view(num_tokens, -1, self.head_dim))
+        q, k = q.view(num_tokens, -1), k.view(num_tokens, -1)
         q, k = self.rotary_emb.forward(positions, q, k)
         return self.o_proj.forward(self.attn.forward(q, k, v))
 
