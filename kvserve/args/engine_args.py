@@ -84,6 +84,8 @@ class EngineArgs(MultiModalArgs, VllmCompatArgs):
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = 0
     scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
+    # Schedule step N+1 while step N's forward runs (vLLM's --async-scheduling).
+    async_scheduling: bool = False
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     distributed_executor_backend: Literal["uni", "mp", "ray"] | None = None
@@ -243,6 +245,7 @@ class EngineArgs(MultiModalArgs, VllmCompatArgs):
                 enable_chunked_prefill=self.enable_chunked_prefill,
                 long_prefill_token_threshold=self.long_prefill_token_threshold,
                 policy=self.scheduling_policy,
+                async_scheduling=self.async_scheduling,
             ),
             parallel_config=ParallelConfig(
                 tensor_parallel_size=self.tensor_parallel_size,
@@ -445,6 +448,12 @@ class EngineArgs(MultiModalArgs, VllmCompatArgs):
             "permitting)",
         )  # fmt: skip
         parser.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
+        parser.add_argument(
+            "--async-scheduling", action=argparse.BooleanOptionalAction,
+            default=EngineArgs.async_scheduling,
+            help="schedule and prepare step N+1 and process step N's outputs while step N's "
+            "forward runs (one worker in the engine process; other setups run synchronously)",
+        )  # fmt: skip
         parser.add_argument(
             "--kv-events-config",
             default=None,

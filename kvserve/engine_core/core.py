@@ -279,6 +279,13 @@ class EngineCore:
         self._publish_kv_events()
         return outputs
 
+    def _drain_finished(self) -> None:
+        """Applies the batches still in flight once no request is left (async scheduling:
+        the step sent on the placeholder of a request that then finished); what they
+        sampled is for no one."""
+        while self.batch_queue and not self.scheduler.get_num_unfinished_requests():
+            self._apply(self.batch_queue.pop_oldest())
+
     def _count_model_step(self, model_output: ModelRunnerOutput) -> None:
         """Adds a model step to the step-time totals (step() snapshots them into its stats)."""
         times = self.step_times
@@ -348,6 +355,7 @@ class EngineCore:
         check_sleep_level(level)
         # Finished requests the workers have yet to hear of are no obstacle: their blocks
         # are free, and the next step tells the workers.
+        self._drain_finished()
         unfinished = self.scheduler.get_num_unfinished_requests()
         if unfinished or self.batch_queue:
             raise ValueError(

@@ -91,10 +91,20 @@ class Scheduler(SchedulerInterface):
         self.encoder = encoder or NoEncoderPlanner()
         self.grammars = GrammarTracker(structured_output_manager)
         self.spec_decode = SpecDecodeTracker(speculative_config, self.max_model_len)
-        self.batches = InFlightBatches(max_concurrent_batches, self.max_num_running_reqs)
+        self.batches = InFlightBatches(
+            max_concurrent_batches,
+            self.max_num_running_reqs,
+            scheduler_config.async_scheduling,
+            self.max_model_len,
+        )
         self.isolator = FailureIsolator()
         self.releaser = RequestReleaser(
-            self.table, kv_cache_manager, self.kv_transfer, self.encoder, self.isolator
+            self.table,
+            kv_cache_manager,
+            self.kv_transfer,
+            self.encoder,
+            self.isolator,
+            self.batches,
         )
         self.results = StepResults(
             self.table,
@@ -213,7 +223,7 @@ class Scheduler(SchedulerInterface):
         index = 0
         while index < len(table.running) and plan.has_room():
             request = table.running[index]
-            if request.request_id in self.batches.in_flight or (
+            if self.batches.blocks(request) or (
                 probe is not None and request.request_id not in probe
             ):
                 index += 1
@@ -235,7 +245,7 @@ class Scheduler(SchedulerInterface):
             if len(table.running) >= self.max_num_running_reqs:
                 break
             request = table.waiting.pop_request()
-            if request.request_id in self.batches.in_flight or (
+            if self.batches.blocks(request) or (
                 probe is not None and request.request_id not in probe
             ):
                 skipped.add_request(request)
@@ -255,8 +265,12 @@ class Scheduler(SchedulerInterface):
         return self._finish_plan(plan)
 
     def _schedule_running(self, request: Request, plan: StepPlan) -> int:
+        # Async scheduling: the tokens of steps in flight are computed before they are known.
         num_new_tokens = self._cap_new_tokens(
-            request.num_tokens_with_spec - request.num_computed_tokens, plan.token_budget
+            request.num_tokens_with_spec
+            + request.num_output_placeholders
+            - request.num_computed_tokens,
+            plan.token_budget,
         )
         encoder_inputs, num_new_tokens, encoder_budget = self.encoder.try_schedule(
             request, request.num_computed_tokens, num_new_tokens, plan.encoder_budget
@@ -399,7 +413,7 @@ class Scheduler(SchedulerInterface):
         # The tokens count as computed once scheduled; update_from_output adds samples.
         for request_id, n in plan.num_scheduled_tokens.items():
             self.table.requests[request_id].num_computed_tokens += n
-        self.batches.mark(scheduler_output)
+        self.batches.mark(scheduler_output, self.table.requests)
         return scheduler_output
 
     def _empty_output(self, preempted_req_ids: set[str]) -> SchedulerOutput:

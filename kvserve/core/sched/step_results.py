@@ -62,7 +62,6 @@ class StepResults:
     ) -> list[EngineCoreOutput]:
         """Applies a step's sampled tokens and the KV connector's report; returns the
         step's outputs (with those of requests ended since the last step first)."""
-        self.batches.release(scheduler_output)
         # KV connector results first: a failed load voids (or, policy "fail", ends) a request.
         dropped, failed = self.kv_transfer.update_from_output(
             scheduler_output, model_runner_output.kv_connector_output, self.table.requests
@@ -91,6 +90,8 @@ class StepResults:
                 if output.finish_reason is not None:
                     stopped.append(request)
         self.table.remove(stopped)
+        # Once its samples are taken (an async placeholder ends with its token).
+        self.batches.release(scheduler_output)
         if sampled is not None:
             self.isolator.cleared(sampled)
         elif scheduler_output.total_num_scheduled_tokens:
@@ -116,7 +117,7 @@ class StepResults:
             self.spec_decode.apply_result(request, scheduled_spec, num_generated)
         new_token_ids: list[int] = []
         # A partial prefill samples nothing useful: only a caught-up request takes tokens.
-        if req_index is not None and request.num_computed_tokens >= request.num_tokens:
+        if req_index is not None and self.batches.takes_sample(scheduler_output, request):
             new_token_ids = list(runner_output.sampled_token_ids[req_index])
         is_stopped = False
         self.encoder.free_computed(request)
