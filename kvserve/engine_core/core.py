@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import os
@@ -310,6 +311,13 @@ class EngineCore:
         """
         message = f"{type(error).__name__}: {error}"
         outputs = self.scheduler.isolate_failed_step(scheduler_output, message)
+        if self.config.scheduler_config.async_scheduling:
+            # The steps sent after it ran on its placeholders: void, whatever they did.
+            while self.batch_queue:
+                later = self.batch_queue.pop_oldest()
+                with contextlib.suppress(Exception):
+                    later.output.result()
+                self.scheduler.discard_step(later.scheduler_output)
         self._publish_kv_events()  # the failed step's blocks left the prefix cache
         if self.scheduler.isolator.engine_is_broken:
             raise error

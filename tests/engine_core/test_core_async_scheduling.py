@@ -3,8 +3,9 @@ N runs on the worker's thread, its requests' sampled tokens still placeholders.
 
 On a tiny random Llama (tests/engine_core/builders.py): greedy tokens are HF's with chunked
 prefill, preemption by recompute (a tiny KV cache), stop tokens, max_tokens, aborts while
-in flight and stop strings (the front end's); nothing comes out after a request finished,
-and every block and per-request entry is given back. Speculative decoding falls back to
+in flight, stop strings (the front end's) and a step that fails (a faulty logits processor
+plugin: its request alone ends); nothing comes out after a request finished, and every
+block and per-request entry is given back. Speculative decoding falls back to
 synchronous steps, and says so.
 """
 
@@ -19,9 +20,10 @@ import pytest
 
 from kvserve.args.engine_args import EngineArgs
 from kvserve.engine_core.core import EngineCore
-from kvserve.protocol.engine_core import EngineCoreRequest
+from kvserve.protocol.engine_core import EngineCoreRequest, FinishReason
 from kvserve.sampling_params import SamplingParams
 from tests.engine_core.builders import tiny_engine_core, tiny_llama
+from tests.engine_core.faulty_logits_processors import FORCE_TOKEN
 from tests.engine_core.test_core_proc import make_request
 from tests.entrypoints.test_llm_tiny_models import hf_greedy
 
@@ -127,6 +129,40 @@ def test_preemption_by_recompute_keeps_the_tokens(tiny: tuple[Path, Any]) -> Non
         assert core.scheduler.num_preemptions > 0
         for i, prompt in enumerate(PROMPTS[1:] * 2):
             assert tokens[f"p{i}"] == hf_greedy(tiny[1], prompt, 12)
+        assert_idle_and_clean(core)
+    finally:
+        core.shutdown()
+
+
+def test_a_failing_step_is_blamed_on_its_request_alone(tiny: tuple[Path, Any]) -> None:
+    # The step after the failing one was sent on its placeholders: it is void, its
+    # requests recompute, and the bisection still ends only the request at fault.
+    core = tiny_engine_core(tiny[0], async_scheduling=True, logits_processors=(FORCE_TOKEN,))
+    try:
+        bad = make_request("bad", MAX_TOKENS, PROMPTS[0])
+        bad.sampling_params = SamplingParams(
+            temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True,
+            extra_args={"force_token_id": 10**6},  # past the vocabulary: the plugin raises
+        )  # fmt: skip
+        requests = [make_request(f"ok{i}", MAX_TOKENS, p) for i, p in enumerate(PROMPTS[1:])]
+        for request in [*requests, bad]:
+            core.add_request(request)
+        finals: dict[str, Any] = {}
+        tokens: dict[str, list[int]] = {r.request_id: [] for r in requests}
+        for _ in range(200):
+            if not core.has_work():
+                break
+            for output in core.step()[0].outputs:
+                assert output.request_id not in finals
+                tokens.setdefault(output.request_id, []).extend(output.new_token_ids)
+                if output.finished:
+                    finals[output.request_id] = output
+            core.scheduler.check_integrity()
+        assert finals["bad"].finish_reason == FinishReason.ERROR and not tokens["bad"]
+        for i, prompt in enumerate(PROMPTS[1:]):
+            assert finals[f"ok{i}"].finish_reason == FinishReason.LENGTH
+            assert tokens[f"ok{i}"] == hf_greedy(tiny[1], prompt, MAX_TOKENS)
+        assert core.scheduler.consecutive_unattributed_failures == 0
         assert_idle_and_clean(core)
     finally:
         core.shutdown()

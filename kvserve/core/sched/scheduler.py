@@ -460,6 +460,10 @@ class Scheduler(SchedulerInterface):
         carrying ``message``)."""
         return self.results.isolate_failed_step(scheduler_output, message)
 
+    def discard_step(self, scheduler_output: SchedulerOutput) -> None:
+        """A step sent on a failed step's placeholders (async scheduling) is void."""
+        self.results.discard_step(scheduler_output)
+
     # ---- state and stats -------------------------------------------------------------------
 
     def get_num_unfinished_requests(self) -> int:

@@ -181,3 +181,19 @@ class StepResults:
             for request in reversed(failed + idle):  # prepended one by one: keeps order
                 self.releaser.preempt(request)
         return self.table.take_pending_outputs()
+
+    def discard_step(self, scheduler_output: SchedulerOutput) -> None:
+        """Async scheduling: a step sent on the placeholders of a step that then failed
+        ran on tokens that never came. Nothing it did counts and no request is blamed
+        for it: those of its requests still running (the failed step's own were dealt with
+        by isolate_failed_step) recompute, and the blocks it cached ahead are evicted."""
+        self.batches.release(scheduler_output)
+        running = [
+            r
+            for rid in scheduler_output.num_scheduled_tokens
+            if (r := self.table.get(rid)) is not None and r.status == RequestStatus.RUNNING
+        ]
+        if self.kv_cache_manager.enable_caching:
+            evict_step_blocks(self.kv_cache_manager, scheduler_output, running)
+        for request in reversed(self.table.stop_running({r.request_id for r in running})):
+            self.releaser.preempt(request)
