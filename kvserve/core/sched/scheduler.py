@@ -266,11 +266,9 @@ class Scheduler(SchedulerInterface):
 
     def _schedule_running(self, request: Request, plan: StepPlan) -> int:
         # Async scheduling: the tokens of steps in flight are computed before they are known.
+        ahead = request.num_tokens_with_spec + request.num_output_placeholders
         num_new_tokens = self._cap_new_tokens(
-            request.num_tokens_with_spec
-            + request.num_output_placeholders
-            - request.num_computed_tokens,
-            plan.token_budget,
+            ahead - request.num_computed_tokens, plan.token_budget
         )
         encoder_inputs, num_new_tokens, encoder_budget = self.encoder.try_schedule(
             request, request.num_computed_tokens, num_new_tokens, plan.encoder_budget
