@@ -5,8 +5,8 @@ On a tiny random Llama (tests/engine_core/builders.py): greedy tokens are HF's w
 prefill, preemption by recompute (a tiny KV cache), stop tokens, max_tokens, aborts while
 in flight, stop strings (the front end's) and a step that fails (a faulty logits processor
 plugin: its request alone ends); nothing comes out after a request finished, and every
-block and per-request entry is given back. Speculative decoding falls back to
-synchronous steps, and says so.
+block and per-request entry is given back; a served core (EngineCoreProc over ZMQ) does
+the same. Speculative decoding falls back to synchronous steps, and says so.
 """
 
 from __future__ import annotations
@@ -19,12 +19,13 @@ from typing import Any
 import pytest
 
 from kvserve.args.engine_args import EngineArgs
+from kvserve.engine.mp_client import SyncMPClient
 from kvserve.engine_core.core import EngineCore
 from kvserve.protocol.engine_core import EngineCoreRequest, FinishReason
 from kvserve.sampling_params import SamplingParams
 from tests.engine_core.builders import tiny_engine_core, tiny_llama
 from tests.engine_core.faulty_logits_processors import FORCE_TOKEN
-from tests.engine_core.test_core_proc import make_request
+from tests.engine_core.test_core_proc import collect, make_request, wait_idle
 from tests.entrypoints.test_llm_tiny_models import hf_greedy
 
 PROMPTS = [list(range(5, 29)), list(range(40, 47)), list(range(60, 70))]  # 24: two chunks
@@ -208,3 +209,21 @@ def test_speculative_decoding_falls_back_to_synchronous_steps(
         config = args.create_engine_config()
     assert not config.scheduler_config.async_scheduling
     assert "async scheduling is not supported with speculative decoding" in caplog.text
+
+
+@pytest.mark.slow
+def test_a_served_core_runs_ahead_too(tiny: tuple[Path, Any]) -> None:
+    # EngineCoreProc's loop sends step N's outputs to the front end while N+1 runs.
+    args = dict(block_size=4, max_num_batched_tokens=16, kv_cache_memory=8 << 20)
+    config = EngineArgs(model=str(tiny[0]), async_scheduling=True, **args).create_engine_config()
+    client = SyncMPClient(config)
+    try:
+        client.add_request(make_request("m0", MAX_TOKENS, PROMPTS[0]))
+        client.add_request(make_request("long", 10_000, PROMPTS[1]))
+        tokens, final = collect(client, "m0")
+        assert tokens == hf_greedy(tiny[1], PROMPTS[0], MAX_TOKENS)
+        assert final.finish_reason == FinishReason.LENGTH
+        client.abort_requests(["long"])  # in flight: its next step was sent already
+        assert wait_idle(client).kv_cache_usage == 0.0
+    finally:
+        client.shutdown()
