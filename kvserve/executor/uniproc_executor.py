@@ -57,14 +57,22 @@ def _worker_thread() -> ThreadPoolExecutor:
 
 class UniProcExecutor(Executor):
     def _init_executor(self) -> None:
-        self.driver_worker = Worker(self.config, rank=0, local_rank=0)
-        self.driver_worker.init_device()
-        self.driver_worker.load_model()
         self.async_scheduling = self.config.scheduler_config.async_scheduling
         self._calls: _Calls = _worker_thread() if self.async_scheduling else _InlineCalls()
+        # Built and loaded on the thread that runs its steps: the model's parallel regions
+        # then all start from that thread, so OpenMP keeps one team of workers. A second
+        # team (the caller's, from loading) would make libgomp count more threads than
+        # cores and cut its barrier spin short, and the decode step's barriers would sleep.
+        self.driver_worker = self._calls.submit(self._load_worker).result()
         # The last step's execute_model: its sample_tokens fails with its error.
         self._last_execute: Future[Any] | None = None
         self._shut_down = False
+
+    def _load_worker(self) -> Worker:
+        worker = Worker(self.config, rank=0, local_rank=0)
+        worker.init_device()
+        worker.load_model()
+        return worker
 
     @property
     def max_concurrent_batches(self) -> int:
