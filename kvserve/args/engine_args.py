@@ -82,6 +82,8 @@ class EngineArgs(ParallelArgs, KVArgs, MultiModalArgs, VllmCompatArgs):
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = 0
     scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
+    # Schedule step N+1 while step N's forward runs (vLLM's --async-scheduling).
+    async_scheduling: bool = False
     disable_cascade_attn: bool = False
     # vLLM's: no tokenizer is loaded; prompts are token ids and outputs carry no text.
     skip_tokenizer_init: bool = False
@@ -210,6 +212,7 @@ class EngineArgs(ParallelArgs, KVArgs, MultiModalArgs, VllmCompatArgs):
                 enable_chunked_prefill=self.enable_chunked_prefill,
                 long_prefill_token_threshold=self.long_prefill_token_threshold,
                 policy=self.scheduling_policy,
+                async_scheduling=self.async_scheduling,
             ),
             parallel_config=self._parallel_config(),
             device_config=device_config,
@@ -365,6 +368,12 @@ class EngineArgs(ParallelArgs, KVArgs, MultiModalArgs, VllmCompatArgs):
             "permitting)",
         )  # fmt: skip
         parser.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
+        parser.add_argument(
+            "--async-scheduling", action=argparse.BooleanOptionalAction,
+            default=EngineArgs.async_scheduling,
+            help="schedule and prepare step N+1 and process step N's outputs while step N's "
+            "forward runs (one worker in the engine process; other setups run synchronously)",
+        )  # fmt: skip
         parser.add_argument(
             "--attention-sinks", type=int, default=0,
             help="StreamingLLM: full-attention layers keep this many first tokens plus a "

@@ -80,7 +80,6 @@ IGNORED_ARGS: dict[str, IgnoredArg] = {
     "disable_async_output_proc": IgnoredArg(
         "no-op", "outputs are processed in the front end already", cli="flag"
     ),
-    "async_scheduling": IgnoredArg("no-op", "the engine core steps synchronously", cli="flag"),
     "use_v2_block_manager": IgnoredArg("no-op", "deprecated in vLLM too", cli="flag"),
     "prefix_caching_hash_algo": IgnoredArg(
         "no-op", "block hashes use kvserve's seeded hash (prefix_caching_hash_seed)"
@@ -143,7 +142,6 @@ class VllmCompatArgs:
     pt_load_map_location: Any = None
     model_loader_extra_config: Any = None
     disable_async_output_proc: bool | None = None
-    async_scheduling: bool | None = None
     use_v2_block_manager: bool | None = None
     prefix_caching_hash_algo: str | None = None
     show_hidden_metrics_for_version: str | None = None

@@ -28,9 +28,11 @@ if TYPE_CHECKING:
 # kvserve-spec-ngram: prompt lookup, 4 drafts; kvserve-spec-int8-draft: the default lossless
 # target with its own gguf_int8 copy drafting 3 tokens; kvserve-float32-spec-int8-draft: the
 # same drafts for a float32 target.
+# kvserve-sync / kvserve-async: the default without / with --async-scheduling (the next
+# step scheduled while the forward runs), to compare the two in one run.
 _NGRAM = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2}'
 _INT8_DRAFT = '{"method": "draft_model", "num_speculative_tokens": 3, "quantization": "gguf_int8"}'
-KVSERVE_VARIANTS: dict[str, dict[str, str]] = {
+KVSERVE_VARIANTS: dict[str, dict[str, str | bool]] = {
     "kvserve-float32": {"quantization": "none"},
     "kvserve-gguf": {"quantization": "gguf"},
     "kvserve-gguf-int8": {"quantization": "gguf_int8"},
@@ -38,6 +40,8 @@ KVSERVE_VARIANTS: dict[str, dict[str, str]] = {
     "kvserve-spec-ngram": {"speculative_config": _NGRAM},
     "kvserve-spec-int8-draft": {"speculative_config": _INT8_DRAFT},
     "kvserve-float32-spec-int8-draft": {"quantization": "none", "speculative_config": _INT8_DRAFT},
+    "kvserve-sync": {"async_scheduling": False},
+    "kvserve-async": {"async_scheduling": True},
 }
 KVSERVE_ENGINES = ("kvserve", *KVSERVE_VARIANTS)
 

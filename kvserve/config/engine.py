@@ -64,6 +64,8 @@ class EngineConfig:
             self.cache_config.enable_prefix_caching = False
         self.scheduler_config.max_model_len = context_len
         self.scheduler_config.verify_against_model_len()
+        if self.scheduler_config.async_scheduling:
+            self._configure_async_scheduling()
         sinks = self.cache_config.attention_sinks
         if sinks:
             if sinks >= context_len:
@@ -135,6 +137,30 @@ class EngineConfig:
                 "(every %d tokens, core/mamba_manager.py)",
                 cache.block_size,
             )
+
+    def _configure_async_scheduling(self) -> None:
+        """Async scheduling overlaps one worker thread in this process with the engine
+        core (executor/uniproc_executor.py). Where a step's next one needs more than its
+        sampled token, it falls back to synchronous steps, and says so: drafts
+        (speculative decoding) are proposed from the step's output, a KV connector's saves
+        and loads follow each step's metadata, a pooling request ends with its prompt;
+        Mamba states have not been checked with it."""
+        reason = None
+        if self.parallel_config.distributed_executor_backend != "uni":
+            reason = "workers in other processes (distributed_executor_backend != 'uni')"
+        elif self.speculative_config is not None:
+            reason = "speculative decoding (drafts come from each step's output)"
+        elif self.kv_transfer_config is not None:
+            reason = "a KV connector (kv_transfer_config)"
+        elif self.model_config.is_pooling:
+            reason = "a pooling model"
+        elif "mamba" in self.model_config.arch.layer_types:
+            reason = "Mamba layers (their states and caching are not checked with it)"
+        if reason is not None:
+            logger.warning(
+                "async scheduling is not supported with %s: steps run synchronously", reason
+            )
+            self.scheduler_config.async_scheduling = False
 
     @property
     def max_seq_len(self) -> int:

@@ -59,8 +59,14 @@ class SchedulerConfig:
     # A prefill longer than this is chunked even when the budget could take it (0 = off).
     long_prefill_token_threshold: int = 0
     policy: Literal["fcfs", "priority"] = "fcfs"
+    # vLLM's async scheduling: the next step is scheduled (its requests' sampled tokens
+    # still placeholders) while the current one's forward runs on the worker's thread
+    # (core/sched/in_flight.py). EngineConfig turns it off where it is not supported.
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
+        if not isinstance(self.async_scheduling, bool):
+            raise ValueError(f"async_scheduling must be a bool, got {self.async_scheduling!r}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(
                 f"max_num_batched_tokens must be at least 1, got {self.max_num_batched_tokens}"

@@ -96,6 +96,9 @@ class Request:
         self._output_token_ids: list[int] = []
         self._all_token_ids: list[int] = list(prompt_token_ids)
         self.num_computed_tokens = 0
+        # Async scheduling: tokens sampled by steps in flight, not yet appended; the
+        # scheduler computes past them (their KV) before it knows them (in_flight.py).
+        self.num_output_placeholders = 0
         # Prefix-cache hits at first scheduling; -1 until then.
         self.num_cached_tokens = -1
         self.num_preemptions = 0

@@ -9,6 +9,11 @@ the workers take their calls in order, so the first stage starts on batch k+1 wh
 last one still runs batch k. Outputs are applied oldest first, and once the queue is
 full the core waits for the oldest. The scheduler keeps a request out of every batch but
 the one it is in flight in (core/sched/in_flight.py).
+
+Async scheduling uses the same queue at depth 2 with one worker on its own thread
+(executor/uniproc_executor.py): step N+1 is scheduled and sent while N runs, its requests'
+tokens from N still placeholders, and N's output is applied (and, served, sent to the
+front end) while N+1 runs.
 """
 
 from __future__ import annotations

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import os
@@ -279,6 +280,13 @@ class EngineCore:
         self._publish_kv_events()
         return outputs
 
+    def _drain_finished(self) -> None:
+        """Applies the batches still in flight once no request is left (async scheduling:
+        the step sent on the placeholder of a request that then finished); what they
+        sampled is for no one."""
+        while self.batch_queue and not self.scheduler.get_num_unfinished_requests():
+            self._apply(self.batch_queue.pop_oldest())
+
     def _count_model_step(self, model_output: ModelRunnerOutput) -> None:
         """Adds a model step to the step-time totals (step() snapshots them into its stats)."""
         times = self.step_times
@@ -303,6 +311,13 @@ class EngineCore:
         """
         message = f"{type(error).__name__}: {error}"
         outputs = self.scheduler.isolate_failed_step(scheduler_output, message)
+        if self.config.scheduler_config.async_scheduling:
+            # The steps sent after it ran on its placeholders: void, whatever they did.
+            while self.batch_queue:
+                later = self.batch_queue.pop_oldest()
+                with contextlib.suppress(Exception):
+                    later.output.result()
+                self.scheduler.discard_step(later.scheduler_output)
         self._publish_kv_events()  # the failed step's blocks left the prefix cache
         if self.scheduler.isolator.engine_is_broken:
             raise error
@@ -348,6 +363,7 @@ class EngineCore:
         check_sleep_level(level)
         # Finished requests the workers have yet to hear of are no obstacle: their blocks
         # are free, and the next step tells the workers.
+        self._drain_finished()
         unfinished = self.scheduler.get_num_unfinished_requests()
         if unfinished or self.batch_queue:
             raise ValueError(

@@ -35,6 +35,7 @@ def test_vllm_flag_names_reach_the_config() -> None:
             "priority",
             "--kv-cache-dtype",
             "bfloat16",
+            "--async-scheduling",
         ]
     ).create_engine_config()
     assert config.model_config.max_model_len == 1024
@@ -45,6 +46,8 @@ def test_vllm_flag_names_reach_the_config() -> None:
     assert config.cache_config.kv_cache_memory == 64 << 20
     assert not config.cache_config.enable_prefix_caching
     assert config.cache_config.kv_dtype(config.model_config.dtype) == "bfloat16"
+    assert config.scheduler_config.async_scheduling
+    assert not parse([]).async_scheduling  # opt-in
 
 
 @pytest.mark.parametrize(
@@ -52,6 +55,11 @@ def test_vllm_flag_names_reach_the_config() -> None:
 )
 def test_parse_bytes(text: str, value: int) -> None:
     assert parse_bytes(text) == value
+
+
+def test_async_scheduling_must_be_a_bool() -> None:
+    with pytest.raises(ValueError, match="async_scheduling"):
+        EngineArgs(async_scheduling="yes").create_engine_config()  # type: ignore[arg-type]
 
 
 def test_bad_size_names_the_field() -> None:

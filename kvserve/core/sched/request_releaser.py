@@ -2,7 +2,8 @@
 
 A request that finishes, fails or is preempted holds blocks (KVCacheManager), maybe a
 connector's claim on them (the KV-transfer planner), encoder cache entries (the encoder
-planner) and maybe suspicion (the FailureIsolator). The schedule side and the results
+planner), maybe suspicion (the FailureIsolator) and maybe samples in flight (async
+scheduling's placeholders). The schedule side and the results
 side of the scheduler both end and preempt requests; they do it through this object, so
 nothing is released twice or forgotten.
 """
@@ -18,6 +19,7 @@ if TYPE_CHECKING:
     from kvserve.core.kv_cache_manager import KVCacheManager
     from kvserve.core.sched.encoder_planner import NoEncoderPlanner
     from kvserve.core.sched.failure_isolator import FailureIsolator
+    from kvserve.core.sched.in_flight import InFlightBatches
     from kvserve.core.sched.kv_transfer_planner import NoKVTransfer
     from kvserve.core.sched.request_table import RequestTable
 
@@ -30,12 +32,14 @@ class RequestReleaser:
         kv_transfer: NoKVTransfer,
         encoder: NoEncoderPlanner,
         isolator: FailureIsolator,
+        batches: InFlightBatches,
     ) -> None:
         self.table = table
         self.kv_cache_manager = kv_cache_manager
         self.kv_transfer = kv_transfer
         self.encoder = encoder
         self.isolator = isolator
+        self.batches = batches
 
     def free(self, request: Request) -> dict[str, Any] | None:
         """Releases what a finished request holds (its blocks, unless the KV connector
@@ -69,5 +73,6 @@ class RequestReleaser:
         outputs; the caller took it out of running, and it waits first in line."""
         self.kv_cache_manager.free(request)
         self.encoder.free(request)
+        self.batches.forget(request)  # async scheduling: it recomputes from what it has
         request.num_preemptions += 1
         self.table.requeue_preempted(request)

@@ -91,10 +91,20 @@ class Scheduler(SchedulerInterface):
         self.encoder = encoder or NoEncoderPlanner()
         self.grammars = GrammarTracker(structured_output_manager)
         self.spec_decode = SpecDecodeTracker(speculative_config, self.max_model_len)
-        self.batches = InFlightBatches(max_concurrent_batches, self.max_num_running_reqs)
+        self.batches = InFlightBatches(
+            max_concurrent_batches,
+            self.max_num_running_reqs,
+            scheduler_config.async_scheduling,
+            self.max_model_len,
+        )
         self.isolator = FailureIsolator()
         self.releaser = RequestReleaser(
-            self.table, kv_cache_manager, self.kv_transfer, self.encoder, self.isolator
+            self.table,
+            kv_cache_manager,
+            self.kv_transfer,
+            self.encoder,
+            self.isolator,
+            self.batches,
         )
         self.results = StepResults(
             self.table,
@@ -213,7 +223,7 @@ class Scheduler(SchedulerInterface):
         index = 0
         while index < len(table.running) and plan.has_room():
             request = table.running[index]
-            if request.request_id in self.batches.in_flight or (
+            if self.batches.blocks(request) or (
                 probe is not None and request.request_id not in probe
             ):
                 index += 1
@@ -235,7 +245,7 @@ class Scheduler(SchedulerInterface):
             if len(table.running) >= self.max_num_running_reqs:
                 break
             request = table.waiting.pop_request()
-            if request.request_id in self.batches.in_flight or (
+            if self.batches.blocks(request) or (
                 probe is not None and request.request_id not in probe
             ):
                 skipped.add_request(request)
@@ -255,8 +265,10 @@ class Scheduler(SchedulerInterface):
         return self._finish_plan(plan)
 
     def _schedule_running(self, request: Request, plan: StepPlan) -> int:
+        # Async scheduling: the tokens of steps in flight are computed before they are known.
+        ahead = request.num_tokens_with_spec + request.num_output_placeholders
         num_new_tokens = self._cap_new_tokens(
-            request.num_tokens_with_spec - request.num_computed_tokens, plan.token_budget
+            ahead - request.num_computed_tokens, plan.token_budget
         )
         encoder_inputs, num_new_tokens, encoder_budget = self.encoder.try_schedule(
             request, request.num_computed_tokens, num_new_tokens, plan.encoder_budget
@@ -399,7 +411,7 @@ class Scheduler(SchedulerInterface):
         # The tokens count as computed once scheduled; update_from_output adds samples.
         for request_id, n in plan.num_scheduled_tokens.items():
             self.table.requests[request_id].num_computed_tokens += n
-        self.batches.mark(scheduler_output)
+        self.batches.mark(scheduler_output, self.table.requests)
         return scheduler_output
 
     def _empty_output(self, preempted_req_ids: set[str]) -> SchedulerOutput:
@@ -445,6 +457,10 @@ class Scheduler(SchedulerInterface):
         failure_isolator.py); returns the outputs of requests this ended (the culprit's,
         carrying ``message``)."""
         return self.results.isolate_failed_step(scheduler_output, message)
+
+    def discard_step(self, scheduler_output: SchedulerOutput) -> None:
+        """A step sent on a failed step's placeholders (async scheduling) is void."""
+        self.results.discard_step(scheduler_output)
 
     # ---- state and stats -------------------------------------------------------------------
 

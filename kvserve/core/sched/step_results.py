@@ -62,7 +62,6 @@ class StepResults:
     ) -> list[EngineCoreOutput]:
         """Applies a step's sampled tokens and the KV connector's report; returns the
         step's outputs (with those of requests ended since the last step first)."""
-        self.batches.release(scheduler_output)
         # KV connector results first: a failed load voids (or, policy "fail", ends) a request.
         dropped, failed = self.kv_transfer.update_from_output(
             scheduler_output, model_runner_output.kv_connector_output, self.table.requests
@@ -91,6 +90,8 @@ class StepResults:
                 if output.finish_reason is not None:
                     stopped.append(request)
         self.table.remove(stopped)
+        # Once its samples are taken (an async placeholder ends with its token).
+        self.batches.release(scheduler_output)
         if sampled is not None:
             self.isolator.cleared(sampled)
         elif scheduler_output.total_num_scheduled_tokens:
@@ -116,7 +117,7 @@ class StepResults:
             self.spec_decode.apply_result(request, scheduled_spec, num_generated)
         new_token_ids: list[int] = []
         # A partial prefill samples nothing useful: only a caught-up request takes tokens.
-        if req_index is not None and request.num_computed_tokens >= request.num_tokens:
+        if req_index is not None and self.batches.takes_sample(scheduler_output, request):
             new_token_ids = list(runner_output.sampled_token_ids[req_index])
         is_stopped = False
         self.encoder.free_computed(request)
@@ -180,3 +181,19 @@ class StepResults:
             for request in reversed(failed + idle):  # prepended one by one: keeps order
                 self.releaser.preempt(request)
         return self.table.take_pending_outputs()
+
+    def discard_step(self, scheduler_output: SchedulerOutput) -> None:
+        """Async scheduling: a step sent on the placeholders of a step that then failed
+        ran on tokens that never came. Nothing it did counts and no request is blamed
+        for it: those of its requests still running (the failed step's own were dealt with
+        by isolate_failed_step) recompute, and the blocks it cached ahead are evicted."""
+        self.batches.release(scheduler_output)
+        running = [
+            r
+            for rid in scheduler_output.num_scheduled_tokens
+            if (r := self.table.get(rid)) is not None and r.status == RequestStatus.RUNNING
+        ]
+        if self.kv_cache_manager.enable_caching:
+            evict_step_blocks(self.kv_cache_manager, scheduler_output, running)
+        for request in reversed(self.table.stop_running({r.request_id for r in running})):
+            self.releaser.preempt(request)

@@ -57,7 +57,8 @@ def make_cached_request_data(
         data.resumed_from_preemption.append(is_resumed)
         data.new_block_ids.append(None if new_blocks.is_empty() else new_blocks.get_block_ids())
         data.num_computed_tokens.append(request.num_computed_tokens)
-        data.num_output_tokens.append(request.num_output_tokens)
+        # Placeholders included: the worker has appended the tokens of steps in flight.
+        data.num_output_tokens.append(request.num_output_tokens + request.num_output_placeholders)
         if num_scheduled_tokens is not None:
             start = request.num_computed_tokens  # not yet advanced by this step
             end = start + num_scheduled_tokens[request.request_id]

@@ -7,6 +7,7 @@ from kvserve.core.kv_cache_manager import KVCacheManager
 from kvserve.core.request import RequestStatus
 from kvserve.core.sched.encoder_planner import NoEncoderPlanner
 from kvserve.core.sched.failure_isolator import FailureIsolator
+from kvserve.core.sched.in_flight import InFlightBatches
 from kvserve.core.sched.kv_transfer_planner import NoKVTransfer
 from kvserve.core.sched.request_queue import SchedulingPolicy
 from kvserve.core.sched.request_releaser import RequestReleaser
@@ -23,6 +24,7 @@ def _releaser() -> RequestReleaser:
         NoKVTransfer(),
         NoEncoderPlanner(),
         FailureIsolator(),
+        InFlightBatches(1, max_num_running_reqs=8),
     )
 
 
