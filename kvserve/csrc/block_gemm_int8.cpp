@@ -78,22 +78,29 @@ struct Int8Rows {
 #ifdef __AVX2__
 // A block's 32 quants as 32 bytes in weight order: unsigned 0..15 for Q4_1, signed for
 // Q8_0 and Q4_0 (q - 8).
-// Nibble planes (kinds 5-6): block b of the pair at `qs` (b & ~1), its quants in plane
-// order: one AND for block A, a shift and an AND for B.
 template <int KIND>
-inline __m256i load_quants_i8(const uint8_t* qs, int64_t b) {
-  if constexpr (nibble_planes(KIND)) {
-    __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs));
-    if (b & 1) v = _mm256_srli_epi16(v, 4);
-    const __m256i q = _mm256_and_si256(v, _mm256_set1_epi8(15));
-    return KIND == 6 ? _mm256_sub_epi8(q, _mm256_set1_epi8(8)) : q;
-  } else if constexpr (KIND == 0) {
+inline __m256i load_quants_i8(const uint8_t* qs) {
+  if constexpr (KIND == 0) {
     return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs));
   } else {
     const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
     const __m256i both = _mm256_set_m128i(_mm_srli_epi16(bytes, 4), bytes);
     const __m256i q = _mm256_and_si256(both, _mm256_set1_epi8(15));
     return KIND == 2 ? _mm256_sub_epi8(q, _mm256_set1_epi8(8)) : q;
+  }
+}
+
+// Nibble planes (kinds 5-6): a pair's two blocks' quants in plane order from one load,
+// one AND for block A, a shift and an AND for B.
+template <int KIND>
+inline void load_pair_i8(const uint8_t* pair, __m256i& a, __m256i& b) {
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pair));
+  const __m256i nibble = _mm256_set1_epi8(15);
+  a = _mm256_and_si256(v, nibble);
+  b = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
+  if constexpr (KIND == 6) {
+    a = _mm256_sub_epi8(a, _mm256_set1_epi8(8));
+    b = _mm256_sub_epi8(b, _mm256_set1_epi8(8));
   }
 }
 #endif
@@ -163,11 +170,7 @@ void gemv_int8_t(const BlockWeight& w, const Int8Rows& xq, int64_t r0, float* __
     const __m256i ones = _mm256_set1_epi16(1);
     // Block b's products with R rows into acc. The quants stream as the float GEMV's
     // do: kStreamAheadBytes ahead, every 64 bytes of the row (streamed_block).
-    const auto block_dot = [&](int64_t b, __m256 (&acc)[R]) {
-      const __m256i wq =
-          nibble_planes(KIND)
-              ? load_quants_i8<KIND>(w.streamed_block(n, b & ~int64_t{1}, bb), b)
-              : load_quants_i8<KIND>(w.streamed_block(n, b, bb), b);
+    const auto quants_dot = [&](int64_t b, __m256i wq, __m256 (&acc)[R]) {
       // maddubs multiplies unsigned by signed bytes: signed weights move their sign to x.
       const __m256i wu = kUnsigned ? wq : _mm256_sign_epi8(wq, wq);
       for (int r = 0; r < R; ++r) {
@@ -177,6 +180,9 @@ void gemv_int8_t(const BlockWeight& w, const Int8Rows& xq, int64_t r0, float* __
         acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_broadcast_ss(scales + r * nb + b),
                                  acc[r]);
       }
+    };
+    const auto block_dot = [&](int64_t b, __m256 (&acc)[R]) {
+      quants_dot(b, load_quants_i8<base_kind(KIND)>(w.streamed_block(n, b, bb)), acc);
     };
     __m256 even[R];
     for (int r = 0; r < R; ++r) even[r] = _mm256_setzero_ps();
@@ -217,8 +223,15 @@ void gemv_int8_t(const BlockWeight& w, const Int8Rows& xq, int64_t r0, float* __
       __m256 odd[R];
       for (int r = 0; r < R; ++r) odd[r] = _mm256_setzero_ps();
       for (; b + 2 <= nb; b += 2) {
-        block_dot(b, even);
-        block_dot(b + 1, odd);
+        if constexpr (nibble_planes(KIND)) {  // rows are whole pairs
+          __m256i qa, qb;
+          load_pair_i8<KIND>(w.streamed_block(n, b, bb), qa, qb);
+          quants_dot(b, qa, even);
+          quants_dot(b + 1, qb, odd);
+        } else {
+          block_dot(b, even);
+          block_dot(b + 1, odd);
+        }
       }
       if (b < nb) block_dot(b, even);
       for (int r = 0; r < R; ++r) result[r] = hsum(_mm256_add_ps(even[r], odd[r]));
