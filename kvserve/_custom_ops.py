@@ -270,6 +270,20 @@ def pack_blocks_vnni(qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor, kind: i
     return torch.ops.kvserve.pack_blocks_vnni(qs, d, m, kind)
 
 
+def nibble_planes(qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor, kind: int) -> torch.Tensor:
+    """Q4_1 / Q4_0 quants (kind 1 / 2) reordered into nibble planes (kind 5 / 6,
+    csrc/block_gemm_planes.h), same shape; rows must hold a multiple of 64 weights."""
+    return torch.ops.kvserve.nibble_planes(qs, d, m, kind)
+
+
+def gemv_prefers_nibble_planes() -> bool:
+    """Whether this build's float GEMV is faster on nibble planes (AVX2 without AVX-512)."""
+    if "planes" not in _state:
+        require()
+        _state["planes"] = bool(torch.ops.kvserve.gemv_prefers_nibble_planes())
+    return _state["planes"]
+
+
 def packs_int8_weights() -> bool:
     """Whether this build makes gguf_int8's interleaved copy (AVX-512 VNNI), with which
     every matmul, batches included, runs on int8 activations."""

@@ -22,7 +22,7 @@ namespace kvserve_cpu {
 
 BlockWeight block_weight(const at::Tensor& qs, const at::Tensor& d, const at::Tensor& m,
                          int64_t kind) {
-  TORCH_CHECK(kind >= 0 && kind <= 4, "unknown block kind ", kind);
+  TORCH_CHECK(kind >= 0 && kind < kNumKinds, "unknown block kind ", kind);
   TORCH_CHECK(qs.is_contiguous() && d.is_contiguous() && qs.dim() == 2, "qs must be contiguous 2-D");
   const at::ScalarType scale_type = float32_scales(kind) ? at::kFloat : at::kHalf;
   TORCH_CHECK(d.scalar_type() == scale_type, "block scales d must be ",
@@ -30,10 +30,12 @@ BlockWeight block_weight(const at::Tensor& qs, const at::Tensor& d, const at::Te
   const int64_t rows = qs.size(0);
   const int64_t cols = weight_cols(kind, qs.size(1));
   TORCH_CHECK(cols % kBlock == 0, "columns must be a multiple of 32");
+  TORCH_CHECK(!nibble_planes(kind) || cols % (2 * kBlock) == 0,
+              "nibble planes take rows of a multiple of 64 weights");
   TORCH_CHECK(d.numel() == rows * cols / kBlock * scales_per_block(kind),
               scales_per_block(kind), " scale(s) per block expected");
   const uint16_t* m_ptr = nullptr;
-  if (kind == 1) {
+  if (base_kind(kind) == 1) {
     TORCH_CHECK(m.scalar_type() == at::kHalf, "block minimums m must be float16");
     TORCH_CHECK(m.is_contiguous() && m.numel() == d.numel(), "one minimum per block expected");
     m_ptr = static_cast<const uint16_t*>(m.data_ptr());
@@ -140,16 +142,15 @@ at::Tensor block_linear(const at::Tensor& x_in, const at::Tensor& qs, const at::
   if (rows_x < kDenseRows) {
     // Tiles of W small enough to stay in cache while every group of x rows passes over
     // them; the quants are converted once per group, not once per row.
-    std::vector<float> xsum(rows_x * nb);
-    block_sums(xp, rows_x * nb, xsum.data());
+    GemvInput input;
+    input.prepare(w, xp, rows_x);
     const int64_t num_tiles = (N + kTileRows - 1) / kTileRows, pass_rows = w.gemv_pass_rows();
     at::parallel_for(0, num_tiles, 1, [&](int64_t begin, int64_t end) {
       const int64_t n_begin = begin * kTileRows, n_end = std::min(N, end * kTileRows);
       for (int64_t n0 = n_begin; n0 < n_end; n0 += kTileRows) {
         const int64_t n1 = std::min(n_end, n0 + kTileRows);
         for (int64_t r0 = 0; r0 < rows_x; r0 += pass_rows) {
-          w.gemv(std::min(pass_rows, rows_x - r0), xp + r0 * K, xsum.data() + r0 * nb,
-                 op + r0 * N, n0, n1);
+          w.gemv(std::min(pass_rows, rows_x - r0), input.rows_from(r0), op + r0 * N, n0, n1);
         }
       }
     });
@@ -188,10 +189,44 @@ at::Tensor block_linear(const at::Tensor& x_in, const at::Tensor& qs, const at::
   return out;
 }
 
+// A Q4_1 or Q4_0 weight's quants (kind 1 or 2) in nibble planes (kind 5 or 6), same shape.
+at::Tensor nibble_planes_of(const at::Tensor& qs, const at::Tensor& d, const at::Tensor& m,
+                            int64_t kind) {
+  TORCH_CHECK(kind == 1 || kind == 2, "nibble planes take block kinds 1-2, not ", kind);
+  const BlockWeight w = block_weight(qs, d, m, kind);
+  TORCH_CHECK(w.cols % (2 * kBlock) == 0, "nibble planes take rows of a multiple of 64 weights");
+  at::Tensor out = at::empty(qs.sizes(), qs.options());
+  uint8_t* o = out.data_ptr<uint8_t>();
+  at::parallel_for(0, w.rows, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n)
+      for (int64_t off = 0; off < w.row_bytes; off += 32) {
+        const uint8_t* pair = w.qs + n * w.row_bytes + off;
+        plain_to_planes(pair, pair + 16, o + n * w.row_bytes + off);
+      }
+  });
+  return out;
+}
+
+// Whether this build's float GEMV runs nibble planes faster than the plain 4-bit layout
+// (AVX2 without AVX-512, whose wider conversions already halve the unpacking).
+bool gemv_prefers_nibble_planes() {
+#if defined(__AVX2__) && !defined(__AVX512F__)
+  return true;
+#else
+  return false;
+#endif
+}
+
 }  // namespace kvserve_cpu
+
+// No tensor to dispatch on: a catch-all kernel.
+TORCH_LIBRARY_FRAGMENT(kvserve, m) {
+  m.def("gemv_prefers_nibble_planes() -> bool", &kvserve_cpu::gemv_prefers_nibble_planes);
+}
 
 TORCH_LIBRARY_IMPL(kvserve, CPU, m) {
   m.impl("dequantize_blocks", &kvserve_cpu::dequantize_blocks);
   m.impl("block_linear", &kvserve_cpu::block_linear);
   m.impl("dense_linear", &kvserve_cpu::dense_linear);
+  m.impl("nibble_planes", &kvserve_cpu::nibble_planes_of);
 }

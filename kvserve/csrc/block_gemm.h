@@ -49,6 +49,21 @@ inline void block_sums(const float* x, int64_t blocks, float* sums) {
   }
 }
 
+// The rows of x one float GEMV pass reads (GemvInput, block_gemm_planes.h, prepares them).
+struct GemvRows {
+  const float* x;        // [R, cols]: x itself, or its nibble-plane form (kinds 5-6, AVX2)
+  const float* xsum;     // [R, cols / 32]: x's per-block sums (the minimum term)
+  const float* unscale;  // [R]: 1, or 2^-S for a row scaled by 2^S in nibble-plane form
+};
+
+struct BlockWeight;
+#if defined(__AVX2__) && !defined(__AVX512F__)
+// The float GEMV's outputs n .. n + NO - 1 on nibble planes (block_gemm_planes.h).
+template <int KIND, int R, int NO>
+void gemv_planes_outputs(const BlockWeight& w, const GemvRows& in, float* __restrict out,
+                         int64_t ldo, int64_t n);
+#endif
+
 struct BlockWeight {
   int64_t kind, rows, cols, row_bytes;
   const uint8_t* qs;
@@ -73,7 +88,7 @@ struct BlockWeight {
   template <int KIND>
   float minimum(int64_t i) const {
     if constexpr (KIND == 3) return m32[i];
-    else if constexpr (KIND == 1) return f16(m[i]);
+    else if constexpr (base_kind(KIND) == 1) return f16(m[i]);
     else return 0.f;
   }
 
@@ -188,16 +203,17 @@ struct BlockWeight {
 
   template <int KIND>
   void dequant_rows_t(int64_t begin, int64_t end, float* out) const {
-    const int64_t nb = cols / kBlock, bb = block_bytes_of(KIND);
+    const int64_t nb = cols / kBlock;
+    alignas(16) uint8_t plain[16];
     for (int64_t n = begin; n < end; ++n)
       for (int64_t b = 0; b < nb; ++b) {
-        const uint8_t* block = qs + n * row_bytes + b * bb;
+        const uint8_t* block = plain_block<KIND>(n, b, plain);
         float* o = out + (n - begin) * cols + b * kBlock;
         const float db = scale<KIND>(n * nb + b), mb = minimum<KIND>(n * nb + b);
         const float dh = scale_hi<KIND>(n * nb + b);
 #ifdef __AVX2__
         __m256 q[4];
-        load_quants<KIND>(block, q);
+        load_quants<base_kind(KIND)>(block, q);
         const __m256 dv = _mm256_set1_ps(db), hv = _mm256_set1_ps(dh), mv = _mm256_set1_ps(mb);
         for (int i = 0; i < 4; ++i) {
           // Multiply, then add: the gguf package's rounding, not a fused multiply-add.
@@ -206,9 +222,22 @@ struct BlockWeight {
           _mm256_storeu_ps(o + 8 * i, v);
         }
 #else
-        dequant_block<KIND>(block, db, mb, dh, o);
+        dequant_block<base_kind(KIND)>(block, db, mb, dh, o);
 #endif
       }
+  }
+
+  // Block b of row n in its kind's plain layout: in place, or (nibble planes) copied to
+  // `plain`, 16 bytes.
+  template <int KIND>
+  const uint8_t* plain_block(int64_t n, int64_t b, uint8_t* plain) const {
+    if constexpr (!nibble_planes(KIND)) {
+      (void)plain;
+      return qs + n * row_bytes + b * block_bytes_of(KIND);
+    } else {
+      planes_to_plain(qs + n * row_bytes + (b & ~int64_t{1}) * 16, static_cast<int>(b & 1), plain);
+      return plain;
+    }
   }
 
   void dequant_rows(int64_t begin, int64_t end, float* out) const {
@@ -216,7 +245,9 @@ struct BlockWeight {
     else if (kind == 1) dequant_rows_t<1>(begin, end, out);
     else if (kind == 2) dequant_rows_t<2>(begin, end, out);
     else if (kind == 3) dequant_rows_t<3>(begin, end, out);
-    else dequant_rows_t<4>(begin, end, out);
+    else if (kind == 4) dequant_rows_t<4>(begin, end, out);
+    else if (kind == 5) dequant_rows_t<5>(begin, end, out);
+    else dequant_rows_t<6>(begin, end, out);
   }
 
   // out[r * ldo + n] = sum_k x[r, k] * W[n, k] for n in [begin, end), R rows of x.
@@ -230,22 +261,29 @@ struct BlockWeight {
   // arithmetic is the same either way, so its value does not depend on its neighbours,
   // on R or on how [begin, end) was split.
   template <int KIND, int R>
-  void gemv_t(const float* __restrict x, const float* __restrict xsum, float* __restrict out,
-              int64_t ldo, int64_t begin, int64_t end) const {
+  void gemv_t(const GemvRows& in, float* __restrict out, int64_t ldo, int64_t begin,
+              int64_t end) const {
 #ifdef __AVX512F__
     constexpr int kPair = R <= 4 ? 4 : R <= 8 ? 2 : 1;
 #else  // AVX2's 16 registers do not hold two outputs' sums beside the quants
     constexpr int kPair = 1;
 #endif
     int64_t n = begin;
-    for (; n + kPair <= end; n += kPair) gemv_outputs<KIND, R, kPair>(x, xsum, out, ldo, n);
-    for (; n < end; ++n) gemv_outputs<KIND, R, 1>(x, xsum, out, ldo, n);
+    for (; n + kPair <= end; n += kPair) gemv_outputs<KIND, R, kPair>(in, out, ldo, n);
+    for (; n < end; ++n) gemv_outputs<KIND, R, 1>(in, out, ldo, n);
   }
 
   // Outputs n .. n + NO - 1 of gemv_t.
   template <int KIND, int R, int NO>
-  void gemv_outputs(const float* __restrict x, const float* __restrict xsum,
-                    float* __restrict out, int64_t ldo, int64_t n) const {
+  void gemv_outputs(const GemvRows& in, float* __restrict out, int64_t ldo, int64_t n) const {
+#if defined(__AVX2__) && !defined(__AVX512F__)
+    if constexpr (nibble_planes(KIND)) return gemv_planes_outputs<KIND, R, NO>(*this, in, out, ldo, n);
+#elif defined(__AVX512F__)
+    // Nibble planes are AVX2's layout: AVX-512 builds never make them, but take them.
+    if constexpr (nibble_planes(KIND)) return gemv_outputs_scalar<KIND, R, NO>(in, out, ldo, n);
+#endif
+    const float* __restrict x = in.x;
+    const float* __restrict xsum = in.xsum;
     const int64_t nb = cols / kBlock, bb = block_bytes_of(KIND);
     for (int o = 0; o < NO; ++o) prefetch_row(n + o + kPrefetchRows);
 #if defined(__AVX512F__)
@@ -337,44 +375,54 @@ struct BlockWeight {
         out[r * ldo + n + o] = hsum(acc[o][r]) + min_term;
       }
 #else
-    for (int o = 0; o < NO; ++o) {
-      const uint8_t* row = qs + (n + o) * row_bytes;
-      float acc[R] = {};
-      alignas(64) float wb[kBlock];
-      for (int64_t b = 0; b < nb; ++b) {
-        const int64_t i = (n + o) * nb + b;
-        dequant_block<KIND>(row + b * bb, scale<KIND>(i), minimum<KIND>(i), scale_hi<KIND>(i), wb);
-        for (int r = 0; r < R; ++r) acc[r] += dot(wb, x + r * cols + b * kBlock, kBlock);
-      }
-      for (int r = 0; r < R; ++r) out[r * ldo + n + o] = acc[r];
-    }
-    (void)xsum;  // the dequantized block already carries the minimum
+    (void)x, (void)xsum, (void)bb, (void)nb;
+    gemv_outputs_scalar<KIND, R, NO>(in, out, ldo, n);
 #endif
   }
 
+  // gemv_outputs on dequantized blocks, for builds without AVX2 (x in weight order).
+  template <int KIND, int R, int NO>
+  void gemv_outputs_scalar(const GemvRows& in, float* __restrict out, int64_t ldo,
+                           int64_t n) const {
+    const int64_t nb = cols / kBlock;
+    for (int o = 0; o < NO; ++o) {
+      float acc[R] = {};
+      alignas(64) float wb[kBlock];
+      alignas(16) uint8_t plain[16];
+      for (int64_t b = 0; b < nb; ++b) {
+        const int64_t i = (n + o) * nb + b;
+        dequant_block<base_kind(KIND)>(plain_block<KIND>(n + o, b, plain), scale<KIND>(i),
+                                       minimum<KIND>(i), scale_hi<KIND>(i), wb);
+        for (int r = 0; r < R; ++r) acc[r] += dot(wb, in.x + r * cols + b * kBlock, kBlock);
+      }
+      // The dequantized block already carries the minimum.
+      for (int r = 0; r < R; ++r) out[r * ldo + n + o] = acc[r];
+    }
+  }
+
   template <int KIND>
-  void gemv_kind(int64_t rows_x, const float* x, const float* xsum, float* out, int64_t begin,
+  void gemv_kind(int64_t rows_x, const GemvRows& in, float* out, int64_t begin,
                  int64_t end) const {
     switch (rows_x) {
-      case 1: return gemv_t<KIND, 1>(x, xsum, out, rows, begin, end);
-      case 2: return gemv_t<KIND, 2>(x, xsum, out, rows, begin, end);
-      case 3: return gemv_t<KIND, 3>(x, xsum, out, rows, begin, end);
-      case 4: return gemv_t<KIND, 4>(x, xsum, out, rows, begin, end);
-      case 5: return gemv_t<KIND, 5>(x, xsum, out, rows, begin, end);
+      case 1: return gemv_t<KIND, 1>(in, out, rows, begin, end);
+      case 2: return gemv_t<KIND, 2>(in, out, rows, begin, end);
+      case 3: return gemv_t<KIND, 3>(in, out, rows, begin, end);
+      case 4: return gemv_t<KIND, 4>(in, out, rows, begin, end);
+      case 5: return gemv_t<KIND, 5>(in, out, rows, begin, end);
 #ifdef __AVX512F__
-      case 6: return gemv_t<KIND, 6>(x, xsum, out, rows, begin, end);
-      case 7: return gemv_t<KIND, 7>(x, xsum, out, rows, begin, end);
-      case 8: return gemv_t<KIND, 8>(x, xsum, out, rows, begin, end);
-      case 9: return gemv_t<KIND, 9>(x, xsum, out, rows, begin, end);
-      case 10: return gemv_t<KIND, 10>(x, xsum, out, rows, begin, end);
-      case 11: return gemv_t<KIND, 11>(x, xsum, out, rows, begin, end);
-      case 12: return gemv_t<KIND, 12>(x, xsum, out, rows, begin, end);
-      case 13: return gemv_t<KIND, 13>(x, xsum, out, rows, begin, end);
-      case 14: return gemv_t<KIND, 14>(x, xsum, out, rows, begin, end);
-      case 15: return gemv_t<KIND, 15>(x, xsum, out, rows, begin, end);
-      default: return gemv_t<KIND, 16>(x, xsum, out, rows, begin, end);
+      case 6: return gemv_t<KIND, 6>(in, out, rows, begin, end);
+      case 7: return gemv_t<KIND, 7>(in, out, rows, begin, end);
+      case 8: return gemv_t<KIND, 8>(in, out, rows, begin, end);
+      case 9: return gemv_t<KIND, 9>(in, out, rows, begin, end);
+      case 10: return gemv_t<KIND, 10>(in, out, rows, begin, end);
+      case 11: return gemv_t<KIND, 11>(in, out, rows, begin, end);
+      case 12: return gemv_t<KIND, 12>(in, out, rows, begin, end);
+      case 13: return gemv_t<KIND, 13>(in, out, rows, begin, end);
+      case 14: return gemv_t<KIND, 14>(in, out, rows, begin, end);
+      case 15: return gemv_t<KIND, 15>(in, out, rows, begin, end);
+      default: return gemv_t<KIND, 16>(in, out, rows, begin, end);
 #else
-      default: return gemv_t<KIND, 6>(x, xsum, out, rows, begin, end);
+      default: return gemv_t<KIND, 6>(in, out, rows, begin, end);
 #endif
     }
   }
@@ -389,16 +437,23 @@ struct BlockWeight {
     return fits ? kGemvRows : std::min<int64_t>(kGemvRows, 8);
   }
 
-  // xsum: [rows_x, cols / 32] sums of x per block (used by Q4_1's minimum).
-  void gemv(int64_t rows_x, const float* x, const float* xsum, float* out, int64_t begin,
-            int64_t end) const {
-    if (kind == 0) gemv_kind<0>(rows_x, x, xsum, out, begin, end);
-    else if (kind == 1) gemv_kind<1>(rows_x, x, xsum, out, begin, end);
-    else if (kind == 2) gemv_kind<2>(rows_x, x, xsum, out, begin, end);
-    else if (kind == 3) gemv_kind<3>(rows_x, x, xsum, out, begin, end);
-    else gemv_kind<4>(rows_x, x, xsum, out, begin, end);
+  // out[r, n] for rows_x rows of x as `in` holds them (GemvInput::rows_from).
+  void gemv(int64_t rows_x, const GemvRows& in, float* out, int64_t begin, int64_t end) const {
+    if (kind == 0) gemv_kind<0>(rows_x, in, out, begin, end);
+    else if (kind == 1) gemv_kind<1>(rows_x, in, out, begin, end);
+    else if (kind == 2) gemv_kind<2>(rows_x, in, out, begin, end);
+    else if (kind == 3) gemv_kind<3>(rows_x, in, out, begin, end);
+    else if (kind == 4) gemv_kind<4>(rows_x, in, out, begin, end);
+    else if (kind == 5) gemv_kind<5>(rows_x, in, out, begin, end);
+    else gemv_kind<6>(rows_x, in, out, begin, end);
   }
 };
+
+}  // namespace kvserve_cpu
+
+#include "block_gemm_planes.h"
+
+namespace kvserve_cpu {
 
 // Checked view of a weight's planes (kinds as above).
 BlockWeight block_weight(const at::Tensor& qs, const at::Tensor& d, const at::Tensor& m,

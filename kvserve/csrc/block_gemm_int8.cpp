@@ -47,18 +47,30 @@ void quantize_block_q8(const float* x, int8_t* q, float& d, float& s) {
   s = d * static_cast<float>(total);
 }
 
+// A block's 32 int8 quants in nibble-plane order (block_quants.h): byte 4j + b holds
+// weight 8b + j, as the unpacked nibbles of a pair's block do.
+inline void to_plane_order(int8_t* q) {
+  int8_t weight_order[kBlock];
+  std::memcpy(weight_order, q, kBlock);
+  for (int j = 0; j < 8; ++j)
+    for (int b = 0; b < 4; ++b) q[4 * j + b] = weight_order[8 * b + j];
+}
+
 struct Int8Rows {
   int64_t rows, cols, nb;
   CacheAligned<int8_t> q;  // [rows, cols]
   std::vector<float> d;   // [rows, nb]
   std::vector<float> s;   // [rows, nb]: d * sum of the block's quants
 
-  Int8Rows(const float* x, int64_t rows_, int64_t cols_)
+  // plane_order: each block's quants in nibble-plane order (AVX2 builds, kinds 5-6).
+  Int8Rows(const float* x, int64_t rows_, int64_t cols_, bool plane_order = false)
       : rows(rows_), cols(cols_), nb(cols_ / kBlock), q(rows_ * cols_), d(rows_ * nb),
         s(rows_ * nb) {
     at::parallel_for(0, rows * nb, 256, [&](int64_t begin, int64_t end) {
-      for (int64_t i = begin; i < end; ++i)
+      for (int64_t i = begin; i < end; ++i) {
         quantize_block_q8(x + i * kBlock, q.data() + i * kBlock, d[i], s[i]);
+        if (plane_order) to_plane_order(q.data() + i * kBlock);
+      }
     });
   }
 };
@@ -75,6 +87,20 @@ inline __m256i load_quants_i8(const uint8_t* qs) {
     const __m256i both = _mm256_set_m128i(_mm_srli_epi16(bytes, 4), bytes);
     const __m256i q = _mm256_and_si256(both, _mm256_set1_epi8(15));
     return KIND == 2 ? _mm256_sub_epi8(q, _mm256_set1_epi8(8)) : q;
+  }
+}
+
+// Nibble planes (kinds 5-6): a pair's two blocks' quants in plane order from one load,
+// one AND for block A, a shift and an AND for B.
+template <int KIND>
+inline void load_pair_i8(const uint8_t* pair, __m256i& a, __m256i& b) {
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pair));
+  const __m256i nibble = _mm256_set1_epi8(15);
+  a = _mm256_and_si256(v, nibble);
+  b = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
+  if constexpr (KIND == 6) {
+    a = _mm256_sub_epi8(a, _mm256_set1_epi8(8));
+    b = _mm256_sub_epi8(b, _mm256_set1_epi8(8));
   }
 }
 #endif
@@ -121,91 +147,108 @@ inline float min_term(const uint16_t* m, const float* s, int64_t nb) {
 template <int KIND, int R>
 void gemv_int8_t(const BlockWeight& w, const Int8Rows& xq, int64_t r0, float* __restrict out,
                  int64_t begin, int64_t end, float* __restrict scales) {
+  constexpr bool kUnsigned = base_kind(KIND) == 1;  // Q4_1's quants: 0..15, no sign
   const int64_t nb = w.cols / kBlock, bb = block_bytes_of(KIND), K = w.cols, N = w.rows;
   const int8_t* xqs = xq.q.data() + r0 * K;
   const float* xd = xq.d.data() + r0 * nb;
   for (int64_t n = begin; n < end; ++n) {
-    const uint8_t* row = w.qs + n * w.row_bytes;
     const uint16_t* dn = w.d + n * nb;
     w.prefetch_row(n + kPrefetchRows);
     float result[R];
 #ifdef __AVX2__
+    // The combined scales d_w * d_x, 8 blocks per vector operation: a scalar float16
+    // conversion and multiply per block and row were a third of the AVX2 loop's work.
+    for (int r = 0; r < R; ++r) {
+      int64_t i = 0;
+      for (; i + 8 <= nb; i += 8)
+        _mm256_storeu_ps(scales + r * nb + i,
+                         _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128(
+                                           reinterpret_cast<const __m128i*>(dn + i))),
+                                       _mm256_loadu_ps(xd + r * nb + i)));
+      for (; i < nb; ++i) scales[r * nb + i] = f16(dn[i]) * xd[r * nb + i];
+    }
     const __m256i ones = _mm256_set1_epi16(1);
-    const auto block_dot = [&](int64_t b, __m256 (&acc)[R]) {
-      const __m256i wq = load_quants_i8<KIND>(row + b * bb);
+    // Block b's products with R rows into acc. The quants stream as the float GEMV's
+    // do: kStreamAheadBytes ahead, every 64 bytes of the row (streamed_block).
+    const auto quants_dot = [&](int64_t b, __m256i wq, __m256 (&acc)[R]) {
       // maddubs multiplies unsigned by signed bytes: signed weights move their sign to x.
-      const __m256i wu = KIND == 1 ? wq : _mm256_sign_epi8(wq, wq);
+      const __m256i wu = kUnsigned ? wq : _mm256_sign_epi8(wq, wq);
       for (int r = 0; r < R; ++r) {
         __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xqs + r * K + b * kBlock));
-        if constexpr (KIND != 1) xv = _mm256_sign_epi8(xv, wq);
+        if constexpr (!kUnsigned) xv = _mm256_sign_epi8(xv, wq);
         const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(wu, xv), ones);
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot),
-                                 _mm256_set1_ps(f16(dn[b]) * xd[r * nb + b]), acc[r]);
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_broadcast_ss(scales + r * nb + b),
+                                 acc[r]);
       }
+    };
+    const auto block_dot = [&](int64_t b, __m256 (&acc)[R]) {
+      quants_dot(b, load_quants_i8<base_kind(KIND)>(w.streamed_block(n, b, bb)), acc);
     };
     __m256 even[R];
     for (int r = 0; r < R; ++r) even[r] = _mm256_setzero_ps();
     int64_t b = 0;
 #ifdef KVSERVE_VNNI512
-    // Two blocks per 512-bit VNNI multiply-add (64 byte products, 4 per int32 lane). The
-    // combined scales d_w * d_x come first, 16 blocks per vector operation.
-    for (int r = 0; r < R; ++r) {
-      int64_t i = 0;
-      for (; i + 16 <= nb; i += 16)
-        _mm512_storeu_ps(scales + r * nb + i,
-                         _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256(
-                                           reinterpret_cast<const __m256i*>(dn + i))),
-                                       _mm512_loadu_ps(xd + r * nb + i)));
-      for (; i < nb; ++i) scales[r * nb + i] = f16(dn[i]) * xd[r * nb + i];
-    }
-    // Lanes 0-7 take block b's scale, 8-15 block b + 1's.
-    const __m512i pair_index = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
-    __m512 pair[R];
-    for (int r = 0; r < R; ++r) pair[r] = _mm512_setzero_ps();
-    for (; b + 2 <= nb; b += 2) {
-      const __m512i wq = load_quants_i8x2<KIND>(row + b * bb);
-      // dpbusd multiplies unsigned by signed bytes, as maddubs does below.
-      const __m512i wu = KIND == 1 ? wq : _mm512_abs_epi8(wq);
-      const __mmask64 negative = KIND == 1 ? 0 : _mm512_movepi8_mask(wq);
-      for (int r = 0; r < R; ++r) {
-        __m512i xv = _mm512_loadu_si512(xqs + r * K + b * kBlock);
-        if constexpr (KIND != 1)
-          xv = _mm512_mask_sub_epi8(xv, negative, _mm512_setzero_si512(), xv);
-        const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wu, xv);
-        double two_scales;
-        std::memcpy(&two_scales, scales + r * nb + b, sizeof two_scales);
-        const __m512 scale =
-            _mm512_permutexvar_ps(pair_index, _mm512_castpd_ps(_mm512_set1_pd(two_scales)));
-        pair[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, pair[r]);
+    if constexpr (!nibble_planes(KIND)) {
+      const uint8_t* row = w.qs + n * w.row_bytes;
+      // Two blocks per 512-bit VNNI multiply-add (64 byte products, 4 per int32 lane).
+      // Lanes 0-7 take block b's scale, 8-15 block b + 1's.
+      const __m512i pair_index =
+          _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+      __m512 pair[R];
+      for (int r = 0; r < R; ++r) pair[r] = _mm512_setzero_ps();
+      for (; b + 2 <= nb; b += 2) {
+        const __m512i wq = load_quants_i8x2<KIND>(row + b * bb);
+        // dpbusd multiplies unsigned by signed bytes, as maddubs does below.
+        const __m512i wu = KIND == 1 ? wq : _mm512_abs_epi8(wq);
+        const __mmask64 negative = KIND == 1 ? 0 : _mm512_movepi8_mask(wq);
+        for (int r = 0; r < R; ++r) {
+          __m512i xv = _mm512_loadu_si512(xqs + r * K + b * kBlock);
+          if constexpr (KIND != 1)
+            xv = _mm512_mask_sub_epi8(xv, negative, _mm512_setzero_si512(), xv);
+          const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wu, xv);
+          double two_scales;
+          std::memcpy(&two_scales, scales + r * nb + b, sizeof two_scales);
+          const __m512 scale =
+              _mm512_permutexvar_ps(pair_index, _mm512_castpd_ps(_mm512_set1_pd(two_scales)));
+          pair[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, pair[r]);
+        }
       }
-    }
-    if (b < nb) block_dot(b, even);
-    for (int r = 0; r < R; ++r) result[r] = _mm512_reduce_add_ps(pair[r]) + hsum(even[r]);
-#else
-    // Even and odd blocks accumulate separately: a single chain of dependent FMAs per
-    // row would wait out the FMA latency at every block.
-    __m256 odd[R];
-    for (int r = 0; r < R; ++r) odd[r] = _mm256_setzero_ps();
-    for (; b + 2 <= nb; b += 2) {
-      block_dot(b, even);
-      block_dot(b + 1, odd);
-    }
-    if (b < nb) block_dot(b, even);
-    for (int r = 0; r < R; ++r) result[r] = hsum(_mm256_add_ps(even[r], odd[r]));
-    (void)scales;
+      if (b < nb) block_dot(b, even);
+      for (int r = 0; r < R; ++r) result[r] = _mm512_reduce_add_ps(pair[r]) + hsum(even[r]);
+    } else
 #endif
+    {
+      // Even and odd blocks accumulate separately: a single chain of dependent FMAs per
+      // row would wait out the FMA latency at every block.
+      __m256 odd[R];
+      for (int r = 0; r < R; ++r) odd[r] = _mm256_setzero_ps();
+      for (; b + 2 <= nb; b += 2) {
+        if constexpr (nibble_planes(KIND)) {  // rows are whole pairs
+          __m256i qa, qb;
+          load_pair_i8<KIND>(w.streamed_block(n, b, bb), qa, qb);
+          quants_dot(b, qa, even);
+          quants_dot(b + 1, qb, odd);
+        } else {
+          block_dot(b, even);
+          block_dot(b + 1, odd);
+        }
+      }
+      if (b < nb) block_dot(b, even);
+      for (int r = 0; r < R; ++r) result[r] = hsum(_mm256_add_ps(even[r], odd[r]));
+    }
 #else
     (void)scales;
+    alignas(16) uint8_t plain[16];
     for (int r = 0; r < R; ++r) {
       float acc = 0.f;
       for (int64_t b = 0; b < nb; ++b) {
-        const uint8_t* block = row + b * bb;
+        const uint8_t* block = w.plain_block<KIND>(n, b, plain);
         const int8_t* xb = xqs + r * K + b * kBlock;
         int32_t dot = 0;
         for (int i = 0; i < kBlock; ++i) {
           int32_t wi;
           if constexpr (KIND == 0) wi = reinterpret_cast<const int8_t*>(block)[i];
-          else wi = (i < 16 ? block[i] & 15 : block[i - 16] >> 4) - (KIND == 2 ? 8 : 0);
+          else wi = plain_quant(block, i) - (base_kind(KIND) == 2 ? 8 : 0);
           dot += wi * xb[i];
         }
         acc += f16(dn[b]) * xd[r * nb + b] * static_cast<float>(dot);
@@ -214,7 +257,7 @@ void gemv_int8_t(const BlockWeight& w, const Int8Rows& xq, int64_t r0, float* __
     }
 #endif
     for (int r = 0; r < R; ++r) {
-      if constexpr (KIND == 1) result[r] += min_term(w.m + n * nb, xq.s.data() + (r0 + r) * nb, nb);
+      if constexpr (kUnsigned) result[r] += min_term(w.m + n * nb, xq.s.data() + (r0 + r) * nb, nb);
       out[(r0 + r) * N + n] = result[r];
     }
   }
@@ -244,14 +287,20 @@ at::Tensor block_linear_int8(const at::Tensor& x_in, const at::Tensor& qs, const
                              const at::Tensor& m, int64_t kind,
                              const std::optional<at::Tensor>& packed) {
   // Kind 3 (repacked Q4_K) has no integer path: gguf_int8 keeps it on block_linear.
-  TORCH_CHECK(kind >= 0 && kind <= 2, "int8 activations take block kinds 0-2, not ", kind);
+  TORCH_CHECK((kind >= 0 && kind <= 2) || nibble_planes(kind),
+              "int8 activations take block kinds 0-2 and 5-6, not ", kind);
   const BlockWeight w = block_weight(qs, d, m, kind);
   const auto [x, out] = linear_operands(x_in, w);
   const int64_t rows_x = x.size(0), N = w.rows;
   const bool has_packed = packed && packed->numel() > 0;
   if (rows_x >= kInt8MaxRows && !has_packed) return block_linear(x_in, qs, d, m, kind);
   if (rows_x == 0) return out;
-  const Int8Rows xq(x.data_ptr<float>(), rows_x, w.cols);
+#ifdef __AVX2__
+  const bool plane_order = nibble_planes(kind);  // as load_quants_i8 unpacks them
+#else
+  const bool plane_order = false;  // the scalar path reads plain blocks
+#endif
+  const Int8Rows xq(x.data_ptr<float>(), rows_x, w.cols, plane_order);
   float* op = out.data_ptr<float>();
   if (has_packed && packed_linear_vnni(*packed, kind, N, w.cols, rows_x, xq.q.data(),
                                        xq.d.data(), xq.s.data(), op))
@@ -266,7 +315,9 @@ at::Tensor block_linear_int8(const at::Tensor& x_in, const at::Tensor& qs, const
         const int64_t rows = std::min(kInt8GroupRows, rows_x - r0);
         if (kind == 0) gemv_int8_kind<0>(w, xq, r0, rows, op, n0, n1, scales.data());
         else if (kind == 1) gemv_int8_kind<1>(w, xq, r0, rows, op, n0, n1, scales.data());
-        else gemv_int8_kind<2>(w, xq, r0, rows, op, n0, n1, scales.data());
+        else if (kind == 2) gemv_int8_kind<2>(w, xq, r0, rows, op, n0, n1, scales.data());
+        else if (kind == 5) gemv_int8_kind<5>(w, xq, r0, rows, op, n0, n1, scales.data());
+        else gemv_int8_kind<6>(w, xq, r0, rows, op, n0, n1, scales.data());
       }
     }
   });

@@ -28,17 +28,51 @@ namespace kvserve_cpu {
 //   kind 4, Q8_0's int8 qs with two float32 scales per block, one per 16 weights (GGUF's
 //           Q6_K, repacked at load: q - 32 in -32..31 and a sub-block's d * sc, exact in
 //           float32); d: float32 [N, K/16], no minimum.
+//   kind 5, Q4_1 and kind 6, Q4_0 in nibble planes: the same planes as kinds 1 and 2 with
+//           each pair of blocks' 32 quant bytes reordered once at load for the AVX2 float
+//           GEMV (block_gemm_planes.h; rows of a multiple of 64 weights).
 // In a 4-bit block, byte j holds weight j in its low nibble and weight j + 16 in its high.
 constexpr int64_t kBlock = 32;  // weights per block
 
 // Kinds whose blocks carry a minimum (w = d * q + m).
-constexpr bool has_min(int64_t kind) { return kind == 1 || kind == 3; }
+constexpr bool has_min(int64_t kind) { return kind == 1 || kind == 3 || kind == 5; }
 // Kinds with one int8 quant per byte (the others pack two 4-bit quants).
 constexpr bool byte_quants(int64_t kind) { return kind == 0 || kind == 4; }
 // Kinds whose scales are float32 (repacked k-quants) rather than the file's float16.
 constexpr bool float32_scales(int64_t kind) { return kind == 3 || kind == 4; }
 // Scales per 32-weight block: kind 4 scales each half of a block on its own.
 constexpr int64_t scales_per_block(int64_t kind) { return kind == 4 ? 2 : 1; }
+// Kinds 5 and 6: Q4_1 and Q4_0 in nibble planes.
+constexpr bool nibble_planes(int64_t kind) { return kind == 5 || kind == 6; }
+// The kind whose arithmetic a kind has (a nibble-plane kind's plain layout).
+constexpr int64_t base_kind(int64_t kind) { return nibble_planes(kind) ? kind - 4 : kind; }
+constexpr int64_t kNumKinds = 7;
+
+// Nibble planes: blocks 2g (A) and 2g + 1 (B) of a row share 32 bytes, eight 32-bit lanes
+// j of eight nibbles k each. Nibble k of lane j is weight 8 (k / 2) + j of A for even k
+// and of B for odd k, so masking nibble k off all lanes gives 8 consecutive quants of one
+// block as 2^(4k) q per lane: one AND (the top nibble: one shift) and one conversion per
+// 8 weights, where the plain layout spends a widening, a mask or shift and a conversion.
+// For int8, the even and odd nibbles of each byte are A's and B's 32 quants (byte 4j + b:
+// weight 8b + j). plain_to_planes and planes_to_plain convert one pair of blocks.
+inline int plain_quant(const uint8_t* block, int i) {
+  return i < 16 ? block[i] & 15 : block[i - 16] >> 4;
+}
+inline void plain_to_planes(const uint8_t* a, const uint8_t* b, uint8_t* pair) {
+  for (int j = 0; j < 8; ++j)
+    for (int byte = 0; byte < 4; ++byte)
+      pair[4 * j + byte] = static_cast<uint8_t>(plain_quant(a, 8 * byte + j) |
+                                                (plain_quant(b, 8 * byte + j) << 4));
+}
+// Block `half` (0: A, 1: B) of a pair as a plain 16-byte block.
+inline void planes_to_plain(const uint8_t* pair, int half, uint8_t* block) {
+  for (int i = 0; i < 16; ++i) block[i] = 0;
+  for (int i = 0; i < kBlock; ++i) {
+    const int q = (pair[4 * (i % 8) + i / 8] >> (4 * half)) & 15;
+    block[i % 16] = static_cast<uint8_t>(block[i % 16] | (i < 16 ? q : q << 4));
+  }
+}
+
 inline int64_t weight_cols(int64_t kind, int64_t qs_cols) {
   return byte_quants(kind) ? qs_cols : qs_cols * 2;
 }

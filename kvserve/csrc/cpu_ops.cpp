@@ -219,6 +219,7 @@ TORCH_LIBRARY(kvserve, m) {
       "block_linear_int8(Tensor x, Tensor qs, Tensor d, Tensor m, int kind, Tensor? packed=None) "
       "-> Tensor");
   m.def("pack_blocks_vnni(Tensor qs, Tensor d, Tensor m, int kind) -> Tensor");
+  m.def("nibble_planes(Tensor qs, Tensor d, Tensor m, int kind) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvserve, CPU, m) {

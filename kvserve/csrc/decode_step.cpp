@@ -49,15 +49,17 @@ struct ProjectionView {
         K(in_features(p)), bias(p.bias ? p.bias->data_ptr<float>() : nullptr) {}
 };
 
-// A thread's copy of what a projection needs of its input: x quantized (int8) or x's
-// per-block sums (float blocks).
+// A thread's copy of what a projection needs of its input: x quantized (int8) or as the
+// float GEMV reads it (GemvInput).
 struct ThreadInput {
   CacheAligned<int8_t> q;
   CacheAligned<uint8_t> u;  // Q8_0 weights take x as unsigned bytes
-  CacheAligned<float> d, s, xsum;
+  CacheAligned<float> d, s;
+  GemvInput gemv;
   ThreadInput(int64_t rows, int64_t max_k)
-      : q(rows * max_k), u(rows * max_k), d(rows * max_k / kBlock), s(rows * max_k / kBlock),
-        xsum(rows * max_k / kBlock) {}
+      : q(rows * max_k), u(rows * max_k), d(rows * max_k / kBlock), s(rows * max_k / kBlock) {
+    gemv.reserve(rows, max_k);
+  }
 };
 
 // This thread's features of out = x W^T (+ bias), x: [T, K], in groups of 16 (a cache
@@ -76,12 +78,10 @@ void linear_share(const ProjectionView& w, const float* x, int64_t T, ThreadInpu
     packed_groups_vnni(w.packed, w.kind, w.N, w.K, T, in.q.data(), in.u.data(), in.d.data(),
                        in.s.data(), out, g0, g1);
   } else if (n0 < n1) {
-    block_sums(x, blocks, in.xsum.data());
-    const int64_t nb = w.K / kBlock;
+    in.gemv.prepare(w.blocks, x, T);
     const int64_t pass_rows = w.blocks.gemv_pass_rows();
     for (int64_t r0 = 0; r0 < T; r0 += pass_rows)
-      w.blocks.gemv(std::min(pass_rows, T - r0), x + r0 * w.K, in.xsum.data() + r0 * nb,
-                    out + r0 * w.N, n0, n1);
+      w.blocks.gemv(std::min(pass_rows, T - r0), in.gemv.rows_from(r0), out + r0 * w.N, n0, n1);
   }
   if (w.bias == nullptr) return;
   for (int64_t r = 0; r < T; ++r)

@@ -16,6 +16,10 @@ kernel (``block_linear``) multiplies straight from them. Methods:
   batches included (2-6x the float path's speed at 4-512 rows), and a row's result does
   not depend on the rows beside it. Without VNNI only inputs of up to 3 rows
   (single-stream decode) take the integer path; larger ones take the exact float path.
+* Either way, on a build whose float GEMV is AVX2 without AVX-512, Q4_1 and Q4_0 quants
+  are reordered once at load into nibble planes (csrc/block_gemm_planes.h): fewer
+  instructions per weight, the same float32 results bit for bit, and the load-time check
+  dequantizes the reordered blocks.
 * ``q8_0``: quantize any model's float32 weights to Q8_0 blocks (gguf's own quantizer);
   this one costs accuracy, measured as greedy agreement with float32.
 """
@@ -58,6 +62,8 @@ _KINDS: dict[GGMLQuantizationType, tuple[int, int, bool]] = {
     GGMLQuantizationType.Q4_1: (1, 20, True),
     GGMLQuantizationType.Q4_0: (2, 18, False),
 }
+# Kernel kinds of Q4_1 and Q4_0 in nibble planes (csrc/block_quants.h).
+_NIBBLE_PLANE_KINDS = {GGMLQuantizationType.Q4_1: 5, GGMLQuantizationType.Q4_0: 6}
 # Q5_0, Q4_K and Q6_K are repacked at load into kernel formats (gguf_repack.py).
 SUPPORTED_TYPES = frozenset(_KINDS) | REPACKED_TYPES
 
@@ -75,9 +81,13 @@ class BlockWeight:
     # gguf_int8 on AVX-512 VNNI: the same blocks interleaved 16 rows at a time for its
     # matmuls (csrc/block_gemm_vnni.cpp); None elsewhere.
     packed: torch.Tensor | None = None
+    # qs reordered into nibble planes for the AVX2 float GEMV (use_nibble_planes).
+    nibble_planes: bool = False
 
     @property
     def kind(self) -> int:
+        if self.nibble_planes:
+            return _NIBBLE_PLANE_KINDS[self.qtype]
         return _KINDS[self.qtype][0] if self.qtype in _KINDS else REPACKED_KINDS[self.qtype]
 
     @property
@@ -100,8 +110,30 @@ class BlockWeight:
         if self.qtype in REPACKED_KINDS:
             return
         self.int8_activations = True
+        if self.nibble_planes:  # the interleaved copy is made from the plain layout
+            return
         packed = ops.pack_blocks_vnni(self.qs, self.d, self.m, self.kind)
         self.packed = packed if packed.numel() else None
+
+    def use_nibble_planes(self) -> None:
+        """Reorder Q4_1 / Q4_0 quants into nibble planes (rows of a multiple of 64 weights;
+        others stay as they are). Not after AVX-512 VNNI's interleaved copy, made from the
+        plain layout (builds with it do not prefer planes)."""
+        if self.nibble_planes or self.qtype not in _NIBBLE_PLANE_KINDS or self.shape[1] % 64:
+            return
+        if self.packed is not None:
+            raise ValueError("nibble planes after gguf_int8's interleaved copy")
+        self.qs = ops.nibble_planes(self.qs, self.d, self.m, self.kind)
+        self.nibble_planes = True
+
+    def prepare_kernels(self, method: str) -> None:
+        """Give the weight the arithmetic and layout its method and this build's kernels
+        run best: gguf_int8's int8 activations, then nibble planes where the float GEMV
+        prefers them (ops.gemv_prefers_nibble_planes)."""
+        if method == "gguf_int8":
+            self.use_int8_activations()
+        if ops.gemv_prefers_nibble_planes():
+            self.use_nibble_planes()
 
     @classmethod
     def from_raw(cls, raw: np.ndarray, qtype: GGMLQuantizationType) -> BlockWeight:
@@ -148,12 +180,15 @@ def concat_rows(parts: list[BlockWeight]) -> BlockWeight:
     qtypes = {p.qtype for p in parts}
     if len(qtypes) != 1:
         raise ValueError(f"fused shards mix block types {sorted(t.name for t in qtypes)}")
+    if len({p.nibble_planes for p in parts}) != 1:
+        raise ValueError("fused shards mix plain and nibble-plane layouts")
     return BlockWeight(
         parts[0].qtype,
         torch.cat([p.qs for p in parts]),
         torch.cat([p.d for p in parts]),
         torch.cat([p.m for p in parts]),
         parts[0].int8_activations,
+        nibble_planes=parts[0].nibble_planes,
     )
 
 
@@ -268,13 +303,12 @@ def quantize_model(model: nn.Module, method: str, gguf_path: str | None, arch: A
             bw: BlockWeight | None = BlockWeight.quantize(weight, GGMLQuantizationType.Q8_0)
         else:
             bw = _gguf_blocks_for(name, blocks, stacked, tied)
-            if bw is not None and not torch.equal(bw.dequantize(), weight):
-                raise RuntimeError(f"{name}: GGUF blocks do not reproduce the loaded weight")
         if bw is None:
             kept.append(name)
             continue
-        if method == "gguf_int8":
-            bw.use_int8_activations()
+        bw.prepare_kernels(method)
+        if method != "q8_0" and not torch.equal(bw.dequantize(), weight):
+            raise RuntimeError(f"{name}: GGUF blocks do not reproduce the loaded weight")
         module.quant_weight = bw
         if not tied:
             module.weight = nn.Parameter(torch.empty(0, device=weight.device), requires_grad=False)
@@ -411,8 +445,8 @@ def attach_gguf_blocks(
             placeholder.weight_loader = _kept_as_blocks  # type: ignore[attr-defined]
             module.weight = placeholder
             prepared.update((n, placeholder.data) for n in names)
-        if method == "gguf_int8":
-            bw.use_int8_activations()
+        # Before check_sampled_rows: it checks the layout the kernels will read.
+        bw.prepare_kernels(method)
         module.quant_weight = bw
     check_sampled_rows(checks)
     if kept:
