@@ -4,6 +4,7 @@ the zeroed memory the cache lives in."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 
 import torch
@@ -24,6 +25,8 @@ from kvserve.protocol.kv_cache_interface import (
 )
 from kvserve.transformers_utils.mamba_arch import STATE_DTYPE_SIZE
 from kvserve.utils.huge_pages import huge_page_zeros
+
+logger = logging.getLogger(__name__)
 
 
 def make_kv_cache_spec(layer: Attention, block_size: int, dtype_size: int) -> KVCacheSpec:
@@ -52,6 +55,18 @@ def make_kv_cache_spec(layer: Attention, block_size: int, dtype_size: int) -> KV
     if chunk is not None:
         return ChunkedLocalAttentionSpec(attention_chunk_size=chunk, **common)
     return FullAttentionSpec(**common)
+
+
+def enable_attention_sinks(layers: dict[str, Attention], sinks: int, window: int) -> None:
+    """StreamingLLM: every full-attention layer sees the sink tokens plus a window (and
+    so gets a SinkFullAttentionSpec)."""
+    for layer in layers.values():
+        if layer.sliding_window is not None or getattr(layer, "attention_chunk_size", None):
+            continue  # already bounded: a model's own local layers keep their rule
+        layer.sliding_window = window
+        layer.impl.sliding_window = window
+        layer.impl.num_sink_tokens = sinks
+    logger.info("attention sinks: %d sink tokens + a window of %d tokens", sinks, window)
 
 
 def zeroed_tensor(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

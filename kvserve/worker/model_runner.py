@@ -21,16 +21,15 @@ import torch
 
 from kvserve import _custom_ops as ops
 from kvserve.attention.backends.abstract import AttentionMetadataBuilder
-from kvserve.attention.layer import Attention, bind_kv_cache, get_attention_layers
+from kvserve.attention.layer import Attention, get_attention_layers
 from kvserve.config import EngineConfig
 from kvserve.distributed.kv_transfer.kv_connector.base import KVConnectorBase_V1
 from kvserve.distributed.parallel_state import get_pp_group
 from kvserve.forward_context import set_forward_context
-from kvserve.model_executor.layers.mamba.mamba_metadata import MambaMetadataBuilder
 from kvserve.model_executor.layers.mamba.mamba_mixer2 import MambaMixer2, get_mamba_layers
 from kvserve.model_executor.lora.model_manager import LoRAModelManager
 from kvserve.model_executor.model_loader import get_model
-from kvserve.protocol.kv_cache_interface import KVCacheConfig, KVCacheSpec, MambaSpec
+from kvserve.protocol.kv_cache_interface import KVCacheConfig, KVCacheSpec
 from kvserve.protocol.runner_output import (
     KVConnectorOutput,
     LogprobsLists,
@@ -47,7 +46,8 @@ from kvserve.worker.blend_runner import NO_BLEND_RUNNER, BlendRunner, make_blend
 from kvserve.worker.encoder_runner import make_encoder_runner
 from kvserve.worker.input_batch import InputBatch
 from kvserve.worker.input_preparation import InputPreparer, StepInputs
-from kvserve.worker.kv_cache_specs import make_kv_cache_spec, make_mamba_spec, zeroed_tensor
+from kvserve.worker.kv_cache_binder import KVCacheBinder
+from kvserve.worker.kv_cache_specs import enable_attention_sinks
 from kvserve.worker.kv_connector import NO_OP_KV_CONNECTOR, KVConnector, get_kv_connector
 from kvserve.worker.logits_runner import LogitsRunner
 from kvserve.worker.lora_runner import ActiveLoRARunner, LoRARunner
@@ -95,9 +95,6 @@ class ModelRunner:
         self.max_num_tokens = config.scheduler_config.max_num_batched_tokens
         self.vocab_size = model_config.vocab_size
         self.dtype = torch.float32
-        self.kv_cache_dtype: torch.dtype = getattr(
-            torch, config.cache_config.kv_dtype(model_config.dtype)
-        )
         eos_ids = model_config.arch.eos_token_ids
         self.pin_memory = self.device.type == "cuda" and torch.cuda.is_available()
         # Pipeline parallelism: only the last stage computes logits and samples; the
@@ -109,12 +106,8 @@ class ModelRunner:
         self.model: Any = None
         self.requests = RequestStates(self.device, eos_ids[0] if eos_ids else None)
         self.input_batch: InputBatch | None = None
-        self.kv_caches: dict[str, torch.Tensor] = {}
-        self.attn_builders: list[AttentionMetadataBuilder] = []
-        self.layer_to_group: dict[str, int] = {}
-        # Groups whose metadata is built from the unsplit rows (Mamba: a row's drafts are
-        # one sequence through its state, not one-token queries).
-        self.unsplit_groups: set[int] = set()
+        # The KV cache's tensors, their binding and the groups' metadata builders.
+        self.kv_binder = KVCacheBinder(config, self.device)
         # Mamba layers: their states under speculative decoding (no-op without them).
         self.mamba_state: MambaStateRunner = MambaStateRunner()
         self.inputs = InputPreparer(
@@ -151,6 +144,14 @@ class ModelRunner:
         }
 
     @property
+    def kv_caches(self) -> dict[str, torch.Tensor]:
+        return self.kv_binder.kv_caches
+
+    @property
+    def attn_builders(self) -> list[AttentionMetadataBuilder]:
+        return self.kv_binder.attn_builders
+
+    @property
     def kv_connector(self) -> KVConnectorBase_V1 | None:
         """The worker-side connector (None: no KV transfer configured)."""
         return self.kv_connector_runner.connector
@@ -160,7 +161,10 @@ class ModelRunner:
     def load_model(self) -> None:
         self.model = self._get_model()
         if self.config.cache_config.attention_sinks:
-            self._enable_attention_sinks()
+            cache = self.config.cache_config
+            enable_attention_sinks(
+                self._attention_layers(), cache.attention_sinks, self.config.sink_window
+            )
         self.drafter.load_model()
         self.encoder_runner.set_model(self.model)
         if self.config.lora_config is not None:
@@ -192,17 +196,6 @@ class ModelRunner:
             raise ValueError("sleep level 2 is not supported with enable_lora; use level 1")
         return self.sleep_mode.sleep(level)
 
-    def _enable_attention_sinks(self) -> None:
-        """StreamingLLM: every full-attention layer sees the sink tokens plus a window."""
-        sinks, window = self.config.cache_config.attention_sinks, self.config.sink_window
-        for layer in self._attention_layers().values():
-            if layer.sliding_window is not None or getattr(layer, "attention_chunk_size", None):
-                continue  # already bounded: a model's own local layers keep their rule
-            layer.sliding_window = window
-            layer.impl.sliding_window = window
-            layer.impl.num_sink_tokens = sinks
-        logger.info("attention sinks: %d sink tokens + a window of %d tokens", sinks, window)
-
     def _attention_layers(self) -> dict[str, Attention]:
         if self.model is None:
             raise RuntimeError("load_model() must run first")
@@ -217,83 +210,16 @@ class ModelRunner:
         return get_mamba_layers(self.model)
 
     def get_kv_cache_spec(self) -> dict[str, KVCacheSpec]:
-        """One spec per attention layer, from the layer's own attention type, and one
-        per Mamba layer (its state, padded to the attention page)."""
-        block_size = self.config.cache_config.block_size
-        dtype_size = torch.empty(0, dtype=self.kv_cache_dtype).element_size()
-        specs = {
-            name: make_kv_cache_spec(layer, block_size, dtype_size)
-            for name, layer in self._attention_layers().items()
-        }
-        page_size = max((spec.page_size_bytes for spec in specs.values()), default=0)
-        for name, layer in self._mamba_layers().items():
-            specs[name] = make_mamba_spec(
-                layer, block_size, page_size, self.config.cache_config.enable_prefix_caching
-            )
-        return specs
+        return self.kv_binder.get_kv_cache_spec(self._attention_layers(), self._mamba_layers())
 
     def initialize_kv_cache(self, kv_cache_config: KVCacheConfig) -> None:
-        """Allocate the zeroed cache tensors (layers of different groups share them, see
-        kv_cache_interface), bind them, build the input batch."""
-        layers = self._attention_layers()
+        """Allocate and bind the cache (kv_cache_binder.py), then what reads it: the
+        Mamba state runner, the drafter, the KV connector, the input batch."""
         mamba_layers = self._mamba_layers()
-        self.kv_caches, self.attn_builders, self.layer_to_group = {}, [], {}
-        page_sizes = {
-            name: group.kv_cache_spec.page_size_bytes
-            for group in kv_cache_config.kv_cache_groups
-            for name in group.layer_names
-        }
-        num_blocks = kv_cache_config.num_blocks
-        for tensor in kv_cache_config.get_kv_cache_tensors():
-            # A pipeline stage allocates only the tensors of its own layers.
-            shared_by = [
-                name for name in tensor.shared_by if name in layers or name in mamba_layers
-            ]
-            if not shared_by:
-                continue
-            attention = [name for name in shared_by if name in layers]
-            if attention:
-                first = layers[attention[0]]
-                shape = first.backend.get_kv_cache_shape(
-                    num_blocks, kv_cache_config.block_size, first.num_kv_heads, first.head_size
-                )
-            else:  # Mamba layers only: one plane of pages
-                itemsize = torch.empty(0, dtype=self.kv_cache_dtype).element_size()
-                shape = (1, num_blocks, max(page_sizes[n] for n in shared_by) // itemsize)
-            memory = zeroed_tensor(shape, self.kv_cache_dtype, self.device)
-            for name in shared_by:
-                if name in mamba_layers:  # the state's view of the same pages
-                    mamba_layers[name].bind_state_cache(memory, num_blocks)
-                    self.kv_caches[name] = memory
-                    continue
-                layer = layers[name]
-                own = layer.backend.get_kv_cache_shape(
-                    kv_cache_config.num_blocks,
-                    kv_cache_config.block_size,
-                    layer.num_kv_heads,
-                    layer.head_size,
-                )
-                # Equal page sizes share; the shapes may still differ (heads x head size).
-                self.kv_caches[name] = memory if tuple(own) == tuple(shape) else memory.view(own)
-        self.unsplit_groups = set()
-        for group_id, group in enumerate(kv_cache_config.kv_cache_groups):
-            spec = group.kv_cache_spec
-            for name in group.layer_names:
-                self.layer_to_group[name] = group_id
-            if spec.kind == "mamba":
-                self.unsplit_groups.add(group_id)
-                assert isinstance(spec, MambaSpec)
-                align = spec.mamba_cache_mode == "align"
-                self.attn_builders.append(
-                    MambaMetadataBuilder(spec.block_size, self.device, align=align)
-                )
-                continue
-            local = [name for name in group.layer_names if name in layers] or list(layers)
-            backend = layers[local[0]].backend
-            self.attn_builders.append(backend.get_builder_cls()(spec.block_size, self.device))
-        bind_kv_cache(self.model, self.kv_caches)
+        self.kv_binder.bind(kv_cache_config, self.model, self._attention_layers(), mamba_layers)
         self.mamba_state = make_mamba_state_runner(mamba_layers)
-        self.drafter.bind_kv_cache(self.kv_caches, self.attn_builders, self.layer_to_group)
+        binder = self.kv_binder
+        self.drafter.bind_kv_cache(binder.kv_caches, binder.attn_builders, binder.layer_to_group)
         self.kv_connector_runner = get_kv_connector(self.config, kv_cache_config, self.kv_caches)
         # Block tables fit the longest any group holds (a cross-attention group's encoder
         # output may be longer than the decoder's context).
@@ -383,14 +309,14 @@ class ModelRunner:
 
     def _build_attn_metadata(self, inputs: StepInputs, unsplit: list[Any]) -> Any:
         per_group = [
-            builder.build(unsplit[g] if g in self.unsplit_groups else common)
+            builder.build(unsplit[g] if g in self.kv_binder.unsplit_groups else common)
             for g, (builder, common) in enumerate(
                 zip(self.attn_builders, inputs.common_attn_metadata, strict=True)
             )
         ]
         if len(per_group) == 1:
             return per_group[0]
-        return {name: per_group[g] for name, g in self.layer_to_group.items()}
+        return {name: per_group[g] for name, g in self.kv_binder.layer_to_group.items()}
 
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> None:

@@ -1,0 +1,126 @@
+"""The model runner's KV cache: the per-layer specs, the allocated (zeroed) tensors and
+their binding to the attention and Mamba layers, plus the per-group metadata builders.
+
+Owns the cache tensors; the runner asks it for specs and to bind a KVCacheConfig, then
+reads ``kv_caches``, ``attn_builders``, ``layer_to_group`` and ``unsplit_groups``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvserve.attention.backends.abstract import AttentionMetadataBuilder
+from kvserve.attention.layer import Attention, bind_kv_cache
+from kvserve.config import EngineConfig
+from kvserve.model_executor.layers.mamba.mamba_metadata import MambaMetadataBuilder
+from kvserve.model_executor.layers.mamba.mamba_mixer2 import MambaMixer2
+from kvserve.protocol.kv_cache_interface import KVCacheConfig, KVCacheSpec, MambaSpec
+from kvserve.worker.kv_cache_specs import make_kv_cache_spec, make_mamba_spec, zeroed_tensor
+
+
+class KVCacheBinder:
+    def __init__(self, config: EngineConfig, device: torch.device) -> None:
+        self.cache_config = config.cache_config
+        self.device = device
+        self.kv_cache_dtype: torch.dtype = getattr(
+            torch, config.cache_config.kv_dtype(config.model_config.dtype)
+        )
+        self.kv_caches: dict[str, torch.Tensor] = {}
+        self.attn_builders: list[AttentionMetadataBuilder] = []
+        self.layer_to_group: dict[str, int] = {}
+        # Groups whose metadata is built from the unsplit rows (Mamba: a row's drafts are
+        # one sequence through its state, not one-token queries).
+        self.unsplit_groups: set[int] = set()
+
+    @property
+    def _itemsize(self) -> int:
+        return torch.empty(0, dtype=self.kv_cache_dtype).element_size()
+
+    def get_kv_cache_spec(
+        self, layers: dict[str, Attention], mamba_layers: dict[str, MambaMixer2]
+    ) -> dict[str, KVCacheSpec]:
+        """One spec per attention layer, from the layer's own attention type, and one
+        per Mamba layer (its state, padded to the attention page)."""
+        block_size = self.cache_config.block_size
+        specs = {
+            name: make_kv_cache_spec(layer, block_size, self._itemsize)
+            for name, layer in layers.items()
+        }
+        page_size = max((spec.page_size_bytes for spec in specs.values()), default=0)
+        for name, mamba in mamba_layers.items():
+            specs[name] = make_mamba_spec(
+                mamba, block_size, page_size, self.cache_config.enable_prefix_caching
+            )
+        return specs
+
+    def bind(
+        self,
+        kv_cache_config: KVCacheConfig,
+        model: torch.nn.Module,
+        layers: dict[str, Attention],
+        mamba_layers: dict[str, MambaMixer2],
+    ) -> None:
+        """Allocate the zeroed cache tensors (layers of different groups share them, see
+        kv_cache_interface), bind them to the layers, make each group's builder."""
+        self._allocate(kv_cache_config, layers, mamba_layers)
+        self._make_builders(kv_cache_config, layers)
+        bind_kv_cache(model, self.kv_caches)
+
+    def _allocate(
+        self,
+        kv_cache_config: KVCacheConfig,
+        layers: dict[str, Attention],
+        mamba_layers: dict[str, MambaMixer2],
+    ) -> None:
+        self.kv_caches = {}
+        page_sizes = {
+            name: group.kv_cache_spec.page_size_bytes
+            for group in kv_cache_config.kv_cache_groups
+            for name in group.layer_names
+        }
+        num_blocks, block_size = kv_cache_config.num_blocks, kv_cache_config.block_size
+        for tensor in kv_cache_config.get_kv_cache_tensors():
+            # A pipeline stage allocates only the tensors of its own layers.
+            shared_by = [
+                name for name in tensor.shared_by if name in layers or name in mamba_layers
+            ]
+            if not shared_by:
+                continue
+            attention = [name for name in shared_by if name in layers]
+            if attention:
+                first = layers[attention[0]]
+                shape = first.backend.get_kv_cache_shape(
+                    num_blocks, block_size, first.num_kv_heads, first.head_size
+                )
+            else:  # Mamba layers only: one plane of pages
+                shape = (1, num_blocks, max(page_sizes[n] for n in shared_by) // self._itemsize)
+            memory = zeroed_tensor(shape, self.kv_cache_dtype, self.device)
+            for name in shared_by:
+                if name in mamba_layers:  # the state's view of the same pages
+                    mamba_layers[name].bind_state_cache(memory, num_blocks)
+                    self.kv_caches[name] = memory
+                    continue
+                layer = layers[name]
+                own = layer.backend.get_kv_cache_shape(
+                    num_blocks, block_size, layer.num_kv_heads, layer.head_size
+                )
+                # Equal page sizes share; the shapes may still differ (heads x head size).
+                self.kv_caches[name] = memory if tuple(own) == tuple(shape) else memory.view(own)
+
+    def _make_builders(self, kv_cache_config: KVCacheConfig, layers: dict[str, Attention]) -> None:
+        self.attn_builders, self.layer_to_group, self.unsplit_groups = [], {}, set()
+        for group_id, group in enumerate(kv_cache_config.kv_cache_groups):
+            spec = group.kv_cache_spec
+            for name in group.layer_names:
+                self.layer_to_group[name] = group_id
+            if spec.kind == "mamba":
+                self.unsplit_groups.add(group_id)
+                assert isinstance(spec, MambaSpec)
+                align = spec.mamba_cache_mode == "align"
+                self.attn_builders.append(
+                    MambaMetadataBuilder(spec.block_size, self.device, align=align)
+                )
+                continue
+            local = [name for name in group.layer_names if name in layers] or list(layers)
+            backend = layers[local[0]].backend
+            self.attn_builders.append(backend.get_builder_cls()(spec.block_size, self.device))
