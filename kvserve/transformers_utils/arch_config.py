@@ -252,7 +252,9 @@ def _gguf_attention_variants(
         # scales scores by head_dim, its local layers use base 10000).
         "query_pre_attn_scalar": float(head_dim),
         "rope_local_base_freq": 10000.0,
-        "attn_logit_softcapping": _gguf_value(reader, f"{arch}.attn_logit_softcapping"),
+        # HF's Gemma 3 (the reference) never soft-caps attention scores; see
+        # _gemma3_variants.
+        "attn_logit_softcapping": None,
         "final_logit_softcapping": _gguf_value(reader, f"{arch}.final_logit_softcapping"),
     }
 
@@ -415,7 +417,10 @@ def _gemma3_variants(cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:
         "layer_types": tuple(layer_types),
         "query_pre_attn_scalar": float(cfg.get("query_pre_attn_scalar") or 256),
         "rope_local_base_freq": float(local or cfg.get("rope_local_base_freq") or 10000.0),
-        "attn_logit_softcapping": _optional_float(cfg.get("attn_logit_softcapping")),
+        # HF's Gemma3Attention keeps attn_logit_softcapping but never passes it to the
+        # attention function (transformers 5.x), so a config that sets it must not change
+        # the scores: capping them here flipped greedy tokens against HF.
+        "attn_logit_softcapping": None,
         "final_logit_softcapping": _optional_float(cfg.get("final_logit_softcapping")),
     }
 

@@ -176,7 +176,9 @@ def test_gemma3_transformers5_style_config(tmp_path: Path) -> None:
     arch = load_arch_config(resolve_model(str(_hf_dir(tmp_path, config))))
     assert arch.layer_types[:2] == ("full_attention", "sliding_attention")
     assert arch.rope_scaling == {"rope_type": "linear", "factor": 8.0}
-    assert (arch.attn_logit_softcapping, arch.final_logit_softcapping) == (50.0, 30.0)
+    # HF's Gemma 3 ignores attn_logit_softcapping (its attention never receives it), and
+    # HF is the reference: applying it flipped greedy tokens of a tiny random model.
+    assert (arch.attn_logit_softcapping, arch.final_logit_softcapping) == (None, 30.0)
 
 
 @pytest.mark.parametrize(
