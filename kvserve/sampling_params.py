@@ -124,8 +124,10 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     # Free-form extras for plug-ins (vLLM's field); "kv_transfer_params" goes to the KV
     # connector as the request's kv_transfer_params.
     extra_args: dict[str, Any] | None = None
-    # Filled in by the input processor: bad_words tokenized, eos of the model.
+    # Filled in by the input processor: bad_words tokenized (and the model's suppressed
+    # tokens as one-token words), the tokens it never emits first, eos of the model.
     _bad_words_token_ids: list[list[int]] | None = None
+    _begin_suppress_token_ids: list[int] | None = None
     _all_stop_token_ids: list[int] = msgspec.field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -255,6 +257,10 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     @property
     def bad_words_token_ids(self) -> list[list[int]] | None:
         return self._bad_words_token_ids
+
+    @property
+    def begin_suppress_token_ids(self) -> list[int] | None:
+        return self._begin_suppress_token_ids
 
     def clone(self, **changes: Any) -> SamplingParams:
         return msgspec.structs.replace(self, **changes)

@@ -110,7 +110,7 @@ def _histogram_sums(text: str) -> dict[str, float]:
     return sums
 
 
-async def _chat_round(server: _Server, args: argparse.Namespace) -> dict[str, Any]:
+async def _chat_round(server: _Server, args: argparse.Namespace, tag: str) -> dict[str, Any]:
     """The chats one after another; per chat its client TTFT and decode rate, and for a
     kvserve server the mean split of the first token from its metrics."""
     ttfts: list[float] = []
@@ -121,7 +121,10 @@ async def _chat_round(server: _Server, args: argparse.Namespace) -> dict[str, An
         model = models[0]["id"]
         for i in range(args.chats):
             before = await _metrics(client, server.url)
-            messages = [{"role": "user", "content": CHATS[i % len(CHATS)]}]
+            # The tag opens the message: no round re-sends a prompt a server has cached
+            # (the chat template's fixed prefix still is, as in real use).
+            content = f"({tag}.{i}) {CHATS[i % len(CHATS)]}"
+            messages = [{"role": "user", "content": content}]
             payload = {
                 "model": model,
                 "messages": messages,
@@ -194,10 +197,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for server in servers:
             server.wait_healthy(args.timeout)
         for server in servers:  # a first chat each, so no round pays a first-request cost
-            asyncio.run(_chat_round(server, argparse.Namespace(**{**vars(args), "chats": 1})))
-        for _ in range(args.rounds):
+            asyncio.run(
+                _chat_round(server, argparse.Namespace(**{**vars(args), "chats": 1}), "warm-up")
+            )
+        for index in range(args.rounds):
             results["rounds"].append(
-                {server.name: asyncio.run(_chat_round(server, args)) for server in servers}
+                {s.name: asyncio.run(_chat_round(s, args, str(index))) for s in servers}
             )
     finally:
         for server in servers:

@@ -61,6 +61,10 @@ class InputProcessor:
         self.eos_token_id: int | None = eos_ids[0] if eos_ids else None
         # Further end-of-turn ids (e.g. <|eot_id|>) stop like stop_token_ids do.
         self.extra_eos_token_ids = eos_ids[1:]
+        # The model's never-emitted tokens (Whisper's generation config), as HF applies them.
+        mm = model_config.arch.multimodal
+        self.suppressed_words = [[t] for t in mm.suppress_tokens] if mm else []
+        self.begin_suppress_token_ids = list(mm.begin_suppress_tokens) if mm else []
 
     def process_inputs(
         self,
@@ -232,8 +236,11 @@ class InputProcessor:
             changes["max_tokens"] = self.max_model_len - prompt_len
         # prompt_len + max_tokens > max_model_len is accepted: the scheduler finishes the
         # request with "length" when it reaches max_model_len.
-        if params.bad_words:
-            changes["_bad_words_token_ids"] = self._tokenize_bad_words(params.bad_words)
+        if params.bad_words or self.suppressed_words:
+            words = self._tokenize_bad_words(params.bad_words) if params.bad_words else []
+            changes["_bad_words_token_ids"] = words + self.suppressed_words
+        if self.begin_suppress_token_ids:
+            changes["_begin_suppress_token_ids"] = self.begin_suppress_token_ids
         if params.structured_outputs is not None:
             changes["structured_outputs"] = self._resolve_structured_outputs(
                 params.structured_outputs

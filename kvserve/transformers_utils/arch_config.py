@@ -329,8 +329,10 @@ def _from_hf_dir(model_dir: Path) -> ArchConfig:
     arch = str(architectures[0])
     cfg = normalise_mamba_config(arch, cfg)
     multimodal = None
+    gen_path = model_dir / "generation_config.json"
+    generation = _read_json(gen_path) if gen_path.is_file() else {}
     if arch in ENCODER_DECODER_ARCHITECTURES:
-        multimodal, cfg = whisper_multimodal(cfg)
+        multimodal, cfg = whisper_multimodal(cfg, generation)
     elif arch in VLM_ARCHITECTURES:
         multimodal = gemma3_multimodal(cfg)
         # The text numbers are the language model's.
@@ -338,8 +340,7 @@ def _from_hf_dir(model_dir: Path) -> ArchConfig:
         # HF ties the head by the top-level flag; the text config's may be a default.
         tie = cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", True))
         cfg = {**cfg, **text, "tie_word_embeddings": tie}
-    gen_path = model_dir / "generation_config.json"
-    gen_eos = _read_json(gen_path).get("eos_token_id") if gen_path.is_file() else None
+    gen_eos = generation.get("eos_token_id")
     try:
         hidden = int(cfg["hidden_size"])
         num_heads = int(cfg["num_attention_heads"])

@@ -28,15 +28,33 @@ class MultiModalArch:
     # ``max_tokens_per_item`` is then the encoder output's length and ``vision_config``
     # the model's HF config (the encoder's numbers).
     encoder_decoder: bool = False
+    # Token ids the model never emits (HF's suppress_tokens, every step) and never emits
+    # first (begin_suppress_tokens): Whisper's generation config; HF's generate applies them.
+    suppress_tokens: tuple[int, ...] = ()
+    begin_suppress_tokens: tuple[int, ...] = ()
 
 
 VLM_ARCHITECTURES = ("Gemma3ForConditionalGeneration",)
 ENCODER_DECODER_ARCHITECTURES = ("WhisperForConditionalGeneration",)
 
 
-def whisper_multimodal(cfg: dict[str, Any]) -> tuple[MultiModalArch, dict[str, Any]]:
+def _token_ids(field: str, value: Any) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if not isinstance(value, list) or not all(
+        isinstance(t, int) and not isinstance(t, bool) for t in value
+    ):
+        raise ValueError(f"invalid Whisper config: {field} must be a list of token ids")
+    return tuple(value)
+
+
+def whisper_multimodal(
+    cfg: dict[str, Any], generation: dict[str, Any]
+) -> tuple[MultiModalArch, dict[str, Any]]:
     """Whisper's encoder side, and its config in the names ArchConfig reads (the
-    decoder's numbers: ``max_target_positions`` is the decoder's context)."""
+    decoder's numbers: ``max_target_positions`` is the decoder's context).
+    ``generation``: generation_config.json, where the suppressed tokens live (older
+    checkpoints keep them in config.json)."""
     try:
         heads = int(cfg["decoder_attention_heads"])
         decoder = {
@@ -61,6 +79,13 @@ def whisper_multimodal(cfg: dict[str, Any]) -> tuple[MultiModalArch, dict[str, A
         bidirectional_items=False,
         max_tokens_per_item=encoder_len,
         encoder_decoder=True,
+        suppress_tokens=_token_ids(
+            "suppress_tokens", generation.get("suppress_tokens", cfg.get("suppress_tokens"))
+        ),
+        begin_suppress_tokens=_token_ids(
+            "begin_suppress_tokens",
+            generation.get("begin_suppress_tokens", cfg.get("begin_suppress_tokens")),
+        ),
     )
     return multimodal, {**cfg, **decoder}
 

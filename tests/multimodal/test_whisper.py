@@ -18,6 +18,7 @@ from kvserve.multimodal.audio import resample
 from kvserve.utils.census import leftovers
 from tests.multimodal.whisper_model import (
     DECODER_START,
+    EOT_ID,
     SAMPLING_RATE,
     build_whisper,
     hf_greedy,
@@ -161,3 +162,42 @@ def test_preemption_and_shared_encoder_blocks(whisper: tuple[Path, Any, Any, lis
         assert held and leftovers({"core": held}) == {}
     finally:
         engine.llm_engine.shutdown()
+
+
+def test_the_models_suppressed_tokens_apply_as_in_hfs_generate(
+    whisper: tuple[Path, Any, Any, list[int]], tmp_path: Path
+) -> None:
+    """Real checkpoints carry suppress_tokens (never emitted) and begin_suppress_tokens
+    (never emitted first) in their generation config; HF's generate applies both. Here
+    the same weights suppress the token the plain model emits most, and begin-suppress
+    each clip's plain first token and EOT; a request that starts while another is mid-way
+    through its output has its own first step."""
+    _, model, extractor, prefix = whisper
+    clips = [random_audio(1), random_audio(2, seconds=0.3), random_audio(3, seconds=1.0)]
+    plain = [hf_greedy(model, extractor, clip, prefix, MAX_TOKENS) for clip in clips]
+    tokens = [t for toks in plain for t in toks]
+    suppress = [max(set(tokens), key=tokens.count)]
+    begin = sorted({toks[0] for toks in plain} | {EOT_ID})
+    directory = tmp_path / "whisper-suppressing"
+    model, extractor = build_whisper(directory, suppress, begin)
+    want = [hf_greedy(model, extractor, clip, prefix, MAX_TOKENS) for clip in clips]
+    assert want != plain
+    assert all(toks[0] not in begin and suppress[0] not in toks for toks in want)
+
+    llm = LLM(model=str(directory), kv_cache_memory=8 << 20, block_size=16)
+    engine = llm.llm_engine
+    try:
+        got: dict[str, list[int]] = {}
+        engine.add_request("0", _prompt((clips[0], SAMPLING_RATE)), _params())
+        for step in range(40):
+            if step == 3:  # "0" is generating; "1" and "2" start now
+                for i in (1, 2):
+                    engine.add_request(str(i), _prompt((clips[i], SAMPLING_RATE)), _params())
+            for out in engine.step():
+                if out.finished:
+                    got[out.request_id] = list(out.outputs[0].token_ids)
+            if len(got) == len(clips):
+                break
+        assert [got[str(i)] for i in range(len(clips))] == want
+    finally:
+        engine.shutdown()

@@ -35,9 +35,14 @@ def _tokenizer() -> Any:
     )  # fmt: skip
 
 
-def build_whisper(directory: Path) -> tuple[Any, Any]:
+def build_whisper(
+    directory: Path,
+    suppress_tokens: list[int] | None = None,
+    begin_suppress_tokens: list[int] | None = None,
+) -> tuple[Any, Any]:
     """Saves the checkpoint, tokenizer and feature extractor to ``directory``; returns
-    (HF model in eval mode, HF feature extractor)."""
+    (HF model in eval mode, HF feature extractor). The same weights whatever the
+    generation config's suppressed tokens (none by default)."""
     from transformers import WhisperConfig, WhisperFeatureExtractor, WhisperForConditionalGeneration
 
     torch.manual_seed(0)
@@ -57,8 +62,8 @@ def build_whisper(directory: Path) -> tuple[Any, Any]:
             if p.dim() > 1:
                 p.normal_(0.0, 0.2)
     model.generation_config.forced_decoder_ids = None
-    model.generation_config.suppress_tokens = None
-    model.generation_config.begin_suppress_tokens = None
+    model.generation_config.suppress_tokens = suppress_tokens
+    model.generation_config.begin_suppress_tokens = begin_suppress_tokens
     model.save_pretrained(directory)
     _tokenizer().save_pretrained(directory)
     extractor = WhisperFeatureExtractor(

@@ -1,4 +1,5 @@
-"""The built-in logits processors: min_p, logit_bias, min_tokens, allowed_token_ids, bad_words."""
+"""The built-in logits processors: min_p, logit_bias, min_tokens, allowed_token_ids, bad_words,
+begin_suppress (the model's tokens never emitted first)."""
 
 from __future__ import annotations
 
@@ -180,6 +181,36 @@ class MinTokensLogitsProcessor(_SparseEdit[tuple[int, list[int], list[int]]]):
         return logits.index_put_(self._index, self._values.to(logits.dtype))
 
 
+class BeginSuppressLogitsProcessor(_SparseEdit[tuple[list[int], list[int]]]):
+    """Blocks the model's begin_suppress tokens for a request's first output token only
+    (HF's SuppressTokensAtBeginLogitsProcessor: Whisper never starts with EOT or a space)."""
+
+    def new_state(
+        self, params: SamplingParams, prompt: list[int], output: list[int]
+    ) -> tuple[list[int], list[int]] | None:
+        ids = params.begin_suppress_token_ids
+        return (ids, output) if ids and not output else None
+
+    def is_argmax_invariant(self) -> bool:
+        return False
+
+    def refresh(self) -> bool:
+        started = [row for row, (_, out) in self.states.items() if out]
+        for row in started:
+            del self.states[row]
+        return bool(started)
+
+    def pairs(self) -> tuple[list[int], list[int], list[float]]:
+        rows, toks = [], []
+        for row, (ids, _) in self.states.items():
+            rows += [row] * len(ids)
+            toks += ids
+        return rows, toks, [float("-inf")] * len(rows)
+
+    def apply_to(self, logits: torch.Tensor) -> torch.Tensor:
+        return logits.index_put_(self._index, self._values.to(logits.dtype))
+
+
 class AllowedTokenIdsLogitsProcessor(RowStateLogitsProcessor[list[int]]):
     """Masks every token outside the request's allowed_token_ids."""
 
@@ -241,6 +272,7 @@ BUILTIN_LOGITS_PROCESSORS: tuple[type[LogitsProcessor], ...] = (
     AllowedTokenIdsLogitsProcessor,
     BadWordsLogitsProcessor,
     MinTokensLogitsProcessor,
+    BeginSuppressLogitsProcessor,
     LogitBiasLogitsProcessor,
     MinPLogitsProcessor,
 )
