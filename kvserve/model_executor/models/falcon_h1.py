@@ -7,7 +7,6 @@ logits' stay at run time, as a tied head shares their tensor."""
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from typing import ClassVar
 
 import torch
 from torch import nn
@@ -15,11 +14,11 @@ from torch import nn
 from kvserve.model_executor.layers.layernorm import RMSNorm
 from kvserve.model_executor.layers.mamba.mamba_mixer2 import MambaMixer2
 from kvserve.model_executor.layers.vocab_parallel_embedding import (
-    ParallelLMHead,
     VocabParallelEmbedding,
 )
 from kvserve.model_executor.models.bamba import BambaAttention
 from kvserve.model_executor.models.llama import LlamaForCausalLM, LlamaMLP
+from kvserve.model_executor.models.mup_hybrid import MupHybridForCausalLM
 from kvserve.model_executor.models.weight_utils import load_hf_weights
 from kvserve.transformers_utils.arch_config import ArchConfig
 from kvserve.transformers_utils.mamba_arch import MambaArch, MupMultipliers
@@ -73,26 +72,8 @@ def _in_proj_scale(mamba: MambaArch, mup: MupMultipliers) -> torch.Tensor:
     return torch.cat([torch.full((n,), m) for n, m in zip(sizes, mup.ssm, strict=True)])
 
 
-class FalconH1ForCausalLM(nn.Module):
-    supports_tensor_parallel: ClassVar[bool] = False
-    supports_pipeline_parallel: ClassVar[bool] = False
-
-    def __init__(self, arch: ArchConfig) -> None:
-        super().__init__()
-        if arch.mamba is None:
-            raise ValueError("FalconH1ForCausalLM needs the config's Mamba fields")
-        self.arch = arch
-        self.mup = arch.mup or MupMultipliers()
-        self.model = FalconH1Model(arch, self.mup, prefix="model")
-        self.lm_head = ParallelLMHead(arch.vocab_size, arch.hidden_size, prefix="lm_head")
-        if arch.tie_word_embeddings:
-            self.lm_head.tie_weights(self.model.embed_tokens)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.model.forward(input_ids, positions)
-
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.lm_head.compute_logits(hidden_states) * self.mup.lm_head
+class FalconH1ForCausalLM(MupHybridForCausalLM):
+    model_cls = FalconH1Model
 
     def _scaled(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """``tensor`` with the multipliers that scale its map folded in; a scale on a

@@ -8,7 +8,6 @@ logits scalars stay at run time (a tied head shares their tensor)."""
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from typing import ClassVar
 
 import torch
 from torch import nn
@@ -16,12 +15,12 @@ from torch import nn
 from kvserve.model_executor.layers.layernorm import RMSNorm
 from kvserve.model_executor.layers.mamba.mamba_mixer2 import MambaMixer2
 from kvserve.model_executor.layers.vocab_parallel_embedding import (
-    ParallelLMHead,
     VocabParallelEmbedding,
 )
 from kvserve.model_executor.models.bamba import BambaAttention
 from kvserve.model_executor.models.llama import LlamaForCausalLM, LlamaMLP
 from kvserve.model_executor.models.moe_mlp import SparseMoeBlock
+from kvserve.model_executor.models.mup_hybrid import MupHybridForCausalLM
 from kvserve.model_executor.models.weight_utils import load_hf_weights
 from kvserve.transformers_utils.arch_config import ArchConfig
 from kvserve.transformers_utils.mamba_arch import MAMBA, MupMultipliers
@@ -91,26 +90,8 @@ _RESIDUAL_OUTPUTS = (
 )  # fmt: skip
 
 
-class GraniteMoeHybridForCausalLM(nn.Module):
-    supports_tensor_parallel: ClassVar[bool] = False
-    supports_pipeline_parallel: ClassVar[bool] = False
-
-    def __init__(self, arch: ArchConfig) -> None:
-        super().__init__()
-        if arch.mamba is None:
-            raise ValueError("GraniteMoeHybridForCausalLM needs the config's Mamba fields")
-        self.arch = arch
-        self.mup = arch.mup or MupMultipliers()
-        self.model = GraniteMoeHybridModel(arch, self.mup, prefix="model")
-        self.lm_head = ParallelLMHead(arch.vocab_size, arch.hidden_size, prefix="lm_head")
-        if arch.tie_word_embeddings:
-            self.lm_head.tie_weights(self.model.embed_tokens)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.model.forward(input_ids, positions)
-
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.lm_head.compute_logits(hidden_states) * self.mup.lm_head
+class GraniteMoeHybridForCausalLM(MupHybridForCausalLM):
+    model_cls = GraniteMoeHybridModel
 
     def _renamed(self, name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
         """Granite's fused names -> the ones ``load_hf_weights`` knows: ``input_linear``
