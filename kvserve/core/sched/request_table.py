@@ -61,6 +61,14 @@ class RequestTable:
             self.scheduled_times[request.request_id] = time.time()
         return resumed
 
+    def lora_slots_full(self, request: Request, max_loras: int | None) -> bool:
+        """Whether ``request`` needs an adapter beyond the max_loras the running ones use."""
+        lora = request.lora_request
+        if lora is None or max_loras is None:
+            return False
+        active = {r.lora_request.lora_int_id for r in self.running if r.lora_request}
+        return lora.lora_int_id not in active and len(active) >= max_loras
+
     def pop_victim(self) -> Request:
         """Takes the running request to preempt out of running: the lowest priority (latest
         arrival) under the priority policy, else the last one."""

@@ -312,7 +312,7 @@ class Scheduler(SchedulerInterface):
                 skipped.add_request(request)  # its grammar still compiles
             if not ready:
                 return _NEXT
-        if self._lora_slots_full(request):
+        if self.table.lora_slots_full(request, self.max_loras):
             skipped.add_request(request)  # its adapter would be one too many in a step
             return _NEXT
         if request.num_prompt_tokens > self.max_model_len or not (
@@ -424,13 +424,6 @@ class Scheduler(SchedulerInterface):
         if 0 < self.long_prefill_token_threshold < num_new_tokens:
             num_new_tokens = self.long_prefill_token_threshold
         return min(num_new_tokens, token_budget)
-
-    def _lora_slots_full(self, request: Request) -> bool:
-        lora = request.lora_request
-        if lora is None or self.max_loras is None:
-            return False
-        active = {r.lora_request.lora_int_id for r in self.table.running if r.lora_request}
-        return lora.lora_int_id not in active and len(active) >= self.max_loras
 
     def get_grammar_bitmask(self, scheduler_output: SchedulerOutput) -> GrammarOutput | None:
         """The bitmask rows of the constrained requests that sample in this step (call it
