@@ -25,6 +25,7 @@ from kvserve.attention.backends.abstract import (
     AttentionImpl,
     AttentionMetadataBuilder,
 )
+from kvserve.attention.backends.cpu_attn import CPUAttentionBackend
 from kvserve.attention.backends.utils import CommonAttentionMetadata
 from kvserve.attention.ops.triton_reshape_and_cache import reshape_and_cache
 from kvserve.attention.ops.triton_unified_attention import AttentionVariant, unified_attention
@@ -130,11 +131,8 @@ class TritonAttentionBackend(AttentionBackend):
     def get_name() -> str:
         return "TRITON"
 
-    @staticmethod
-    def get_kv_cache_shape(
-        num_blocks: int, block_size: int, num_kv_heads: int, head_size: int
-    ) -> tuple[int, ...]:
-        return (2, num_blocks, block_size, num_kv_heads, head_size)
+    # The CPU backend's layout: connectors, shared pages and the tiers read it the same way.
+    get_kv_cache_shape = staticmethod(CPUAttentionBackend.get_kv_cache_shape)
 
     @staticmethod
     def get_builder_cls() -> type[TritonAttentionMetadataBuilder]:
