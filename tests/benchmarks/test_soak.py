@@ -1,7 +1,7 @@
 """Short soaks against real `kvserve serve` processes, and the soak's RSS trend and plot.
 
 The basic mix: two rounds of 32 misbehaving clients (streams, plain requests, disconnects,
-aborts and malformed requests for ~15 s per round). Each round must end with no error of
+aborts and malformed requests for ~10 s per round). Each round must end with no error of
 any kind (a 5xx, a refused good request, a served bad one, a timeout), every KV block
 free, the server healthy and the same engine core alive; RSS may not keep growing from
 the first round to the second. The feature mix: one round against a server with ngram
@@ -32,7 +32,7 @@ pytestmark = pytest.mark.slow
 # Short prompts and outputs: many requests (and drops) per client in a CPU-bound round.
 ROUND = SoakConfig(
     clients=32,
-    duration_s=15.0,
+    duration_s=10.0,
     max_tokens=8,
     max_prompt_words=12,
     request_timeout_s=90.0,
@@ -42,13 +42,13 @@ ROUND = SoakConfig(
 # reply; its model takes no images.
 FEATURE_ROUND = SoakConfig(
     clients=24,
-    duration_s=20.0,
+    duration_s=14.0,
     max_tokens=8,
     max_prompt_words=12,
     request_timeout_s=90.0,
     images="off",
     prefix_words=160,
-    warmup_s=8.0,
+    warmup_s=6.0,
 )
 FEATURE_OUTCOMES = ("json_schema", "tool_call", "n2_logprobs", "seeded", "shared_prefix")
 # Per process, from the end of round 1 to the end of round 2: allocator noise, not a leak.

@@ -201,7 +201,7 @@ def _census(server: RemoteServer) -> dict[str, dict[str, int]]:
 
 
 def test_no_owner_keeps_per_request_state_after_every_kind_of_end(server: RemoteServer) -> None:
-    ends = asyncio.run(_traffic(server.base_url, num_requests=300, concurrency=24))
+    ends = asyncio.run(_traffic(server.base_url, num_requests=200, concurrency=24))
     print("ends:", dict(sorted(ends.items())))
     # Every way of ending happened, and nothing but the planned failures failed.
     for end in (

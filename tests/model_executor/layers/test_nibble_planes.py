@@ -115,9 +115,10 @@ def test_only_q4_rows_of_whole_block_pairs_are_reordered() -> None:
 
 
 def test_packaged_smollm2_tensors() -> None:
-    """Every Q4 tensor of the packaged file in nibble planes dequantizes as its plain
-    blocks do (gguf's weights: test_quantization), and the GEMV on one tensor of each
-    shape matches the float32 weights at 1-256 rows."""
+    """One Q4 tensor of each shape in the packaged file: in nibble planes it dequantizes as
+    its plain blocks and gguf do, and its GEMV matches the float32 weights at 1-256 rows.
+    (The reordering depends on the shape only, so the file's other tensors of a shape add
+    time, not coverage.)"""
     from kvserve.model_executor.model_loader.gguf_loader import iterate_gguf_blocks
 
     config = ModelConfig(quantization="gguf")
@@ -128,14 +129,14 @@ def test_packaged_smollm2_tensors() -> None:
         if qtype not in (T.Q4_1, T.Q4_0):
             continue
         plain = BlockWeight.from_raw(raw, qtype)
+        if plain.shape in shapes_done:
+            continue
+        shapes_done.add(plain.shape)
         planes = BlockWeight.from_raw(raw, qtype)
         planes.use_nibble_planes()
         weights = plain.dequantize()
         assert planes.nibble_planes and torch.equal(planes.dequantize(), weights)
         count += 1
-        if plain.shape in shapes_done:
-            continue
-        shapes_done.add(plain.shape)
         assert torch.equal(weights, torch.from_numpy(dequantize(raw, qtype).astype(np.float32)))
         for rows in (1, 6, 7, 256):
             x = torch.randn(rows, plain.shape[1], generator=torch.Generator().manual_seed(rows))
