@@ -45,6 +45,7 @@ def test_single_streams_are_set_against_the_two_thread_rate() -> None:
     ]
 
 
+@pytest.mark.slow  # two engines start, as the other end-to-end peers tests
 def test_peers_reports_the_read_bound(
     tiny_gguf: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
