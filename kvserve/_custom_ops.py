@@ -37,6 +37,7 @@ _SOURCES = [
         "decode_stack.cpp",
         "decode_step.cpp",
         "mamba_decode.cpp",
+        "memory_probe.cpp",
     )
 ]
 # KVSERVE_MARCH: build for another CPU than this one (e.g. "haswell", AVX2 without
@@ -293,6 +294,16 @@ def packs_int8_weights() -> bool:
         empty = torch.zeros(0, dtype=torch.float16)
         _state["packs"] = pack_blocks_vnni(*planes, empty, 0).numel() > 0
     return _state["packs"]
+
+
+def memory_read_rates(
+    nbytes: int, max_threads: int, repeats: int = 3, huge_pages: bool = False
+) -> list[float]:
+    """Best-of-``repeats`` GB/s at which 1..``max_threads`` threads together stream an
+    ``nbytes`` buffer (csrc/memory_probe.cpp), on transparent huge pages if ``huge_pages``;
+    index i holds i + 1 threads' rate."""
+    require()
+    return list(torch.ops.kvserve.memory_read_rates(nbytes, max_threads, repeats, huge_pages))
 
 
 def decoder_stack(

@@ -18,6 +18,8 @@ import time
 from typing import Any
 
 from kvserve.args.engine_args import EngineArgs
+from kvserve.benchmarks.memory import format_rates, machine_read_rates, read_bound
+from kvserve.benchmarks.peers_bandwidth import annotate_single_streams, weight_bytes_per_token
 from kvserve.benchmarks.peers_rounds import combine_rounds
 from kvserve.benchmarks.peers_sweep import (
     format_sweep_table,
@@ -38,6 +40,7 @@ from kvserve.benchmarks.peers_workloads import (
     make_requests,
     workload_flops,
 )
+from kvserve.benchmarks.random_gguf import SHAPES, ensure_random_gguf
 
 ENGINES = (*KVSERVE_ENGINES, "hf", "llamacpp")
 
@@ -61,6 +64,16 @@ def parse_scale(text: str) -> dict[str, float]:
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=EngineArgs.model, help="GGUF file or a known name")
     EngineArgs.add_cli_args(parser, with_model=False)
+    parser.add_argument(
+        "--random-gguf", default=None, choices=sorted(SHAPES),
+        help="instead of --model: a random-weight Q4_1 GGUF at this model's shape, written "
+        "under --random-gguf-dir on first use (e.g. llama-3.2-1b with --workloads c: the "
+        "single stream against the memory read bound)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--random-gguf-dir", default=None, help="where random GGUFs are kept (default: "
+        "~/.cache/kvserve/random_gguf)",
+    )  # fmt: skip
     parser.add_argument("--workloads", default="a,b,c", help="comma list of a, b, c, e")
     parser.add_argument(
         "--scale", type=parse_scale, default=parse_scale("1"),
@@ -202,6 +215,9 @@ def run_peers(args: argparse.Namespace) -> dict[str, Any]:
     for w in names:
         if w not in WORKLOADS:
             raise SystemExit(f"unknown workload {w!r}; choose from {', '.join(WORKLOADS)}")
+    if args.random_gguf:
+        print(f"random-weight GGUF at {args.random_gguf}'s shape ...", flush=True)
+        args.model = str(ensure_random_gguf(SHAPES[args.random_gguf], args.random_gguf_dir))
     resolved = resolve_model(args.model)
     arch = load_arch_config(resolved)
     special = set(get_tokenizer(resolved).all_special_ids)
@@ -216,6 +232,7 @@ def run_peers(args: argparse.Namespace) -> dict[str, Any]:
 
         torch.set_num_threads(args.torch_threads)
     machine = machine_info()
+    machine["memory_read_gb_s"] = machine_read_rates()
     gemm = gemm_rate(args.gemm_size)
     print(_machine_line(machine, gemm), flush=True)
     notes: list[str] = []
@@ -236,8 +253,23 @@ def run_peers(args: argparse.Namespace) -> dict[str, Any]:
     for r in results + tries + sweep_runs:
         r.flops = workload_flops(arch, workloads[r.workload])
     machine["load_avg_after"] = machine_info()["load_avg"]
+    if machine["memory_read_gb_s"]:
+        # Probed again after the engines: on a shared machine the rate moves with the
+        # neighbours' load, and the higher of the two is the bound (a fraction over 100%
+        # then means the engine ran in a quieter moment than both probes).
+        machine["memory_read_gb_s_after"] = machine_read_rates()
+        bound_rates = max(
+            machine["memory_read_gb_s"]["huge_pages"],
+            machine["memory_read_gb_s_after"]["huge_pages"],
+            key=read_bound,
+        )
+        single = {w for w, requests in workloads.items() if len(requests) == 1}
+        notes += annotate_single_streams(
+            results, single, weight_bytes_per_token(resolved.path), bound_rates
+        )
     report: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "model": resolved.path,
         "command": "kvserve bench peers " + " ".join(sys.argv[3:])
         if sys.argv[1:3] == ["bench", "peers"]
         else "",
@@ -332,10 +364,13 @@ def _result_dict(r: EngineResult, results: list[EngineResult], gemm: float) -> d
 
 
 def _machine_line(m: dict[str, Any], gemm: float) -> str:
+    after = m.get("memory_read_gb_s_after")
     return (
         f"machine: {m['cores']} cores, {m['cpu_model']}, flags {' '.join(m['simd_flags']) or 'none'}, "
         f"torch {m['torch_version']} with {m['torch_threads']} threads, "
-        f"fp32 GEMM {gemm / 1e9:.1f} GFLOP/s, load avg {m['load_avg'][0]:.2f}"
+        f"fp32 GEMM {gemm / 1e9:.1f} GFLOP/s, {format_rates(m.get('memory_read_gb_s') or {})}, "
+        f"load avg {m['load_avg'][0]:.2f}"
+        + (f"; after the runs: {format_rates(after)}" if after else "")
     )
 
 

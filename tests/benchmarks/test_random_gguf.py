@@ -1,0 +1,128 @@
+"""Random-weight GGUF files: a tiny shape through the same code path as Llama-3.2-1B's."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf.quants import dequantize
+
+from kvserve.benchmarks.random_gguf import (
+    SHAPES,
+    LlamaShape,
+    ensure_random_gguf,
+    llama3_rope_factors,
+    random_blocks,
+    write_random_gguf,
+)
+from kvserve.transformers_utils.arch_config import load_arch_config
+from kvserve.transformers_utils.gguf_reader import open_gguf
+from kvserve.transformers_utils.model_resolver import resolve_model
+
+Q = GGMLQuantizationType
+# Llama-3.2-1B's proportions at toy size; the vocabulary just past the packaged
+# tokenizer's 49152 tokens, so padding is exercised.
+TINY = LlamaShape("tiny-llama", 64, 2, 4, 2, 128, 49152 + 64)
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return ensure_random_gguf(TINY, tmp_path_factory.mktemp("random_gguf"))
+
+
+def test_tensors_have_the_declared_shapes_and_types(tiny_gguf: Path) -> None:
+    tensors = {t.name: t for t in open_gguf(str(tiny_gguf)).tensors}
+    h, kv, inter = TINY.hidden_size, TINY.num_kv_heads * TINY.head_dim, TINY.intermediate_size
+    want = {
+        "token_embd.weight": ((h, TINY.vocab_size), Q.Q8_0),
+        "rope_freqs.weight": ((TINY.head_dim // 2,), Q.F32),
+        "output_norm.weight": ((h,), Q.F32),
+    }
+    for i in range(TINY.num_layers):
+        want |= {
+            f"blk.{i}.attn_norm.weight": ((h,), Q.F32),
+            f"blk.{i}.ffn_norm.weight": ((h,), Q.F32),
+            f"blk.{i}.attn_q.weight": ((h, h), Q.Q4_1),
+            f"blk.{i}.attn_k.weight": ((h, kv), Q.Q4_1),
+            f"blk.{i}.attn_v.weight": ((h, kv), Q.Q4_1),
+            f"blk.{i}.attn_output.weight": ((h, h), Q.Q4_1),
+            f"blk.{i}.ffn_gate.weight": ((h, inter), Q.Q4_1),
+            f"blk.{i}.ffn_up.weight": ((h, inter), Q.Q4_1),
+            f"blk.{i}.ffn_down.weight": ((inter, h), Q.Q4_1),
+        }
+    assert {n: (tuple(t.shape), t.tensor_type) for n, t in tensors.items()} == want
+    # Valid blocks of initializer-sized weights: finite, about the intended spread.
+    w = dequantize(np.asarray(tensors["blk.0.ffn_up.weight"].data), Q.Q4_1)
+    assert np.isfinite(w).all() and 0.01 < float(w.std()) < 0.04
+
+
+def test_config_matches_the_shape(tiny_gguf: Path) -> None:
+    arch = load_arch_config(resolve_model(str(tiny_gguf)))
+    assert (arch.hidden_size, arch.num_hidden_layers, arch.intermediate_size) == (64, 2, 128)
+    assert (arch.num_attention_heads, arch.num_key_value_heads) == (4, 2)
+    assert arch.vocab_size == TINY.vocab_size and arch.tie_word_embeddings
+    assert arch.rope_theta == 500000.0
+    assert arch.rope_scaling is not None
+    assert arch.rope_scaling["freq_factors"] == llama3_rope_factors(TINY).tolist()
+
+
+def test_rope_factors_are_transformers_llama3_scaling() -> None:
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    shape = SHAPES["llama-3.2-1b"]
+    s = shape.rope_scaling
+    assert s is not None
+    rope = {"rope_type": "llama3", "rope_theta": shape.rope_theta, "factor": s.factor,
+            "low_freq_factor": s.low_freq_factor, "high_freq_factor": s.high_freq_factor,
+            "original_max_position_embeddings": s.original_max_position_embeddings}  # fmt: skip
+    config = LlamaConfig(
+        hidden_size=shape.hidden_size, num_attention_heads=shape.num_heads, rope_parameters=rope
+    )
+    inv_freq, _ = ROPE_INIT_FUNCTIONS["llama3"](config, "cpu")
+    dim = shape.head_dim
+    plain = 1.0 / shape.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+    torch.testing.assert_close(
+        plain.float() / torch.from_numpy(llama3_rope_factors(shape)), inv_freq.float()
+    )
+
+
+def test_loads_in_kvserve_with_the_packaged_tokenizer_padded(tiny_gguf: Path) -> None:
+    from kvserve.entrypoints.llm import LLM
+    from kvserve.sampling_params import SamplingParams
+    from kvserve.transformers_utils.tokenizer import get_tokenizer
+
+    tokenizer = get_tokenizer(resolve_model(str(tiny_gguf)))
+    assert len(tokenizer) == TINY.vocab_size
+    ids = tokenizer.encode("Hello world", add_special_tokens=False)
+    assert tokenizer.decode(ids) == "Hello world"
+    llm = LLM(str(tiny_gguf), kv_cache_memory=4 << 20, max_model_len=64)
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+        out = llm.generate("Hello world", params, use_tqdm=False)
+        assert len(out[0].outputs[0].token_ids) == 4
+    finally:
+        llm.llm_engine.shutdown()
+
+
+def test_written_once_then_reused(tiny_gguf: Path) -> None:
+    before = tiny_gguf.stat().st_mtime_ns
+    assert ensure_random_gguf(TINY, tiny_gguf.parent) == tiny_gguf
+    assert tiny_gguf.stat().st_mtime_ns == before
+    assert [p.name for p in tiny_gguf.parent.iterdir()] == [tiny_gguf.name]  # no temporaries
+
+
+def test_bad_input_names_the_field(tmp_path: Path) -> None:
+    rng = np.random.default_rng(0)
+    with pytest.raises(ValueError, match="qtype"):
+        random_blocks(rng, 2, 32, Q.Q6_K)
+    with pytest.raises(ValueError, match="cols"):
+        random_blocks(rng, 2, 48, Q.Q4_1)
+    block, size = GGML_QUANT_SIZES[Q.Q4_1]
+    assert random_blocks(rng, 3, 64, Q.Q4_1).shape == (3, 64 // block * size)
+    small = LlamaShape("small-vocab", 64, 1, 4, 2, 128, 1000)
+    with pytest.raises(ValueError, match="vocab_size"):
+        write_random_gguf(tmp_path / "small.gguf", small)
