@@ -16,6 +16,7 @@ from kvserve.args.vllm_compat import VllmCompatArgs
 from kvserve.config import (
     DEFAULT_MODEL,
     KV_CACHE_DTYPES,
+    MODEL_DTYPES,
     NO_QUANTIZATION,
     QUANTIZATION_METHODS,
     CacheConfig,
@@ -61,7 +62,8 @@ class EngineArgs(ParallelArgs, KVArgs, MultiModalArgs, VllmCompatArgs):
     model: str | None = DEFAULT_MODEL
     tokenizer: str | None = None
     served_model_name: str | None = None
-    dtype: str = "float32"
+    # "auto": float32 on a CPU, bfloat16 on CUDA (config.model.resolve_dtype).
+    dtype: str = "auto"
     quantization: str | None = None
     max_model_len: int | None = None
     seed: int = 0
@@ -281,8 +283,9 @@ class EngineArgs(ParallelArgs, KVArgs, MultiModalArgs, VllmCompatArgs):
         )  # fmt: skip
         parser.add_argument("--seed", type=int, default=0)
         parser.add_argument(
-            "--dtype", default="float32", choices=["auto", "float32", "float"],
-            help="weights and activations compute in float32",
+            "--dtype", default="auto", choices=[*MODEL_DTYPES, "float", "half"],
+            help="weights' and activations' type; auto: float32 on a CPU (its only type), "
+            "bfloat16 on CUDA (GGUF blocks dequantize losslessly to float32, then cast)",
         )  # fmt: skip
         parser.add_argument(
             "--prefix-caching-hash-seed", type=int, default=0,

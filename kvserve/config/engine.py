@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from kvserve.config.features import LoRAConfig, SpeculativeConfig, StructuredOutputsConfig
 from kvserve.config.kv_transfer import KVEventsConfig, KVSecurityConfig, KVTransferConfig
-from kvserve.config.model import ModelConfig
+from kvserve.config.model import ModelConfig, resolve_dtype
 from kvserve.config.multimodal import MultiModalConfig
 from kvserve.config.runtime import CacheConfig, DeviceConfig, ParallelConfig, SchedulerConfig
 
@@ -37,6 +37,7 @@ class EngineConfig:
     metrics_prefix: str = "kvserve"
 
     def __post_init__(self) -> None:
+        self.model_config.dtype = resolve_dtype(self.model_config.dtype, self.device_config.device)
         if not re.fullmatch(r"[a-zA-Z_][a-zA-Z0-9_]*", self.metrics_prefix):
             raise ValueError(
                 f"metrics_prefix must be a Prometheus name (letters, digits, _), got "

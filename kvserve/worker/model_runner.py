@@ -94,7 +94,8 @@ class ModelRunner:
         self.max_num_reqs = config.scheduler_config.max_num_seqs
         self.max_num_tokens = config.scheduler_config.max_num_batched_tokens
         self.vocab_size = model_config.vocab_size
-        self.dtype = torch.float32
+        # Resolved for the device by EngineConfig: float32 on a CPU, bfloat16 on CUDA by default.
+        self.dtype: torch.dtype = getattr(torch, model_config.dtype)
         eos_ids = model_config.arch.eos_token_ids
         self.pin_memory = self.device.type == "cuda" and torch.cuda.is_available()
         # Pipeline parallelism: only the last stage computes logits and samples; the
