@@ -164,7 +164,8 @@ class EngineArgs(ParallelArgs, KVArgs, MultiModalArgs, VllmCompatArgs):
         return specs
 
     def create_engine_config(self) -> EngineConfig:
-        self.check_ignored_args()
+        device_config = DeviceConfig(device=self.device)
+        self.check_ignored_args(device_config.device)
         model = locate_model(self.model, self.revision, self.download_dir)
         model_config = ModelConfig(
             model=model,
@@ -194,7 +195,6 @@ class EngineArgs(ParallelArgs, KVArgs, MultiModalArgs, VllmCompatArgs):
         from kvserve.model_executor.models.registry import ModelRegistry
 
         ModelRegistry.check_supported(model_config.arch.architecture)
-        device_config = DeviceConfig(device=self.device)
         return EngineConfig(
             model_config=model_config,
             cache_config=CacheConfig(
@@ -234,6 +234,7 @@ class EngineArgs(ParallelArgs, KVArgs, MultiModalArgs, VllmCompatArgs):
             ),
             multimodal_config=self._multimodal_config(),
             metrics_prefix=self.metrics_prefix,
+            compilation_config=self.cuda_graph_config(),
         )
 
     def _structured_outputs_config(self) -> StructuredOutputsConfig:
