@@ -29,6 +29,7 @@ from kvserve.config import (
     StructuredOutputsConfig,
     dataclass_from_json,
 )
+from kvserve.config.runtime import ATTENTION_BACKENDS
 from kvserve.pooling_params import PoolerConfig
 from kvserve.transformers_utils.local_model import locate_model
 
@@ -68,6 +69,8 @@ class EngineArgs(ParallelArgs, KVArgs, MultiModalArgs, VllmCompatArgs):
     max_model_len: int | None = None
     seed: int = 0
     device: str = "auto"
+    # vLLM's --attention-backend (also $KVSERVE_ATTENTION_BACKEND); None: by device.
+    attention_backend: str | None = None
     block_size: int = 16
     kv_cache_dtype: str = "auto"
     # Bytes (or "2G") for the KV cache; unset: gpu_memory_utilization's share of the
@@ -164,7 +167,7 @@ class EngineArgs(ParallelArgs, KVArgs, MultiModalArgs, VllmCompatArgs):
         return specs
 
     def create_engine_config(self) -> EngineConfig:
-        device_config = DeviceConfig(device=self.device)
+        device_config = DeviceConfig(device=self.device, attention_backend=self.attention_backend)
         self.check_ignored_args(device_config.device)
         model = locate_model(self.model, self.revision, self.download_dir)
         model_config = ModelConfig(
@@ -293,6 +296,10 @@ class EngineArgs(ParallelArgs, KVArgs, MultiModalArgs, VllmCompatArgs):
             help="seed of the block hash; every engine sharing a KV store must use the same",
         )  # fmt: skip
         parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+        parser.add_argument(
+            "--attention-backend", default=None, choices=list(ATTENTION_BACKENDS),
+            help="force one (default: FLASH_ATTN, else TRITON on CUDA; CPU_ATTN on a CPU)",
+        )  # fmt: skip
         parser.add_argument("--block-size", type=int, default=16)
         parser.add_argument(
             "--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),

@@ -35,6 +35,9 @@ GPU_PART_MODULES = (
     "kvserve.benchmarks.throughput",
     "kvserve.benchmarks.gpu_check_runs",
     "kvserve.attention.backends.triton_attn",
+    "kvserve.attention.backends.flash_attn",
+    "kvserve.attention.backends.flashinfer",
+    "kvserve.worker.cuda_graph_runner",
 )
 
 
