@@ -111,7 +111,7 @@ class FlashAttentionImpl(TritonAttentionImpl):
             keys = {"seqused_k": seq_lens}
         else:
             cu_seqlens_k = torch.zeros_like(md.query_start_loc)
-            torch.cumsum(seq_lens, 0, out=cu_seqlens_k[1:])
+            cu_seqlens_k[1:] = torch.cumsum(seq_lens, 0, dtype=torch.int32)
             keys = {"cu_seqlens_k": cu_seqlens_k}
         out = _VARLEN.func()(
             q=query[:n],

@@ -81,7 +81,7 @@ class FlashInferMetadataBuilder(TritonAttentionMetadataBuilder):
         seq_lens = base.seq_lens.long()
         pages = (seq_lens + self.block_size - 1) // self.block_size
         indptr = torch.zeros(num_reqs + 1, dtype=torch.int32, device=seq_lens.device)
-        torch.cumsum(pages, 0, out=indptr[1:])
+        indptr[1:] = torch.cumsum(pages, 0, dtype=torch.int32)
         table = base.block_table[:num_reqs]
         used = torch.arange(table.shape[1], device=table.device)[None, :] < pages[:, None]
         return FlashInferMetadata(
@@ -146,7 +146,7 @@ class FlashInferImpl(TritonAttentionImpl):
                 kv_data_type=kv_cache.dtype,
             )
             md.planned[kind] = wrapper
-        output[:n] = wrapper.run(query[:n], (kv_cache[0], kv_cache[1]))
+        output[:n] = wrapper.run(query[:n].contiguous(), (kv_cache[0], kv_cache[1]))
         return output
 
 
