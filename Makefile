@@ -10,7 +10,7 @@ PYTEST_ARGS ?=
 # validated by content hash, so another clone's or an older commit's cache is safe.
 MYPY_CACHE_DIR ?= $(HOME)/.cache/kvserve/mypy
 
-.PHONY: install serve test test-fast lint generate clean
+.PHONY: install serve test test-fast lint generate clean gpu-check
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -59,6 +59,13 @@ test: install lint
 # The unit and component tests only (the e2e marker: tests/conftest.py), a few minutes.
 test-fast: install lint
 	$(PY) -m pytest -q -m "not e2e" $(PYTEST_ARGS)
+
+# On a CUDA machine with the venv brought along (nothing is installed or downloaded: no
+# `install` prerequisite): the CUDA-only tests and a short benchmark into one file, < 8 min.
+# docs/gpu.md lists the wheels the venv needs there.
+GPU_CHECK_OUT ?= gpu_check_results.md
+gpu-check:
+	PY=$(PY) tools/gpu_check.sh --out $(GPU_CHECK_OUT)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache

@@ -16,6 +16,7 @@ from kvserve.args.vllm_compat import VllmCompatArgs
 from kvserve.config import (
     DEFAULT_MODEL,
     KV_CACHE_DTYPES,
+    MODEL_DTYPES,
     NO_QUANTIZATION,
     QUANTIZATION_METHODS,
     CacheConfig,
@@ -28,6 +29,7 @@ from kvserve.config import (
     StructuredOutputsConfig,
     dataclass_from_json,
 )
+from kvserve.config.runtime import ATTENTION_BACKENDS
 from kvserve.pooling_params import PoolerConfig
 from kvserve.transformers_utils.local_model import locate_model
 
@@ -61,11 +63,14 @@ class EngineArgs(ParallelArgs, KVArgs, MultiModalArgs, VllmCompatArgs):
     model: str | None = DEFAULT_MODEL
     tokenizer: str | None = None
     served_model_name: str | None = None
-    dtype: str = "float32"
+    # "auto": float32 on a CPU, bfloat16 on CUDA (config.model.resolve_dtype).
+    dtype: str = "auto"
     quantization: str | None = None
     max_model_len: int | None = None
     seed: int = 0
     device: str = "auto"
+    # vLLM's --attention-backend (also $KVSERVE_ATTENTION_BACKEND); None: by device.
+    attention_backend: str | None = None
     block_size: int = 16
     kv_cache_dtype: str = "auto"
     # Bytes (or "2G") for the KV cache; unset: gpu_memory_utilization's share of the
@@ -162,7 +167,8 @@ class EngineArgs(ParallelArgs, KVArgs, MultiModalArgs, VllmCompatArgs):
         return specs
 
     def create_engine_config(self) -> EngineConfig:
-        self.check_ignored_args()
+        device_config = DeviceConfig(device=self.device, attention_backend=self.attention_backend)
+        self.check_ignored_args(device_config.device)
         model = locate_model(self.model, self.revision, self.download_dir)
         model_config = ModelConfig(
             model=model,
@@ -192,7 +198,6 @@ class EngineArgs(ParallelArgs, KVArgs, MultiModalArgs, VllmCompatArgs):
         from kvserve.model_executor.models.registry import ModelRegistry
 
         ModelRegistry.check_supported(model_config.arch.architecture)
-        device_config = DeviceConfig(device=self.device)
         return EngineConfig(
             model_config=model_config,
             cache_config=CacheConfig(
@@ -232,6 +237,7 @@ class EngineArgs(ParallelArgs, KVArgs, MultiModalArgs, VllmCompatArgs):
             ),
             multimodal_config=self._multimodal_config(),
             metrics_prefix=self.metrics_prefix,
+            compilation_config=self.cuda_graph_config(),
         )
 
     def _structured_outputs_config(self) -> StructuredOutputsConfig:
@@ -281,14 +287,19 @@ class EngineArgs(ParallelArgs, KVArgs, MultiModalArgs, VllmCompatArgs):
         )  # fmt: skip
         parser.add_argument("--seed", type=int, default=0)
         parser.add_argument(
-            "--dtype", default="float32", choices=["auto", "float32", "float"],
-            help="weights and activations compute in float32",
+            "--dtype", default="auto", choices=[*MODEL_DTYPES, "float", "half"],
+            help="weights' and activations' type; auto: float32 on a CPU (its only type), "
+            "bfloat16 on CUDA (GGUF blocks dequantize losslessly to float32, then cast)",
         )  # fmt: skip
         parser.add_argument(
             "--prefix-caching-hash-seed", type=int, default=0,
             help="seed of the block hash; every engine sharing a KV store must use the same",
         )  # fmt: skip
         parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+        parser.add_argument(
+            "--attention-backend", default=None, choices=list(ATTENTION_BACKENDS),
+            help="force one (default: FLASH_ATTN, else TRITON on CUDA; CPU_ATTN on a CPU)",
+        )  # fmt: skip
         parser.add_argument("--block-size", type=int, default=16)
         parser.add_argument(
             "--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),

@@ -23,9 +23,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from kvserve.config.compilation import CompilationConfig
+
 logger = logging.getLogger(__name__)
 
 Treatment = Literal["no-op", "GPU-only", "default-only"]
+# The GPU-only names that take effect on a CUDA device (so are logged only on a CPU).
+CUDA_GRAPH_ARGS = frozenset(
+    {"enforce_eager", "compilation_config", "cuda_graph_sizes", "max_cudagraph_capture_size"}
+)
 
 
 @dataclass(frozen=True)
@@ -39,15 +45,23 @@ class IgnoredArg:
 
 
 IGNORED_ARGS: dict[str, IgnoredArg] = {
-    # GPU-side memory and graph knobs.
+    # CUDA graphs: real on a CUDA device (EngineArgs builds the CompilationConfig from
+    # them), logged as without effect on a CPU, which always runs eagerly.
     "enforce_eager": IgnoredArg(
-        "GPU-only", "kvserve always runs the model eagerly (no CUDA graphs to turn off)", cli="flag"
+        "GPU-only", "CUDA graphs are captured on CUDA only; a CPU runs eagerly", cli="flag"
     ),
     "compilation_config": IgnoredArg(
-        "GPU-only", "no torch.compile / CUDA graph capture to configure", cli="json"
+        "GPU-only",
+        "on CUDA its cudagraph_capture_sizes / max_cudagraph_capture_size are read; "
+        "no torch.compile",
+        cli="json",
     ),
-    "cuda_graph_sizes": IgnoredArg("GPU-only", "no CUDA graphs are captured", cli=int),
-    "max_cudagraph_capture_size": IgnoredArg("GPU-only", "no CUDA graphs are captured", cli=int),
+    "cuda_graph_sizes": IgnoredArg(
+        "GPU-only", "vLLM's older name of cudagraph_capture_sizes; CUDA only", cli=int
+    ),
+    "max_cudagraph_capture_size": IgnoredArg(
+        "GPU-only", "the largest captured decode batch; CUDA only", cli=int
+    ),
     "max_seq_len_to_capture": IgnoredArg("GPU-only", "no CUDA graphs are captured", cli=int),
     "swap_space": IgnoredArg(
         "GPU-only", "preempted requests are recomputed; there is no GPU->CPU swap", cli=float
@@ -165,9 +179,31 @@ class VllmCompatArgs:
     otlp_traces_endpoint: str | None = None
     collect_detailed_traces: Any = None
 
-    def check_ignored_args(self) -> None:
-        """Logs each no-op / GPU-only argument given; raises for default-only ones set on."""
-        check_ignored(self, IGNORED_ARGS)
+    def check_ignored_args(self, device: str = "cpu") -> None:
+        """Logs each no-op / GPU-only argument given (the CUDA graph ones only where
+        ``device`` is not CUDA); raises for default-only ones set on."""
+        used = CUDA_GRAPH_ARGS if device == "cuda" else frozenset()
+        check_ignored(self, {k: v for k, v in IGNORED_ARGS.items() if k not in used})
+
+    def cuda_graph_config(self) -> CompilationConfig:
+        """The CUDA graph settings from vLLM's arguments: enforce_eager, and the capture
+        sizes from compilation_config's keys, cuda_graph_sizes or
+        max_cudagraph_capture_size (resolved against the scheduler by EngineConfig)."""
+        given = self.compilation_config or {}
+        if isinstance(given, str):
+            given = json.loads(given)
+        if not isinstance(given, dict):
+            raise ValueError(f"compilation_config must be a JSON object, got {given!r}")
+        sizes = given.get("cudagraph_capture_sizes", self.cuda_graph_sizes)
+        if isinstance(sizes, int):
+            sizes = [sizes]
+        return CompilationConfig(
+            cudagraph_capture_sizes=None if sizes is None else list(sizes),
+            max_cudagraph_capture_size=given.get(
+                "max_cudagraph_capture_size", self.max_cudagraph_capture_size
+            ),
+            enforce_eager=bool(self.enforce_eager),
+        )
 
     @staticmethod
     def add_ignored_cli_args(parser: argparse.ArgumentParser) -> None:

@@ -17,10 +17,12 @@ from kvserve.config.kv_transfer import KVEventsConfig, KVSecurityConfig, KVTrans
 from kvserve.config.model import (
     DEFAULT_MODEL,
     KV_CACHE_DTYPES,
+    MODEL_DTYPES,
     NO_QUANTIZATION,
     QUANTIZATION_METHODS,
     GiB,
     ModelConfig,
+    resolve_dtype,
 )
 from kvserve.config.multimodal import ECTransferConfig, MultiModalConfig
 from kvserve.config.runtime import CacheConfig, DeviceConfig, ParallelConfig, SchedulerConfig
@@ -28,6 +30,7 @@ from kvserve.config.runtime import CacheConfig, DeviceConfig, ParallelConfig, Sc
 __all__ = [
     "DEFAULT_MODEL",
     "KV_CACHE_DTYPES",
+    "MODEL_DTYPES",
     "NO_QUANTIZATION",
     "QUANTIZATION_METHODS",
     "SPECULATIVE_METHODS",
@@ -47,4 +50,5 @@ __all__ = [
     "SpeculativeConfig",
     "StructuredOutputsConfig",
     "dataclass_from_json",
+    "resolve_dtype",
 ]

@@ -6,9 +6,10 @@ import logging
 import re
 from dataclasses import dataclass, field
 
+from kvserve.config.compilation import CompilationConfig
 from kvserve.config.features import LoRAConfig, SpeculativeConfig, StructuredOutputsConfig
 from kvserve.config.kv_transfer import KVEventsConfig, KVSecurityConfig, KVTransferConfig
-from kvserve.config.model import ModelConfig
+from kvserve.config.model import ModelConfig, resolve_dtype
 from kvserve.config.multimodal import MultiModalConfig
 from kvserve.config.runtime import CacheConfig, DeviceConfig, ParallelConfig, SchedulerConfig
 
@@ -35,8 +36,13 @@ class EngineConfig:
     multimodal_config: MultiModalConfig = field(default_factory=MultiModalConfig)
     # Prometheus series names: "<metrics_prefix>:<name>".
     metrics_prefix: str = "kvserve"
+    # CUDA graphs for decode steps (vLLM's names); capture sizes resolved here.
+    compilation_config: CompilationConfig = field(default_factory=CompilationConfig)
 
     def __post_init__(self) -> None:
+        self.model_config.dtype = resolve_dtype(self.model_config.dtype, self.device_config.device)
+        sched = self.scheduler_config
+        self.compilation_config.resolve(sched.max_num_seqs, sched.max_num_batched_tokens)
         if not re.fullmatch(r"[a-zA-Z_][a-zA-Z0-9_]*", self.metrics_prefix):
             raise ValueError(
                 f"metrics_prefix must be a Prometheus name (letters, digits, _), got "

@@ -23,13 +23,33 @@ QUANTIZATION_METHODS = ("gguf", "gguf_int8", "q8_0")
 # --quantization none (or float32): dequantize every weight to float32 at load.
 NO_QUANTIZATION = ("none", "float32")
 KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16")
+# --dtype: the weights' and activations' type. "auto" is float32 on a CPU (the lossless
+# path, and the C++ kernels' type) and bfloat16 on CUDA (vLLM's default for the
+# bfloat16 checkpoints most models ship; GGUF blocks dequantize to float32, then cast).
+MODEL_DTYPES = ("auto", "float32", "bfloat16", "float16")
+_DTYPE_ALIASES = {"float": "float32", "half": "float16"}
+
+
+def resolve_dtype(dtype: str, device: str) -> str:
+    """The concrete model dtype for ``dtype`` (one of MODEL_DTYPES or an alias) on
+    ``device`` ("cpu" or "cuda"). A CPU computes in float32 only: its kernels, the fused
+    decode stack and the GGUF block path all assume it."""
+    name = _DTYPE_ALIASES.get(dtype, dtype)
+    if name not in MODEL_DTYPES:
+        raise ValueError(f"dtype must be one of {MODEL_DTYPES} (or float, half), got {dtype!r}")
+    if name == "auto":
+        return "bfloat16" if device == "cuda" else "float32"
+    if device != "cuda" and name != "float32":
+        raise ValueError(f"dtype={dtype!r} needs a CUDA device: the CPU path computes in float32")
+    return name
 
 
 @dataclass
 class ModelConfig:
     model: str | None = DEFAULT_MODEL
     tokenizer: str | None = None
-    dtype: str = "float32"
+    # One of MODEL_DTYPES; "auto" is resolved by EngineConfig for its device.
+    dtype: str = "auto"
     max_model_len: int | None = None
     seed: int = 0
     served_model_name: str | None = None
@@ -79,9 +99,12 @@ class ModelConfig:
         # A separate tokenizer source (a GGUF or HF directory); the model's own by default.
         self.tokenizer_resolved = resolve_model(self.tokenizer) if self.tokenizer else self.resolved
         self.arch = load_arch_config(self.resolved)
-        if self.dtype not in ("float32", "float", "auto"):
-            raise ValueError(f"dtype must be 'float32' (or 'auto'), got {self.dtype!r}")
-        self.dtype = "float32"
+        # Checked now; "auto" stays until EngineConfig knows the device (resolve_dtype).
+        self.dtype = _DTYPE_ALIASES.get(self.dtype, self.dtype)
+        if self.dtype not in MODEL_DTYPES:
+            raise ValueError(
+                f"dtype must be one of {MODEL_DTYPES} (or float, half), got {self.dtype!r}"
+            )
         limit = self.arch.max_position_embeddings
         if self.max_model_len is None:
             self.max_model_len = limit

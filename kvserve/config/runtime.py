@@ -267,15 +267,27 @@ def _cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
+# --attention-backend's names (vLLM's); None chooses by device (attention/backends/registry).
+ATTENTION_BACKENDS = ("CPU_ATTN", "TRITON", "FLASH_ATTN", "FLASHINFER")
+
+
 @dataclass
 class DeviceConfig:
     device: str = "auto"
+    # Forces the attention backend in the workers; FLASH_ATTN / FLASHINFER give way to
+    # TRITON (logged) where their wheel or CUDA is missing.
+    attention_backend: str | None = None
 
     def __post_init__(self) -> None:
         if self.device == "auto":
             self.device = "cuda" if _cuda_available() else "cpu"
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"device must be 'cpu', 'cuda' or 'auto', got {self.device!r}")
+        if self.attention_backend is not None and self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(
+                f"attention_backend must be one of {ATTENTION_BACKENDS}, "
+                f"got {self.attention_backend!r}"
+            )
 
 
 # Frozen (hence hashable): an engine's event stream is fixed once it starts.

@@ -43,6 +43,7 @@ from kvserve.sample.sampling_batch import SamplingBatch
 from kvserve.sample.spec_decode_metadata import SpecDecodeMetadata
 from kvserve.utils.census import census_of, prefixed
 from kvserve.worker.blend_runner import NO_BLEND_RUNNER, BlendRunner, make_blend_runner
+from kvserve.worker.cuda_graph_runner import NoCUDAGraphs, make_cuda_graph_runner
 from kvserve.worker.encoder_runner import make_encoder_runner
 from kvserve.worker.input_batch import InputBatch
 from kvserve.worker.input_preparation import InputPreparer, StepInputs
@@ -94,7 +95,8 @@ class ModelRunner:
         self.max_num_reqs = config.scheduler_config.max_num_seqs
         self.max_num_tokens = config.scheduler_config.max_num_batched_tokens
         self.vocab_size = model_config.vocab_size
-        self.dtype = torch.float32
+        # Resolved for the device by EngineConfig: float32 on a CPU, bfloat16 on CUDA by default.
+        self.dtype: torch.dtype = getattr(torch, model_config.dtype)
         eos_ids = model_config.arch.eos_token_ids
         self.pin_memory = self.device.type == "cuda" and torch.cuda.is_available()
         # Pipeline parallelism: only the last stage computes logits and samples; the
@@ -130,6 +132,8 @@ class ModelRunner:
         self.kv_connector_runner: KVConnector = NO_OP_KV_CONNECTOR
         # CacheBlend's segment reuse (the tiered connector's blending); no-op until then.
         self.blend_runner: BlendRunner = NO_BLEND_RUNNER
+        # Decode steps replayed from CUDA graphs, captured with the KV cache; eager until then.
+        self.cuda_graphs = NoCUDAGraphs()
         # Sleep mode: the KV cache's (and the weights') memory handed back and returned.
         self.sleep_mode = WorkerSleepMode(
             kv_tensors=lambda: list(self.kv_caches.values()),
@@ -242,6 +246,11 @@ class ModelRunner:
             pin_memory=self.pin_memory,
         )
         self.requests.bind_batch(self.input_batch)
+        widths = [t.max_num_blocks_per_req for t in self.input_batch.block_table.block_tables]
+        self.cuda_graphs = make_cuda_graph_runner(
+            self.config, self.device, self.attn_builders, binder.layer_to_group, widths
+        )
+        self.cuda_graphs.capture(self.model)
 
     def request_census(self) -> dict[str, int]:
         """Live per-request entries of every owner in the runner (see utils/census.py)."""
@@ -355,7 +364,7 @@ class ModelRunner:
             kv_connector.step(scheduler_output) as kv_output,
         ):
             self.blend_runner.begin_step(context, scheduler_output, batch, inputs)
-            hidden_states = self.model(inputs.input_ids, inputs.positions, **mm_kwargs)
+            hidden_states = self.cuda_graphs.forward(self.model, inputs, mm_kwargs)
             self.blend_runner.end_step()
         logits, pooler_output = self.output_head.compute(
             self.model, hidden_states, batch, inputs, spec_metadata

@@ -80,18 +80,25 @@ class LogitsHead(OutputHead):
         spec_metadata: SpecDecodeMetadata | None,
     ) -> HeadOutput:
         if spec_metadata is not None:
-            return model.compute_logits(hidden_states[spec_metadata.logits_indices]), {}
+            return _float32_logits(model, hidden_states[spec_metadata.logits_indices]), {}
         num_sample = len(inputs.sample_rows)
         if num_sample == len(hidden_states):
             # One token per row and every row samples (pure decode): the rows are the
             # logits rows already, and a gather would only copy them.
-            return model.compute_logits(hidden_states), {}
+            return _float32_logits(model, hidden_states), {}
         if num_sample:
-            return model.compute_logits(hidden_states[inputs.logits_indices]), {}
+            return _float32_logits(model, hidden_states[inputs.logits_indices]), {}
         return None, {}  # only partial prefill chunks: nothing samples yet
 
     def remove_requests(self, req_ids: set[str]) -> None:
         pass  # keeps no per-request state
+
+
+def _float32_logits(model: ComputesLogits, hidden_states: torch.Tensor) -> torch.Tensor:
+    # A bfloat16/float16 model's logits are sampled in float32, as vLLM's sampler does:
+    # softmax, top-p and logprobs in 8 mantissa bits would move ties and probabilities.
+    # A no-op (no copy) for float32 models.
+    return model.compute_logits(hidden_states).float()
 
 
 class PoolingHead(OutputHead):

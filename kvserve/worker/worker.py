@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from kvserve.attention.backends.registry import set_attention_backend
 from kvserve.config import EngineConfig
 from kvserve.distributed.parallel_state import (
     destroy_distributed_environment,
@@ -60,6 +61,8 @@ class Worker(WorkerBase):
             init_worker_distributed_environment(
                 self.config.parallel_config, self.rank, self.distributed_init_method, self.device
             )
+        # The layers built by load_model pick their backend from the registry.
+        set_attention_backend(self.config.device_config.attention_backend)
         self._model_runner = ModelRunner(self.config, self.device)
 
     def load_model(self) -> None:

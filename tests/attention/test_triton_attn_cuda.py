@@ -13,6 +13,7 @@ if not torch.cuda.is_available():
         "needs a CUDA device (Triton kernels compiled for the GPU)", allow_module_level=True
     )
 
+from kvserve.attention.backends.flash_attn import flash_attn_package
 from kvserve.attention.backends.registry import get_attn_backend
 from kvserve.attention.backends.triton_attn import TritonAttentionBackend
 from tests.attention.triton_cases import Case, run_case
@@ -22,7 +23,10 @@ COMPUTED = [6, 0, 13, 9, 40, 33]
 
 
 def test_cuda_selects_triton() -> None:
-    assert get_attn_backend("cuda") is TritonAttentionBackend
+    # FlashAttention comes first where its wheel is installed (test_flash_backends_cuda.py).
+    if flash_attn_package() is None:
+        assert get_attn_backend("cuda") is TritonAttentionBackend
+    assert get_attn_backend("cuda", "TRITON") is TritonAttentionBackend
 
 
 @pytest.mark.parametrize("block_size", [4, 5, 16])

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvserve.attention.backends.abstract import AttentionBackend
 from kvserve.attention.backends.cpu_attn import CPUAttentionBackend
 from kvserve.attention.backends.triton_attn import TritonAttentionBackend
 from kvserve.attention.backends.utils import make_common_attn_metadata, visible_keys
@@ -53,9 +54,13 @@ def run_case(
     seed: int,
     device: str,
     atol: float = 1e-5,
+    backend_under_test: type[AttentionBackend] = TritonAttentionBackend,
+    dtype: torch.dtype | None = None,
 ) -> None:
-    """One step through both backends on identical caches: the Triton output must match
-    the CPU backend's within ``atol`` and both must leave the same cache behind."""
+    """One step through both backends on identical caches: the Triton output (or
+    ``backend_under_test``'s) must match the CPU backend's within ``atol`` and both must
+    leave the same cache behind. ``dtype`` (bfloat16, float16) rounds the step's
+    query/key/value to it: the tested backend computes in it, the CPU one in float32."""
     rng = random.Random(seed)
     torch.manual_seed(seed)
     bs = case.block_size
@@ -96,9 +101,11 @@ def run_case(
     # K/V as strided views of a fused projection, the way the model hands them over.
     kv = torch.randn(num_tokens, 2, case.num_kv_heads, case.head_size)
     key, value = kv[:, 0], kv[:, 1]
+    if dtype is not None:
+        query, key, value = (t.to(dtype).float() for t in (query, key, value))
 
     outputs, caches = [], []
-    for backend, dev in ((CPUAttentionBackend, "cpu"), (TritonAttentionBackend, device)):
+    for backend, dev in ((CPUAttentionBackend, "cpu"), (backend_under_test, device)):
         impl = backend.get_impl_cls()(
             case.num_heads, case.head_size, case.head_size**-0.5, case.num_kv_heads,
             case.window, case.chunk, case.soft_cap,
@@ -111,7 +118,9 @@ def run_case(
             md_common.block_table_tensor = table.to(dev)
         md = backend.get_builder_cls()(bs, dev).build(md_common)
         cache = kv_cache.clone().to(dev)
-        out = impl.forward(torch.nn.Module(), query.to(dev), key.to(dev), value.to(dev), cache, md)
+        step_dtype = dtype if dtype is not None and backend is not CPUAttentionBackend else None
+        q, k, v = (t.to(dev, step_dtype) for t in (query, key, value))
+        out = impl.forward(torch.nn.Module(), q, k, v, cache, md).float()
         outputs.append(out.cpu())
         caches.append(cache.cpu())
     torch.testing.assert_close(outputs[1], outputs[0], atol=atol, rtol=atol)

@@ -145,6 +145,8 @@ DEVICES = [
 
 
 def _make_runner(path: Path, device: str = "cpu", **model_kwargs: Any) -> ModelRunner:
+    # float32 on either device: the reference is HF's float32 (CUDA's default is bfloat16).
+    model_kwargs.setdefault("dtype", "float32")
     config = EngineConfig(
         ModelConfig(model=str(path), **model_kwargs),
         CacheConfig(block_size=BLOCK_SIZE, num_blocks_override=64),

@@ -15,6 +15,11 @@ class AttentionMetadataBuilder(ABC):
     """Turns ``CommonAttentionMetadata`` into the backend's own metadata, once per
     step; every layer of the model then reuses the result."""
 
+    # Whether build() only forwards device tensors and host ints fixed by the batch's
+    # shape, so a captured CUDA graph stays right when it replays with new values in the
+    # same buffers (vLLM's AttentionCGSupport; worker/cuda_graph_runner.py).
+    cudagraph_support: bool = False
+
     def __init__(self, block_size: int, device: torch.device | str) -> None:
         self.block_size = block_size
         self.device = torch.device(device)

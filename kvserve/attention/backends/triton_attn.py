@@ -71,6 +71,9 @@ class TritonAttentionMetadata:
 
 
 class TritonAttentionMetadataBuilder(AttentionMetadataBuilder):
+    # Device tensors forwarded as they are; max_seq_len only picks the split count.
+    cudagraph_support = True
+
     def build(self, common: CommonAttentionMetadata) -> TritonAttentionMetadata:
         n = common.num_actual_tokens
         slots = common.slot_mapping

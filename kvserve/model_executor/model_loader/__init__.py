@@ -83,6 +83,9 @@ def get_model(
         weights = iterate_gguf_weights(resolved.path, arch, prepared)
     else:
         weights = iterate_safetensors_weights(resolved.path)
+    # Every weight arrives in float32 (GGUF blocks dequantized once, losslessly) or the
+    # checkpoint's type; the parameters' copy_ casts it once to ``dtype`` (bfloat16 on CUDA
+    # by default), so no float32 copy of the model stays on the device.
     model.load_weights(weights)  # type: ignore[operator]
     if quantization is not None and prepared is None:
         gguf_path = resolved.path if resolved.format == "gguf" else None
