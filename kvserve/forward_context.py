@@ -7,7 +7,7 @@ model signatures to ``forward(input_ids, positions)`` as in HF-style code.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,6 +32,20 @@ class TokenSelector:
 NO_TOKEN_SELECTOR = TokenSelector()
 
 
+class UBatchContext:
+    """Where a collective inside the forward lets another micro-batch run (dual batch
+    overlap, worker/ubatching.py). This no-op form, outside micro-batches, runs the
+    collective to completion in place."""
+
+    def overlap(self, start: Callable[[bool], Any]) -> None:
+        """``start(async_op)`` issues the collective; with ``async_op`` it returns the
+        work handle, which the micro-batch waits on after the other one's turn."""
+        start(False)
+
+
+NO_UBATCH = UBatchContext()
+
+
 @dataclass
 class ForwardContext:
     # Backend-specific metadata built once per step (e.g. CPUAttentionMetadata).
@@ -41,6 +55,8 @@ class ForwardContext:
     kv_connector: Any = None
     # Set by the model runner's blend component for a step that reuses blended KV.
     token_selector: TokenSelector = NO_TOKEN_SELECTOR
+    # The micro-batch this forward is (dual batch overlap); the no-op one for a whole step.
+    ubatch: UBatchContext = NO_UBATCH
     # Room for later per-step values (e.g. virtual engine, dp metadata).
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -69,6 +85,19 @@ def get_forward_context() -> ForwardContext:
             "`with set_forward_context(attn_metadata): ...`"
         )
     return _current
+
+
+def override_forward_context(context: ForwardContext | None) -> ForwardContext | None:
+    """Installs ``context`` and returns the one it replaces. Micro-batch threads take
+    turns at the forward: each installs its own context when its turn comes."""
+    global _current
+    previous, _current = _current, context
+    return previous
+
+
+def current_ubatch() -> UBatchContext:
+    """The running micro-batch; the no-op one outside micro-batches."""
+    return NO_UBATCH if _current is None else _current.ubatch
 
 
 def current_token_selector() -> TokenSelector:

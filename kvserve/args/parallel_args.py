@@ -36,6 +36,10 @@ class ParallelArgs:
     data_parallel_master_port: int | None = None
     # `kvserve serve --headless`: this node runs its engine cores only (engine/headless.py).
     headless: bool = False
+    # Dual batch overlap: steps cut into two micro-batches (worker/ubatch_runner.py).
+    enable_dbo: bool = False
+    dbo_decode_token_threshold: int = 32
+    dbo_prefill_token_threshold: int = 512
 
     def _parallel_config(self) -> ParallelConfig:
         return ParallelConfig(
@@ -55,6 +59,9 @@ class ParallelArgs:
             data_parallel_address=self.data_parallel_address,
             data_parallel_rpc_port=self.data_parallel_rpc_port,
             data_parallel_master_port=self.data_parallel_master_port,
+            enable_dbo=self.enable_dbo,
+            dbo_decode_token_threshold=self.dbo_decode_token_threshold,
+            dbo_prefill_token_threshold=self.dbo_prefill_token_threshold,
         )
 
 
@@ -135,6 +142,20 @@ def add_parallel_cli_args(parser: argparse.ArgumentParser) -> None:
         "--no-batch-queue", dest="batch_queue", action="store_false",
         help="with -pp: run one micro-batch at a time instead of keeping one per stage "
         "in flight (the stages then take turns; for comparison)",
+    )  # fmt: skip
+    group.add_argument(
+        "--enable-dbo", action="store_true",
+        help="dual batch overlap: cut a big enough step into two micro-batches whose "
+        "forwards take turns at each -tp all-reduce, one's communication overlapping the "
+        "other's compute (docs/distributed.md#dual-batch-overlap)",
+    )  # fmt: skip
+    group.add_argument(
+        "--dbo-decode-token-threshold", type=int, default=32,
+        help="with --enable-dbo: cut a decode-only step from this many tokens",
+    )  # fmt: skip
+    group.add_argument(
+        "--dbo-prefill-token-threshold", type=int, default=512,
+        help="with --enable-dbo: cut a step with a prefill from this many tokens",
     )  # fmt: skip
     group.add_argument(
         "--distributed-executor-backend", default=None, choices=["uni", "mp", "ray"],

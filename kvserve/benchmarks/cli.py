@@ -23,6 +23,7 @@ from kvserve.benchmarks import (
     spec_decode,
     startup,
     throughput,
+    ubatch,
 )
 
 BENCHMARKS: tuple[tuple[str, ModuleType, str], ...] = (
@@ -41,6 +42,7 @@ BENCHMARKS: tuple[tuple[str, ModuleType, str], ...] = (
     ("cascade", cascade, "decode throughput, cascade attention on vs off"),
     ("moe", moe, "FusedMoE vs a per-expert loop vs HF's MoE block"),
     ("pipeline", pipeline, "PP throughput with the batch queue vs without"),
+    ("ubatch", ubatch, "TP step time with dual batch overlap (--enable-dbo) vs without"),
     ("spec-decode", spec_decode, "speculative methods on agentic code edits and on plain chat"),
 )
 

@@ -72,6 +72,8 @@ class EngineConfig:
         self.scheduler_config.verify_against_model_len()
         if self.scheduler_config.async_scheduling:
             self._configure_async_scheduling()
+        if self.parallel_config.enable_dbo:
+            self._check_dbo()
         sinks = self.cache_config.attention_sinks
         if sinks:
             if sinks >= context_len:
@@ -143,6 +145,22 @@ class EngineConfig:
                 "(every %d tokens, core/mamba_manager.py)",
                 cache.block_size,
             )
+
+    def _check_dbo(self) -> None:
+        """Micro-batches cut a step's tokens in two: features whose per-step state spans
+        the whole batch (drafts, adapters' token map, a connector's layer-by-layer
+        transfers, Mamba states, image embeddings merged by position) are not cut."""
+        arch = self.model_config.arch
+        reason = (
+            "speculative_config" if self.speculative_config is not None
+            else "enable_lora" if self.lora_config is not None
+            else "kv_transfer_config" if self.kv_transfer_config is not None
+            else "Mamba layers" if arch.mamba is not None
+            else "a multimodal model" if arch.multimodal is not None
+            else None
+        )  # fmt: skip
+        if reason is not None:
+            raise ValueError(f"enable_dbo does not run with {reason}")
 
     def _configure_async_scheduling(self) -> None:
         """Async scheduling overlaps one worker thread in this process with the engine

@@ -133,6 +133,13 @@ class ParallelConfig:
     # External load balancing (vLLM's --data-parallel-rank): this front end runs only
     # the core of data_parallel_rank; one server per rank, balanced by the caller.
     data_parallel_external_lb: bool = False
+    # Dual batch overlap (vLLM's DBO, worker/ubatch_runner.py): a step big enough is cut
+    # into two micro-batches whose forwards take turns at each tensor-parallel all-reduce,
+    # one's communication overlapping the other's compute. A decode-only step is cut from
+    # dbo_decode_token_threshold tokens, a step with a prefill from the other threshold.
+    enable_dbo: bool = False
+    dbo_decode_token_threshold: int = 32
+    dbo_prefill_token_threshold: int = 512
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1 or self.pipeline_parallel_size < 1:
@@ -162,6 +169,22 @@ class ParallelConfig:
 
         if self.enable_expert_parallel:
             self._check_expert_parallel()
+        if self.enable_dbo:
+            self._check_dbo()
+
+    def _check_dbo(self) -> None:
+        for name in ("dbo_decode_token_threshold", "dbo_prefill_token_threshold"):
+            if getattr(self, name) < 2:
+                raise ValueError(
+                    f"{name} must be >= 2 (two micro-batches), got {getattr(self, name)}"
+                )
+        if self.pipeline_parallel_size > 1:
+            raise ValueError("enable_dbo does not run with pipeline_parallel_size > 1")
+        if self.expert_parallel_across_dp:
+            # Each core would cut its own steps, so the cores' collectives would not pair up.
+            raise ValueError(
+                "enable_dbo does not run with enable_expert_parallel across data_parallel_size > 1"
+            )
 
     def _check_expert_parallel(self) -> None:
         if self.pipeline_parallel_size > 1:

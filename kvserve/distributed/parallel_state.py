@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from kvserve.config import ParallelConfig
+from kvserve.forward_context import current_ubatch
 
 logger = logging.getLogger(__name__)
 
@@ -109,7 +110,12 @@ class GroupCoordinator:
         """Sum over the group, in place (the input is returned)."""
         if self.world_size == 1:
             return tensor
-        dist.all_reduce(tensor, group=self._group_for(tensor))
+        group = self._group_for(tensor)
+        # Inside a micro-batch (dual batch overlap) the reduction runs while the other
+        # micro-batch computes; otherwise it completes here.
+        current_ubatch().overlap(
+            lambda async_op: dist.all_reduce(tensor, group=group, async_op=async_op)
+        )
         return tensor
 
     def all_gather(self, tensor: torch.Tensor, dim: int = -1) -> torch.Tensor:

@@ -7,9 +7,14 @@ reads ``kv_caches``, ``attn_builders``, ``layer_to_group`` and ``unsplit_groups`
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+from functools import partial
+from typing import Any
+
 import torch
 
 from kvserve.attention.backends.abstract import AttentionMetadataBuilder
+from kvserve.attention.backends.utils import CommonAttentionMetadata
 from kvserve.attention.layer import Attention, bind_kv_cache
 from kvserve.config import EngineConfig
 from kvserve.model_executor.layers.mamba.mamba_metadata import MambaMetadataBuilder
@@ -27,6 +32,8 @@ class KVCacheBinder:
         )
         self.kv_caches: dict[str, torch.Tensor] = {}
         self.attn_builders: list[AttentionMetadataBuilder] = []
+        # How each group's builder is made (new_builders: another set, e.g. a micro-batch's).
+        self._builder_factories: list[Callable[[], AttentionMetadataBuilder]] = []
         self.layer_to_group: dict[str, int] = {}
         # Groups whose metadata is built from the unsplit rows (Mamba: a row's drafts are
         # one sequence through its state, not one-token queries).
@@ -108,7 +115,7 @@ class KVCacheBinder:
                 self.kv_caches[name] = memory if tuple(own) == tuple(shape) else memory.view(own)
 
     def _make_builders(self, kv_cache_config: KVCacheConfig, layers: dict[str, Attention]) -> None:
-        self.attn_builders, self.layer_to_group, self.unsplit_groups = [], {}, set()
+        self._builder_factories, self.layer_to_group, self.unsplit_groups = [], {}, set()
         for group_id, group in enumerate(kv_cache_config.kv_cache_groups):
             spec = group.kv_cache_spec
             for name in group.layer_names:
@@ -117,10 +124,36 @@ class KVCacheBinder:
                 self.unsplit_groups.add(group_id)
                 assert isinstance(spec, MambaSpec)
                 align = spec.mamba_cache_mode == "align"
-                self.attn_builders.append(
-                    MambaMetadataBuilder(spec.block_size, self.device, align=align)
+                self._builder_factories.append(
+                    partial(MambaMetadataBuilder, spec.block_size, self.device, align=align)
                 )
                 continue
             local = [name for name in group.layer_names if name in layers] or list(layers)
-            backend = layers[local[0]].backend
-            self.attn_builders.append(backend.get_builder_cls()(spec.block_size, self.device))
+            builder_cls = layers[local[0]].backend.get_builder_cls()
+            self._builder_factories.append(partial(builder_cls, spec.block_size, self.device))
+        self.attn_builders = self.new_builders()
+
+    def new_builders(self) -> list[AttentionMetadataBuilder]:
+        """A set of builders like ``attn_builders``, one per group. A builder reuses its
+        buffers from one build to the next, so metadata that must live side by side in
+        one step (two micro-batches') come from sets of their own."""
+        return [make() for make in self._builder_factories]
+
+    def build_metadata(
+        self,
+        commons: Sequence[CommonAttentionMetadata],
+        unsplit: Sequence[Any] = (),
+        builders: Sequence[AttentionMetadataBuilder] | None = None,
+    ) -> Any:
+        """The step's attention metadata: one group's, or a dict by layer name. An
+        ``unsplit_groups`` group builds from ``unsplit``'s entry (its rows before spec
+        decode split them)."""
+        per_group = [
+            builder.build(unsplit[g] if g in self.unsplit_groups else common)
+            for g, (builder, common) in enumerate(
+                zip(builders or self.attn_builders, commons, strict=True)
+            )
+        ]
+        if len(per_group) == 1:
+            return per_group[0]
+        return {name: per_group[g] for name, g in self.layer_to_group.items()}

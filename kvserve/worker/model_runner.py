@@ -61,6 +61,7 @@ from kvserve.worker.request_states import KeepsRequestState, RequestStates
 from kvserve.worker.sleep_mode import WorkerSleepMode, named_module_tensors
 from kvserve.worker.spec_decode_runner import make_spec_decode_runner
 from kvserve.worker.thread_governor import StepThreadGovernor
+from kvserve.worker.ubatch_runner import NO_UBATCH_RUNNER, UBatchRunner, make_ubatch_runner
 
 logger = logging.getLogger(__name__)
 
@@ -134,6 +135,8 @@ class ModelRunner:
         self.blend_runner: BlendRunner = NO_BLEND_RUNNER
         # Decode steps replayed from CUDA graphs, captured with the KV cache; eager until then.
         self.cuda_graphs = NoCUDAGraphs()
+        # Dual batch overlap (--enable-dbo): set with the KV cache's builders; no-op until then.
+        self.ubatch_runner: UBatchRunner = NO_UBATCH_RUNNER
         # Sleep mode: the KV cache's (and the weights') memory handed back and returned.
         self.sleep_mode = WorkerSleepMode(
             kv_tensors=lambda: list(self.kv_caches.values()),
@@ -225,6 +228,7 @@ class ModelRunner:
         binder = self.kv_binder
         self.drafter.bind_kv_cache(binder.kv_caches, binder.attn_builders, binder.layer_to_group)
         self.kv_connector_runner = get_kv_connector(self.config, kv_cache_config, self.kv_caches)
+        self.ubatch_runner = make_ubatch_runner(self.config.parallel_config, self.kv_binder)
         # Block tables fit the longest any group holds (a cross-attention group's encoder
         # output may be longer than the decoder's context).
         table_len = max(
@@ -262,6 +266,7 @@ class ModelRunner:
     def shutdown(self) -> None:
         self.encoder_runner.shutdown()
         self.kv_connector_runner.shutdown()
+        self.ubatch_runner.shutdown()
 
     # ---- per step: state ------------------------------------------------------------------
 
@@ -316,17 +321,6 @@ class ModelRunner:
 
     # ---- per step: forward ----------------------------------------------------------------
 
-    def _build_attn_metadata(self, inputs: StepInputs, unsplit: list[Any]) -> Any:
-        per_group = [
-            builder.build(unsplit[g] if g in self.kv_binder.unsplit_groups else common)
-            for g, (builder, common) in enumerate(
-                zip(self.attn_builders, inputs.common_attn_metadata, strict=True)
-            )
-        ]
-        if len(per_group) == 1:
-            return per_group[0]
-        return {name: per_group[g] for name, g in self.kv_binder.layer_to_group.items()}
-
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> None:
         start = time.perf_counter()
@@ -352,7 +346,7 @@ class ModelRunner:
         spec_metadata = self.spec_decode.spec_decode_metadata(batch, scheduler_output, inputs)
         unsplit = list(inputs.common_attn_metadata)
         self.spec_decode.split_spec_rows(batch, scheduler_output, inputs)
-        attn_metadata = self._build_attn_metadata(inputs, unsplit)
+        attn_metadata = self.kv_binder.build_metadata(inputs.common_attn_metadata, unsplit)
         self.mamba_state.prepare(attn_metadata, batch, scheduler_output)
         mm_kwargs = self.encoder_runner.model_kwargs(batch, inputs, attn_metadata)
         self.lora_runner.set_active_loras(batch, inputs.num_scheduled_tokens)
@@ -364,7 +358,9 @@ class ModelRunner:
             kv_connector.step(scheduler_output) as kv_output,
         ):
             self.blend_runner.begin_step(context, scheduler_output, batch, inputs)
-            hidden_states = self.cuda_graphs.forward(self.model, inputs, mm_kwargs)
+            hidden_states = self.ubatch_runner.forward(
+                self.model, inputs, mm_kwargs, self.cuda_graphs.forward
+            )
             self.blend_runner.end_step()
         logits, pooler_output = self.output_head.compute(
             self.model, hidden_states, batch, inputs, spec_metadata

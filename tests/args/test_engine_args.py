@@ -147,3 +147,22 @@ def test_data_parallel_layout_is_validated_by_name() -> None:
         EngineArgs(
             data_parallel_size=2, data_parallel_rank=1, data_parallel_backend="ray"
         ).create_engine_config()
+
+
+def test_dual_batch_overlap_flags_reach_the_config_and_are_validated() -> None:
+    config = parse(
+        ["--enable-dbo", "--dbo-decode-token-threshold", "8", "--dbo-prefill-token-threshold", "64"]
+    ).create_engine_config()
+    parallel = config.parallel_config
+    assert parallel.enable_dbo
+    assert (parallel.dbo_decode_token_threshold, parallel.dbo_prefill_token_threshold) == (8, 64)
+    assert not parse([]).enable_dbo  # off by default
+    with pytest.raises(ValueError, match="dbo_decode_token_threshold"):
+        EngineArgs(enable_dbo=True, dbo_decode_token_threshold=1).create_engine_config()
+    with pytest.raises(ValueError, match="enable_dbo .*pipeline_parallel_size"):
+        EngineArgs(enable_dbo=True, pipeline_parallel_size=2).create_engine_config()
+    with pytest.raises(ValueError, match="enable_dbo .*speculative_config"):
+        EngineArgs(
+            enable_dbo=True,
+            speculative_config={"method": "ngram", "num_speculative_tokens": 2},
+        ).create_engine_config()

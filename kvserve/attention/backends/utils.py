@@ -37,6 +37,34 @@ class CommonAttentionMetadata:
         return self.query_start_loc_cpu[1:] - self.query_start_loc_cpu[:-1]
 
 
+def slice_common_attn_metadata(
+    common: CommonAttentionMetadata, request_slice: slice, token_slice: slice
+) -> CommonAttentionMetadata:
+    """The metadata of a run of whole requests and their tokens (a micro-batch of dual
+    batch overlap, vLLM's UBatchSlice): views of the step's tensors, with the query
+    start offsets rebased to the run's first token."""
+    r0, r1 = request_slice.start, request_slice.stop
+    t0, t1 = token_slice.start, token_slice.stop
+    qsl_cpu = common.query_start_loc_cpu[r0 : r1 + 1]
+    assert int(qsl_cpu[0]) == t0 and int(qsl_cpu[-1]) == t1, "slices must hold whole requests"
+    seq_lens_cpu = common.seq_lens_cpu[r0:r1]
+    query_lens = qsl_cpu[1:] - qsl_cpu[:-1]
+    return CommonAttentionMetadata(
+        query_start_loc=common.query_start_loc[r0 : r1 + 1] - t0,
+        query_start_loc_cpu=qsl_cpu - t0,
+        seq_lens=common.seq_lens[r0:r1],
+        seq_lens_cpu=seq_lens_cpu,
+        num_computed_tokens_cpu=common.num_computed_tokens_cpu[r0:r1],
+        num_reqs=r1 - r0,
+        num_actual_tokens=t1 - t0,
+        max_query_len=int(query_lens.max()),
+        max_seq_len=int(seq_lens_cpu.max()),
+        block_table_tensor=common.block_table_tensor[r0:r1],
+        slot_mapping=common.slot_mapping[t0:t1],
+        num_common_prefix_blocks=common.num_common_prefix_blocks,
+    )
+
+
 def write_to_kv_cache(
     key: torch.Tensor,
     value: torch.Tensor,
