@@ -159,9 +159,9 @@ def test_dual_batch_overlap_flags_reach_the_config_and_are_validated() -> None:
     assert not parse([]).enable_dbo  # off by default
     with pytest.raises(ValueError, match="dbo_decode_token_threshold"):
         EngineArgs(enable_dbo=True, dbo_decode_token_threshold=1).create_engine_config()
-    with pytest.raises(ValueError, match="enable_dbo .*pipeline_parallel_size"):
+    with pytest.raises(ValueError, match=r"enable_dbo .*pipeline_parallel_size"):
         EngineArgs(enable_dbo=True, pipeline_parallel_size=2).create_engine_config()
-    with pytest.raises(ValueError, match="enable_dbo .*speculative_config"):
+    with pytest.raises(ValueError, match=r"enable_dbo .*speculative_config"):
         EngineArgs(
             enable_dbo=True,
             speculative_config={"method": "ngram", "num_speculative_tokens": 2},

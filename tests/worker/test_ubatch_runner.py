@@ -23,7 +23,7 @@ pytestmark = pytest.mark.slow  # starts TP=2 worker processes
 _rng = random.Random(0)
 FIRST = [[_rng.randrange(3, 256) for _ in range(n)] for n in (6, 9, 1, 22)]
 # Cached prefixes from the first round (block_size 4): 16 and 4 tokens, then new ones.
-SECOND = [FIRST[3][:16] + [7, 8, 9, 10, 11], FIRST[0][:4] + [40, 41, 42], [99, 98, 97]]
+SECOND = [[*FIRST[3][:16], 7, 8, 9, 10, 11], [*FIRST[0][:4], 40, 41, 42], [99, 98, 97]]
 
 
 @pytest.fixture(scope="module")
