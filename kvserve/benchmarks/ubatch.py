@@ -1,8 +1,8 @@
 """`kvserve bench ubatch`: step time with dual batch overlap (``--enable-dbo``) vs without.
 
 Two tensor-parallel engines (``-tp``, default 2, MultiprocExecutor) in this process, the
-same but for ``enable_dbo``, run the same greedy batches in turns, round after round, so a
-change in the machine's load hits both alike. Two workloads: prefill steps (long prompts,
+same but for ``enable_dbo``, run the same greedy batches in turns (each engine first
+every other round), round after round, so a change in the machine's load hits both alike. Two workloads: prefill steps (long prompts,
 one new token each) and decode steps (short prompts, many new tokens). For each, the
 engine core's own totals give the mean step time (whole steps, and the forward alone);
 the workers report how many steps ran as two micro-batches. The tokens of the two
@@ -40,7 +40,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--dbo-decode-token-threshold", type=int, default=32)
     parser.add_argument("--dbo-prefill-token-threshold", type=int, default=512)
-    parser.add_argument("--rounds", type=int, default=2, help="timed rounds per engine")
+    parser.add_argument("--rounds", type=int, default=3, help="timed rounds per engine")
     parser.add_argument("--hidden-size", type=int, default=1024, help="random model only")
     parser.add_argument("--num-layers", type=int, default=8, help="random model only")
     parser.add_argument("--vocab-size", type=int, default=8000, help="random model only")
@@ -144,9 +144,12 @@ def _run_workload(
     for llm in engines.values():  # warm-up: first-call costs out of the figures
         llm.generate(prompts[:2], params, use_tqdm=False)
     totals = {name: [0.0, 0.0, 0.0, 0, 0] for name in engines}  # wall, fwd, busy, steps, ub
+    round_step_ms: dict[str, list[float]] = {name: [] for name in engines}
     tokens: dict[str, list[list[int]]] = {}
-    for _ in range(rounds):
-        for name, llm in engines.items():
+    for round_index in range(rounds):
+        # Each engine goes first every other round: a drift in load favours neither.
+        order = list(engines.items())[:: -1 if round_index % 2 else 1]
+        for name, llm in order:
             (fwd0, busy0, steps0), ub0 = _engine_state(llm)
             start = time.perf_counter()
             outs = llm.generate(prompts, params, use_tqdm=False)
@@ -158,6 +161,7 @@ def _run_workload(
             t[2] += busy1 - busy0
             t[3] += steps1 - steps0
             t[4] += ub1 - ub0
+            round_step_ms[name].append(1e3 * (busy1 - busy0) / max(steps1 - steps0, 1))
             tokens[name] = [list(o.outputs[0].token_ids) for o in outs]
     out: dict[str, Any] = {
         "max_tokens": max_tokens,
@@ -170,6 +174,7 @@ def _run_workload(
             "ubatched_steps": ubatched,
             "step_ms": 1e3 * busy / max(steps, 1),
             "forward_ms": 1e3 * fwd / max(steps, 1),
+            "rounds_step_ms": round_step_ms[name],
         }
     out["step_speedup"] = out["no_dbo"]["step_ms"] / max(out["dbo"]["step_ms"], 1e-9)
     out["tokens_identical"] = tokens["dbo"] == tokens["no_dbo"]
@@ -191,7 +196,9 @@ def main(args: argparse.Namespace) -> int:
             print(
                 f"    {name:<7} step {e['step_ms']:8.2f} ms (forward {e['forward_ms']:8.2f} ms)"
                 f" over {e['steps']} steps, {e['ubatched_steps']} as micro-batches, "
-                f"wall {e['wall_s']:.2f} s"
+                f"wall {e['wall_s']:.2f} s; rounds "
+                + ", ".join(f"{ms:.1f}" for ms in e["rounds_step_ms"])
+                + " ms/step"
             )
         print(
             f"    step time without / with DBO: {w['step_speedup']:.2f}x; "
