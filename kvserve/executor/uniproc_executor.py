@@ -3,12 +3,26 @@
 With async scheduling the worker runs on a thread of its own, and every call to it
 (steps and other RPCs alike, in the order they are made) goes through that thread: the
 engine core schedules step N+1 and applies step N's output while N's forward runs there
-(torch's kernels, kvserve's C++ ones included, run without the GIL). Without it, calls
-run inline on the caller's thread.
+(torch's kernels, kvserve's C++ ones included, run without the GIL: the fused decode
+stack, a TorchScript class method, is called through torch's script-method binding,
+which releases it; `py-spy record --gil` shows the worker holding the GIL in 8 of 1,624
+samples inside it). Without it, calls run inline on the caller's thread.
+
+The model's OpenMP team belongs to the worker's thread alone (``_WorkerThread``): the
+engine core's thread ends the team it may have and keeps one intra-op thread while the
+worker is on its own. libgomp gives every thread that starts a parallel region a team
+of its own, and once their threads together outnumber the cores it cuts every barrier's
+spin from GOMP_SPINCOUNT to 1,000 rounds, so the fused decode step's 180 barriers a
+token sleep and wake through the kernel (OMP_WAIT_POLICY=PASSIVE's cost on a quiet
+machine, utils/threads.py). Before, two teams ran in every async engine: one
+`torch.full` on the core's thread made the second (the structured-output bitmask,
+allocated when the core starts; found with a breakpoint on GOMP_parallel), and in
+`kvserve bench peers` the GEMM rate measured on the main thread first made it already.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Literal, Protocol, TypeVar, overload
@@ -19,6 +33,7 @@ from kvserve.executor.abstract import Executor
 from kvserve.executor.serial_utils import resolve_function
 from kvserve.protocol.runner_output import ModelRunnerOutput
 from kvserve.protocol.scheduler_output import GrammarOutput, SchedulerOutput
+from kvserve.utils.threads import release_openmp_team
 from kvserve.worker.worker import Worker
 
 T = TypeVar("T")
@@ -45,20 +60,40 @@ class _InlineCalls:
         return None
 
 
-def _worker_thread() -> ThreadPoolExecutor:
-    # The thread's intra-op thread count starts as this one's (torch keeps it per thread).
-    return ThreadPoolExecutor(
-        1,
-        thread_name_prefix="kvserve-worker",
-        initializer=torch.set_num_threads,
-        initargs=(torch.get_num_threads(),),
-    )
+class _WorkerThread:
+    """Runs each call on one thread of its own, in the order they come (async
+    scheduling). The thread takes the caller's intra-op thread count, and the caller
+    keeps one until shutdown: torch's thread count is per thread, and any parallel op on
+    the caller's side (a fill, a copy above torch's grain size) would start a second
+    OpenMP team, whose threads would make libgomp throttle the model's barriers."""
+
+    def __init__(self) -> None:
+        self._caller = threading.get_ident()
+        self._caller_threads = torch.get_num_threads()
+        # A team the caller made before (loading another engine, measuring a GEMM, the
+        # user's own work) would count against the worker's as much as a new one.
+        release_openmp_team()
+        self._pool = ThreadPoolExecutor(
+            1,
+            thread_name_prefix="kvserve-worker",
+            initializer=torch.set_num_threads,
+            initargs=(self._caller_threads,),
+        )
+        torch.set_num_threads(1)
+
+    def submit(self, fn: Callable[[], T], /) -> Future[T]:
+        return self._pool.submit(fn)
+
+    def shutdown(self, wait: bool = True) -> None:
+        self._pool.shutdown(wait)
+        if threading.get_ident() == self._caller:  # the count is the caller thread's own
+            torch.set_num_threads(self._caller_threads)
 
 
 class UniProcExecutor(Executor):
     def _init_executor(self) -> None:
         self.async_scheduling = self.config.scheduler_config.async_scheduling
-        self._calls: _Calls = _worker_thread() if self.async_scheduling else _InlineCalls()
+        self._calls: _Calls = _WorkerThread() if self.async_scheduling else _InlineCalls()
         # Built and loaded on the thread that runs its steps: the model's parallel regions
         # then all start from that thread, so OpenMP keeps one team of workers. A second
         # team (the caller's, from loading) would make libgomp count more threads than

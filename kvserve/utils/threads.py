@@ -21,6 +21,7 @@ front end needs. A value the user exported is kept, and with their own
 
 from __future__ import annotations
 
+import ctypes
 import os
 import sys
 from collections.abc import Iterator, Mapping
@@ -35,6 +36,8 @@ BOUNDED_SPIN_MAX_CORES = 4
 # `pause` takes ~140 cycles), less on AMD; longer than the gaps between a busy engine's
 # parallel regions and steps. 300,000 is libgomp's own default.
 GOMP_SPIN_COUNT = "100000"
+# omp_pause_resource_t: free the runtime's threads, keep its state.
+OMP_PAUSE_SOFT = 1
 # What configure_process_threads found before it set its own values.
 _user_values: dict[str, str | None] = {}
 
@@ -94,3 +97,25 @@ def child_thread_environment() -> Iterator[dict[str, str]]:
     settings = thread_settings()
     with environ_set(settings):
         yield settings
+
+
+def release_openmp_team() -> bool:
+    """Ends the calling thread's OpenMP team, if it has one (its worker threads exit);
+    the thread's next parallel region starts a new one. True where libgomp did it.
+
+    libgomp keeps a team per thread that ever started a parallel region and counts
+    their threads together: once they outnumber the cores, every barrier spins 1,000
+    rounds instead of GOMP_SPINCOUNT and then sleeps. A thread handing its model to
+    another (async scheduling's worker thread) ends its own team with this, or the
+    other's barriers pay for it. OpenMP 5.0's omp_pause_resource_all(omp_pause_soft)
+    does it; torch has no binding for it, so it is called in the libgomp torch loaded."""
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if "libgomp" in line}
+    except OSError:  # not Linux: no libgomp to find
+        return False
+    for path in sorted(paths):
+        pause = getattr(ctypes.CDLL(path), "omp_pause_resource_all", None)
+        if pause is not None:
+            return bool(pause(OMP_PAUSE_SOFT) == 0)
+    return False

@@ -91,3 +91,24 @@ def test_worker_requires_init_device(config: EngineConfig) -> None:
     worker = Worker(config)
     with pytest.raises(RuntimeError, match="init_device"):
         worker.load_model()
+
+
+def test_async_worker_thread_owns_the_intra_op_threads(config: EngineConfig) -> None:
+    # The model's OpenMP team is the worker thread's alone: a parallel op on the engine
+    # core's thread would start a second team, and libgomp then throttles every barrier
+    # (executor/uniproc_executor.py). The caller gets its count back at shutdown.
+    threads = torch.get_num_threads()
+    async_config = EngineConfig(
+        config.model_config,
+        config.cache_config,
+        SchedulerConfig(async_scheduling=True),
+        device_config=DeviceConfig("cpu"),
+    )
+    executor = UniProcExecutor(async_config)
+    try:
+        assert executor.max_concurrent_batches == 2
+        assert torch.get_num_threads() == 1
+        assert executor.collective_rpc(lambda worker: torch.get_num_threads()) == [threads]
+    finally:
+        executor.shutdown()
+    assert torch.get_num_threads() == threads

@@ -42,3 +42,33 @@ def test_not_applied_once_torch_is_loaded() -> None:
     import torch  # noqa: F401  (OpenMP has read its settings by now)
 
     assert threads.configure_process_threads() is None
+
+
+def test_release_openmp_team_ends_the_threads_team() -> None:
+    # On a thread of its own: the test process's main thread keeps whatever team it has.
+    import threading
+
+    import torch
+
+    if not os.path.isdir("/proc/self/task"):
+        pytest.skip("threads are counted in Linux's /proc")
+
+    def tasks() -> int:
+        return len(os.listdir("/proc/self/task"))
+
+    counts: list[int] = []
+    released: list[bool] = []
+
+    def run() -> None:
+        torch.set_num_threads(2)
+        torch.full((1 << 22,), 1.0)  # above torch's grain size: a parallel region
+        counts.append(tasks())
+        released.append(threads.release_openmp_team())
+        counts.append(tasks())
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+    if not released[0]:
+        pytest.skip("torch runs on another OpenMP runtime than libgomp here")
+    assert counts[1] == counts[0] - 1  # the team's one worker thread ended
