@@ -34,6 +34,7 @@ _SOURCES = [
         "block_gemm.cpp",
         "block_gemm_int8.cpp",
         "block_gemm_vnni.cpp",
+        "block_gemm_packed_avx2.cpp",
         "decode_stack.cpp",
         "decode_step.cpp",
         "mamba_decode.cpp",
@@ -51,13 +52,22 @@ _state: dict[str, bool] = {}
 _forced_off = threading.local()
 
 
+def _march() -> str:
+    return os.environ.get(ENV_MARCH, "") or "native"
+
+
+def _library_name() -> str:
+    """The extension's name for this process's target (one per ``KVSERVE_MARCH``)."""
+    march = _march()
+    suffix = "" if march == "native" else "_" + "".join(c if c.isalnum() else "_" for c in march)
+    return "kvserve_cpu_ops" + suffix
+
+
 def _build() -> bool:
     # torch re-builds when the sources or flags change; headers only count through a flag.
     headers = b"".join(path.read_bytes() for path in sorted(_CSRC.glob("*.h")))
     header_hash = hashlib.sha256(headers).hexdigest()[:16]
-    march = os.environ.get(ENV_MARCH, "") or "native"
-    suffix = "" if march == "native" else "_" + "".join(c if c.isalnum() else "_" for c in march)
-    name = "kvserve_cpu_ops" + suffix
+    march, name = _march(), _library_name()
     cflags = [*_CFLAGS, f"-march={march}", f"-DKVSERVE_HEADERS={header_hash}"]
     stamp = _build_stamp(name, cflags, headers)
     if _load_stamped(name, stamp):
@@ -267,7 +277,8 @@ def block_linear_int8(
 
 
 def pack_blocks_vnni(qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor, kind: int) -> torch.Tensor:
-    """gguf_int8's row-interleaved copy of a block weight; empty without AVX-512 VNNI."""
+    """gguf_int8's row-interleaved copy of a block weight (for AVX-512 VNNI's kernel or
+    AVX2's); empty in builds without either."""
     return torch.ops.kvserve.pack_blocks_vnni(qs, d, m, kind)
 
 
@@ -286,8 +297,8 @@ def gemv_prefers_nibble_planes() -> bool:
 
 
 def packs_int8_weights() -> bool:
-    """Whether this build makes gguf_int8's interleaved copy (AVX-512 VNNI), with which
-    every matmul, batches included, runs on int8 activations."""
+    """Whether this build makes gguf_int8's interleaved copy (AVX-512 VNNI or AVX2), with
+    which every matmul, batches included, runs on int8 activations."""
     if "packs" not in _state:
         require()
         planes = torch.zeros(1, 32, dtype=torch.int8), torch.zeros(1, 1, dtype=torch.float16)

@@ -32,8 +32,9 @@ def test_a_built_library_loads_without_torchs_build_machinery() -> None:
     cpp_extension keeps it (importing cpp_extension costs a start ~0.5 s)."""
     from torch.utils import cpp_extension
 
-    library = ops._library_path("kvserve_cpu_ops")
-    assert library.parent == Path(cpp_extension._get_build_directory("kvserve_cpu_ops", False))
+    name = ops._library_name()  # KVSERVE_MARCH=haswell builds kvserve_cpu_ops_haswell
+    library = ops._library_path(name)
+    assert library.parent == Path(cpp_extension._get_build_directory(name, False))
     assert library.with_name(library.name + ops._STAMP_SUFFIX).is_file()  # this run's build
     probe = "import sys, torch; from kvserve import _custom_ops as o; o.available(); "
     probe += "print(o.available(), 'torch.utils.cpp_extension' in sys.modules)"

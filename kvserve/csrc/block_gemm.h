@@ -468,8 +468,8 @@ std::pair<at::Tensor, at::Tensor> linear_operands(const at::Tensor& x_in, const 
 at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& w);
 
 // block_gemm_vnni.cpp: gguf_int8's row-interleaved copy of the blocks (empty in builds
-// without AVX-512 VNNI), and its matmul for any number of rows of int8-quantized x
-// (false, nothing written, in those builds).
+// without AVX2 + F16C + FMA), and its matmul for any number of rows of int8-quantized x
+// (false, nothing written, in those builds), on AVX-512 VNNI or AVX2.
 at::Tensor pack_blocks_vnni(const at::Tensor& qs, const at::Tensor& d, const at::Tensor& m,
                             int64_t kind);
 bool packed_linear_vnni(const at::Tensor& packed, int64_t kind, int64_t N, int64_t K,
@@ -485,6 +485,14 @@ void unsigned_activations(const int8_t* xq, uint8_t* xu, int64_t n);
 void packed_groups_vnni(const uint8_t* packed, int64_t kind, int64_t N, int64_t K,
                         int64_t rows, const int8_t* xq, const uint8_t* xu, const float* xd,
                         const float* xs, float* out, int64_t g_begin, int64_t g_end);
+
+// block_gemm_packed_avx2.cpp: packed_groups_vnni's work in AVX2 builds without VNNI
+// (false, nothing written, in builds without AVX2). record and quant_bytes: the layout's
+// bytes per group and block, and of their quants.
+bool packed_groups_avx2(const uint8_t* packed, int64_t kind, int64_t record,
+                        int64_t quant_bytes, int64_t N, int64_t K, int64_t rows,
+                        const int8_t* xq, const float* xd, const float* xs, float* out,
+                        int64_t g_begin, int64_t g_end);
 
 // block_gemm_int8.cpp: x's 32 values quantized as gguf_int8 does (llama.cpp's Q8_1):
 // int8 quants q, scale d and s = d * sum(q).

@@ -1,6 +1,7 @@
 // gguf_int8's matmul in the plain block layout: x quantized to int8 per block and
 // integer dot products (1-3 rows), or the exact float path (4+ rows), unless the
-// row-interleaved copy of block_gemm_vnni.cpp serves the call. Registered with the other
+// row-interleaved copy of block_gemm_vnni.cpp serves the call (AVX2 and AVX-512 VNNI
+// builds make one). Registered with the other
 // torch.ops.kvserve kernels (schemas in cpu_ops.cpp).
 
 #include <torch/library.h>
@@ -277,7 +278,7 @@ constexpr int64_t kInt8GroupRows = 3;
 // Without the interleaved copy, past a few rows the float path's weight conversion is
 // shared by enough rows that it is as fast as the integer one (per row and block both
 // cost about the same instructions), and it is exact, so batches take it. With the copy
-// (AVX-512 VNNI) every row count takes the integer path: block_gemm_vnni.cpp.
+// (AVX2, AVX-512 VNNI) every row count takes the integer path: block_gemm_vnni.cpp.
 constexpr int64_t kInt8MaxRows = 4;
 // Decode matmuls are a few hundred rows: tiles this small split them evenly between
 // threads (64-row tiles left one thread 25% more rows on 576-row weights).
@@ -305,7 +306,7 @@ at::Tensor block_linear_int8(const at::Tensor& x_in, const at::Tensor& qs, const
   if (has_packed && packed_linear_vnni(*packed, kind, N, w.cols, rows_x, xq.q.data(),
                                        xq.d.data(), xq.s.data(), op))
     return out;
-  TORCH_CHECK(rows_x < kInt8MaxRows, "a packed weight needs a build with AVX-512 VNNI");
+  TORCH_CHECK(rows_x < kInt8MaxRows, "a packed weight needs a build with AVX2 or AVX-512 VNNI");
   const int64_t num_tiles = (N + kInt8TileRows - 1) / kInt8TileRows;
   at::parallel_for(0, num_tiles, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scales(kInt8GroupRows * xq.nb);

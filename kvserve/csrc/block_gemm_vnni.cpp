@@ -1,5 +1,6 @@
 // gguf_int8's matmul on AVX-512 VNNI, from a row-interleaved copy of the blocks
-// (llama.cpp's AMX/repack buffers do the same kind of thing). It serves every row count:
+// (llama.cpp's AMX/repack buffers do the same kind of thing). AVX2 builds without VNNI
+// run the same copy through block_gemm_packed_avx2.cpp. It serves every row count:
 // single-stream decode, batched decode and prefill chunks alike. Batches of rows reuse
 // each loaded weight vector for up to kRowTile rows of x, which makes the integer path
 // 2-6x faster than the float path's dequantize-and-BLAS at 4-512 rows.
@@ -16,8 +17,9 @@
 //            (the file's bytes 4c..4c+3: low nibbles weights 4c.., high nibbles 16+4c..)
 //   d        16 x float16
 //   m        16 x float16 (Q4_1 only)
-//   wsum     16 x int32, 128 * sum of the block's quants (Q8_0 only: dpbusd takes x as
-//            unsigned x + 128, and this takes the excess back out)
+//   wsum     16 x int32, 128 * sum of the block's quants (Q8_0 in VNNI builds only:
+//            dpbusd takes x as unsigned x + 128, and this takes the excess back out;
+//            AVX2's kernel moves the quants' signs to x instead)
 
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
@@ -32,6 +34,13 @@ constexpr bool kPackedVnni = true;
 #else
 constexpr bool kPackedVnni = false;
 #endif
+// The copy is made where either kernel runs it.
+#if defined(KVSERVE_PACKED_VNNI) || \
+    (defined(__AVX2__) && defined(__F16C__) && defined(__FMA__))
+constexpr bool kPacked = true;
+#else
+constexpr bool kPacked = false;
+#endif
 
 #include "block_gemm.h"
 
@@ -44,7 +53,8 @@ struct PackedLayout {
   int64_t quant_bytes, record;
   explicit PackedLayout(int64_t kind) {
     quant_bytes = kGroup * block_bytes_of(kind);
-    record = quant_bytes + 2 * kGroup + (kind == 1 ? 2 * kGroup : 0) + (kind == 0 ? 4 * kGroup : 0);
+    record = quant_bytes + 2 * kGroup + (kind == 1 ? 2 * kGroup : 0) +
+             (kind == 0 && kPackedVnni ? 4 * kGroup : 0);
   }
 };
 
@@ -162,7 +172,7 @@ at::Tensor pack_blocks_vnni(const at::Tensor& qs, const at::Tensor& d, const at:
                             int64_t kind) {
   TORCH_CHECK(kind >= 0 && kind <= 2, "int8 activations take block kinds 0-2, not ", kind);
   const BlockWeight w = block_weight(qs, d, m, kind);
-  if (!kPackedVnni) return at::empty({0}, qs.options().dtype(at::kByte));
+  if (!kPacked) return at::empty({0}, qs.options().dtype(at::kByte));
   const PackedLayout L(kind);
   const int64_t N = w.rows, bpb = block_bytes_of(kind), nb = w.cols / kBlock;
   const int64_t groups = (N + kGroup - 1) / kGroup;
@@ -178,7 +188,7 @@ at::Tensor pack_blocks_vnni(const at::Tensor& qs, const at::Tensor& d, const at:
           std::memcpy(rec + (c * kGroup + i) * 4, block + 4 * c, 4);
         std::memcpy(rec + L.quant_bytes + 2 * i, w.d + n * nb + b, 2);
         if (kind == 1) std::memcpy(rec + L.quant_bytes + 2 * kGroup + 2 * i, w.m + n * nb + b, 2);
-        if (kind == 0) {
+        if (kind == 0 && kPackedVnni) {
           int32_t sum = 0;
           for (int64_t j = 0; j < 32; ++j) sum += static_cast<int8_t>(block[j]);
           const int32_t excess = 128 * sum;
@@ -198,14 +208,16 @@ void packed_groups_vnni(const uint8_t* packed, int64_t kind, int64_t N, int64_t 
   else if (kind == 1) packed_kind<1>(packed, L, N, K, rows, xq, xu, xd, xs, out, g_begin, g_end);
   else packed_kind<2>(packed, L, N, K, rows, xq, xu, xd, xs, out, g_begin, g_end);
 #else
-  (void)packed, (void)kind, (void)N, (void)K, (void)rows, (void)xq, (void)xu, (void)xd, (void)xs,
-      (void)out, (void)g_begin, (void)g_end;
-  TORCH_CHECK(false, "packed weights need a build with AVX-512 VNNI");
+  (void)xu;  // AVX2 multiplies Q8_0's quants by signed x
+  const PackedLayout L(kind);
+  TORCH_CHECK(packed_groups_avx2(packed, kind, L.record, L.quant_bytes, N, K, rows, xq, xd, xs,
+                                 out, g_begin, g_end),
+              "packed weights need a build with AVX2 (F16C, FMA) or AVX-512 VNNI");
 #endif
 }
 
 void check_packed_vnni(const at::Tensor& packed, int64_t kind, int64_t N, int64_t K) {
-  TORCH_CHECK(kPackedVnni, "packed weights need a build with AVX-512 VNNI");
+  TORCH_CHECK(kPacked, "packed weights need a build with AVX2 (F16C, FMA) or AVX-512 VNNI");
   TORCH_CHECK(packed.numel() == packed_groups(N) * (K / kBlock) * PackedLayout(kind).record,
               "packed weight does not match a [", N, ", ", K, "] weight of kind ", kind);
 }
@@ -213,11 +225,11 @@ void check_packed_vnni(const at::Tensor& packed, int64_t kind, int64_t N, int64_
 bool packed_linear_vnni(const at::Tensor& packed, int64_t kind, int64_t N, int64_t K,
                         int64_t rows, const int8_t* xq, const float* xd, const float* xs,
                         float* out) {
-  if (!kPackedVnni) return false;
+  if (!kPacked) return false;
   check_packed_vnni(packed, kind, N, K);
   const uint8_t* p = packed.data_ptr<uint8_t>();
-  CacheAligned<uint8_t> xu(kind == 0 ? rows * K : 0);
-  if (kind == 0)  // x as unsigned bytes for vpdpbusd: q + 128
+  CacheAligned<uint8_t> xu(kPackedVnni && kind == 0 ? rows * K : 0);
+  if (kPackedVnni && kind == 0)  // x as unsigned bytes for vpdpbusd: q + 128
     unsigned_activations(xq, xu.data(), rows * K);
   // Threads split the weight's groups.
   at::parallel_for(0, packed_groups(N), 1, [&](int64_t begin, int64_t end) {

@@ -12,10 +12,11 @@ kernel (``block_linear``) multiplies straight from them. Methods:
 * ``gguf_int8``: the same blocks, but inputs are quantized to int8 per 32 values and
   multiplied in integer SIMD, as llama.cpp's CPU backend does, at an accuracy cost
   measured as greedy agreement with float32 (``kvserve bench quantization``). With
-  AVX-512 VNNI a row-interleaved copy of the blocks serves every input, prefill and
-  batches included (2-6x the float path's speed at 4-512 rows), and a row's result does
-  not depend on the rows beside it. Without VNNI only inputs of up to 3 rows
-  (single-stream decode) take the integer path; larger ones take the exact float path.
+  AVX-512 VNNI or AVX2 a row-interleaved copy of the blocks serves every input, prefill
+  and batches included (VNNI: 2-6x the float path's speed at 4-512 rows; AVX2: Q4_1
+  1.9-2.8x at 4-64 rows, single rows 1.2-1.9x the plain layout's), and a row's
+  result does not depend on the rows beside it. Without either only inputs of up to 3
+  rows (single-stream decode) take the integer path; larger ones the exact float path.
 * Either way, on a build whose float GEMV is AVX2 without AVX-512, Q4_1 and Q4_0 quants
   are reordered once at load into nibble planes (csrc/block_gemm_planes.h): fewer
   instructions per weight, the same float32 results bit for bit, and the load-time check
@@ -78,8 +79,8 @@ class BlockWeight:
     d: torch.Tensor
     m: torch.Tensor  # like d for Q4_1 and Q4_K, else empty
     int8_activations: bool = False
-    # gguf_int8 on AVX-512 VNNI: the same blocks interleaved 16 rows at a time for its
-    # matmuls (csrc/block_gemm_vnni.cpp); None elsewhere.
+    # gguf_int8 on AVX-512 VNNI or AVX2: the same blocks interleaved 16 rows at a time
+    # for its matmuls (csrc/block_gemm_vnni.cpp); None elsewhere.
     packed: torch.Tensor | None = None
     # qs reordered into nibble planes for the AVX2 float GEMV (use_nibble_planes).
     nibble_planes: bool = False
@@ -105,8 +106,8 @@ class BlockWeight:
 
     def use_int8_activations(self) -> None:
         """Switch to gguf_int8's arithmetic, with the interleaved copy where the CPU has
-        AVX-512 VNNI. Repacked Q4_K and Q6_K (float32 scales) have no integer kernel and
-        keep the exact float path."""
+        AVX-512 VNNI or AVX2. Repacked Q4_K and Q6_K (float32 scales) have no integer
+        kernel and keep the exact float path."""
         if self.qtype in REPACKED_KINDS:
             return
         self.int8_activations = True
@@ -117,8 +118,8 @@ class BlockWeight:
 
     def use_nibble_planes(self) -> None:
         """Reorder Q4_1 / Q4_0 quants into nibble planes (rows of a multiple of 64 weights;
-        others stay as they are). Not after AVX-512 VNNI's interleaved copy, made from the
-        plain layout (builds with it do not prefer planes)."""
+        others stay as they are). Not after gguf_int8's interleaved copy, made from the
+        plain layout."""
         if self.nibble_planes or self.qtype not in _NIBBLE_PLANE_KINDS or self.shape[1] % 64:
             return
         if self.packed is not None:
@@ -132,7 +133,8 @@ class BlockWeight:
         prefers them (ops.gemv_prefers_nibble_planes)."""
         if method == "gguf_int8":
             self.use_int8_activations()
-        if ops.gemv_prefers_nibble_planes():
+        # gguf_int8's interleaved copy serves every input: the float GEMV never runs.
+        if ops.gemv_prefers_nibble_planes() and self.packed is None:
             self.use_nibble_planes()
 
     @classmethod
