@@ -154,3 +154,27 @@ def test_fused_decode_stack_declines_int8(engines: dict[str, LLM]) -> None:
     assert stacks["int8"] and all(s._supported is not True for s in stacks["int8"])
     if ops.available():
         assert all(s._supported is True for s in stacks["float32"])
+
+
+def test_mamba_hybrid_keeps_its_float32_state_beside_int8_attention(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """Bamba: the attention layers' pages are int8, the Mamba states in the same pool stay
+    float32 (MambaStateCache views the bytes as floats), so the states are exact and only
+    the attention's K/V are rounded: greedy stays HF's (measured: all 12 tokens)."""
+    from tests.mamba_models import build_mamba_model, hf_greedy
+
+    directory = tmp_path_factory.mktemp("bamba-int8")
+    hf = build_mamba_model("bamba", directory)
+    prompts = [[5, 17, 99, 3, 42, 7, 61, 18, 100, 11, 64, 128, 9, 31, 77, 150, 4], [8, 140, 6]]
+    llm = LLM(str(directory), skip_tokenizer_init=True, kv_cache_memory=8 << 20,
+              kv_cache_dtype="int8")  # fmt: skip
+    try:
+        assert {t.dtype for t in _runner(llm).kv_caches.values()} == {torch.int8}
+        params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        for prompt, out in zip(prompts, outs, strict=True):
+            assert list(out.outputs[0].token_ids)[:6] == hf_greedy(hf, prompt, 6)
+        assert_no_leak(llm)
+    finally:
+        llm.llm_engine.shutdown()
