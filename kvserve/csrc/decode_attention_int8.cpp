@@ -23,6 +23,8 @@
 #include <limits>
 #include <vector>
 
+#include "cpu_common.h"
+
 namespace kvserve_cpu {
 namespace {
 
@@ -87,50 +89,81 @@ struct Int8DecodePlan {
   float scale;
   int64_t window;
 
-  const int8_t* row(const int8_t* cache, int64_t pos, int64_t r, int64_t kv_head) const {
-    const int64_t block = table[r * max_blocks + pos / block_size];
-    const int64_t slot = block * block_size + pos % block_size;
-    return cache + (slot * num_kv_heads + kv_head) * (head_size + kScaleBytes);
+  // fn(pos, row) for positions [start, end) of request r's kv head, block by block (one
+  // table lookup and division per block, not per token).
+  template <typename Fn>
+  void for_rows(const int8_t* cache, int64_t r, int64_t kv_head, int64_t start, int64_t end,
+                Fn&& fn) const {
+    const int64_t stride = num_kv_heads * (head_size + kScaleBytes);
+    for (int64_t pos = start; pos < end;) {
+      const int64_t block = table[r * max_blocks + pos / block_size];
+      const int64_t off = pos % block_size;
+      const int64_t stop = std::min(end, pos - off + block_size);
+      const int8_t* row =
+          cache + ((block * block_size + off) * num_kv_heads + kv_head) * (head_size + kScaleBytes);
+      for (; pos < stop; ++pos, row += stride) fn(pos, row);
+    }
   }
 
-  // One (decode row, query head): scores in float32 against dequantized keys, softmax,
-  // then the dequantized values weighted by it. scores[j] = (q . k_q) * k_scale * scale.
-  void run(int64_t r, int64_t head, std::vector<float>& scores, std::vector<float>& acc) const {
-    const int64_t kv_head = head / (num_heads / num_kv_heads);
+  // One (decode row, kv head) for all the query heads of its group: each key and value
+  // row is dequantized once (q * scale, exact) into `row_buf`, then used by every query
+  // head; scores in float32, softmax, then the values weighted by it.
+  void run(int64_t r, int64_t kv_head, std::vector<float>& scores, std::vector<float>& acc,
+           std::vector<float>& row_buf) const {
+    const int64_t group = num_heads / num_kv_heads;
     const int64_t seq_len = lens[r];
     const int64_t start = window > 0 ? std::max<int64_t>(0, seq_len - window) : 0;
-    const float* qh = q + toks[r] * qs0 + head * qs1;
-    float* oh = out + toks[r] * os0 + head * os1;
-    if (seq_len <= start) {
-      std::fill(oh, oh + head_size, 0.f);
+    const int64_t n = seq_len - start;
+    const float* qh = q + toks[r] * qs0 + kv_head * group * qs1;
+    float* oh = out + toks[r] * os0 + kv_head * group * os1;
+    if (n <= 0) {
+      for (int64_t g = 0; g < group; ++g) std::fill(oh + g * os1, oh + g * os1 + head_size, 0.f);
       return;
     }
-    scores.resize(seq_len - start);
-    float max_score = -std::numeric_limits<float>::infinity();
-    for (int64_t pos = start; pos < seq_len; ++pos) {
-      const int8_t* k = row(k_cache, pos, r, kv_head);
-      float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-      for (int64_t i = 0; i < head_size; ++i) dot += qh[i] * static_cast<float>(k[i]);
-      const float s = dot * row_scale(k, head_size) * scale;
-      scores[pos - start] = s;
-      max_score = std::max(max_score, s);
-    }
-    float sum = 0.f;
-    for (auto& s : scores) {
-      s = std::exp(s - max_score);
-      sum += s;
-    }
-    acc.assign(head_size, 0.f);
-    float* a = acc.data();
-    for (int64_t pos = start; pos < seq_len; ++pos) {
-      const int8_t* v = row(v_cache, pos, r, kv_head);
-      const float w = scores[pos - start] * row_scale(v, head_size);
+    scores.resize(group * n);
+    row_buf.resize(head_size);
+    float* kf = row_buf.data();
+    for_rows(k_cache, r, kv_head, start, seq_len, [&](int64_t pos, const int8_t* k) {
+      const float ks = row_scale(k, head_size);
 #pragma omp simd
-      for (int64_t i = 0; i < head_size; ++i) a[i] += w * static_cast<float>(v[i]);
+      for (int64_t i = 0; i < head_size; ++i) kf[i] = static_cast<float>(k[i]) * ks;
+      for (int64_t g = 0; g < group; ++g) {
+        const float* qg = qh + g * qs1;
+        float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+        for (int64_t i = 0; i < head_size; ++i) dot += qg[i] * kf[i];
+        scores[g * n + pos - start] = dot * scale;
+      }
+    });
+    std::vector<float> sums(group);
+    for (int64_t g = 0; g < group; ++g) {
+      float* sg = scores.data() + g * n;
+      float max_score = -std::numeric_limits<float>::infinity();
+      for (int64_t j = 0; j < n; ++j) max_score = std::max(max_score, sg[j]);
+      float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+      for (int64_t j = 0; j < n; ++j) {
+        sg[j] = exp_nonpositive(sg[j] - max_score);  // the float kernel's exp
+        sum += sg[j];
+      }
+      sums[g] = sum;
     }
-    const float inv = 1.f / sum;
-    for (int64_t i = 0; i < head_size; ++i) oh[i] = a[i] * inv;
+    acc.assign(group * head_size, 0.f);
+    for_rows(v_cache, r, kv_head, start, seq_len, [&](int64_t pos, const int8_t* v) {
+      const float vs = row_scale(v, head_size);
+#pragma omp simd
+      for (int64_t i = 0; i < head_size; ++i) kf[i] = static_cast<float>(v[i]) * vs;
+      for (int64_t g = 0; g < group; ++g) {
+        const float w = scores[g * n + pos - start];
+        float* a = acc.data() + g * head_size;
+#pragma omp simd
+        for (int64_t i = 0; i < head_size; ++i) a[i] += w * kf[i];
+      }
+    });
+    for (int64_t g = 0; g < group; ++g) {
+      const float inv = 1.f / sums[g];
+      for (int64_t i = 0; i < head_size; ++i) oh[g * os1 + i] = acc[g * head_size + i] * inv;
+    }
   }
 };
 
@@ -201,15 +234,15 @@ void cache_and_decode_attention_int8(at::Tensor& out, const at::Tensor& query,
     }
     total_len += len;
   }
-  // A task is one (decode row, query head); re-reading a group's keys per query head
-  // costs cache hits, not memory traffic, and gives both threads work at one stream.
-  const int64_t num_tasks = num_reqs * num_heads;
-  const int64_t work = 2 * head_size * std::max<int64_t>(1, total_len / num_reqs);
+  // A task is one (decode row, kv head): its rows are dequantized once for the group.
+  const int64_t num_tasks = num_reqs * num_kv_heads;
+  const int64_t work = 2 * head_size * (num_heads / num_kv_heads) *
+                       std::max<int64_t>(1, total_len / num_reqs);
   at::parallel_for(0, num_tasks, std::max<int64_t>(1, kMinParallelWork / work),
                    [&](int64_t begin, int64_t end) {
-                     std::vector<float> scores, acc;
+                     std::vector<float> scores, acc, row_buf;
                      for (int64_t t = begin; t < end; ++t)
-                       p.run(t / num_heads, t % num_heads, scores, acc);
+                       p.run(t / num_kv_heads, t % num_kv_heads, scores, acc, row_buf);
                    });
 }
 
