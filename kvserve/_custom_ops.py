@@ -31,6 +31,7 @@ _SOURCES = [
     for name in (
         "cpu_ops.cpp",
         "decode_attention.cpp",
+        "decode_attention_int8.cpp",
         "block_gemm.cpp",
         "block_gemm_int8.cpp",
         "block_gemm_vnni.cpp",
@@ -205,6 +206,27 @@ def cache_and_decode_attention(
     """Write ``key``/``value`` rows into the paged ``kv_cache`` at ``slot_mapping`` (-1 =
     skip), then decode attention for the ``token_indices`` rows (none when empty)."""
     torch.ops.kvserve.cache_and_decode_attention(
+        out, query, key, value, kv_cache, slot_mapping, block_table, seq_lens, token_indices,
+        scale, sliding_window or 0,
+    )  # fmt: skip
+
+
+def cache_and_decode_attention_int8(
+    out: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    token_indices: torch.Tensor,
+    scale: float,
+    sliding_window: int | None,
+) -> None:
+    """``cache_and_decode_attention`` over an int8 cache (attention/backends/kv_cache_codec.py's
+    layout): ``key``/``value`` rows quantized in, decode rows read dequantized."""
+    torch.ops.kvserve.cache_and_decode_attention_int8(
         out, query, key, value, kv_cache, slot_mapping, block_table, seq_lens, token_indices,
         scale, sliding_window or 0,
     )  # fmt: skip

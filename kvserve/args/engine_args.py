@@ -304,7 +304,9 @@ class EngineArgs(ParallelArgs, KVArgs, MultiModalArgs, VllmCompatArgs):
         parser.add_argument(
             "--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
             help="element type of the KV cache; auto: the model's (float32). float16 or "
-            "bfloat16 halve the bytes decode attention reads, rounding stored keys/values",
+            "bfloat16 halve the bytes decode attention reads, rounding stored keys/values; "
+            "int8 (and vLLM's fp8 names, the same int8 cache) quarter them, each key/value "
+            "row quantized with its own scale",
         )  # fmt: skip
         parser.add_argument(
             "--kv-cache-memory", "--kv-cache-memory-bytes", default=None,

@@ -94,9 +94,12 @@ def _continuations(
         results["single_stream"] = [
             list(llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids) for p in prompts
         ]
-        if forced is not None:
-            prompt_ids = [list(o.prompt_token_ids or []) for o in outputs]
-            results["teacher_forced"] = teacher_forced_agreement(llm, prompt_ids, forced)
+        prompt_ids = [list(o.prompt_token_ids or []) for o in outputs]
+        # The reference is fed its own continuation: its logprobs are what others' differ from.
+        agree, logprobs = teacher_forced(
+            llm, prompt_ids, results["batched"] if forced is None else forced
+        )
+        results["teacher_forced"], results["forced_logprobs"] = agree, logprobs
     finally:
         llm.llm_engine.shutdown()
     return results
@@ -107,6 +110,13 @@ def teacher_forced_agreement(
 ) -> float:
     """Share of the ``forced`` continuations' tokens that are the engine's top choice when
     the continuation is part of the prompt."""
+    return teacher_forced(llm, prompt_ids, forced)[0]
+
+
+def teacher_forced(
+    llm: Any, prompt_ids: list[list[int]], forced: list[list[int]]
+) -> tuple[float, list[float]]:
+    """``teacher_forced_agreement`` and each forced token's logprob, in order."""
     from kvserve.sampling_params import SamplingParams
 
     outputs = llm.generate(
@@ -114,12 +124,13 @@ def teacher_forced_agreement(
         SamplingParams(max_tokens=1, prompt_logprobs=0),
         use_tqdm=False,
     )
-    ranks = [
-        output.prompt_logprobs[len(prompt) + step][token].rank
+    chosen = [
+        output.prompt_logprobs[len(prompt) + step][token]
         for prompt, continuation, output in zip(prompt_ids, forced, outputs, strict=True)
         for step, token in enumerate(continuation)
     ]
-    return sum(rank == 1 for rank in ranks) / max(len(ranks), 1)
+    agree = sum(c.rank == 1 for c in chosen) / max(len(chosen), 1)
+    return agree, [c.logprob for c in chosen]
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -140,6 +151,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         got = _continuations(method, args, reference["batched"], args.kv_cache_dtype)
         results[method] = {mode: agreement(reference[mode], got[mode]) for mode in modes}
         results[method]["teacher_forced"] = got["teacher_forced"]
+        # How far the method moves float32's own tokens' logprobs (nats), fed that text.
+        deltas = [
+            abs(a - b)
+            for a, b in zip(got["forced_logprobs"], reference["forced_logprobs"], strict=True)
+        ]
+        results[method]["logprob_delta"] = {
+            "mean": sum(deltas) / max(len(deltas), 1),
+            "max": max(deltas, default=0.0),
+        }
     return results
 
 
@@ -148,7 +168,7 @@ def format_table(results: dict[str, Any]) -> str:
         f"greedy agreement with float32, {results['prompts']} prompts x "
         f"{results['tokens_per_prompt']} tokens, KV cache {results.get('kv_cache_dtype', 'auto')}",
         f"{'method':<11} {'mode':<14} {'positions':>9} {'identical':>9} {'common prefix':>13}"
-        f" {'teacher-forced':>14}",
+        f" {'teacher-forced':>14} {'|dlogprob| mean/max':>20}",
     ]
     for method, modes in results.items():
         if not isinstance(modes, dict):
@@ -159,8 +179,13 @@ def format_table(results: dict[str, Any]) -> str:
                 f"{method:<11} {mode:<14} {a['position_agreement']:>9.1%} "
                 f"{a['identical_prompts']:>5}/{results['prompts']:<3} {a['mean_common_prefix']:>13.1f}"
                 f" {modes['teacher_forced']:>14.1%}"
+                + (f" {_delta(modes['logprob_delta']):>20}" if "logprob_delta" in modes else "")
             )
     return "\n".join(lines)
+
+
+def _delta(delta: dict[str, float]) -> str:
+    return f"{delta['mean']:.4f}/{delta['max']:.3f}"
 
 
 def main(args: argparse.Namespace) -> int:

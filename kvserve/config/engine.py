@@ -8,13 +8,14 @@ from dataclasses import dataclass, field
 
 from kvserve.config.compilation import CompilationConfig
 from kvserve.config.features import LoRAConfig, SpeculativeConfig, StructuredOutputsConfig
+from kvserve.config.kv_quant import configure_quantized_kv_cache
 from kvserve.config.kv_transfer import KVEventsConfig, KVSecurityConfig, KVTransferConfig
-from kvserve.config.model import ModelConfig, resolve_dtype
+from kvserve.config.model import INT8_KV_SCALE_BYTES, ModelConfig, resolve_dtype
 from kvserve.config.multimodal import MultiModalConfig
 from kvserve.config.runtime import CacheConfig, DeviceConfig, ParallelConfig, SchedulerConfig
 
 logger = logging.getLogger(__name__)
-_DTYPE_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2}
+_DTYPE_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2, "int8": 1}
 
 
 @dataclass
@@ -60,6 +61,8 @@ class EngineConfig:
             raise ValueError("speculative decoding is not supported with pipeline parallelism")
         if self.model_config.is_pooling:
             self._configure_pooling(context_len)
+        if self.cache_config.kv_dtype(self.model_config.dtype) == "int8":
+            configure_quantized_kv_cache(self)
         if self.model_config.arch.mamba is not None:
             self._configure_mamba()
         mm_arch = self.model_config.arch.multimodal
@@ -110,8 +113,10 @@ class EngineConfig:
         assert arch.mamba is not None
         # Feed-forward-only layers (NemotronH's "mlp") hold no cache.
         if any(kind not in ("mamba", "mlp") for kind in arch.layer_types):
-            dtype_size = _DTYPE_SIZES[cache.kv_dtype(self.model_config.dtype)]
-            per_token = 2 * arch.num_key_value_heads * arch.head_dim * dtype_size
+            kv_dtype = cache.kv_dtype(self.model_config.dtype)
+            row = arch.head_dim * _DTYPE_SIZES[kv_dtype]
+            row += INT8_KV_SCALE_BYTES if kv_dtype == "int8" else 0  # each row's scale
+            per_token = 2 * arch.num_key_value_heads * row
             block_size = cache.block_size
             while block_size * per_token < arch.mamba.state_bytes:
                 block_size *= 2

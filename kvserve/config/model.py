@@ -22,7 +22,13 @@ GiB = 1 << 30
 QUANTIZATION_METHODS = ("gguf", "gguf_int8", "q8_0")
 # --quantization none (or float32): dequantize every weight to float32 at load.
 NO_QUANTIZATION = ("none", "float32")
-KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16")
+# Bytes of the scale after each int8 (token, head) row (a bfloat16).
+INT8_KV_SCALE_BYTES = 2
+# int8: a quantized cache (attention/backends/kv_cache_codec.py), ~2x float16's tokens
+# per byte. vLLM's fp8 names take the same int8 path: a CPU has no fp8 arithmetic, and
+# int8 with a scale per head row keeps 7 bits of magnitude where e4m3 keeps 3.
+QUANTIZED_KV_CACHE_DTYPES = ("int8", "fp8", "fp8_e4m3", "fp8_e5m2")
+KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16", *QUANTIZED_KV_CACHE_DTYPES)
 # --dtype: the weights' and activations' type. "auto" is float32 on a CPU (the lossless
 # path, and the C++ kernels' type) and bfloat16 on CUDA (vLLM's default for the
 # bfloat16 checkpoints most models ship; GGUF blocks dequantize to float32, then cast).

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from kvserve.config.model import KV_CACHE_DTYPES, GiB
+from kvserve.config.model import KV_CACHE_DTYPES, QUANTIZED_KV_CACHE_DTYPES, GiB
 
 
 @dataclass
@@ -46,7 +46,9 @@ class CacheConfig:
             )
 
     def kv_dtype(self, model_dtype: str) -> str:
-        """The cache's element type by name ("auto": the model's)."""
+        """The cache's element type by name ("auto": the model's; the fp8 names: int8)."""
+        if self.cache_dtype in QUANTIZED_KV_CACHE_DTYPES:
+            return "int8"
         return model_dtype if self.cache_dtype == "auto" else self.cache_dtype
 
 

@@ -27,11 +27,14 @@ class FullAttentionSpec:
     num_kv_heads: int
     head_size: int
     dtype_size: int = 4  # bytes per element (float32)
+    # Bytes after each (token, head) row of K and of V: an int8 cache's scale.
+    row_scale_bytes: int = 0
 
     @property
     def page_size_bytes(self) -> int:
         """Bytes one block takes in one layer: K and V."""
-        return 2 * self.block_size * self.num_kv_heads * self.head_size * self.dtype_size
+        row = self.head_size * self.dtype_size + self.row_scale_bytes
+        return 2 * self.block_size * self.num_kv_heads * row
 
     @property
     def type_id(self) -> str:

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from kvserve.attention.backends.abstract import AttentionMetadataBuilder
+from kvserve.attention.backends.kv_cache_codec import packed_head_size
 from kvserve.attention.backends.utils import CommonAttentionMetadata
 from kvserve.attention.layer import Attention, bind_kv_cache
 from kvserve.config import EngineConfig
@@ -27,9 +28,8 @@ class KVCacheBinder:
     def __init__(self, config: EngineConfig, device: torch.device) -> None:
         self.cache_config = config.cache_config
         self.device = device
-        self.kv_cache_dtype: torch.dtype = getattr(
-            torch, config.cache_config.kv_dtype(config.model_config.dtype)
-        )
+        self.kv_dtype_name = config.cache_config.kv_dtype(config.model_config.dtype)
+        self.kv_cache_dtype: torch.dtype = getattr(torch, self.kv_dtype_name)
         self.kv_caches: dict[str, torch.Tensor] = {}
         self.attn_builders: list[AttentionMetadataBuilder] = []
         # How each group's builder is made (new_builders: another set, e.g. a micro-batch's).
@@ -43,6 +43,14 @@ class KVCacheBinder:
     def _itemsize(self) -> int:
         return torch.empty(0, dtype=self.kv_cache_dtype).element_size()
 
+    def _row(self, head_size: int) -> int:
+        """The cache tensor's last dim for a head: its values, then an int8 row's scale."""
+        return packed_head_size(head_size, self.kv_dtype_name)
+
+    @property
+    def _row_scale_bytes(self) -> int:
+        return self._row(0)
+
     def get_kv_cache_spec(
         self, layers: dict[str, Attention], mamba_layers: dict[str, MambaMixer2]
     ) -> dict[str, KVCacheSpec]:
@@ -50,7 +58,7 @@ class KVCacheBinder:
         per Mamba layer (its state, padded to the attention page)."""
         block_size = self.cache_config.block_size
         specs = {
-            name: make_kv_cache_spec(layer, block_size, self._itemsize)
+            name: make_kv_cache_spec(layer, block_size, self._itemsize, self._row_scale_bytes)
             for name, layer in layers.items()
         }
         page_size = max((spec.page_size_bytes for spec in specs.values()), default=0)
@@ -97,7 +105,7 @@ class KVCacheBinder:
             if attention:
                 first = layers[attention[0]]
                 shape = first.backend.get_kv_cache_shape(
-                    num_blocks, block_size, first.num_kv_heads, first.head_size
+                    num_blocks, block_size, first.num_kv_heads, self._row(first.head_size)
                 )
             else:  # Mamba layers only: one plane of pages
                 shape = (1, num_blocks, max(page_sizes[n] for n in shared_by) // self._itemsize)
@@ -109,7 +117,7 @@ class KVCacheBinder:
                     continue
                 layer = layers[name]
                 own = layer.backend.get_kv_cache_shape(
-                    num_blocks, block_size, layer.num_kv_heads, layer.head_size
+                    num_blocks, block_size, layer.num_kv_heads, self._row(layer.head_size)
                 )
                 # Equal page sizes share; the shapes may still differ (heads x head size).
                 self.kv_caches[name] = memory if tuple(own) == tuple(shape) else memory.view(own)

@@ -29,9 +29,12 @@ from kvserve.utils.huge_pages import huge_page_zeros
 logger = logging.getLogger(__name__)
 
 
-def make_kv_cache_spec(layer: Attention, block_size: int, dtype_size: int) -> KVCacheSpec:
+def make_kv_cache_spec(
+    layer: Attention, block_size: int, dtype_size: int, row_scale_bytes: int = 0
+) -> KVCacheSpec:
     """MLA's latent; a decoder's cross-attention over its encoder output; else sliding window, chunked local, StreamingLLM sinks (a window
-    plus sink tokens on a full-attention layer) or full attention, in that order."""
+    plus sink tokens on a full-attention layer) or full attention, in that order.
+    ``row_scale_bytes``: an int8 cache's scale after each (token, head) row."""
     if isinstance(layer, MLAAttention):
         return MLAAttentionSpec(
             block_size=block_size, num_kv_heads=1, head_size=layer.head_size, dtype_size=dtype_size
@@ -41,6 +44,7 @@ def make_kv_cache_spec(layer: Attention, block_size: int, dtype_size: int) -> KV
         "num_kv_heads": layer.num_kv_heads,
         "head_size": layer.head_size,
         "dtype_size": dtype_size,
+        "row_scale_bytes": row_scale_bytes,
     }
     if isinstance(layer, CrossAttention):
         return CrossAttentionSpec(max_encoder_len=layer.max_encoder_len, **common)

@@ -71,7 +71,7 @@ def test_kv_cache_dtype_defaults_to_the_model_dtype_and_is_validated() -> None:
     config = EngineArgs().create_engine_config()
     assert config.cache_config.kv_dtype(config.model_config.dtype) == "float32"
     with pytest.raises(ValueError, match="kv_cache_dtype"):
-        EngineArgs(kv_cache_dtype="fp8").create_engine_config()
+        EngineArgs(kv_cache_dtype="fp4").create_engine_config()
 
 
 def test_kv_cache_config_turns_on_the_tiered_connector(tmp_path: Path) -> None:

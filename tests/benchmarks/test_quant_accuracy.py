@@ -46,3 +46,21 @@ def test_table_lists_every_method_and_mode() -> None:
     assert "gguf        single_stream     100.0%" in table
     assert "batched" in table
     assert table.splitlines()[-1].endswith("97.5%")
+
+
+def test_table_adds_the_logprob_deltas_where_measured() -> None:
+    same = {"position_agreement": 0.9, "identical_prompts": 1, "mean_common_prefix": 3.0}
+    results = {
+        "prompts": 2,
+        "tokens_per_prompt": 4,
+        "kv_cache_dtype": "int8",
+        "none": {
+            "single_stream": same,
+            "batched": same,
+            "teacher_forced": 0.99,
+            "logprob_delta": {"mean": 0.0123, "max": 0.25},
+        },
+    }
+    table = quant_accuracy.format_table(results)
+    assert "KV cache int8" in table.splitlines()[0]
+    assert table.splitlines()[-1].endswith("99.0%         0.0123/0.250")

@@ -39,10 +39,10 @@ from kvserve.attention.backends.cascade import (
     cascade_decode,
 )
 from kvserve.attention.backends.cpu_decode_inputs import CPUDecodeInputs
+from kvserve.attention.backends.kv_cache_codec import kv_cache_codec
 from kvserve.attention.backends.utils import (
     CommonAttentionMetadata,
     visible_keys,
-    write_to_kv_cache,
 )
 from kvserve.utils.numpy_views import numpy_view
 
@@ -325,6 +325,7 @@ class CPUAttentionImpl(AttentionImpl):
     ) -> torch.Tensor:
         md = attn_metadata
         n = md.num_actual_tokens
+        codec = kv_cache_codec(kv_cache)  # float elements, or int8 rows with their scales
         use_kernel = md.kernel_decode is not None and md.all_slots is not None
         if use_kernel and self.kernel_supported and ops.use_for(query):
             assert md.kernel_decode is not None and md.all_slots is not None
@@ -335,14 +336,14 @@ class CPUAttentionImpl(AttentionImpl):
             else:
                 output = torch.zeros_like(query)
             # One call: this step's K/V into the cache, then the decode rows' attention.
-            ops.cache_and_decode_attention(
+            codec.cache_and_decode(
                 output, query, key, value, kv_cache, md.all_slots, *md.kernel_decode,
                 self.scale, self.sliding_window,
             )  # fmt: skip
             if not md.prefills:
                 return output
         else:
-            write_to_kv_cache(key[:n], value[:n], kv_cache, md.slot_mapping, md.slot_token_indices)
+            codec.write(key[:n], value[:n], kv_cache, md.slot_mapping, md.slot_token_indices)
             output = torch.zeros_like(query)
             if md.cascade is not None and md.decode is not None:
                 cascade_decode(self, output, query, key, value, kv_cache, md.decode, md.cascade)
@@ -360,9 +361,11 @@ class CPUAttentionImpl(AttentionImpl):
     ) -> torch.Tensor:
         num_reqs = d.block_table.shape[0]
         # [D, nb, bs, Hkv, hd] -> [D, Hkv, L, hd]
-        k = k_cache[d.block_table].reshape(num_reqs, -1, self.num_kv_heads, self.head_size)
-        v = v_cache[d.block_table].reshape(num_reqs, -1, self.num_kv_heads, self.head_size)
-        k, v = k.to(query.dtype), v.to(query.dtype)  # a float16/bfloat16 cache, widened
+        widen = kv_cache_codec(k_cache).widen  # a float16/bfloat16/int8 cache, widened
+        k = widen(k_cache[d.block_table], query.dtype)
+        v = widen(v_cache[d.block_table], query.dtype)
+        k = k.reshape(num_reqs, -1, self.num_kv_heads, self.head_size)
+        v = v.reshape(num_reqs, -1, self.num_kv_heads, self.head_size)
         key = self.mask_key
         mask = d.key_mask if key is None else d.mask_for(key)
         q = query[d.token_indices].unsqueeze(2)  # [D, Hq, 1, hd]
@@ -374,9 +377,10 @@ class CPUAttentionImpl(AttentionImpl):
     ) -> torch.Tensor:
         # The cache already holds this chunk's K/V (written above), so one gather
         # covers the cached prefix and the chunk alike.
-        k = k_cache[c.block_ids].reshape(-1, self.num_kv_heads, self.head_size)[: c.seq_len]
-        v = v_cache[c.block_ids].reshape(-1, self.num_kv_heads, self.head_size)[: c.seq_len]
-        k, v = k.to(q.dtype), v.to(q.dtype)  # a float16/bfloat16 cache, widened
+        widen = kv_cache_codec(k_cache).widen  # a float16/bfloat16/int8 cache, widened
+        k = widen(k_cache[c.block_ids], q.dtype).reshape(-1, self.num_kv_heads, self.head_size)
+        v = widen(v_cache[c.block_ids], q.dtype).reshape(-1, self.num_kv_heads, self.head_size)
+        k, v = k[: c.seq_len], v[: c.seq_len]
         key = self.mask_key
         mask: torch.Tensor | None = c.causal_mask if key is None else c.mask_for(key)
         if not self.causal:

@@ -136,6 +136,7 @@ class LlamaDecodeStack:
             or type(a.rotary_emb) is not RotaryEmbedding
             or a.attn.backend is not CPUAttentionBackend
             or not getattr(a.attn.impl, "kernel_supported", False)  # chunked, sinks, cap
+            or a.attn.kv_cache.dtype == torch.int8  # the stack's attention reads floats
             or a.qkv_proj.tp_size != 1
             or a.o_proj.tp_size != 1
             or mlp.gate_up_proj.bias is not None
