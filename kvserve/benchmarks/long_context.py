@@ -136,21 +136,31 @@ def run_long_context(args: argparse.Namespace) -> dict[str, Any]:
         engines.remove("llamacpp")
     results: list[dict[str, Any]] = []
     for context in args.contexts:
-        for streams in args.streams:
-            prompts = random_prompts(arch.vocab_size, context, streams, args.seed + context)
-            row: dict[str, Any] = {"context": context, "streams": streams}
-            if ops.available():
-                row["split_k_partitions"] = ops.decode_attention_partitions(
-                    streams, context, threads
-                )
-            if "kvserve" in engines:
-                row["kvserve"] = _run_kvserve(args, gguf_path, prompts)
-            if "llamacpp" in engines:
-                row["llamacpp"] = llamacpp_decode_rate(gguf_path, prompts, args.output_len, threads)
-            if "kvserve" in row and "llamacpp" in row:
-                row["ratio"] = row["kvserve"]["decode_tok_s"] / row["llamacpp"]["decode_tok_s"]
-            print(format_row(row), flush=True)
-            results.append(row)
+        # One kvserve engine per context, sized for the most streams, serves every count.
+        llm = _kvserve_engine(args, gguf_path, context) if "kvserve" in engines else None
+        try:
+            for streams in args.streams:
+                seed = args.seed + context + 1000 * streams  # no prefix shared across runs
+                prompts = random_prompts(arch.vocab_size, context, streams, seed)
+                row: dict[str, Any] = {"context": context, "streams": streams}
+                if ops.available():
+                    row["split_k_partitions"] = ops.decode_attention_partitions(
+                        streams, context, threads
+                    )
+                if llm is not None:
+                    row["kvserve"] = kvserve_decode_rate(llm, prompts, args.output_len, "long")
+                if "llamacpp" in engines:
+                    row["llamacpp"] = llamacpp_decode_rate(
+                        gguf_path, prompts, args.output_len, threads
+                    )
+                if "kvserve" in row and "llamacpp" in row:
+                    ratio = row["kvserve"]["decode_tok_s"] / row["llamacpp"]["decode_tok_s"]
+                    row["ratio"] = ratio
+                print(format_row(row), flush=True)
+                results.append(row)
+        finally:
+            if llm is not None:
+                llm.llm_engine.shutdown()
     return {
         "model": args.model,
         "gguf": gguf_path,
@@ -163,22 +173,20 @@ def run_long_context(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def _run_kvserve(args: argparse.Namespace, gguf_path: str, prompts: list[list[int]]) -> Any:
+def _kvserve_engine(args: argparse.Namespace, gguf_path: str, context: int) -> Any:
     from kvserve.entrypoints.llm import LLM
 
-    per_seq = len(prompts[0]) + args.output_len + 1
-    blocks = -(-per_seq // args.block_size) * len(prompts) + 4
+    per_seq = context + args.output_len + 1
+    streams = max(args.streams)
+    blocks = -(-per_seq // args.block_size) * streams + 4
     config = dataclasses.replace(
         EngineArgs.from_cli_args(args), model=gguf_path, max_model_len=per_seq,
-        max_num_seqs=max(args.max_num_seqs, len(prompts)),
+        max_num_seqs=max(args.max_num_seqs, streams),
         num_blocks_override=args.num_blocks_override or blocks,
     )  # fmt: skip
     llm = LLM(**dataclasses.asdict(config))
-    try:
-        llm.generate({"prompt_token_ids": [100, 101, 102]}, use_tqdm=False)  # kernels loaded
-        return kvserve_decode_rate(llm, prompts, args.output_len, "long")
-    finally:
-        llm.llm_engine.shutdown()
+    llm.generate({"prompt_token_ids": [100, 101, 102]}, use_tqdm=False)  # kernels loaded
+    return llm
 
 
 def format_row(row: dict[str, Any]) -> str:
