@@ -451,8 +451,6 @@ DecodeAttentionPlan plan_decode_attention(at::Tensor& out, const at::Tensor& que
   return p;
 }
 
-
-
 void DecodeAttentionPlan::run(int64_t begin, int64_t end) const {
   with_cache_type(cache_type, [&](auto element) {
     attention_tasks<decltype(element)>(*this, begin, end);
