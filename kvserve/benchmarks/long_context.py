@@ -8,8 +8,9 @@ the kernel's split-K serves: one long request's context spread over the cores.
 
 The model must hold the context: a GGUF whose ``context_length`` is shorter (the packaged
 SmolLM2-135M holds 8192 positions) is copied once with the key raised, and positions past
-the trained length extrapolate its RoPE. The tokens are random anyway: this measures
-speed, not what the model says. llama.cpp (llama-cpp-python, when installed) runs the same
+the trained length extrapolate its RoPE; ``--random-gguf`` takes a random-weight model
+at a real shape (Llama 3.2 1B, ...) with 131072 positions instead. The tokens are random
+anyway: this measures speed, not what the model says. llama.cpp (llama-cpp-python, when installed) runs the same
 GGUF in the same run, its ``n_ctx`` set to fit every stream.
 """
 
@@ -28,6 +29,7 @@ from kvserve.args.engine_args import EngineArgs
 from kvserve.benchmarks.long_context_gguf import gguf_with_context
 from kvserve.benchmarks.long_context_llamacpp import llamacpp_decode_rate
 from kvserve.benchmarks.peers_llamacpp import llama_cpp_available
+from kvserve.benchmarks.random_gguf import SHAPES, ensure_random_gguf
 
 LLAMACPP_MISSING = "llama.cpp not installed (pip install llama-cpp-python)"
 
@@ -41,6 +43,15 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         "--model", default=EngineArgs.model, help="GGUF file or a known name (a GGUF model)"
     )
     EngineArgs.add_cli_args(parser, with_model=False)
+    parser.add_argument(
+        "--random-gguf", default=None, choices=sorted(SHAPES),
+        help="instead of --model: a random-weight Q4_1 GGUF at this model's shape (131072 "
+        "positions), written under --random-gguf-dir on first use",
+    )  # fmt: skip
+    parser.add_argument(
+        "--random-gguf-dir", default=None,
+        help="where random GGUFs are kept (default: ~/.cache/kvserve/random_gguf)",
+    )  # fmt: skip
     parser.add_argument(
         "--contexts", type=_int_list, default=[8192, 32768], help="context tokens per stream"
     )
@@ -114,6 +125,9 @@ def run_long_context(args: argparse.Namespace) -> dict[str, Any]:
             raise SystemExit(f"unknown engine {e!r}; choose from kvserve, llamacpp")
     if args.output_len < 2 or min(args.contexts) < 1 or min(args.streams) < 1:
         raise SystemExit("output_len must be at least 2, contexts and streams at least 1")
+    if args.random_gguf:
+        print(f"random-weight GGUF at {args.random_gguf}'s shape ...", flush=True)
+        args.model = str(ensure_random_gguf(SHAPES[args.random_gguf], args.random_gguf_dir))
     resolved = resolve_model(args.model)
     if resolved.format != "gguf":
         raise SystemExit(f"{args.model!r} is not a GGUF model (llama.cpp runs the same file)")
