@@ -221,6 +221,7 @@ void attention_tasks(const DecodeAttentionPlan& p, int64_t begin, int64_t end) {
           if (split) p.partial(r, part, qh)[1] = 0.f;
           else std::fill_n(p.o_base + tok * p.os0 + qh * p.os1, head_size, 0.f);
         }
+      if (split) p.partition_done(r);
       continue;
     }
     scores.resize(num_heads * n);
@@ -315,6 +316,7 @@ void attention_tasks(const DecodeAttentionPlan& p, int64_t begin, int64_t end) {
         const float inv_sum = 1.f / sums[qh];
         for (int64_t i = 0; i < head_size; ++i) o[i] = a[i] * inv_sum;
       }
+    if (split) p.partition_done(r);
   }
 }
 
@@ -486,7 +488,6 @@ void cache_and_decode_attention(at::Tensor& out, const at::Tensor& query, const 
                             sliding_window, at::get_num_threads());
   at::parallel_for(0, plan.num_tasks, plan.grain,
                    [&](int64_t begin, int64_t end) { plan.run(begin, end); });
-  plan.merge_all();
 }
 
 }  // namespace kvserve_cpu

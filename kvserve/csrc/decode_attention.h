@@ -48,18 +48,19 @@ struct DecodeAttentionPlan {
   int64_t kv_per_task, q_per_task, kv_tasks, q_tasks, num_tasks, grain;
   at::Tensor lens, toks;  // keep the contiguous copies alive
   // Split-K (num_parts > 1): the tasks leave each context partition's max, sum and
-  // unnormalized output in `partials`, and num_merge_tasks (request, query head) merges,
-  // run after every task has finished, write the output.
-  int64_t num_parts = 1, num_merge_tasks = 0;
-  at::Tensor partials;
+  // unnormalized output in `partials`; the task that finishes a request's last partition
+  // merges them (no second pass over the threads, no extra barrier).
+  int64_t num_parts = 1;
+  at::Tensor partials, arrivals;  // float32 partials; int64 partitions done per request
   float* partial_base = nullptr;
+  int64_t* arrival_ptr = nullptr;
 
   // Tasks [begin, end): no checks left to fail, so any thread may run them.
   void run(int64_t begin, int64_t end) const;
-  // Merges [begin, end), once every task has run; merge_all runs them all through
-  // at::parallel_for (the registered op's second phase).
-  void merge(int64_t begin, int64_t end) const;
-  void merge_all() const;
+  // Request r's partitions merged into its output rows, once all are done.
+  void merge(int64_t r) const;
+  // Counts one of request r's partitions done; the last one merges.
+  void partition_done(int64_t r) const;
   // Request r's context positions [first, last) in partition `part` (after the window).
   std::pair<int64_t, int64_t> partition(int64_t r, int64_t part) const;
   // Partition `part`'s max score, sum of exponentials and unnormalized output for query
@@ -67,7 +68,7 @@ struct DecodeAttentionPlan {
   float* partial(int64_t r, int64_t part, int64_t qh) const {
     return partial_base + ((r * num_parts + part) * num_heads + qh) * (head_size + 2);
   }
-  // The partials and merges that num_parts asks for (none when 1).
+  // The partials and counters that num_parts asks for (none when 1).
   void allocate_partials();
   // The same attention over another layer's cache of the same shape and type.
   DecodeAttentionPlan for_layer(const at::Tensor& kv_cache, int64_t window) const;

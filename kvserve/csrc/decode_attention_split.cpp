@@ -1,11 +1,12 @@
 // Split-K for paged decode attention (vLLM's paged_attention_v2, flash-decoding): where
 // few requests share the threads, each long context is cut into partitions that
 // different threads attend to, each leaving its max score, sum of exponentials and
-// unnormalized output; a second phase merges them by log-sum-exp. One long request then
+// unnormalized output; the last partition of a request to finish merges them by
+// log-sum-exp. One long request then
 // uses every core instead of leaving them to its few heads.
 
-#include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -53,15 +54,25 @@ void DecodeAttentionPlan::allocate_partials() {
   if (num_parts == 1) return;
   partials = at::empty({num_reqs * num_parts * num_heads * (head_size + 2)}, at::kFloat);
   partial_base = partials.data_ptr<float>();
-  num_merge_tasks = num_reqs * num_heads;
+  arrivals = at::zeros({num_reqs}, at::kLong);
+  arrival_ptr = arrivals.data_ptr<int64_t>();
 }
 
-void DecodeAttentionPlan::merge(int64_t begin, int64_t end) const {
+void DecodeAttentionPlan::partition_done(int64_t r) const {
+  // acq_rel: the last arrival sees every other partition's partials.
+  const int64_t done = __atomic_add_fetch(arrival_ptr + r, 1, __ATOMIC_ACQ_REL);
+  if (done < num_parts * kv_tasks * q_tasks) return;
+  // Zero again for the next run of this plan (the fused step's next layer), which
+  // begins after a barrier.
+  __atomic_store_n(arrival_ptr + r, 0, __ATOMIC_RELAXED);
+  merge(r);
+}
+
+void DecodeAttentionPlan::merge(int64_t r) const {
   // Each partition's sum and output rescaled by exp(its max - the overall max): the same
   // softmax as one pass over the whole context, up to float32 rounding.
   std::vector<float> weights(num_parts);
-  for (int64_t task = begin; task < end; ++task) {
-    const int64_t r = task / num_heads, qh = task % num_heads;
+  for (int64_t qh = 0; qh < num_heads; ++qh) {
     float* o = o_base + tok_ptr[r] * os0 + qh * os1;
     float mx = -INFINITY;
     for (int64_t part = 0; part < num_parts; ++part) {
@@ -83,12 +94,6 @@ void DecodeAttentionPlan::merge(int64_t begin, int64_t end) const {
       for (int64_t i = 0; i < head_size; ++i) o[i] += w * a[i];
     }
   }
-}
-
-void DecodeAttentionPlan::merge_all() const {
-  if (num_merge_tasks == 0) return;
-  const int64_t grain = std::max<int64_t>(1, 4096 / (num_parts * head_size));
-  at::parallel_for(0, num_merge_tasks, grain, [&](int64_t b, int64_t e) { merge(b, e); });
 }
 
 }  // namespace kvserve_cpu

@@ -241,11 +241,6 @@ std::tuple<at::Tensor, at::Tensor> fused_decode_step(
       const auto [t0, t1] = share(l.attention.num_tasks, tid, threads);
       l.attention.run(t0, t1);
 #pragma omp barrier
-      if (l.attention.num_merge_tasks > 0) {  // split-K: every partition done, merge them
-        const auto [m0, m1] = share(l.attention.num_merge_tasks, tid, threads);
-        l.attention.merge(m0, m1);
-#pragma omp barrier
-      }
       linear_share(l.o, attn_ptr, T, in, o_ptr, tid, threads);
 #pragma omp barrier
       if (l.sandwich())

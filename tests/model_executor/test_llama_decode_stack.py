@@ -149,9 +149,9 @@ def test_padding_rows_past_the_actual_tokens_are_ignored(tiny_llama: tuple) -> N
 def test_long_contexts_split_k_in_the_fused_step_as_in_the_op(
     num_requests: int, tiny_llama: tuple, paged_runner: Callable
 ) -> None:
-    """Contexts long enough for the decode attention's split-K: the fused step merges the
-    partitions between its own barriers, the modules' op in a second parallel phase; the
-    partitions are the same, so the logits are too, bit for bit."""
+    """Contexts long enough for the decode attention's split-K: the fused step runs the
+    partitions (and their merges) on its own threads, the modules' op through
+    at::parallel_for; the partitions are the same, so the logits are too, bit for bit."""
     path, _ = tiny_llama
     before = torch.get_num_threads()
     torch.set_num_threads(2)
