@@ -32,6 +32,7 @@ _SOURCES = [
         "cpu_ops.cpp",
         "decode_attention.cpp",
         "decode_attention_int8.cpp",
+        "decode_attention_split.cpp",
         "block_gemm.cpp",
         "block_gemm_int8.cpp",
         "block_gemm_vnni.cpp",
@@ -230,6 +231,12 @@ def cache_and_decode_attention_int8(
         out, query, key, value, kv_cache, slot_mapping, block_table, seq_lens, token_indices,
         scale, sliding_window or 0,
     )  # fmt: skip
+
+
+def decode_attention_partitions(num_reqs: int, max_context: int, threads: int) -> int:
+    """Context partitions per request that the decode attention kernel's split-K takes for
+    ``num_reqs`` decodes whose longest context is ``max_context`` tokens (1: no split)."""
+    return int(torch.ops.kvserve.decode_attention_partitions(num_reqs, max_context, threads))
 
 
 def rotary_embedding(

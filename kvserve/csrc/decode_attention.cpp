@@ -199,22 +199,29 @@ void attention_tasks(const DecodeAttentionPlan& p, int64_t begin, int64_t end) {
   const int64_t head_bytes = head_size * static_cast<int64_t>(sizeof(T));
   std::vector<float> scores;
   std::vector<const T*> rows;  // each context token's key row (all heads)
-  std::vector<float> qs(num_heads * head_size), acc(num_heads * head_size), inv_sum(num_heads);
+  std::vector<float> qs(num_heads * head_size), acc(num_heads * head_size);
+  std::vector<float> maxes(num_heads), sums(num_heads);
+  const bool split = p.num_parts > 1;
   for (int64_t task = begin; task < end; ++task) {
-    const int64_t r = task / (p.kv_tasks * p.q_tasks);
-    const int64_t h0 = (task / p.q_tasks) % p.kv_tasks * p.kv_per_task, h1 = h0 + p.kv_per_task;
-    const int64_t g0 = task % p.q_tasks * p.q_per_task, g1 = g0 + p.q_per_task;
-    const int64_t seq_len = p.len_ptr[r];
-    const int64_t first =
-        p.sliding_window > 0 ? std::max<int64_t>(0, seq_len - p.sliding_window) : 0;
-    const int64_t n = seq_len - first;
+    // Consecutive tasks: one request's context partitions (a contiguous run of blocks).
+    const int64_t part = task % p.num_parts, head_task = task / p.num_parts;
+    const int64_t r = head_task / (p.kv_tasks * p.q_tasks);
+    const int64_t h0 = (head_task / p.q_tasks) % p.kv_tasks * p.kv_per_task;
+    const int64_t h1 = h0 + p.kv_per_task;
+    const int64_t g0 = head_task % p.q_tasks * p.q_per_task, g1 = g0 + p.q_per_task;
+    const auto [first, last] = p.partition(r, part);
+    const int64_t n = last - first;
     const int64_t tok = p.tok_ptr[r];
     const int32_t* table = p.tables + r * p.max_blocks;
     // Query head qh = h * group + g; its scores at qh * n, its q and acc at qh * head_size.
-    if (n <= 0) {
+    if (n <= 0) {  // nothing to attend: zeros, or a zero sum that the merge skips
       for (int64_t h = h0; h < h1; ++h)
-        for (int64_t g = g0; g < g1; ++g)
-          std::fill_n(p.o_base + tok * p.os0 + (h * group + g) * p.os1, head_size, 0.f);
+        for (int64_t g = g0; g < g1; ++g) {
+          const int64_t qh = h * group + g;
+          if (split) p.partial(r, part, qh)[1] = 0.f;
+          else std::fill_n(p.o_base + tok * p.os0 + qh * p.os1, head_size, 0.f);
+        }
+      if (split) p.partition_done(r);
       continue;
     }
     scores.resize(num_heads * n);
@@ -224,11 +231,11 @@ void attention_tasks(const DecodeAttentionPlan& p, int64_t begin, int64_t end) {
         const int64_t qh = h * group + g;
         std::copy_n(p.q_base + tok * p.qs0 + qh * p.qs1, head_size, qs.data() + qh * head_size);
       }
-    // Every context position in [first, seq_len), relative to the start of the key cache
+    // Every context position in [first, last), relative to the start of the key cache
     // (the value cache has the same layout): one table lookup per block, checked by the plan.
-    for (int64_t t0 = first - first % p.block_size; t0 < seq_len; t0 += p.block_size) {
+    for (int64_t t0 = first - first % p.block_size; t0 < last; t0 += p.block_size) {
       const T* base = k_base + table[t0 / p.block_size] * block_stride;
-      const int64_t lo = std::max(t0, first), hi = std::min(t0 + p.block_size, seq_len);
+      const int64_t lo = std::max(t0, first), hi = std::min(t0 + p.block_size, last);
       for (int64_t t = lo; t < hi; ++t) rows[t - first] = base + (t - t0) * token_stride;
     }
 
@@ -273,7 +280,7 @@ void attention_tasks(const DecodeAttentionPlan& p, int64_t begin, int64_t end) {
           s[i] = exp_nonpositive(s[i] - mx);
           sum += s[i];
         }
-        inv_sum[qh] = 1.f / sum;
+        maxes[qh] = mx, sums[qh] = sum;
         std::fill_n(acc.data() + qh * head_size, head_size, 0.f);
       }
     // Value rows in runs of kValueRows, each run serving every head of the task.
@@ -297,10 +304,19 @@ void attention_tasks(const DecodeAttentionPlan& p, int64_t begin, int64_t end) {
     for (int64_t h = h0; h < h1; ++h)
       for (int64_t g = g0; g < g1; ++g) {
         const int64_t qh = h * group + g;
-        float* o = p.o_base + tok * p.os0 + qh * p.os1;
         const float* a = acc.data() + qh * head_size;
-        for (int64_t i = 0; i < head_size; ++i) o[i] = a[i] * inv_sum[qh];
+        if (split) {
+          // Unnormalized: the merge rescales each partition by its max and sum.
+          float* partial = p.partial(r, part, qh);
+          partial[0] = maxes[qh], partial[1] = sums[qh];
+          std::copy_n(a, head_size, partial + 2);
+          continue;
+        }
+        float* o = p.o_base + tok * p.os0 + qh * p.os1;
+        const float inv_sum = 1.f / sums[qh];
+        for (int64_t i = 0; i < head_size; ++i) o[i] = a[i] * inv_sum;
       }
+    if (split) p.partition_done(r);
   }
 }
 
@@ -401,9 +417,11 @@ DecodeAttentionPlan plan_decode_attention(at::Tensor& out, const at::Tensor& que
   p.scale = static_cast<float>(scale);
   p.sliding_window = sliding_window;
 
-  int64_t total_len = 0;
+  int64_t total_len = 0, max_context = 0;
   for (int64_t r = 0; r < p.num_reqs; ++r) {
     const int64_t seq_len = p.len_ptr[r], tok = p.tok_ptr[r];
+    max_context = std::max(max_context, sliding_window > 0 ? std::min(seq_len, sliding_window)
+                                                           : seq_len);
     TORCH_CHECK(seq_len >= 0 && seq_len <= p.max_blocks * p.block_size, "seq_len ", seq_len,
                 " does not fit the block table");
     TORCH_CHECK(tok >= 0 && tok < query.size(0) && tok < out.size(0), "token index ", tok,
@@ -415,17 +433,23 @@ DecodeAttentionPlan plan_decode_attention(at::Tensor& out, const at::Tensor& que
   // every head are one contiguous row, so the cache streams in order. With fewer, one
   // task per kv head, and with fewer still (single-stream decode) one per query head,
   // which re-reads its group's keys and values from cache but gives every thread work.
-  // Each query head's arithmetic is the same whatever the split.
+  // Each query head's arithmetic is the same whatever the split. Long contexts among few
+  // requests are split over the context instead (split-K), each task one partition of a
+  // request, all heads: the cache still streams in order and is read once.
   const int64_t group = p.num_heads / p.num_kv_heads;
-  p.kv_per_task = p.num_reqs >= 4 * threads ? p.num_kv_heads : 1;
-  p.q_per_task = p.num_reqs * p.num_kv_heads >= 4 * threads ? group : 1;
+  p.num_parts = split_k_partitions(p.num_reqs, max_context, threads);
+  const bool by_request = p.num_reqs >= 4 * threads || p.num_parts > 1;
+  p.kv_per_task = by_request ? p.num_kv_heads : 1;
+  p.q_per_task = by_request || p.num_reqs * p.num_kv_heads >= 4 * threads ? group : 1;
   p.kv_tasks = p.num_kv_heads / p.kv_per_task;
   p.q_tasks = group / p.q_per_task;
-  p.num_tasks = p.num_reqs * p.kv_tasks * p.q_tasks;
+  p.num_tasks = p.num_reqs * p.kv_tasks * p.q_tasks * p.num_parts;
   // Keys and values each take head_size multiply-adds per context position and query head.
-  const int64_t work_per_task = 2 * p.kv_per_task * p.q_per_task * p.head_size *
-                                std::max<int64_t>(1, total_len / std::max<int64_t>(1, p.num_reqs));
+  const int64_t work_per_task =
+      2 * p.kv_per_task * p.q_per_task * p.head_size *
+      std::max<int64_t>(1, total_len / std::max<int64_t>(1, p.num_reqs * p.num_parts));
   p.grain = std::max<int64_t>(1, kMinParallelAttention / work_per_task);
+  p.allocate_partials();
   return p;
 }
 

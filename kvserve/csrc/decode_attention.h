@@ -7,6 +7,8 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <utility>
+
 #include "cpu_common.h"
 
 namespace kvserve_cpu {
@@ -45,12 +47,35 @@ struct DecodeAttentionPlan {
   int64_t sliding_window;
   int64_t kv_per_task, q_per_task, kv_tasks, q_tasks, num_tasks, grain;
   at::Tensor lens, toks;  // keep the contiguous copies alive
+  // Split-K (num_parts > 1): the tasks leave each context partition's max, sum and
+  // unnormalized output in `partials`; the task that finishes a request's last partition
+  // merges them (no second pass over the threads, no extra barrier).
+  int64_t num_parts = 1;
+  at::Tensor partials, arrivals;  // float32 partials; int64 partitions done per request
+  float* partial_base = nullptr;
+  int64_t* arrival_ptr = nullptr;
 
   // Tasks [begin, end): no checks left to fail, so any thread may run them.
   void run(int64_t begin, int64_t end) const;
+  // Request r's partitions merged into its output rows, once all are done.
+  void merge(int64_t r) const;
+  // Counts one of request r's partitions done; the last one merges.
+  void partition_done(int64_t r) const;
+  // Request r's context positions [first, last) in partition `part` (after the window).
+  std::pair<int64_t, int64_t> partition(int64_t r, int64_t part) const;
+  // Partition `part`'s max score, sum of exponentials and unnormalized output for query
+  // head qh of request r.
+  float* partial(int64_t r, int64_t part, int64_t qh) const {
+    return partial_base + ((r * num_parts + part) * num_heads + qh) * (head_size + 2);
+  }
+  // The partials and counters that num_parts asks for (none when 1).
+  void allocate_partials();
   // The same attention over another layer's cache of the same shape and type.
   DecodeAttentionPlan for_layer(const at::Tensor& kv_cache, int64_t window) const;
 };
+// Context partitions per request: more than one where few requests share the threads
+// and the longest context is long enough to be worth splitting.
+int64_t split_k_partitions(int64_t num_reqs, int64_t max_context, int64_t threads);
 DecodeAttentionPlan plan_decode_attention(at::Tensor& out, const at::Tensor& query,
                                           const at::Tensor& kv_cache,
                                           const at::Tensor& block_table,

@@ -143,3 +143,39 @@ def test_padding_rows_past_the_actual_tokens_are_ignored(tiny_llama: tuple) -> N
             hidden = model(torch.tensor([20, 0]), torch.tensor([6, 0]))
         outputs.append(hidden)
     assert torch.equal(outputs[0][:1], outputs[1][:1])
+
+
+@pytest.mark.parametrize("num_requests", [1, 2])
+def test_long_contexts_split_k_in_the_fused_step_as_in_the_op(
+    num_requests: int, tiny_llama: tuple, paged_runner: Callable
+) -> None:
+    """Contexts long enough for the decode attention's split-K: the fused step runs the
+    partitions (and their merges) on its own threads, the modules' op through
+    at::parallel_for; the partitions are the same, so the logits are too, bit for bit."""
+    path, _ = tiny_llama
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        assert ops.decode_attention_partitions(num_requests, 600, 2) > 1
+        runs = []
+        for use_stack in (True, False):
+            model = _load(path, "q4_1")
+            if not use_stack:
+                model.model.decode_stack = None
+            runner = paged_runner(model, block_size=16, num_blocks=2 * 40)
+            torch.manual_seed(11)
+            prompts = {f"r{i}": torch.randint(3, 256, (600 - 90 * i,)).tolist()
+                       for i in range(num_requests)}  # fmt: skip
+            last = {r: int(lg[-1].argmax()) for r, lg in zip(prompts, runner.step(list(prompts.items())), strict=True)}  # fmt: skip
+            steps = []
+            for _ in range(3):
+                logits = runner.step([(r, [last[r]]) for r in prompts])
+                steps.append(torch.cat(logits))
+                last = {r: int(lg[-1].argmax()) for r, lg in zip(prompts, logits, strict=True)}
+            if use_stack:
+                assert model.model.decode_stack._stack is not None
+            runs.append(steps)
+    finally:
+        torch.set_num_threads(before)
+    for step, (g, w) in enumerate(zip(*runs, strict=True)):
+        assert torch.equal(g, w), f"step {step} differs"
