@@ -26,6 +26,11 @@ import tempfile
 import time
 from typing import Any
 
+from kvserve.benchmarks.random_hf_llama import (
+    add_random_model_args,
+    require_positive,
+    write_random_llama,
+)
 from kvserve.sampling_params import SamplingParams
 
 
@@ -38,34 +43,14 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt-len", type=int, default=256)
     parser.add_argument("--max-tokens", type=int, default=4, help="new tokens per prompt")
     parser.add_argument("--rounds", type=int, default=2, help="timed rounds per engine")
-    parser.add_argument("--hidden-size", type=int, default=512, help="random model only")
-    parser.add_argument("--num-layers", type=int, default=8, help="random model only")
-    parser.add_argument("--vocab-size", type=int, default=8000, help="random model only")
+    add_random_model_args(parser, hidden_size=512)
     parser.add_argument("--output-json", default=None, help="write the results as JSON here")
 
 
-def _random_llama(path: str, args: argparse.Namespace) -> None:
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        hidden_size=args.hidden_size,
-        intermediate_size=args.hidden_size * 2,
-        num_hidden_layers=args.num_layers,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-        vocab_size=args.vocab_size,
-        max_position_embeddings=args.prompt_len + args.max_tokens + 16,
-        tie_word_embeddings=False,
-    )
-    LlamaForCausalLM(config).float().save_pretrained(path)
-
-
 def _validate(args: argparse.Namespace) -> None:
-    for name in ("pipeline_parallel_size", "num_prompts", "prompt_len", "max_tokens", "rounds"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"{name} must be >= 1, got {getattr(args, name)}")
+    require_positive(
+        args, "pipeline_parallel_size", "num_prompts", "prompt_len", "max_tokens", "rounds"
+    )
     if args.pipeline_parallel_size < 2:
         raise ValueError("pipeline_parallel_size must be >= 2: the batch queue needs stages")
 
@@ -82,7 +67,7 @@ def run_pipeline(args: argparse.Namespace) -> dict[str, Any]:
         model = args.bench_model
         if model is None:
             model = os.path.join(tmp, "llama")
-            _random_llama(model, args)
+            write_random_llama(model, args)
         try:
             for name, on in (("batch_queue", True), ("no_batch_queue", False)):
                 engines[name] = LLM(

@@ -24,6 +24,11 @@ import tempfile
 import time
 from typing import Any
 
+from kvserve.benchmarks.random_hf_llama import (
+    add_random_model_args,
+    require_positive,
+    write_random_llama,
+)
 from kvserve.sampling_params import SamplingParams
 
 ENGINES = (("dbo", True), ("no_dbo", False))
@@ -41,9 +46,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dbo-decode-token-threshold", type=int, default=32)
     parser.add_argument("--dbo-prefill-token-threshold", type=int, default=512)
     parser.add_argument("--rounds", type=int, default=3, help="timed rounds per engine")
-    parser.add_argument("--hidden-size", type=int, default=1024, help="random model only")
-    parser.add_argument("--num-layers", type=int, default=8, help="random model only")
-    parser.add_argument("--vocab-size", type=int, default=8000, help="random model only")
+    add_random_model_args(parser, hidden_size=1024)
     parser.add_argument("--output-json", default=None, help="write the results as JSON here")
 
 
@@ -52,28 +55,10 @@ def num_ubatched_steps(worker: Any) -> int:
     return int(worker.model_runner.ubatch_runner.num_ubatched_steps)
 
 
-def _random_llama(path: str, args: argparse.Namespace) -> None:
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        hidden_size=args.hidden_size,
-        intermediate_size=args.hidden_size * 2,
-        num_hidden_layers=args.num_layers,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-        vocab_size=args.vocab_size,
-        max_position_embeddings=args.prompt_len + args.max_tokens + 64,
-        tie_word_embeddings=False,
-    )
-    LlamaForCausalLM(config).float().save_pretrained(path)
-
-
 def _validate(args: argparse.Namespace) -> None:
-    for name in ("tensor_parallel_size", "num_prompts", "prompt_len", "max_tokens", "rounds"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"{name} must be >= 1, got {getattr(args, name)}")
+    require_positive(
+        args, "tensor_parallel_size", "num_prompts", "prompt_len", "max_tokens", "rounds"
+    )
 
 
 def _engine_state(llm: Any) -> tuple[Any, int]:
@@ -102,7 +87,7 @@ def run_ubatch(args: argparse.Namespace) -> dict[str, Any]:
         model = args.bench_model
         if model is None:
             model = os.path.join(tmp, "llama")
-            _random_llama(model, args)
+            write_random_llama(model, args)
         try:
             for name, on in ENGINES:
                 engines[name] = LLM(

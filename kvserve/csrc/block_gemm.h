@@ -486,9 +486,8 @@ void packed_groups_vnni(const uint8_t* packed, int64_t kind, int64_t N, int64_t 
                         int64_t rows, const int8_t* xq, const uint8_t* xu, const float* xd,
                         const float* xs, float* out, int64_t g_begin, int64_t g_end);
 
-// block_gemm_packed_avx2.cpp: packed_groups_vnni's work in AVX2 builds without VNNI
-// (false, nothing written, in builds without AVX2). record and quant_bytes: the layout's
-// bytes per group and block, and of their quants.
+// block_gemm_packed_avx2.cpp: packed_groups_vnni's work in AVX2 builds without VNNI (false,
+// nothing written, without AVX2). record, quant_bytes: bytes per group and block, quants.
 bool packed_groups_avx2(const uint8_t* packed, int64_t kind, int64_t record,
                         int64_t quant_bytes, int64_t N, int64_t K, int64_t rows,
                         const int8_t* xq, const float* xd, const float* xs, float* out,
