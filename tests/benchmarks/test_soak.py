@@ -39,16 +39,16 @@ ROUND = SoakConfig(
     mix="basic",
 )
 # The test server's 512-token context holds the longest shared prefix (240 words) and a
-# reply; its model takes no images.
+# reply; its model takes no images. 12 s after the warmup: the RSS trend needs 10+ samples.
 FEATURE_ROUND = SoakConfig(
     clients=24,
-    duration_s=14.0,
+    duration_s=20.0,
     max_tokens=8,
     max_prompt_words=12,
     request_timeout_s=90.0,
     images="off",
     prefix_words=160,
-    warmup_s=6.0,
+    warmup_s=8.0,
 )
 FEATURE_OUTCOMES = ("json_schema", "tool_call", "n2_logprobs", "seeded", "shared_prefix")
 # Per process, from the end of round 1 to the end of round 2: allocator noise, not a leak.

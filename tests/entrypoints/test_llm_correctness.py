@@ -184,7 +184,12 @@ def test_gguf_int8_stays_near_greedy(
     adaptive thread governor switching counts between decode steps, a request's int8
     tokens can also depend on that history (found on an AMD EPYC Zen 4, 2026-12-05:
     each count alone gives the same tokens, a random mix per decode step flips one
-    prompt's continuation); that is a separate, open defect."""
+    prompt's continuation); that is a separate, open defect.
+
+    Decode attention's split-K (csrc/decode_attention_split.cpp) cuts a lone request's
+    long context across the threads, which a full batch's step does not, so the last bits
+    of its attention (and then its int8 rounding) may differ: batch invariance is checked
+    for the prompts whose single-stream decode is not split."""
     from kvserve import _custom_ops as ops
     from kvserve.worker.thread_governor import ENV_ADAPTIVE
 
@@ -196,7 +201,14 @@ def test_gguf_int8_stays_near_greedy(
     batched = run(engine, prompts)
     singles = [run(engine, [prompt])[0] for prompt in prompts]
     if ops.packs_int8_weights():
-        assert singles == batched
+        threads = torch.get_num_threads()
+        unsplit = [
+            i
+            for i, prompt in enumerate(prompts)
+            if ops.decode_attention_partitions(1, len(prompt) + NUM_TOKENS, threads) == 1
+        ]
+        assert unsplit
+        assert [singles[i] for i in unsplit] == [batched[i] for i in unsplit]
     else:
         assert batched == expected
     assert_near_greedy(engine, prompts, expected, singles)

@@ -44,31 +44,42 @@ def test_not_applied_once_torch_is_loaded() -> None:
     assert threads.configure_process_threads() is None
 
 
-def test_release_openmp_team_ends_the_threads_team() -> None:
-    # On a thread of its own: the test process's main thread keeps whatever team it has.
-    import threading
+_RELEASE_SCRIPT = """
+import os, threading, time, torch
+from kvserve.utils import threads
 
-    import torch
+def tasks():
+    return len(os.listdir("/proc/self/task"))
+
+def run():
+    torch.set_num_threads(2)
+    torch.full((1 << 22,), 1.0)  # above torch's grain size: a parallel region
+    before = tasks()
+    released = threads.release_openmp_team()
+    deadline = time.monotonic() + 5.0  # the worker thread exits on its own time
+    while tasks() >= before and time.monotonic() < deadline:
+        time.sleep(0.01)
+    print(released, before, tasks())
+
+thread = threading.Thread(target=run)
+thread.start()
+thread.join()
+"""
+
+
+def test_release_openmp_team_ends_the_threads_team() -> None:
+    """On a thread of its own, in a fresh process: the test process's other threads
+    (servers, pools of earlier tests) come and go and would blur the count."""
+    import subprocess
+    import sys
 
     if not os.path.isdir("/proc/self/task"):
         pytest.skip("threads are counted in Linux's /proc")
-
-    def tasks() -> int:
-        return len(os.listdir("/proc/self/task"))
-
-    counts: list[int] = []
-    released: list[bool] = []
-
-    def run() -> None:
-        torch.set_num_threads(2)
-        torch.full((1 << 22,), 1.0)  # above torch's grain size: a parallel region
-        counts.append(tasks())
-        released.append(threads.release_openmp_team())
-        counts.append(tasks())
-
-    thread = threading.Thread(target=run)
-    thread.start()
-    thread.join()
-    if not released[0]:
+    done = subprocess.run(
+        [sys.executable, "-c", _RELEASE_SCRIPT], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    released, before, after = done.stdout.split()
+    if released != "True":
         pytest.skip("torch runs on another OpenMP runtime than libgomp here")
-    assert counts[1] == counts[0] - 1  # the team's one worker thread ended
+    assert int(after) == int(before) - 1  # the team's one worker thread ended
