@@ -73,8 +73,9 @@ class EngineArgs(ParallelArgs, KVArgs, MultiModalArgs, VllmCompatArgs):
     attention_backend: str | None = None
     block_size: int = 16
     kv_cache_dtype: str = "auto"
-    # Bytes (or "2G") for the KV cache; unset: gpu_memory_utilization's share of the
-    # available memory when that is given, else CacheConfig's default.
+    # Bytes (or "2G") for the KV cache; unset: from gpu_memory_utilization when that is
+    # given (CUDA: what the profiled instance leaves of that share of the device's total;
+    # CPU: that share of the free host RAM), else CacheConfig's default.
     kv_cache_memory: int | str | None = None
     kv_cache_memory_bytes: int | str | None = None  # vLLM's name for kv_cache_memory
     gpu_memory_utilization: float | None = None
@@ -117,13 +118,22 @@ class EngineArgs(ParallelArgs, KVArgs, MultiModalArgs, VllmCompatArgs):
     generation_config: str = "auto"
     override_generation_config: dict[str, Any] | str | None = None
 
-    def _kv_cache_bytes(self, device: str) -> int:
+    def _explicit_kv_cache_bytes(self) -> int | str | None:
         given = self.kv_cache_memory
-        if given is None:
-            given = self.kv_cache_memory_bytes
+        return self.kv_cache_memory_bytes if given is None else given
+
+    def _profiled_utilization(self, device: str) -> float | None:
+        """gpu_memory_utilization where the worker sizes the KV cache from a profile (CUDA,
+        no explicit size); elsewhere it is a share of the free memory (_kv_cache_bytes)."""
+        if device != "cuda" or self._explicit_kv_cache_bytes() is not None:
+            return None
+        return self.gpu_memory_utilization
+
+    def _kv_cache_bytes(self, device: str) -> int:
+        given = self._explicit_kv_cache_bytes()
         if given is not None:
             return parse_bytes(given)
-        if self.gpu_memory_utilization is not None:
+        if self.gpu_memory_utilization is not None and device != "cuda":
             from kvserve.utils.memory import kv_cache_bytes_for_utilization
 
             return kv_cache_bytes_for_utilization(self.gpu_memory_utilization, device)
@@ -204,6 +214,7 @@ class EngineArgs(ParallelArgs, KVArgs, MultiModalArgs, VllmCompatArgs):
                 block_size=self.block_size,
                 cache_dtype=self.kv_cache_dtype,
                 kv_cache_memory=self._kv_cache_bytes(device_config.device),
+                gpu_memory_utilization=self._profiled_utilization(device_config.device),
                 enable_prefix_caching=self.enable_prefix_caching,
                 prefix_caching_hash_seed=self.prefix_caching_hash_seed,
                 num_blocks_override=self.num_blocks_override or self.num_gpu_blocks_override,
@@ -315,8 +326,9 @@ class EngineArgs(ParallelArgs, KVArgs, MultiModalArgs, VllmCompatArgs):
         )  # fmt: skip
         parser.add_argument(
             "--gpu-memory-utilization", type=float, default=None,
-            help="without --kv-cache-memory: the KV cache takes this share of the device's "
-            "available memory (host RAM on the CPU)",
+            help="without --kv-cache-memory: on CUDA the share of the GPU's total memory this "
+            "instance may use (weights, activations and CUDA graphs are profiled, the KV cache "
+            "gets the rest); on the CPU the KV cache takes this share of the free host RAM",
         )  # fmt: skip
         parser.add_argument(
             "--num-gpu-blocks-override", "--num-blocks-override", dest="num_blocks_override",

@@ -17,6 +17,10 @@ class CacheConfig:
     # Seed of the block hash, so every process and machine agrees on block keys.
     prefix_caching_hash_seed: int = 0
     num_blocks_override: int | None = None
+    # CUDA only (vLLM's meaning): the share of the device's total memory this instance may
+    # use; the worker profiles the weights, activations and CUDA graphs and kv_cache_memory
+    # is replaced by what they leave (worker/gpu_memory_profiler.py). None: kv_cache_memory.
+    gpu_memory_utilization: float | None = None
     # Element type of the paged KV cache (vLLM's --kv-cache-dtype). "auto" is the model's
     # dtype; float16 / bfloat16 halve the cache's bytes (decode attention at long contexts
     # is bound by reading them) at the cost of rounding the stored keys and values.
@@ -40,6 +44,9 @@ class CacheConfig:
             raise ValueError(f"block_size must be a power of two >= 1, got {self.block_size}")
         if self.kv_cache_memory <= 0:
             raise ValueError(f"kv_cache_memory must be positive bytes, got {self.kv_cache_memory}")
+        utilization = self.gpu_memory_utilization
+        if utilization is not None and (isinstance(utilization, bool) or not 0 < utilization <= 1):
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {utilization!r}")
         if self.num_blocks_override is not None and self.num_blocks_override < 2:
             raise ValueError(
                 f"num_blocks_override must be at least 2, got {self.num_blocks_override}"

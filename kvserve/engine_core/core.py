@@ -145,9 +145,12 @@ class EngineCore:
         for worker_specs in self.model_executor.get_kv_cache_specs():
             specs.update(worker_specs)  # pipeline stages each report their own layers
         cache = self.config.cache_config
-        kv_cache_config = build_kv_cache_config(
-            specs, cache.kv_cache_memory, cache.num_blocks_override
-        )
+        memory = cache.kv_cache_memory
+        if cache.gpu_memory_utilization is not None:
+            # CUDA: each worker's profile says what its share of the device leaves for the
+            # KV cache; the tightest sizes the pool every worker allocates.
+            memory = min(self.model_executor.determine_available_memory())
+        kv_cache_config = build_kv_cache_config(specs, memory, cache.num_blocks_override)
         self.model_executor.initialize_from_config(kv_cache_config)
         max_batched = self.config.scheduler_config.max_num_batched_tokens
         capacity = max_tokens_per_request(kv_cache_config, max_batched)

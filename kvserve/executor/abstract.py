@@ -80,6 +80,10 @@ class Executor(ABC):
     def get_kv_cache_specs(self) -> list[dict[str, KVCacheSpec]]:
         return self.collective_rpc("get_kv_cache_spec")
 
+    def determine_available_memory(self) -> list[int]:
+        """Each worker's KV cache bytes (profiled on CUDA under gpu_memory_utilization)."""
+        return [int(n) for n in self.collective_rpc("determine_available_memory")]
+
     @property
     def max_concurrent_batches(self) -> int:
         """Micro-batches the engine core may keep in flight (its batch queue): one

@@ -31,6 +31,9 @@ logger = logging.getLogger(__name__)
 class NoCUDAGraphs:
     """The eager forward: what every step runs without captured graphs."""
 
+    # Device memory the captured graphs hold (0: none captured).
+    pool_bytes = 0
+
     @property
     def captured_sizes(self) -> tuple[int, ...]:
         return ()
@@ -56,7 +59,7 @@ class CUDAGraphRunner(NoCUDAGraphs):
         self.static = static_inputs
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
-        self.pool_bytes = 0
+        self.size_bytes: dict[int, int] = {}
 
     @property
     def captured_sizes(self) -> tuple[int, ...]:
@@ -76,10 +79,10 @@ class CUDAGraphRunner(NoCUDAGraphs):
     @torch.inference_mode()
     def capture(self, model: Any) -> None:
         """Capture every size, largest first so the smaller ones reuse its pool's blocks.
-        Each is run once eagerly before its capture: Triton compiles outside the graph."""
+        Each is run once eagerly before its capture: Triton compiles outside the graph.
+        ``size_bytes`` is the device memory each capture took, measured after its eager
+        run so the activations that run leaves in torch's cache are not counted."""
         start = time.perf_counter()
-        torch.cuda.synchronize()
-        free_before = torch.cuda.mem_get_info()[0]
         pool = torch.cuda.graph_pool_handle()
         static = self.static
         for size in reversed(self.capture_sizes):
@@ -87,17 +90,24 @@ class CUDAGraphRunner(NoCUDAGraphs):
             with set_forward_context(metadata):
                 model(static.input_ids[:size], static.positions[:size])
                 torch.cuda.synchronize()
+                free_before = torch.cuda.mem_get_info()[0]
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
                     self.outputs[size] = model(static.input_ids[:size], static.positions[:size])
+                torch.cuda.synchronize()
+            self.size_bytes[size] = max(0, free_before - torch.cuda.mem_get_info()[0])
             self.graphs[size] = graph
-        torch.cuda.synchronize()
-        self.pool_bytes = max(0, free_before - torch.cuda.mem_get_info()[0])
+        self.pool_bytes = sum(self.size_bytes.values())
         logger.info(
             "captured %d CUDA graphs (decode batches %d..%d) in %.1f s, %.0f MiB",
             len(self.graphs), self.capture_sizes[0], self.capture_sizes[-1],
             time.perf_counter() - start, self.pool_bytes / (1 << 20),
         )  # fmt: skip
+
+    def release(self) -> None:
+        """Drops the graphs and their outputs, so their pool can go back to the device."""
+        self.graphs.clear()
+        self.outputs.clear()
 
     def forward(self, model: Any, inputs: StepInputs, mm_kwargs: dict[str, Any]) -> torch.Tensor:
         commons = inputs.common_attn_metadata
@@ -111,7 +121,7 @@ class CUDAGraphRunner(NoCUDAGraphs):
         return self.outputs[size][:n]
 
 
-def _graphs_unsupported(config: EngineConfig, builders: list[AttentionMetadataBuilder]) -> str:
+def graphs_unsupported(config: EngineConfig, builders: list[AttentionMetadataBuilder]) -> str:
     """Why this engine cannot replay graphs ("" when it can): per-layer host work in the
     forward (connectors, LoRA, encoders, Mamba, drafts, collectives) or moving buffers."""
     if not all(type(b).cudagraph_support for b in builders):
@@ -144,7 +154,7 @@ def make_cuda_graph_runner(
     sizes = config.compilation_config.cudagraph_capture_sizes or []
     if device.type != "cuda" or not sizes:
         return NoCUDAGraphs()
-    why = _graphs_unsupported(config, builders)
+    why = graphs_unsupported(config, builders)
     if why:
         logger.info("CUDA graphs off: %s; every step runs eagerly", why)
         return NoCUDAGraphs()

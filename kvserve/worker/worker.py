@@ -21,6 +21,7 @@ from kvserve.protocol.runner_output import ModelRunnerOutput
 from kvserve.protocol.scheduler_output import GrammarOutput, SchedulerOutput
 from kvserve.sample.logits_processor.loader import load_logits_processors
 from kvserve.utils.census import per_request_objects
+from kvserve.worker.gpu_memory_profiler import GPUMemoryProfiler
 from kvserve.worker.model_runner import ModelRunner
 from kvserve.worker.worker_base import WorkerBase
 
@@ -40,6 +41,8 @@ class Worker(WorkerBase):
         self._model_runner: ModelRunner | None = None
         # Steps this rank joined with no requests of its own (expert parallelism).
         self.num_dummy_batches = 0
+        # CUDA with gpu_memory_utilization: sizes the KV cache from a memory profile.
+        self.memory_profiler: GPUMemoryProfiler | None = None
 
     @property
     def model_runner(self) -> ModelRunner:
@@ -55,6 +58,9 @@ class Worker(WorkerBase):
             self.device = torch.device("cuda", self.local_rank)
             torch.cuda.set_device(self.device)
             torch.cuda.manual_seed_all(self.config.model_config.seed)
+            utilization = self.config.cache_config.gpu_memory_utilization
+            if utilization is not None:
+                self.memory_profiler = GPUMemoryProfiler(utilization, self.device)
         else:
             self.device = torch.device(device_type)
         if self.config.parallel_config.distributed_world_size > 1:
@@ -74,8 +80,17 @@ class Worker(WorkerBase):
     def get_kv_cache_spec(self) -> dict[str, KVCacheSpec]:
         return self.model_runner.get_kv_cache_spec()
 
+    def determine_available_memory(self) -> int:
+        """The KV cache's bytes on this worker: what gpu_memory_utilization's share of
+        the device leaves after a memory profile (CUDA), else kv_cache_memory."""
+        if self.memory_profiler is None:
+            return self.config.cache_config.kv_cache_memory
+        return self.memory_profiler.kv_cache_budget(self.model_runner.model, self.config)
+
     def initialize_from_config(self, kv_cache_config: KVCacheConfig) -> None:
         self.model_runner.initialize_kv_cache(kv_cache_config)
+        if self.memory_profiler is not None:
+            self.memory_profiler.report_capture(self.model_runner.cuda_graphs.pool_bytes)
         custom = self.config.model_config.logits_processors
         if custom:
             # The runner's batch is built with the built-in processors; the user's join it

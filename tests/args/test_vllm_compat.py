@@ -75,6 +75,21 @@ def test_gpu_memory_utilization_sizes_the_kv_cache() -> None:
     )
     with pytest.raises(ValueError, match="gpu_memory_utilization must be in"):
         EngineArgs(gpu_memory_utilization=1.5).create_engine_config()
+    assert config.cache_config.gpu_memory_utilization is None  # the CPU's share is a size
+
+
+def test_gpu_memory_utilization_on_cuda_is_left_to_the_workers_profile() -> None:
+    """On CUDA the share is of the device's total and the worker profiles what it leaves
+    (worker/gpu_memory_profiler.py): the config carries the share, not a size."""
+    config = EngineArgs(gpu_memory_utilization=0.9, device="cuda").create_engine_config()
+    assert config.cache_config.gpu_memory_utilization == 0.9
+    config = EngineArgs(
+        gpu_memory_utilization=0.9, kv_cache_memory="64M", device="cuda"
+    ).create_engine_config()
+    assert config.cache_config.gpu_memory_utilization is None
+    assert config.cache_config.kv_cache_memory == 64 << 20
+    with pytest.raises(ValueError, match="gpu_memory_utilization must be in"):
+        EngineArgs(gpu_memory_utilization=0.0, device="cuda").create_engine_config()
 
 
 def test_max_logprobs_is_enforced() -> None:

@@ -69,6 +69,8 @@ def test_uniproc_executor_runs_a_step(config: EngineConfig) -> None:
     executor = UniProcExecutor(config)
     try:
         specs = executor.get_kv_cache_specs()
+        # No gpu_memory_utilization profile off CUDA: the configured size.
+        assert executor.determine_available_memory() == [config.cache_config.kv_cache_memory]
         assert len(specs) == 1 and len(specs[0]) == 2
         executor.initialize_from_config(build_kv_cache_config(specs[0], 0, num_blocks_override=16))
         executor.check_health()

@@ -14,7 +14,7 @@ from kvserve.attention.backends.triton_attn import TritonAttentionMetadataBuilde
 from kvserve.config import EngineConfig
 from kvserve.worker.cuda_graph_runner import (
     NoCUDAGraphs,
-    _graphs_unsupported,
+    graphs_unsupported,
     make_cuda_graph_runner,
 )
 
@@ -31,14 +31,14 @@ def test_cpu_runs_eagerly(config: EngineConfig) -> None:
 
 
 def test_builders_with_host_work_keep_graphs_off(config: EngineConfig) -> None:
-    assert _graphs_unsupported(config, [TritonAttentionMetadataBuilder(16, "cpu")]) == ""
-    why = _graphs_unsupported(config, [CPUAttentionMetadataBuilder(16, "cpu")])
+    assert graphs_unsupported(config, [TritonAttentionMetadataBuilder(16, "cpu")]) == ""
+    why = graphs_unsupported(config, [CPUAttentionMetadataBuilder(16, "cpu")])
     assert "CPUAttentionMetadataBuilder" in why
 
 
 def test_features_with_per_layer_host_work_keep_graphs_off() -> None:
     config = EngineArgs(max_model_len=256, enable_lora=True).create_engine_config()
-    assert _graphs_unsupported(config, []) == "not captured with LoRA"
+    assert graphs_unsupported(config, []) == "not captured with LoRA"
 
 
 def test_enforce_eager_means_no_runner_even_on_cuda(caplog: pytest.LogCaptureFixture) -> None:
