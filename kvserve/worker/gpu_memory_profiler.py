@@ -22,6 +22,7 @@ import torch
 
 from kvserve.attention.layer import bind_kv_cache, get_attention_layers
 from kvserve.config import EngineConfig
+from kvserve.distributed.parallel_state import get_pp_group
 from kvserve.forward_context import set_forward_context
 from kvserve.protocol.kv_cache_interface import KVCacheConfig, build_kv_cache_config
 from kvserve.utils.memory import (
@@ -46,18 +47,25 @@ _PROBE_BLOCKS = 2
 
 @torch.inference_mode()
 def profile_forward(
-    model: Any, num_tokens: int, num_reqs: int, max_model_len: int, device: torch.device
+    model: Any,
+    num_tokens: int,
+    num_reqs: int,
+    max_model_len: int,
+    device: torch.device,
+    with_logits: bool = True,
 ) -> torch.Tensor:
     """The largest step the scheduler may send, run eagerly without a KV cache (the
     attention layers treat the tokens as one causal sequence), then the logits and
     probabilities of ``num_reqs`` rows as the sampler would make them. Returns the
-    probabilities (a pooling model's hidden states: it samples nothing)."""
+    probabilities; the hidden states where nothing is sampled (a pooling model, or
+    ``with_logits`` False: an earlier pipeline stage, whose forward sends them on while
+    every rank profiles at once, so the stages' sends and receives pair up)."""
     input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=device)
     positions = torch.arange(num_tokens, dtype=torch.int64, device=device) % max_model_len
     with set_forward_context(None):
         hidden = model(input_ids, positions)
     compute_logits = getattr(model, "compute_logits", None)
-    if compute_logits is None:
+    if compute_logits is None or not with_logits:
         return hidden
     return torch.softmax(compute_logits(hidden[-num_reqs:]).float(), dim=-1)
 
@@ -136,7 +144,8 @@ class GPUMemoryProfiler:
         sched = config.scheduler_config
         num_tokens = sched.max_num_batched_tokens
         num_reqs = min(sched.max_num_seqs, num_tokens)
-        profile_forward(model, num_tokens, num_reqs, config.max_seq_len, device)
+        last_stage = get_pp_group().is_last_rank
+        profile_forward(model, num_tokens, num_reqs, config.max_seq_len, device, last_stage)
         torch.cuda.synchronize(device)
         peak_activations = max(0, torch.cuda.max_memory_allocated(device) - weights)
         torch.cuda.empty_cache()

@@ -45,6 +45,9 @@ def test_profile_run_needs_no_kv_cache(runner: ModelRunner) -> None:
     assert probs.shape == (8, 128) and probs.dtype == torch.float32
     torch.testing.assert_close(probs.sum(dim=-1), torch.ones(8))
     assert all(layer.kv_cache.numel() == 0 for layer in layers.values())
+    # An earlier pipeline stage samples nothing: its hidden states for every token.
+    hidden = profile_forward(runner.model, 96, 8, 64, torch.device("cpu"), with_logits=False)
+    assert hidden.shape == (96, 32)
 
 
 def test_no_graphs_are_estimated_off_cuda(runner: ModelRunner) -> None:
