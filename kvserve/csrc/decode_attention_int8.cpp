@@ -330,7 +330,8 @@ void cache_and_decode_attention_int8(at::Tensor& out, const at::Tensor& query,
   if (merges.empty()) return;
   at::parallel_for(0, static_cast<int64_t>(merges.size()), 1, [&](int64_t begin, int64_t end) {
     std::vector<float> weights;
-    for (int64_t i = begin; i < end; ++i) p.merge(merges[i].r, merges[i].slot0, merges[i].count, weights);
+    for (int64_t i = begin; i < end; ++i)
+      p.merge(merges[i].r, merges[i].slot0, merges[i].count, weights);
   });
 }
 

@@ -101,8 +101,10 @@ inline __m512 reduce16(const __m512* a) {
   __m512 quads[4];  // quads[t]: each 128-bit lane holds partial sums of rows 4t..4t+3
   for (int t = 0; t < 4; ++t) {
     const __m512* x = a + 4 * t;
-    const __m512 s01 = _mm512_add_ps(_mm512_unpacklo_ps(x[0], x[1]), _mm512_unpackhi_ps(x[0], x[1]));
-    const __m512 s23 = _mm512_add_ps(_mm512_unpacklo_ps(x[2], x[3]), _mm512_unpackhi_ps(x[2], x[3]));
+    const auto pair = [](__m512 u, __m512 v) {
+      return _mm512_add_ps(_mm512_unpacklo_ps(u, v), _mm512_unpackhi_ps(u, v));
+    };
+    const __m512 s01 = pair(x[0], x[1]), s23 = pair(x[2], x[3]);
     quads[t] = _mm512_add_ps(_mm512_shuffle_ps(s01, s23, _MM_SHUFFLE(1, 0, 1, 0)),
                              _mm512_shuffle_ps(s01, s23, _MM_SHUFFLE(3, 2, 3, 2)));
   }
@@ -175,7 +177,8 @@ inline void accumulate_tile(const float* w, const float* f, int64_t m, int64_t h
           for (int64_t j = 0; j < m; ++j) {
             const __m512 wj = _mm512_set1_ps(w[j]);
             const float* row = f + j * head_size + c0;
-            for (int c = 0; c < C; ++c) a[c] = _mm512_fmadd_ps(wj, _mm512_loadu_ps(row + 16 * c), a[c]);
+            for (int c = 0; c < C; ++c)
+              a[c] = _mm512_fmadd_ps(wj, _mm512_loadu_ps(row + 16 * c), a[c]);
           }
           for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc + c0 + 16 * c, a[c]);
         });
@@ -191,7 +194,8 @@ inline void accumulate_tile(const float* w, const float* f, int64_t m, int64_t h
           for (int64_t j = 0; j < m; ++j) {
             const __m256 wj = _mm256_set1_ps(w[j]);
             const float* row = f + j * head_size + c0;
-            for (int c = 0; c < C; ++c) a[c] = _mm256_fmadd_ps(wj, _mm256_loadu_ps(row + 8 * c), a[c]);
+            for (int c = 0; c < C; ++c)
+              a[c] = _mm256_fmadd_ps(wj, _mm256_loadu_ps(row + 8 * c), a[c]);
           }
           for (int c = 0; c < C; ++c) _mm256_storeu_ps(acc + c0 + 8 * c, a[c]);
         });
