@@ -18,9 +18,9 @@
 //
 // Split-K: a request's context is cut at multiples of kPartition positions, whatever the
 // batch or the thread count, each partition a task leaving its max score, sum of
-// exponentials and unnormalized output; a request's partitions are merged by
-// log-sum-exp. A request's output is then the same in any batch and on any number of
-// threads, and one long request still uses every thread.
+// exponentials and unnormalized output; the last of a request's tasks to finish merges
+// them by log-sum-exp. A request's output is then the same in any batch and on any
+// number of threads, and one long request still uses every thread.
 
 #pragma GCC optimize("no-trapping-math")
 
@@ -88,9 +88,10 @@ void write_kv_int8(const at::Tensor& key, const at::Tensor& value, at::Tensor& k
 }
 
 // One task: request r's query heads of kv heads [h0, h1) over context positions
-// [first, last). slot >= 0: a partition of a split request, left in the partials.
+// [first, last). slot >= 0: a partition of a split request, left in the partials for
+// the request's merge number `merge`.
 struct Int8Task {
-  int64_t r, first, last, h0, h1, slot;
+  int64_t r, first, last, h0, h1, slot, merge;
 };
 
 // A thread's buffers, reused across its tasks.
@@ -303,7 +304,8 @@ void cache_and_decode_attention_int8(at::Tensor& out, const at::Tensor& query,
     for (int64_t i = 0; i < count; ++i)
       items.push_back({r, std::max(first, (p0 + i) * kPartition),
                        std::min(len, (p0 + i + 1) * kPartition), 0, num_kv_heads,
-                       count > 1 ? num_slots + i : -1});
+                       count > 1 ? num_slots + i : -1,
+                       count > 1 ? static_cast<int64_t>(merges.size()) : -1});
     if (count > 1) merges.push_back({r, num_slots, count}), num_slots += count;
     total_len += len - first;
   }
@@ -317,7 +319,9 @@ void cache_and_decode_attention_int8(at::Tensor& out, const at::Tensor& query,
   tasks.reserve(items.size() * (num_kv_heads / kv_per_task));
   for (const Int8Task& item : items)
     for (int64_t h = 0; h < num_kv_heads; h += kv_per_task)
-      tasks.push_back({item.r, item.first, item.last, h, h + kv_per_task, item.slot});
+      tasks.push_back({item.r, item.first, item.last, h, h + kv_per_task, item.slot, item.merge});
+  const int64_t kv_tasks = num_kv_heads / kv_per_task;
+  std::vector<int64_t> arrivals(merges.size(), 0);
   CacheAligned<float> partials(num_slots * num_heads * (head_size + 2));
   p.partials = partials.data();
   const int64_t work = 2 * head_size * (num_heads / num_kv_heads) * kv_per_task *
@@ -325,14 +329,18 @@ void cache_and_decode_attention_int8(at::Tensor& out, const at::Tensor& query,
   at::parallel_for(0, static_cast<int64_t>(tasks.size()),
                    std::max<int64_t>(1, kMinParallelWork / work), [&](int64_t begin, int64_t end) {
                      Int8Scratch scratch(head_size);
-                     for (int64_t t = begin; t < end; ++t) p.run(tasks[t], scratch);
+                     std::vector<float> weights;
+                     for (int64_t t = begin; t < end; ++t) {
+                       p.run(tasks[t], scratch);
+                       const int64_t m = tasks[t].merge;
+                       // The request's last task to finish merges (no second parallel
+                       // region, whose start costs a scheduling round on a busy machine);
+                       // acq_rel: it sees every other task's partials.
+                       if (m >= 0 && __atomic_add_fetch(&arrivals[m], 1, __ATOMIC_ACQ_REL) ==
+                                         merges[m].count * kv_tasks)
+                         p.merge(merges[m].r, merges[m].slot0, merges[m].count, weights);
+                     }
                    });
-  if (merges.empty()) return;
-  at::parallel_for(0, static_cast<int64_t>(merges.size()), 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> weights;
-    for (int64_t i = begin; i < end; ++i)
-      p.merge(merges[i].r, merges[i].slot0, merges[i].count, weights);
-  });
 }
 
 }  // namespace kvserve_cpu
