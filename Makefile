@@ -4,6 +4,9 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 MODEL ?= SmolLM2-135M-Instruct
 PYTEST_ARGS ?=
+# pytest-xdist workers: whole modules run side by side (tests/xdist_groups.py); 0 runs the
+# suite in this one process.
+TEST_WORKERS ?= 2
 # mypy's cache lives per machine, not per clone (like pip's and the kernels' caches): a
 # fresh clone otherwise checks transformers, torch and ray cold, ~2,500 + 1,400 + 800
 # modules that kvserve's imports pull in, 1.5-3 min of every CI run. Entries are
@@ -54,11 +57,11 @@ lint: install
 	$(VENV)/bin/lint-imports
 
 test: install lint
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) $(PYTEST_ARGS)
 
 # The unit and component tests only (the e2e marker: tests/conftest.py), a few minutes.
 test-fast: install lint
-	$(PY) -m pytest -q -m "not e2e" $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) -m "not e2e" $(PYTEST_ARGS)
 
 # On a CUDA machine with the venv brought along (nothing is installed or downloaded: no
 # `install` prerequisite): the CUDA-only tests and a short benchmark into one file, < 8 min.

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from tests import xdist_groups
 from tests.engine_cache import EngineCache, engine_cache
 
 # Gemma 3 270M's engine and HF reference, shared session-wide by the tests that use them.
@@ -123,6 +124,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         module = item.path.relative_to(_TESTS_ROOT).as_posix()
         if module in E2E_MODULES or item.get_closest_marker("slow") is not None:
             item.add_marker(pytest.mark.e2e)
+        xdist_groups.check_shared_fixture_groups(item, module)
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """Whole modules (and modules sharing a costly fixture) per worker: tests/xdist_groups.py."""
+    if config.getvalue("dist") in ("load", "loadscope", "loadgroup"):
+        return xdist_groups.make_scheduler(config, log)
+    return None
 
 
 # Small enough that several engines fit in memory side by side during the suite.
