@@ -233,10 +233,12 @@ def cache_and_decode_attention_int8(
     )  # fmt: skip
 
 
-def decode_attention_partitions(num_reqs: int, max_context: int, threads: int) -> int:
-    """Context partitions per request that the decode attention kernel's split-K takes for
-    ``num_reqs`` decodes whose longest context is ``max_context`` tokens (1: no split)."""
-    return int(torch.ops.kvserve.decode_attention_partitions(num_reqs, max_context, threads))
+def decode_attention_partitions(context: int) -> int:
+    """Context partitions that the decode attention kernel's split-K cuts a request's
+    ``context`` tokens (after its sliding window) into (1: no split). They depend on the
+    request's own context only, not on its batch or the thread count, so its attention
+    rounds the same way in any batch and on any number of threads."""
+    return int(torch.ops.kvserve.decode_attention_partitions(context))
 
 
 def rotary_embedding(

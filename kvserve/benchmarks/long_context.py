@@ -158,9 +158,7 @@ def run_long_context(args: argparse.Namespace) -> dict[str, Any]:
                 prompts = random_prompts(arch.vocab_size, context, streams, seed)
                 row: dict[str, Any] = {"context": context, "streams": streams}
                 if ops.available():
-                    row["split_k_partitions"] = ops.decode_attention_partitions(
-                        streams, context, threads
-                    )
+                    row["split_k_partitions"] = ops.decode_attention_partitions(context)
                 if llm is not None:
                     row["kvserve"] = kvserve_decode_rate(llm, prompts, args.output_len, "long")
                 if "llamacpp" in engines:

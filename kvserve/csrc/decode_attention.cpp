@@ -22,10 +22,6 @@
 namespace kvserve_cpu {
 namespace {
 
-// Decode attention streams the KV cache from memory: worth both threads at a smaller
-// size than the compute-bound kernels' threshold.
-constexpr int64_t kMinParallelAttention = 1 << 15;
-
 // y += a * x, x widened from the cache's element type.
 template <typename T>
 inline void axpy_widened(float* y, float a, const T* x, int64_t n) {
@@ -197,23 +193,28 @@ void attention_tasks(const DecodeAttentionPlan& p, int64_t begin, int64_t end) {
   // FMA kernels for the usual head sizes; the portable loops below cover the rest.
   [[maybe_unused]] const bool vectorized = head_size % 8 == 0;
   const int64_t head_bytes = head_size * static_cast<int64_t>(sizeof(T));
-  std::vector<float> scores;
+  // Scores rows start on cache lines: the vectorized softmax sums then run the same
+  // way for a head whatever task and thread it falls to.
+  CacheAligned<float> scores(0);
+  int64_t scores_capacity = 0;
   std::vector<const T*> rows;  // each context token's key row (all heads)
   std::vector<float> qs(num_heads * head_size), acc(num_heads * head_size);
   std::vector<float> maxes(num_heads), sums(num_heads);
-  const bool split = p.num_parts > 1;
+  const int64_t head_tasks = p.kv_tasks * p.q_tasks;
   for (int64_t task = begin; task < end; ++task) {
-    // Consecutive tasks: one request's context partitions (a contiguous run of blocks).
-    const int64_t part = task % p.num_parts, head_task = task / p.num_parts;
-    const int64_t r = head_task / (p.kv_tasks * p.q_tasks);
-    const int64_t h0 = (head_task / p.q_tasks) % p.kv_tasks * p.kv_per_task;
-    const int64_t h1 = h0 + p.kv_per_task;
+    // Consecutive tasks: one (request, partition) unit's head groups, then the next
+    // partition's (a contiguous run of blocks).
+    const int64_t unit = task / head_tasks, head_task = task % head_tasks;
+    const int64_t r = p.unit_request(unit), part = unit - p.unit_ptr[r];
+    const bool split = p.parts(r) > 1;
+    const int64_t h0 = head_task / p.q_tasks * p.kv_per_task, h1 = h0 + p.kv_per_task;
     const int64_t g0 = head_task % p.q_tasks * p.q_per_task, g1 = g0 + p.q_per_task;
     const auto [first, last] = p.partition(r, part);
     const int64_t n = last - first;
     const int64_t tok = p.tok_ptr[r];
     const int32_t* table = p.tables + r * p.max_blocks;
-    // Query head qh = h * group + g; its scores at qh * n, its q and acc at qh * head_size.
+    // Query head qh = h * group + g; its scores at qh * stride, its q and acc at
+    // qh * head_size.
     if (n <= 0) {  // nothing to attend: zeros, or a zero sum that the merge skips
       for (int64_t h = h0; h < h1; ++h)
         for (int64_t g = g0; g < g1; ++g) {
@@ -224,7 +225,11 @@ void attention_tasks(const DecodeAttentionPlan& p, int64_t begin, int64_t end) {
       if (split) p.partition_done(r);
       continue;
     }
-    scores.resize(num_heads * n);
+    const int64_t stride = (n + 15) / 16 * 16;  // floats per head's scores
+    if (num_heads * stride > scores_capacity) {
+      scores_capacity = num_heads * stride;
+      scores = CacheAligned<float>(scores_capacity);
+    }
     rows.resize(n);
     for (int64_t h = h0; h < h1; ++h)
       for (int64_t g = g0; g < g1; ++g) {
@@ -255,7 +260,7 @@ void attention_tasks(const DecodeAttentionPlan& p, int64_t begin, int64_t end) {
         for (int64_t j = 0; j < m; ++j) head_rows[j] = rows[i0 + j] + h * head_size;
         for (int64_t g = g0; g < g1; ++g) {
           const int64_t qh = h * group + g;
-          float* out_scores = scores.data() + qh * n + i0;
+          float* out_scores = scores.data() + qh * stride + i0;
 #if defined(__AVX2__) && defined(__F16C__)
           if (vectorized) {
             score_batch_avx2(qs.data() + qh * head_size, head_rows, m, head_size, p.scale,
@@ -270,7 +275,7 @@ void attention_tasks(const DecodeAttentionPlan& p, int64_t begin, int64_t end) {
     for (int64_t h = h0; h < h1; ++h)
       for (int64_t g = g0; g < g1; ++g) {
         const int64_t qh = h * group + g;
-        float* s = scores.data() + qh * n;
+        float* s = scores.data() + qh * stride;
         float mx = -INFINITY;
 #pragma omp simd reduction(max : mx)
         for (int64_t i = 0; i < n; ++i) mx = std::max(mx, s[i]);
@@ -289,7 +294,7 @@ void attention_tasks(const DecodeAttentionPlan& p, int64_t begin, int64_t end) {
       for (int64_t h = h0; h < h1; ++h)
         for (int64_t g = g0; g < g1; ++g) {
           const int64_t qh = h * group + g;
-          const float* prob = scores.data() + qh * n;
+          const float* prob = scores.data() + qh * stride;
           float* a = acc.data() + qh * head_size;
           const int64_t offset = v_offset + h * head_size;
 #if defined(__AVX2__) && defined(__F16C__)
@@ -417,39 +422,16 @@ DecodeAttentionPlan plan_decode_attention(at::Tensor& out, const at::Tensor& que
   p.scale = static_cast<float>(scale);
   p.sliding_window = sliding_window;
 
-  int64_t total_len = 0, max_context = 0;
+  p.threads = threads;
   for (int64_t r = 0; r < p.num_reqs; ++r) {
     const int64_t seq_len = p.len_ptr[r], tok = p.tok_ptr[r];
-    max_context = std::max(max_context, sliding_window > 0 ? std::min(seq_len, sliding_window)
-                                                           : seq_len);
     TORCH_CHECK(seq_len >= 0 && seq_len <= p.max_blocks * p.block_size, "seq_len ", seq_len,
                 " does not fit the block table");
     TORCH_CHECK(tok >= 0 && tok < query.size(0) && tok < out.size(0), "token index ", tok,
                 " outside the query rows");
-    total_len += seq_len;
   }
   check_blocks(p);
-  // Task size. With many requests a task is one request, all heads: a token's keys for
-  // every head are one contiguous row, so the cache streams in order. With fewer, one
-  // task per kv head, and with fewer still (single-stream decode) one per query head,
-  // which re-reads its group's keys and values from cache but gives every thread work.
-  // Each query head's arithmetic is the same whatever the split. Long contexts among few
-  // requests are split over the context instead (split-K), each task one partition of a
-  // request, all heads: the cache still streams in order and is read once.
-  const int64_t group = p.num_heads / p.num_kv_heads;
-  p.num_parts = split_k_partitions(p.num_reqs, max_context, threads);
-  const bool by_request = p.num_reqs >= 4 * threads || p.num_parts > 1;
-  p.kv_per_task = by_request ? p.num_kv_heads : 1;
-  p.q_per_task = by_request || p.num_reqs * p.num_kv_heads >= 4 * threads ? group : 1;
-  p.kv_tasks = p.num_kv_heads / p.kv_per_task;
-  p.q_tasks = group / p.q_per_task;
-  p.num_tasks = p.num_reqs * p.kv_tasks * p.q_tasks * p.num_parts;
-  // Keys and values each take head_size multiply-adds per context position and query head.
-  const int64_t work_per_task =
-      2 * p.kv_per_task * p.q_per_task * p.head_size *
-      std::max<int64_t>(1, total_len / std::max<int64_t>(1, p.num_reqs * p.num_parts));
-  p.grain = std::max<int64_t>(1, kMinParallelAttention / work_per_task);
-  p.allocate_partials();
+  p.lay_out_tasks(threads);
   return p;
 }
 
@@ -469,7 +451,10 @@ DecodeAttentionPlan DecodeAttentionPlan::for_layer(const at::Tensor& kv_cache,
   DecodeAttentionPlan p = *this;
   p.kv_base = kv_cache.data_ptr();
   p.sliding_window = window;
-  if (window != sliding_window) check_blocks(p);  // the window decides which blocks are read
+  if (window != sliding_window) {  // the window decides the blocks read and the partitions
+    check_blocks(p);
+    p.lay_out_tasks(threads);
+  }
   return p;
 }
 

@@ -1,6 +1,8 @@
-"""Split-K in the paged decode attention kernel (csrc/decode_attention_split.cpp): a long
-context cut into partitions on different threads, merged by log-sum-exp, must give the
-unsplit kernel's output up to float32 rounding, and both the float64 reference's."""
+"""Paged decode attention and its split-K (csrc/decode_attention.cpp,
+csrc/decode_attention_split.cpp): a long context is cut into partitions whose bounds
+depend on the request's own context only, attended on whichever threads and merged by
+log-sum-exp in a fixed order. Outputs must equal a float64 reference up to float32
+rounding, and be the same bit for bit on any number of threads and in any batch."""
 
 from __future__ import annotations
 
@@ -87,62 +89,87 @@ def _reference(
     return out
 
 
+def _ragged(rng: random.Random, n: int, longest: int) -> list[int]:
+    """n context lengths up to `longest`, one of them `longest`, a few empty."""
+    lens = [rng.choice([0, rng.randint(1, 40), rng.randint(1, longest)]) for _ in range(n - 1)]
+    return [*lens, longest]
+
+
 CASES = [
-    # (requests' context lengths, threads, heads, kv heads, head size, window, cache type)
-    ([3000], 2, 8, 2, 64, 0, torch.float32),  # single stream, GQA
-    ([5000, 17, 700], 2, 6, 2, 64, 0, torch.float32),  # ragged: empty partitions too
-    ([4000, 0, 300], 4, 4, 4, 16, 0, torch.float32),  # a request with no context
-    ([2500, 1800], 2, 8, 2, 64, 1000, torch.float32),  # sliding window
-    ([2500], 2, 6, 3, 12, 700, torch.float32),  # portable loops (head size 12)
-    ([3100], 2, 8, 2, 64, 0, torch.float16),
-    ([2100, 900], 2, 8, 1, 32, 0, torch.bfloat16),  # MQA
+    # (requests' context lengths, heads, kv heads, head size, window, cache type)
+    ([3000], 8, 2, 64, 0, torch.float32),  # single stream, GQA
+    ([5000, 17, 700], 6, 2, 64, 0, torch.float32),  # ragged
+    ([4000, 0, 300], 4, 4, 16, 0, torch.float32),  # a request with no context
+    ([2500, 1800], 8, 2, 64, 1000, torch.float32),  # sliding window
+    ([2500], 6, 3, 12, 700, torch.float32),  # portable loops (head size 12)
+    ([3100], 8, 2, 64, 0, torch.float16),
+    ([2100, 900], 8, 1, 32, 0, torch.bfloat16),  # MQA
+    ([5000, 511, 512, 1], 9, 3, 64, 0, torch.float16),  # SmolLM2's heads, split edges
+    (("ragged", 16, 5000), 4, 2, 32, 0, torch.bfloat16),
+    (("ragged", 64, 2000), 4, 1, 32, 0, torch.float32),
+    (("ragged", 256, 700), 2, 2, 16, 300, torch.float32),
 ]
 
 
-@pytest.mark.parametrize(("lens", "threads", "heads", "kv_heads", "head", "window", "dtype"), CASES)
-def test_split_k_equals_the_unsplit_kernel_and_the_reference(
-    lens: list[int], threads: int, heads: int, kv_heads: int, head: int, window: int,
-    dtype: torch.dtype,
-) -> None:  # fmt: skip
+def _case(lens: object) -> list[int]:
+    if isinstance(lens, tuple):
+        _, n, longest = lens
+        return _ragged(random.Random(n), n, longest)
+    assert isinstance(lens, list)
+    return lens
+
+
+@pytest.mark.parametrize(("lens", "heads", "kv_heads", "head", "window", "dtype"), CASES)
+def test_equal_to_the_reference_and_the_same_on_any_threads(
+    lens: object, heads: int, kv_heads: int, head: int, window: int, dtype: torch.dtype
+) -> None:
+    lens = _case(lens)
     rng = random.Random(len(lens) * 1000 + head)
     torch.manual_seed(sum(lens))
-    contexts = [min(n, window) if window > 0 else n for n in lens]
-    assert ops.decode_attention_partitions(len(lens), max(contexts), threads) > 1
-    assert ops.decode_attention_partitions(len(lens), max(contexts), 1) == 1
     cache, table, keys, values = _paged(rng, lens, heads, kv_heads, head, dtype)
     q = torch.randn(len(lens), heads, head)
-    split = _kernel(q, cache, table, lens, window, threads)
-    unsplit = _kernel(q, cache, table, lens, window, 1)
-    torch.testing.assert_close(split, unsplit, rtol=1e-5, atol=2e-6)
+    one = _kernel(q, cache, table, lens, window, 1)
     torch.testing.assert_close(
-        split.double(), _reference(q, keys, values, window), rtol=1e-5, atol=2e-6
+        one.double(), _reference(q, keys, values, window), rtol=1e-5, atol=2e-6
     )
+    for threads in (2, 3):
+        assert torch.equal(_kernel(q, cache, table, lens, window, threads), one), threads
+    contexts = [min(n, window) if window > 0 else n for n in lens]
     for r, n in enumerate(contexts):
         if n == 0:
-            assert torch.equal(split[r], torch.zeros_like(split[r]))
+            assert torch.equal(one[r], torch.zeros_like(one[r]))
 
 
-def test_split_k_at_many_requests_with_as_many_threads() -> None:
-    """256 ragged requests split only where threads outnumber them a quarter as much: the
-    rule's many-request end, with more threads than this machine has."""
-    rng = random.Random(7)
-    torch.manual_seed(7)
-    lens = [rng.randint(0, 600) for _ in range(255)] + [1200]
-    threads = 80
-    assert ops.decode_attention_partitions(len(lens), max(lens), threads) == 2
-    assert ops.decode_attention_partitions(len(lens), max(lens), 2) == 1
-    cache, table, keys, values = _paged(rng, lens, 4, 2, 32, torch.float32)
-    q = torch.randn(len(lens), 4, 32)
-    split = _kernel(q, cache, table, lens, 0, threads)
-    unsplit = _kernel(q, cache, table, lens, 0, 2)
-    torch.testing.assert_close(split, unsplit, rtol=1e-5, atol=2e-6)
-    torch.testing.assert_close(split.double(), _reference(q, keys, values, 0), rtol=1e-5, atol=2e-6)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_request_attends_the_same_alone_and_in_any_batch(dtype: torch.dtype) -> None:
+    """A request's output is a function of its own context: alone on one or two threads,
+    at any place in batches of 3 to 40 ragged requests, it is the same bit for bit (the
+    partitions, and with them the merge's rounding, never follow the batch)."""
+    rng = random.Random(3)
+    torch.manual_seed(3)
+    lens = _ragged(rng, 40, 4000)
+    cache, table, _, _ = _paged(rng, lens, 6, 2, 64, dtype)
+    q = torch.randn(len(lens), 6, 64)
+    alone = {}
+    for r in (0, 5, len(lens) - 1):
+        alone[r] = _kernel(q[r : r + 1], cache, table[r : r + 1], lens[r : r + 1], 0, 2)[0]
+        single = _kernel(q[r : r + 1], cache, table[r : r + 1], lens[r : r + 1], 0, 1)[0]
+        assert torch.equal(single, alone[r])
+    for size in (3, 9, 40):
+        picked = rng.sample(range(len(lens)), size - len(alone)) + list(alone)
+        picked = [r for r in dict.fromkeys(picked)]
+        rng.shuffle(picked)
+        for threads in (1, 2):
+            out = _kernel(q[picked], cache, table[picked], [lens[r] for r in picked], 0, threads)
+            for row, r in enumerate(picked):
+                if r in alone:
+                    assert torch.equal(out[row], alone[r]), (size, threads, r)
 
 
-def test_the_rule_splits_few_long_contexts_only() -> None:
-    assert ops.decode_attention_partitions(1, 32768, 2) == 8  # four tasks per thread
-    assert ops.decode_attention_partitions(1, 600, 2) == 2  # partitions of >= 256 tokens
-    assert ops.decode_attention_partitions(1, 300, 2) == 1
-    assert ops.decode_attention_partitions(3, 8192, 2) == 3
-    assert ops.decode_attention_partitions(8, 32768, 2) == 1  # four requests per thread
-    assert ops.decode_attention_partitions(1, 32768, 1) == 1
+def test_the_rule_reads_the_context_alone() -> None:
+    assert ops.decode_attention_partitions(0) == 1
+    assert ops.decode_attention_partitions(511) == 1
+    assert ops.decode_attention_partitions(512) == 2  # partitions of >= 256 tokens
+    assert ops.decode_attention_partitions(3000) == 11
+    assert ops.decode_attention_partitions(4096) == 16
+    assert ops.decode_attention_partitions(1 << 20) == 16  # at most 16

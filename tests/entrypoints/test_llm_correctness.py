@@ -137,9 +137,12 @@ def test_engine_core_in_background_process_matches_hf(cases: Any) -> None:
         engine.llm_engine.shutdown()
 
 
+def _model_runner(engine: Any) -> Any:
+    return engine.llm_engine.engine_core.engine_core.model_executor.driver_worker.model_runner
+
+
 def _model(engine: Any) -> torch.nn.Module:
-    runner = engine.llm_engine.engine_core.engine_core.model_executor.driver_worker.model_runner
-    return runner.model  # type: ignore[no-any-return]
+    return _model_runner(engine).model  # type: ignore[no-any-return]
 
 
 def test_default_runs_the_gguf_blocks(llm: Any) -> None:
@@ -176,20 +179,10 @@ def test_gguf_int8_stays_near_greedy(
     llm_factory: Any, cases: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """--quantization gguf_int8 rounds activations to int8. Single-stream steps always
-    take the integer path; batches of 4+ rows take it with AVX-512 VNNI (where a
+    take the integer path; batches of 4+ rows take it with AVX-512 VNNI or AVX2 (where a
     request's tokens then do not depend on its batch) and the exact float path
-    elsewhere.
-
-    The engine keeps one thread count: batch invariance is what this checks. With the
-    adaptive thread governor switching counts between decode steps, a request's int8
-    tokens can also depend on that history (found on an AMD EPYC Zen 4, 2026-12-05:
-    each count alone gives the same tokens, a random mix per decode step flips one
-    prompt's continuation); that is a separate, open defect.
-
-    Decode attention's split-K (csrc/decode_attention_split.cpp) cuts a lone request's
-    long context across the threads, which a full batch's step does not, so the last bits
-    of its attention (and then its int8 rounding) may differ: batch invariance is checked
-    for the prompts whose single-stream decode is not split."""
+    elsewhere. Decode attention's split-K cuts a request's context by its own length
+    alone, so a lone long request rounds as it does in a full batch."""
     from kvserve import _custom_ops as ops
     from kvserve.worker.thread_governor import ENV_ADAPTIVE
 
@@ -200,18 +193,77 @@ def test_gguf_int8_stays_near_greedy(
     prompts, expected = cases
     batched = run(engine, prompts)
     singles = [run(engine, [prompt])[0] for prompt in prompts]
+    assert any(ops.decode_attention_partitions(len(p) + NUM_TOKENS) > 1 for p in prompts)
     if ops.packs_int8_weights():
-        threads = torch.get_num_threads()
-        unsplit = [
-            i
-            for i, prompt in enumerate(prompts)
-            if ops.decode_attention_partitions(1, len(prompt) + NUM_TOKENS, threads) == 1
-        ]
-        assert unsplit
-        assert [singles[i] for i in unsplit] == [batched[i] for i in unsplit]
+        assert singles == batched
     else:
         assert batched == expected
     assert_near_greedy(engine, prompts, expected, singles)
+    assert_no_leak(engine)
+
+
+class _StepThreads:
+    """Sets torch's intra-op thread count before each model step, where the runner's
+    StepThreadGovernor does (its begin/end), to a seeded random choice among `counts`:
+    the history of counts a governor switching under changing load can leave, made
+    reproducible."""
+
+    def __init__(self, counts: tuple[int, ...], seed: int = 0) -> None:
+        self.counts = counts
+        self.rng = random.Random(seed)
+        self.used: list[int] = []
+
+    def begin(self, num_tokens: int) -> None:
+        threads = self.rng.choice(self.counts)
+        torch.set_num_threads(threads)
+        self.used.append(threads)
+
+    def end(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("quantization", ["gguf", "gguf_int8"])
+def test_tokens_do_not_follow_the_thread_count(
+    llm: Any, llm_factory: Any, cases: Any, quantization: str
+) -> None:
+    """A request's tokens and their logprobs are the same bit for bit on one thread, on
+    two, and with a random count at every step (as the adaptive thread governor may
+    switch), in the lossless default and in gguf_int8: no kernel's arithmetic follows the
+    thread count (split-K's partitions included: the longest prompt is split)."""
+    from kvserve import _custom_ops as ops
+
+    if not ops.available():
+        pytest.skip("no C++ toolchain for the block kernels")
+    engine = llm if quantization == "gguf" else llm_factory(quantization=quantization)
+    assert engine.llm_engine.config.model_config.quantization == quantization
+    runner = _model_runner(engine)
+    prompts, _ = cases
+    assert any(ops.decode_attention_partitions(len(p) + 16) > 1 for p in prompts)
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=1)
+
+    def generate(steps: Any) -> list[tuple[list[int], list[float]]]:
+        runner.thread_governor = steps
+        engine.reset_prefix_cache()
+        outputs = engine.generate(
+            [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False
+        )
+        done = []
+        for output in outputs:
+            c = output.outputs[0]
+            logprobs = [step[t].logprob for t, step in zip(c.token_ids, c.logprobs, strict=True)]
+            done.append((list(c.token_ids), logprobs))
+        return done
+
+    governor, threads = runner.thread_governor, torch.get_num_threads()
+    try:
+        one = generate(_StepThreads((1,)))
+        assert generate(_StepThreads((2,))) == one
+        mixed = _StepThreads((1, 2), seed=5)
+        assert generate(mixed) == one
+        assert set(mixed.used) == {1, 2}
+    finally:
+        runner.thread_governor = governor
+        torch.set_num_threads(threads)
     assert_no_leak(engine)
 
 

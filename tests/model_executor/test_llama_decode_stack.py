@@ -7,6 +7,7 @@ stack is only a faster way to make the same calls.
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable
 from pathlib import Path
 
@@ -156,7 +157,7 @@ def test_long_contexts_split_k_in_the_fused_step_as_in_the_op(
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        assert ops.decode_attention_partitions(num_requests, 600, 2) > 1
+        assert ops.decode_attention_partitions(600) > 1
         runs = []
         for use_stack in (True, False):
             model = _load(path, "q4_1")
@@ -179,3 +180,51 @@ def test_long_contexts_split_k_in_the_fused_step_as_in_the_op(
         torch.set_num_threads(before)
     for step, (g, w) in enumerate(zip(*runs, strict=True)):
         assert torch.equal(g, w), f"step {step} differs"
+
+
+@pytest.mark.parametrize(("quantization", "int8"), [("q4_1", False), ("q8_0", True)])
+def test_a_long_requests_logits_follow_neither_threads_nor_batch(
+    quantization: str, int8: bool, tiny_llama: tuple, paged_runner: Callable
+) -> None:
+    """A context long enough for split-K, prefilled and decoded on one thread, on two, or
+    on a random count per step (torch.set_num_threads between steps, as the runner's
+    thread governor does): its logits are the same bit for bit, in the lossless block
+    path and with int8 activations; with int8 activations also beside two other requests
+    (gguf_int8's batch invariance). The partitions follow the request's own context, so
+    nothing in its attention follows the threads or the batch."""
+    path, _ = tiny_llama
+    torch.manual_seed(3)
+    prompt = torch.randint(3, 256, (700,)).tolist()
+    others = {"a": [5, 6, 7], "b": list(range(3, 40))}
+    follow = [11, 12, 13, 14]
+    assert ops.decode_attention_partitions(len(prompt)) > 1
+    rng = random.Random(1)
+    mixed = [rng.choice((1, 2)) for _ in range(len(follow) + 1)]
+    assert set(mixed) == {1, 2}
+
+    def logits(threads: list[int], beside: bool) -> list[torch.Tensor]:
+        model = _load(path, quantization, int8)
+        runner = paged_runner(model, block_size=16, num_blocks=64)
+        torch.set_num_threads(threads[0])
+        runner.step([("r0", prompt)])
+        if beside:
+            for r, tokens in others.items():
+                runner.step([(r, tokens)])
+        steps = []
+        for step, token in enumerate(follow):
+            torch.set_num_threads(threads[step + 1])
+            batch = [("r0", [token])] + ([(r, [token]) for r in others] if beside else [])
+            steps.append(runner.step(batch)[0])
+        assert model.model.decode_stack._stack is not None  # the fused decode step ran
+        return steps
+
+    before = torch.get_num_threads()
+    try:
+        want = logits([1] * len(mixed), beside=False)
+        runs = [([2] * len(mixed), False), (mixed, False)] + ([(mixed, True)] if int8 else [])
+        for threads, beside in runs:
+            got = logits(threads, beside)
+            for step, (g, w) in enumerate(zip(got, want, strict=True)):
+                assert torch.equal(g, w), f"step {step} differs ({threads}, beside={beside})"
+    finally:
+        torch.set_num_threads(before)
