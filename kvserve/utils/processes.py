@@ -24,6 +24,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
+from multiprocessing.context import SpawnProcess
+from multiprocessing.popen_spawn_posix import Popen as SpawnPopen
 from multiprocessing.process import BaseProcess
 from typing import Any, Protocol
 
@@ -124,9 +126,7 @@ def spawn(
     """Starts ``target(*args)`` in a fresh interpreter, as a daemon (it never outlives
     us). ``num_threads``: its OpenMP thread count (a worker's share of the cores);
     None, the machine's choice."""
-    proc = multiprocessing.get_context("spawn").Process(
-        target=target, args=args, name=name, daemon=True
-    )
+    proc = _ReapedOnceProcess(target=target, args=args, name=name, daemon=True)
     read_fd, write_fd = os.pipe()
     try:
         with (
@@ -141,6 +141,38 @@ def spawn(
         os.close(write_fd)
     _stderr_tails[proc] = StderrTail(read_fd)
     return proc
+
+
+class _ReapedOncePopen(SpawnPopen):
+    """Multiprocessing's spawned child, safe to wait on from several threads at once.
+
+    Its ``poll`` is not: of two threads in ``waitpid`` together, one reaps the child and
+    the other gets ECHILD, which ``poll`` answers as "still running". A client's output
+    thread joins its core the moment the core's sentinel fires (MPClient._mark_dead)
+    while its owner joins it or asks ``is_alive()``, so the owner could be told that a
+    core which had exited was alive (and ``stop`` would signal its reaped pid). Here one
+    thread at a time waits for the status and stores it, and the others read it."""
+
+    def __init__(self, process_obj: BaseProcess) -> None:
+        self._reap_lock = threading.Lock()
+        super().__init__(process_obj)
+
+    def poll(self, flag: int = os.WNOHANG) -> int | None:
+        with self._reap_lock:
+            return super().poll(flag)
+
+    def wait(self, timeout: float | None = None) -> int | None:
+        # On the sentinel, not in a blocking waitpid under the lock: a join() without a
+        # timeout must not hold up another thread's is_alive() until the child exits.
+        if self.returncode is None and not wait([self.sentinel], timeout):
+            return None
+        return self.poll(0)  # it has exited: its status is there, or a moment away
+
+
+class _ReapedOnceProcess(SpawnProcess):
+    @staticmethod
+    def _Popen(process_obj: BaseProcess) -> SpawnPopen:
+        return _ReapedOncePopen(process_obj)
 
 
 @contextmanager

@@ -3,9 +3,13 @@ spawned interpreters."""
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import os
+import signal
 import subprocess
 import sys
+import threading
 import time
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -21,6 +25,28 @@ from kvserve.utils.processes import (
     stop,
     wait_for_handshake,
 )
+
+# libc called with the GIL held (PyDLL): no other thread of ours runs meanwhile.
+_LIBC_HOLDING_GIL = ctypes.PyDLL(None, use_errno=True)
+_P_PID, _WEXITED, _WNOHANG, _WNOWAIT = 1, 4, 1, 0x01000000
+_SI_PID_OFFSET = 16 if ctypes.sizeof(ctypes.c_void_p) == 8 else 12  # Linux siginfo_t
+
+
+def _exited_holding_gil(pid: int) -> str:
+    """Whether ``pid`` has exited ("running", "zombie", or "reaped" by some thread's
+    waitpid), looked at without reaping it and without letting go of the GIL."""
+    info = ctypes.create_string_buffer(128)
+    ctypes.set_errno(0)
+    if _LIBC_HOLDING_GIL.waitid(_P_PID, pid, info, _WEXITED | _WNOHANG | _WNOWAIT) != 0:
+        assert ctypes.get_errno() == errno.ECHILD
+        return "reaped"
+    si_pid = int.from_bytes(info.raw[_SI_PID_OFFSET : _SI_PID_OFFSET + 4], sys.byteorder)
+    return "zombie" if si_pid == pid else "running"
+
+
+def _asleep(thread: threading.Thread) -> bool:
+    with open(f"/proc/self/task/{thread.native_id}/stat") as stat:
+        return stat.read().rsplit(")", 1)[1].split()[0] == "S"
 
 
 def _say_ready(writer: Connection) -> None:
@@ -124,3 +150,41 @@ def test_child_resources_release_everything_once(tmp_path: object) -> None:
     assert not os.path.exists(tmpdir)
     with pytest.raises(OSError):
         os.fstat(r)
+
+
+def test_a_child_another_thread_is_reaping_is_never_reported_alive() -> None:
+    """A client's output thread joins its core when the core's sentinel fires while the
+    core's owner joins it too, or asks is_alive(): multiprocessing's own poll told the
+    loser of the two waitpid calls that the dead child was running. Made certain here:
+    the joining thread is left no GIL between its waitpid and storing the exit code."""
+    proc = spawn(time.sleep, (60,), "Reaped")
+    joining = threading.Event()
+
+    def join() -> None:
+        joining.set()
+        proc.join()
+
+    reaper = threading.Thread(target=join, daemon=True)
+    interval = sys.getswitchinterval()
+    try:
+        reaper.start()
+        joining.wait()
+        asleep = 0
+        while asleep < 3:  # the GIL is free meanwhile: the reaper sleeps in its wait
+            time.sleep(0.01)
+            asleep = asleep + 1 if _asleep(reaper) else 0
+        sys.setswitchinterval(60)  # from here the reaper runs only when we block
+        proc.kill()
+        deadline = time.monotonic() + 60
+        while _exited_holding_gil(proc.pid or 0) == "running" and time.monotonic() < deadline:
+            _LIBC_HOLDING_GIL.usleep(10_000)
+        # A reaper blocked in waitpid reaps it now, with no GIL to store the exit code.
+        deadline = time.monotonic() + 0.5
+        while _exited_holding_gil(proc.pid or 0) != "reaped" and time.monotonic() < deadline:
+            _LIBC_HOLDING_GIL.usleep(10_000)
+        assert not proc.is_alive()
+    finally:
+        sys.setswitchinterval(interval)
+        proc.kill()
+    reaper.join(10)
+    assert proc.exitcode == -signal.SIGKILL
