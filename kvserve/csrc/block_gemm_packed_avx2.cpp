@@ -43,6 +43,9 @@ inline __m256 halves_f16(const uint8_t* p, int h) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p) + h));
 }
 
+// How far ahead of the block being multiplied Q8_0's records are requested (group_dot).
+constexpr int64_t kQ8AheadBytes = 16384;
+
 // acc[h][r] (rows 8h..8h+7 of the group as lanes) += the group's blocks times R rows of x.
 template <int KIND, int R>
 void group_dot(const uint8_t* group, int64_t nb, int64_t record, int64_t quant_bytes,
@@ -51,11 +54,19 @@ void group_dot(const uint8_t* group, int64_t nb, int64_t record, int64_t quant_b
   const __m256i nibble = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* rec = group + b * record;
-    // No software prefetch: a group is one contiguous run of records, a single stream
-    // the hardware prefetcher keeps up with (the plain layout reads 16 rows' streams at
-    // once). Asking for the record kStreamAheadBytes ahead at every cache line, as the
-    // float GEMV does, made single-row GEMVs 5-35% slower (Zen 4, haswell build, one
-    // thread: Q4_1 49152x576 0.49 -> 0.56-0.61 ms, Q8_0 16384x2048 1.32 -> 1.67-1.84 ms).
+    // A group is one contiguous run of records, a single stream the hardware prefetcher
+    // keeps up with for Q4 (the plain layout reads 16 rows' streams at once): asking for
+    // the record kStreamAheadBytes ahead at every cache line, as the float GEMV does,
+    // made single-row GEMVs 5-35% slower (Zen 4, haswell build, one thread: Q4_1
+    // 49152x576 0.49 -> 0.56-0.61 ms, Q8_0 16384x2048 1.32 -> 1.67-1.84 ms). Q8_0's
+    // LM heads at 1-3 rows of x did not keep up on Zen 5 (0.73-0.77x the plain layout's
+    // speed at 1 row); each cache line asked for kQ8AheadBytes ahead, into L1 (into L2
+    // was slower), took SmolLM2's 49152x576 head 1.35 -> 0.98 ms and Gemma 3's 262144x640
+    // 7.50 -> 6.29 ms at 1 row, 1.03-1.2x at 2-3 rows (haswell build, one thread,
+    // per-thread CPU time, interleaved with the plain layout's 0.99 and 5.36 ms).
+    if constexpr (KIND == 0 && R < 4)
+      for (int64_t off = 0; off < record; off += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(rec + kQ8AheadBytes + off), _MM_HINT_T0);
     for (int h = 0; h < 2; ++h) {
       __m256i sum[R];
       for (int r = 0; r < R; ++r) sum[r] = _mm256_setzero_si256();

@@ -18,6 +18,7 @@ from kvserve.model_executor.layers.quantization import (
     concat_rows,
     quantize_model,
 )
+from tests.gemma3_fixtures import GEMMA3
 
 pytestmark = pytest.mark.skipif(not ops.available(), reason="no C++ toolchain for the kernels")
 
@@ -53,6 +54,37 @@ def test_block_linear_matches_float32_matmul(qtype: T, rows: int) -> None:
     if rows >= DENSE_ROWS:  # the float32 engine's very call: its result bit for bit
         assert torch.equal(out, ops.dense_linear(x, reference))
         assert torch.equal(weight.linear(x[:, None]), out[:, None])  # leading dims kept
+
+
+@pytest.mark.parametrize("model", [None, GEMMA3], ids=["smollm2", "gemma3"])
+def test_packaged_q8_0_heads_multiply_exactly_and_row_by_row(model: str | None) -> None:
+    """The packaged files' Q8_0 embeddings, tied to their LM heads (1000 of their rows: an
+    output's arithmetic does not depend on how many there are), at 1-256 rows of x: within
+    float32 rounding of the float64 product of gguf's weights, and below the dense path's
+    64 rows each row's result is the same bits whatever rows share its matmul."""
+    from kvserve.model_executor.model_loader.gguf_loader import iterate_gguf_blocks
+
+    config = (
+        ModelConfig(model=model, quantization="gguf") if model else ModelConfig(quantization="gguf")
+    )
+    assert config.resolved.path is not None
+    raw = next(
+        raw[:1000]
+        for name, qtype, raw in iterate_gguf_blocks(config.resolved.path, config.arch)
+        if name.endswith("embed_tokens.weight") and qtype == T.Q8_0
+    )
+    weight = BlockWeight.from_raw(raw, T.Q8_0)
+    reference = weight.dequantize()
+    assert torch.equal(reference, torch.from_numpy(dequantize(raw, T.Q8_0).astype(np.float32)))
+    for rows in (1, 2, 3, 4, 5, 16, 17, 63, 64, 256):
+        x = torch.randn(rows, weight.shape[1], generator=torch.Generator().manual_seed(rows))
+        out = weight.linear(x)
+        want = x.double() @ reference.double().T
+        bound = x.abs().double() @ reference.abs().double().T
+        assert ((out.double() - want).abs() <= 1e-5 * bound + 1e-30).all()
+        if rows < DENSE_ROWS:
+            for i in sorted({0, rows // 2, rows - 1}):
+                assert torch.equal(weight.linear(x[i : i + 1])[0], out[i])
 
 
 def test_lm_head_sized_block_linear_takes_dequantized_tiles() -> None:
