@@ -8,89 +8,40 @@ AVX2 build."""
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
 
 import pytest
 import torch
 
 from kvserve import _custom_ops as ops
 from kvserve.attention.backends.kv_cache_codec import SCALE_BYTES, dequantize, quantize
+from tests.csrc.paged_decode import paged_cache, reference, run_kernel
 
 pytestmark = pytest.mark.skipif(not ops.available(), reason="needs the C++ CPU kernels")
-
-BLOCK = 16
-
-
-@pytest.fixture(autouse=True)
-def _one_torch_thread() -> Iterator[None]:
-    """The test's own torch ops on one thread (the kernel calls set theirs): spinning
-    OpenMP teams on a loaded 2-core machine made the many small ops much slower."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def _paged(
     rng: random.Random, lens: list[int], kv_heads: int, head: int
 ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
-    """An int8 cache holding each request's keys and values in shuffled blocks, its block
-    table, and the dequantized values (float64) that the cache holds."""
-    need = [-(-n // BLOCK) for n in lens]
-    pool = list(range(sum(need) + 2))
-    rng.shuffle(pool)
-    cache = torch.zeros(2, len(pool), BLOCK, kv_heads, head + SCALE_BYTES, dtype=torch.int8)
-    table = torch.zeros(len(lens), max([*need, 1]), dtype=torch.int32)
-    keys, values = [], []
-    for r, n in enumerate(lens):
-        blocks, pool = pool[: need[r]], pool[need[r] :]
-        table[r, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
-        # Rows of very different magnitudes: each row's own scale must reach its scores.
+    """Rows of very different magnitudes (each row's own scale must reach its scores),
+    quantized, and the dequantized values (float64) the cache holds."""
+
+    def rows(n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         magnitude = torch.logspace(-2, 1, max(n, 1))[:n, None, None]
         k = quantize(torch.randn(n, kv_heads, head) * magnitude)
         v = quantize(torch.randn(n, kv_heads, head) * magnitude.flip(0))
-        pos = torch.arange(n)
-        slots = torch.tensor(blocks, dtype=torch.long)[pos // BLOCK] * BLOCK + pos % BLOCK
-        cache[0].view(-1, kv_heads, head + SCALE_BYTES)[slots] = k
-        cache[1].view(-1, kv_heads, head + SCALE_BYTES)[slots] = v
-        keys.append(dequantize(k).double())
-        values.append(dequantize(v).double())
-    return cache, table, keys, values
+        return k, v, dequantize(k).double(), dequantize(v).double()
+
+    return paged_cache(rng, lens, rows, (kv_heads, head + SCALE_BYTES), torch.int8)
 
 
 def _kernel(
     q: torch.Tensor, cache: torch.Tensor, table: torch.Tensor, lens: list[int], window: int,
     threads: int,
 ) -> torch.Tensor:  # fmt: skip
-    kv_heads, head = cache.shape[3], cache.shape[4] - SCALE_BYTES
-    empty = torch.empty(0, kv_heads, head)
-    out = torch.full_like(q, float("nan"))
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        ops.cache_and_decode_attention_int8(
-            out, q, empty, empty, cache, torch.empty(0, dtype=torch.long), table,
-            torch.tensor(lens, dtype=torch.int32), torch.arange(len(lens)), head**-0.5, window,
-        )  # fmt: skip
-    finally:
-        torch.set_num_threads(before)
-    return out
-
-
-def _reference(
-    q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], window: int
-) -> torch.Tensor:
-    out = torch.zeros(q.shape, dtype=torch.float64)
-    group = q.shape[1] // keys[0].shape[1]
-    for r, (k, v) in enumerate(zip(keys, values, strict=True)):
-        first = max(0, len(k) - window) if window > 0 else 0
-        if len(k) - first <= 0:
-            continue
-        k = k[first:].repeat_interleave(group, dim=1)
-        v = v[first:].repeat_interleave(group, dim=1)
-        scores = torch.einsum("hd,shd->hs", q[r].double(), k) * q.shape[2] ** -0.5
-        out[r] = torch.einsum("hs,shd->hd", scores.softmax(-1), v)
-    return out
+    head = cache.shape[4] - SCALE_BYTES
+    return run_kernel(
+        ops.cache_and_decode_attention_int8, q, cache, table, lens, window, threads, head
+    )
 
 
 CASES = [
@@ -114,7 +65,7 @@ def test_equals_the_float64_reference_on_one_and_two_threads(
     torch.manual_seed(sum(lens))
     cache, table, keys, values = _paged(rng, lens, kv_heads, head)
     q = torch.randn(len(lens), heads, head)
-    want = _reference(q, keys, values, window)
+    want = reference(q, keys, values, window)
     one = _kernel(q, cache, table, lens, window, 1)
     torch.testing.assert_close(one.double(), want, rtol=1e-5, atol=2e-6)
     # The threads change who attends what, never the arithmetic.
@@ -132,7 +83,7 @@ def test_256_ragged_requests_and_each_alone_give_the_same_bits() -> None:
     cache, table, keys, values = _paged(rng, lens, 2, 32)
     q = torch.randn(len(lens), 8, 32)
     batch = _kernel(q, cache, table, lens, 0, 2)
-    torch.testing.assert_close(batch.double(), _reference(q, keys, values, 0), rtol=1e-5, atol=2e-6)
+    torch.testing.assert_close(batch.double(), reference(q, keys, values, 0), rtol=1e-5, atol=2e-6)
     for r in [0, 1, 100, 254, 255]:
         alone = _kernel(q[r : r + 1], cache, table[r : r + 1], lens[r : r + 1], 0, 1)
         assert torch.equal(alone[0], batch[r])

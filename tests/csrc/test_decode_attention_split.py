@@ -7,86 +7,36 @@ rounding, and be the same bit for bit on any number of threads and in any batch.
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
 
 import pytest
 import torch
 
 from kvserve import _custom_ops as ops
+from tests.csrc.paged_decode import paged_cache, reference, run_kernel
 
 pytestmark = pytest.mark.skipif(not ops.available(), reason="needs the C++ CPU kernels")
-
-BLOCK = 16
-
-
-@pytest.fixture(autouse=True)
-def _one_torch_thread() -> Iterator[None]:
-    """The test's own torch ops on one thread (the kernel calls set theirs): on a loaded
-    2-core machine, spinning OpenMP teams made the many small ops 10-100x slower."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def _paged(
     rng: random.Random, lens: list[int], heads: int, kv_heads: int, head: int, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
-    """A cache holding each request's keys and values in shuffled blocks, its block table,
-    and the values as stored (rounded to the cache's type)."""
-    need = [-(-n // BLOCK) for n in lens]
-    pool = list(range(sum(need) + 2))
-    rng.shuffle(pool)
-    cache = torch.zeros(2, len(pool), BLOCK, kv_heads, head, dtype=dtype)
-    table = torch.zeros(len(lens), max([*need, 1]), dtype=torch.int32)
-    keys, values = [], []
-    for r, n in enumerate(lens):
-        blocks, pool = pool[: need[r]], pool[need[r] :]
-        table[r, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+    """Keys and values rounded to the cache's type, as it holds them."""
+
+    def rows(n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         k = torch.randn(n, kv_heads, head).to(dtype)
         v = torch.randn(n, kv_heads, head).to(dtype)
-        pos = torch.arange(n)
-        slots = torch.tensor(blocks, dtype=torch.long)[pos // BLOCK] * BLOCK + pos % BLOCK
-        cache[0].view(-1, kv_heads, head)[slots] = k
-        cache[1].view(-1, kv_heads, head)[slots] = v
-        keys.append(k.double())
-        values.append(v.double())
-    return cache, table, keys, values
+        return k, v, k.double(), v.double()
+
+    return paged_cache(rng, lens, rows, (kv_heads, head), dtype)
 
 
 def _kernel(
     q: torch.Tensor, cache: torch.Tensor, table: torch.Tensor, lens: list[int], window: int,
     threads: int,
 ) -> torch.Tensor:  # fmt: skip
-    kv_heads, head = cache.shape[3], cache.shape[4]
-    empty = torch.empty(0, kv_heads, head)
-    out = torch.full_like(q, float("nan"))
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        ops.cache_and_decode_attention(
-            out, q, empty, empty, cache, torch.empty(0, dtype=torch.long), table,
-            torch.tensor(lens, dtype=torch.int32), torch.arange(len(lens)), head**-0.5, window,
-        )  # fmt: skip
-    finally:
-        torch.set_num_threads(before)
-    return out
-
-
-def _reference(
-    q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], window: int
-) -> torch.Tensor:
-    out = torch.zeros(q.shape, dtype=torch.float64)
-    group = q.shape[1] // keys[0].shape[1]
-    for r, (k, v) in enumerate(zip(keys, values, strict=True)):
-        first = max(0, len(k) - window) if window > 0 else 0
-        if len(k) - first <= 0:
-            continue
-        k = k[first:].repeat_interleave(group, dim=1)
-        v = v[first:].repeat_interleave(group, dim=1)
-        scores = torch.einsum("hd,shd->hs", q[r].double(), k) * q.shape[2] ** -0.5
-        out[r] = torch.einsum("hs,shd->hd", scores.softmax(-1), v)
-    return out
+    return run_kernel(
+        ops.cache_and_decode_attention, q, cache, table, lens, window, threads, cache.shape[4]
+    )
 
 
 def _ragged(rng: random.Random, n: int, longest: int) -> list[int]:
@@ -130,7 +80,7 @@ def test_equal_to_the_reference_and_the_same_on_any_threads(
     q = torch.randn(len(lens), heads, head)
     one = _kernel(q, cache, table, lens, window, 1)
     torch.testing.assert_close(
-        one.double(), _reference(q, keys, values, window), rtol=1e-5, atol=2e-6
+        one.double(), reference(q, keys, values, window), rtol=1e-5, atol=2e-6
     )
     for threads in (2, 3):
         assert torch.equal(_kernel(q, cache, table, lens, window, threads), one), threads
