@@ -145,6 +145,18 @@ def _release_module_engines() -> Iterator[None]:
         cache.release()
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _restore_torch_threads() -> Iterator[None]:
+    """A module that leaves torch's thread count changed (an in-process data-parallel
+    engine core takes its share of the cores) must not hand it to the next module: the
+    engines built there would run another thread count than the same tests run alone."""
+    import torch
+
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def llm_factory() -> Iterator[EngineCache]:
     """Builds LLM instances for the real default model, one per distinct configuration."""
