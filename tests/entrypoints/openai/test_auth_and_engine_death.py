@@ -96,8 +96,5 @@ def test_killing_the_engine_core_fails_requests_and_health_promptly(
     assert all(r is not None for r in results), "in-flight requests must end with an error"
     assert elapsed < 5.0
     # /health answers 503 while the server winds down, then the server is gone.
-    try:
-        assert httpx.get(keyed_server.url("/health"), timeout=5).status_code == 503
-    except httpx.ConnectError:
-        pass
+    keyed_server.wait_until_unhealthy()
     assert keyed_server.proc.wait(timeout=30) == 1

@@ -85,10 +85,7 @@ def test_a_killed_worker_fails_the_server_fast(server: RemoteServer) -> None:
         assert e.status_code >= 500
     except (openai.APIConnectionError, httpx.HTTPError):
         pass
-    try:
-        assert httpx.get(server.url("/health"), timeout=5).status_code == 503
-    except httpx.ConnectError:
-        pass
+    server.wait_until_unhealthy()
     code = server.proc.wait(timeout=30)
     assert code not in (0, None)
     assert time.monotonic() - killed_at < 30

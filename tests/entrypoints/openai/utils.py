@@ -144,6 +144,22 @@ class RemoteServer:
                 raise AssertionError(f"metrics {got} != {expected} after {timeout} s")
             time.sleep(0.05)
 
+    def wait_until_unhealthy(self, timeout: float = 10.0) -> None:
+        """After its engine died: /health answers 200 until the front end has seen the
+        death (a thread or a poll wakes for it: on a loaded machine, some milliseconds,
+        and a request may fail first), then 503 until the server is gone."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                status = httpx.get(self.url("/health"), timeout=5).status_code
+            except httpx.ConnectError:
+                return
+            if status != 200:
+                assert status == 503, status
+                return
+            assert time.monotonic() < deadline, "/health still 200 after the engine died"
+            time.sleep(0.05)
+
     def engine_core_process(self) -> psutil.Process:
         # The core is a spawned child; the other possible child is multiprocessing's
         # resource tracker, whose command line says so.
