@@ -43,8 +43,13 @@ inline __m256 halves_f16(const uint8_t* p, int h) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p) + h));
 }
 
-// How far ahead of the block being multiplied Q8_0's records are requested (group_dot).
-constexpr int64_t kQ8AheadBytes = 16384;
+// Keeps a running sum one chain of adds in a register: GCC otherwise re-associates a
+// block's integer adds into a tree whose products, all live at once, spill to the stack
+// at 2+ rows of x.
+inline void in_register(__m256i& v) { asm("" : "+x"(v)); }
+
+// How far ahead of the block being multiplied the records are requested (group_dot).
+constexpr int64_t kAheadBytes = 8192;
 
 // acc[h][r] (rows 8h..8h+7 of the group as lanes) += the group's blocks times R rows of x.
 template <int KIND, int R>
@@ -54,53 +59,28 @@ void group_dot(const uint8_t* group, int64_t nb, int64_t record, int64_t quant_b
   const __m256i nibble = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* rec = group + b * record;
-    // A group is one contiguous run of records, a single stream the hardware prefetcher
-    // keeps up with for Q4 (the plain layout reads 16 rows' streams at once): asking for
-    // the record kStreamAheadBytes ahead at every cache line, as the float GEMV does,
-    // made single-row GEMVs 5-35% slower (Zen 4, haswell build, one thread: Q4_1
-    // 49152x576 0.49 -> 0.56-0.61 ms, Q8_0 16384x2048 1.32 -> 1.67-1.84 ms). Q8_0's
-    // LM heads at 1-3 rows of x did not keep up on Zen 5 (0.73-0.77x the plain layout's
-    // speed at 1 row); each cache line asked for kQ8AheadBytes ahead, into L1 (into L2
-    // was slower), took SmolLM2's 49152x576 head 1.35 -> 0.98 ms and Gemma 3's 262144x640
-    // 7.50 -> 6.29 ms at 1 row, 1.03-1.2x at 2-3 rows (haswell build, one thread,
-    // per-thread CPU time, interleaved with the plain layout's 0.99 and 5.36 ms).
-    if constexpr (KIND == 0 && R < 4)
+    // A group is one contiguous run of records, and so is the weight: one stream, whose
+    // hardware prefetch stops at every 4 KiB page. At 1-3 rows of x, where DRAM rather
+    // than the arithmetic sets the pace, each cache line is asked for kAheadBytes ahead,
+    // into L1 (into L2 was slower). Q8_0 (Zen 5, haswell build, one thread, per-thread
+    // CPU time, 16 KiB ahead): SmolLM2's 49152x576 head 1.35 -> 0.98 ms, Gemma 3's
+    // 262144x640 7.50 -> 6.29 ms at 1 row. Zen 3 (2 vCPUs shared with other jobs, one
+    // thread, medians of 2 interleaved rounds of 8-10 calls over 64 MiB of copies): Q8_0
+    // 16 KiB 14.2-16.1 ms (none 20.4-20.7) on Gemma 3's head, 8 KiB 14.9-16.3 ms; Q4_1,
+    // before asked for nothing, 8 KiB ahead: 1B's 16384x2048 2.84-3.06 -> 2.15-2.30 ms,
+    // 2048x8192 1.09-1.25 -> 0.93-1.08 ms, SmolLM2's 3072x576 0.154-0.163 -> 0.121-0.123
+    // ms. With the weight in cache the requests are overhead only (1B's 3072x2048 Q4_1 at
+    // 1 row, fastest of 300 calls: 0.14 -> 0.20 ms in one A/B); decode streams weights
+    // from DRAM. (On Zen 4's haswell build, which no AVX2-only CPU runs, asking for Q4
+    // 4 KiB ahead had been 5-35% slower.)
+    if constexpr (R < 4)
       for (int64_t off = 0; off < record; off += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(rec + kQ8AheadBytes + off), _MM_HINT_T0);
-    for (int h = 0; h < 2; ++h) {
-      __m256i sum[R];
-      for (int r = 0; r < R; ++r) sum[r] = _mm256_setzero_si256();
-      if constexpr (KIND == 0) {
-        for (int c = 0; c < 8; ++c) {
-          const __m256i w =
-              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + c * 64 + h * 32));
-          const __m256i wu = _mm256_sign_epi8(w, w);
-          for (int r = 0; r < R; ++r) {
-            const __m256i xv = _mm256_sign_epi8(broadcast4(xq + r * K + b * kBlock + 4 * c), w);
-            sum[r] = _mm256_add_epi32(sum[r],
-                                      _mm256_madd_epi16(_mm256_maddubs_epi16(wu, xv), ones));
-          }
-        }
-      } else {
-        __m256i pairs[R];
-        for (int r = 0; r < R; ++r) pairs[r] = _mm256_setzero_si256();
-        for (int c = 0; c < 4; ++c) {
-          const __m256i v =
-              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + c * 64 + h * 32));
-          const __m256i lo = _mm256_and_si256(v, nibble);
-          const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
-          for (int r = 0; r < R; ++r) {
-            const int8_t* xb = xq + r * K + b * kBlock;
-            pairs[r] = _mm256_add_epi16(pairs[r], _mm256_maddubs_epi16(lo, broadcast4(xb + 4 * c)));
-            pairs[r] =
-                _mm256_add_epi16(pairs[r], _mm256_maddubs_epi16(hi, broadcast4(xb + 16 + 4 * c)));
-          }
-        }
-        for (int r = 0; r < R; ++r) sum[r] = _mm256_madd_epi16(pairs[r], ones);
-      }
+        _mm_prefetch(reinterpret_cast<const char*>(rec + kAheadBytes + off), _MM_HINT_T0);
+    // acc[h] += the half's integer sums times the scales.
+    const auto scale_half = [&](int h, const __m256i (&sums)[R]) {
       const __m256 dv = halves_f16(rec + quant_bytes, h);
       for (int r = 0; r < R; ++r) {
-        const __m256 dot = _mm256_cvtepi32_ps(sum[r]);
+        const __m256 dot = _mm256_cvtepi32_ps(sums[r]);
         acc[h][r] = _mm256_fmadd_ps(dot, _mm256_mul_ps(dv, _mm256_set1_ps(xd[r * nb + b])),
                                     acc[h][r]);
         if constexpr (KIND == 1) {
@@ -112,7 +92,56 @@ void group_dot(const uint8_t* group, int64_t nb, int64_t record, int64_t quant_b
           acc[h][r] = _mm256_fmadd_ps(dv, _mm256_set1_ps(-8.f * xs[r * nb + b]), acc[h][r]);
         }
       }
+    };
+    __m256i sum[2][R];
+    if constexpr (KIND == 0) {
+      // One half at a time: both halves per chunk (as Q4 below) made 2-4 rows of x
+      // 1.2-1.7x slower (Zen 3, weights in cache).
+      for (int h = 0; h < 2; ++h) {
+        for (int r = 0; r < R; ++r) sum[h][r] = _mm256_setzero_si256();
+        for (int c = 0; c < 8; ++c) {
+          const __m256i w =
+              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + c * 64 + h * 32));
+          const __m256i wu = _mm256_sign_epi8(w, w);
+          for (int r = 0; r < R; ++r) {
+            const __m256i xv = _mm256_sign_epi8(broadcast4(xq + r * K + b * kBlock + 4 * c), w);
+            sum[h][r] = _mm256_add_epi32(sum[h][r],
+                                         _mm256_madd_epi16(_mm256_maddubs_epi16(wu, xv), ones));
+          }
+        }
+        scale_half(h, sum[h]);  // before the next half: 2R live sums spilled at 4 rows
+      }
+    } else {
+      // Both 8-row halves of a chunk per broadcast of x, chunk by chunk: with the halves
+      // in separate passes GCC hoisted the block's 8 broadcasts for the second pass to
+      // reuse and spilled them and the sums to the stack in the hot loop.
+      __m256i pairs[2][R];
+      for (int h = 0; h < 2; ++h)
+        for (int r = 0; r < R; ++r) pairs[h][r] = _mm256_setzero_si256();
+      for (int c = 0; c < 4; ++c) {
+        __m256i lo[2], hi[2];
+        for (int h = 0; h < 2; ++h) {
+          const __m256i v =
+              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + c * 64 + h * 32));
+          lo[h] = _mm256_and_si256(v, nibble);
+          hi[h] = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
+        }
+        for (int r = 0; r < R; ++r) {
+          const int8_t* xb = xq + r * K + b * kBlock;
+          const __m256i xl = broadcast4(xb + 4 * c), xh = broadcast4(xb + 16 + 4 * c);
+          for (int h = 0; h < 2; ++h) {
+            pairs[h][r] = _mm256_add_epi16(
+                pairs[h][r], _mm256_add_epi16(_mm256_maddubs_epi16(lo[h], xl),
+                                              _mm256_maddubs_epi16(hi[h], xh)));
+            in_register(pairs[h][r]);
+          }
+        }
+      }
+      for (int h = 0; h < 2; ++h)
+        for (int r = 0; r < R; ++r) sum[h][r] = _mm256_madd_epi16(pairs[h][r], ones);
     }
+    if constexpr (KIND != 0)
+      for (int h = 0; h < 2; ++h) scale_half(h, sum[h]);
   }
 }
 

@@ -128,3 +128,28 @@ def test_packaged_files_tensors(model: str | None) -> None:
         for rows in (1, 3, 4, 64):
             gen = torch.Generator().manual_seed(rows)
             _check(weight, reference, torch.randn(rows, weight.shape[1], generator=gen))
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+def test_rows_are_identical_across_thread_counts(qtype: T) -> None:
+    """Threads split the weight's groups of 16 outputs, each summed whole on one thread in
+    one order (with or without the records requested ahead at 1-3 rows): a row's outputs
+    are the same bits on 1 and 2 threads, alone and in every tile of x rows."""
+    weight, _ = _random(qtype, 16 * 37 + 5, 640, seed=7)
+    packed = _packed(weight)
+    x = torch.randn(9, 640, generator=torch.Generator().manual_seed(9))
+    threads = torch.get_num_threads()
+    try:
+        outs = []
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            batch = ops.block_linear_int8(x, weight.qs, weight.d, weight.m, weight.kind, packed)
+            for rows in (1, 2, 3, 4):  # each tile width the kernel has, from the same rows
+                part = ops.block_linear_int8(
+                    x[:rows], weight.qs, weight.d, weight.m, weight.kind, packed
+                )
+                assert torch.equal(part, batch[:rows])
+            outs.append(batch)
+        assert torch.equal(outs[0], outs[1])
+    finally:
+        torch.set_num_threads(threads)
