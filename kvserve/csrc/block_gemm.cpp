@@ -72,7 +72,8 @@ at::Tensor dequantize_blocks(const at::Tensor& qs, const at::Tensor& d, const at
 
 // y = x @ W^T for x [M, K] float32 and W in blocks [N, K]. Weights cross the memory bus
 // as 4-8 bits per value on every path; decode-sized inputs never materialize them.
-//   < kDenseRows rows: the GEMV over cache-sized tiles of W, 6-16 rows of x at a time.
+//   < kDenseRows rows (64; AVX2: 160): the GEMV over cache-sized tiles of W, 6-16 rows
+//     of x at a time.
 //   >= kDenseRows: all of W dequantized, then the float32 engine's own GEMM (dense_linear,
 //     so the two paths agree bit for bit); an LM head too large for that takes
 //     dequantized tiles into single-threaded BLAS instead.
@@ -81,7 +82,18 @@ at::Tensor dequantize_blocks(const at::Tensor& qs, const at::Tensor& d, const at
 // 32-48 rows on all of W, 135-140 from 64), while the GEMV holds 60-78 GFLOP/s at any
 // number of rows; decode batches of 16-63 requests were 2-3x slower on BLAS.
 constexpr int64_t kTileRows = 64;
+#if defined(__AVX2__) && !defined(__AVX512F__)
+// AVX2's GEMV (6 rows a pass, 45-48 GFLOP/s at SmolLM2's shapes on AMD EPYC Zen 3, one
+// thread) stays ahead of dequantizing W for MKL's GEMM until ~150 rows: the GEMM path
+// ran 25-38 GFLOP/s at 64-128 rows (the GEMV 1.2-1.7x faster), 46-51 from 192 on. So
+// prompts of up to 159 tokens keep the GEMV, whose rows never depend on their neighbours.
+constexpr int64_t kDenseRows = 160;
+#else
 constexpr int64_t kDenseRows = 64;
+#endif
+// The GEMV's outputs are split between threads in units this size, not whole tiles: 576
+// outputs are 9 tiles, which two threads took as 5 and 4 (a tenth of the second idle).
+constexpr int64_t kSplitRows = 16;
 constexpr int64_t kBlasTileRows = 128;
 constexpr int64_t kOneDnnRows = 256;  // dense_linear: oneDNN from here on
 constexpr int64_t kDequantGemmMaxWeights = 16 << 20;  // layers, not a 100 MB LM head
@@ -144,9 +156,9 @@ at::Tensor block_linear(const at::Tensor& x_in, const at::Tensor& qs, const at::
     // them; the quants are converted once per group, not once per row.
     GemvInput input;
     input.prepare(w, xp, rows_x);
-    const int64_t num_tiles = (N + kTileRows - 1) / kTileRows, pass_rows = w.gemv_pass_rows();
-    at::parallel_for(0, num_tiles, 1, [&](int64_t begin, int64_t end) {
-      const int64_t n_begin = begin * kTileRows, n_end = std::min(N, end * kTileRows);
+    const int64_t units = (N + kSplitRows - 1) / kSplitRows, pass_rows = w.gemv_pass_rows();
+    at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
+      const int64_t n_begin = begin * kSplitRows, n_end = std::min(N, end * kSplitRows);
       for (int64_t n0 = n_begin; n0 < n_end; n0 += kTileRows) {
         const int64_t n1 = std::min(n_end, n0 + kTileRows);
         for (int64_t r0 = 0; r0 < rows_x; r0 += pass_rows) {
@@ -209,6 +221,10 @@ at::Tensor nibble_planes_of(const at::Tensor& qs, const at::Tensor& d, const at:
 
 // Whether this build's float GEMV runs nibble planes faster than the plain 4-bit layout
 // (AVX2 without AVX-512, whose wider conversions already halve the unpacking).
+// Rows of x from which block_linear dequantizes W for the dense GEMM (below: the GEMV,
+// each row's result independent of the others).
+int64_t block_linear_dense_rows() { return kDenseRows; }
+
 bool gemv_prefers_nibble_planes() {
 #if defined(__AVX2__) && !defined(__AVX512F__)
   return true;
@@ -222,6 +238,7 @@ bool gemv_prefers_nibble_planes() {
 // No tensor to dispatch on: a catch-all kernel.
 TORCH_LIBRARY_FRAGMENT(kvserve, m) {
   m.def("gemv_prefers_nibble_planes() -> bool", &kvserve_cpu::gemv_prefers_nibble_planes);
+  m.def("block_linear_dense_rows() -> int", &kvserve_cpu::block_linear_dense_rows);
 }
 
 TORCH_LIBRARY_IMPL(kvserve, CPU, m) {
