@@ -329,7 +329,7 @@ def gemv_prefers_nibble_planes() -> bool:
 
 def block_linear_dense_rows() -> int:
     """Rows of x from which block_linear dequantizes W for the dense GEMM; fewer take the
-    GEMV, where a row's result never depends on the other rows (64; AVX2 builds: 160)."""
+    GEMV, where a row's result never depends on the other rows (64; AVX2 builds: 128)."""
     require()
     return int(torch.ops.kvserve.block_linear_dense_rows())
 

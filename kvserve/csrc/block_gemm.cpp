@@ -72,7 +72,7 @@ at::Tensor dequantize_blocks(const at::Tensor& qs, const at::Tensor& d, const at
 
 // y = x @ W^T for x [M, K] float32 and W in blocks [N, K]. Weights cross the memory bus
 // as 4-8 bits per value on every path; decode-sized inputs never materialize them.
-//   < kDenseRows rows (64; AVX2: 160): the GEMV over cache-sized tiles of W, 6-16 rows
+//   < kDenseRows rows (64; AVX2: 128): the GEMV over cache-sized tiles of W, 6-16 rows
 //     of x at a time.
 //   >= kDenseRows: all of W dequantized, then the float32 engine's own GEMM (dense_linear,
 //     so the two paths agree bit for bit); an LM head too large for that takes
@@ -83,11 +83,13 @@ at::Tensor dequantize_blocks(const at::Tensor& qs, const at::Tensor& d, const at
 // number of rows; decode batches of 16-63 requests were 2-3x slower on BLAS.
 constexpr int64_t kTileRows = 64;
 #if defined(__AVX2__) && !defined(__AVX512F__)
-// AVX2's GEMV (6 rows a pass, 45-48 GFLOP/s at SmolLM2's shapes on AMD EPYC Zen 3, one
-// thread) stays ahead of dequantizing W for MKL's GEMM until ~150 rows: the GEMM path
-// ran 25-38 GFLOP/s at 64-128 rows (the GEMV 1.2-1.7x faster), 46-51 from 192 on. So
-// prompts of up to 159 tokens keep the GEMV, whose rows never depend on their neighbours.
-constexpr int64_t kDenseRows = 160;
+// AVX2's GEMV (6 rows a pass) stays ahead of dequantizing W for MKL's GEMM until ~110
+// rows on one thread, and further on two: AMD EPYC Zen 3, SmolLM2's four layer shapes x
+// 30 layers, the two paths interleaved in one process (load average 5), dequantize + GEMM
+// over GEMV 1.70x at 48 rows, 1.36x at 64, 1.10x at 96, 0.98x at 112, 0.88x at 128 (one
+// thread, CPU time); 2.3x at 64, 1.7x at 112, 1.4x at 128 (two threads, wall). Prompts
+// up to 127 tokens keep the GEMV, whose rows never depend on their neighbours.
+constexpr int64_t kDenseRows = 128;
 #else
 constexpr int64_t kDenseRows = 64;
 #endif

@@ -146,7 +146,7 @@ def test_packaged_smollm2_tensors() -> None:
 
 @pytest.mark.parametrize("cols", [576, 1536])
 def test_planes_rows_do_not_depend_on_their_batch_or_threads(cols: int) -> None:
-    """Below block_linear's dense rows (160 on AVX2: prompts up to 159 tokens) every row
+    """Below block_linear's dense rows (128 on AVX2: prompts up to 127 tokens) every row
     of a batch is the bits of that row multiplied alone, on one thread or two."""
     _, planes, reference = _weights(T.Q4_1, 200, cols, seed=cols)
     limit = ops.block_linear_dense_rows()
