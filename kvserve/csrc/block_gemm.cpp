@@ -93,9 +93,6 @@ constexpr int64_t kDenseRows = 128;
 #else
 constexpr int64_t kDenseRows = 64;
 #endif
-// The GEMV's outputs are split between threads in units this size, not whole tiles: 576
-// outputs are 9 tiles, which two threads took as 5 and 4 (a tenth of the second idle).
-constexpr int64_t kSplitRows = 16;
 constexpr int64_t kBlasTileRows = 128;
 constexpr int64_t kOneDnnRows = 256;  // dense_linear: oneDNN from here on
 constexpr int64_t kDequantGemmMaxWeights = 16 << 20;  // layers, not a 100 MB LM head
@@ -158,9 +155,9 @@ at::Tensor block_linear(const at::Tensor& x_in, const at::Tensor& qs, const at::
     // them; the quants are converted once per group, not once per row.
     GemvInput input;
     input.prepare(w, xp, rows_x);
-    const int64_t units = (N + kSplitRows - 1) / kSplitRows, pass_rows = w.gemv_pass_rows();
-    at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
-      const int64_t n_begin = begin * kSplitRows, n_end = std::min(N, end * kSplitRows);
+    const int64_t num_tiles = (N + kTileRows - 1) / kTileRows, pass_rows = w.gemv_pass_rows();
+    at::parallel_for(0, num_tiles, 1, [&](int64_t begin, int64_t end) {
+      const int64_t n_begin = begin * kTileRows, n_end = std::min(N, end * kTileRows);
       for (int64_t n0 = n_begin; n0 < n_end; n0 += kTileRows) {
         const int64_t n1 = std::min(n_end, n0 + kTileRows);
         for (int64_t r0 = 0; r0 < rows_x; r0 += pass_rows) {
