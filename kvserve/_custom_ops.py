@@ -327,6 +327,13 @@ def gemv_prefers_nibble_planes() -> bool:
     return _state["planes"]
 
 
+def block_linear_dense_rows() -> int:
+    """Rows of x from which block_linear dequantizes W for the dense GEMM; fewer take the
+    GEMV, where a row's result never depends on the other rows (64; AVX2 builds: 128)."""
+    require()
+    return int(torch.ops.kvserve.block_linear_dense_rows())
+
+
 def packs_int8_weights() -> bool:
     """Whether this build makes gguf_int8's interleaved copy (AVX-512 VNNI or AVX2), with
     which every matmul, batches included, runs on int8 activations."""

@@ -72,7 +72,8 @@ at::Tensor dequantize_blocks(const at::Tensor& qs, const at::Tensor& d, const at
 
 // y = x @ W^T for x [M, K] float32 and W in blocks [N, K]. Weights cross the memory bus
 // as 4-8 bits per value on every path; decode-sized inputs never materialize them.
-//   < kDenseRows rows: the GEMV over cache-sized tiles of W, 6-16 rows of x at a time.
+//   < kDenseRows rows (64; AVX2: 128): the GEMV over cache-sized tiles of W, 6-16 rows
+//     of x at a time.
 //   >= kDenseRows: all of W dequantized, then the float32 engine's own GEMM (dense_linear,
 //     so the two paths agree bit for bit); an LM head too large for that takes
 //     dequantized tiles into single-threaded BLAS instead.
@@ -81,7 +82,17 @@ at::Tensor dequantize_blocks(const at::Tensor& qs, const at::Tensor& d, const at
 // 32-48 rows on all of W, 135-140 from 64), while the GEMV holds 60-78 GFLOP/s at any
 // number of rows; decode batches of 16-63 requests were 2-3x slower on BLAS.
 constexpr int64_t kTileRows = 64;
+#if defined(__AVX2__) && !defined(__AVX512F__)
+// AVX2's GEMV (6 rows a pass) stays ahead of dequantizing W for MKL's GEMM until ~110
+// rows on one thread, and further on two: AMD EPYC Zen 3, SmolLM2's four layer shapes x
+// 30 layers, the two paths interleaved in one process (load average 5), dequantize + GEMM
+// over GEMV 1.70x at 48 rows, 1.36x at 64, 1.10x at 96, 0.98x at 112, 0.88x at 128 (one
+// thread, CPU time); 2.3x at 64, 1.7x at 112, 1.4x at 128 (two threads, wall). Prompts
+// up to 127 tokens keep the GEMV, whose rows never depend on their neighbours.
+constexpr int64_t kDenseRows = 128;
+#else
 constexpr int64_t kDenseRows = 64;
+#endif
 constexpr int64_t kBlasTileRows = 128;
 constexpr int64_t kOneDnnRows = 256;  // dense_linear: oneDNN from here on
 constexpr int64_t kDequantGemmMaxWeights = 16 << 20;  // layers, not a 100 MB LM head
@@ -209,6 +220,10 @@ at::Tensor nibble_planes_of(const at::Tensor& qs, const at::Tensor& d, const at:
 
 // Whether this build's float GEMV runs nibble planes faster than the plain 4-bit layout
 // (AVX2 without AVX-512, whose wider conversions already halve the unpacking).
+// Rows of x from which block_linear dequantizes W for the dense GEMM (below: the GEMV,
+// each row's result independent of the others).
+int64_t block_linear_dense_rows() { return kDenseRows; }
+
 bool gemv_prefers_nibble_planes() {
 #if defined(__AVX2__) && !defined(__AVX512F__)
   return true;
@@ -222,6 +237,7 @@ bool gemv_prefers_nibble_planes() {
 // No tensor to dispatch on: a catch-all kernel.
 TORCH_LIBRARY_FRAGMENT(kvserve, m) {
   m.def("gemv_prefers_nibble_planes() -> bool", &kvserve_cpu::gemv_prefers_nibble_planes);
+  m.def("block_linear_dense_rows() -> int", &kvserve_cpu::block_linear_dense_rows);
 }
 
 TORCH_LIBRARY_IMPL(kvserve, CPU, m) {

@@ -39,12 +39,13 @@ def test_dequantize_is_bit_exact_with_gguf(qtype: T) -> None:
     assert torch.equal(weight.dequantize(), reference)
 
 
-# 1-63 rows: the GEMV over cache-sized tiles, 6-8 rows of x at a time; 64+: all of W
-# dequantized, then the float32 engine's GEMM (dense_linear: MKL, oneDNN from 256 rows).
-DENSE_ROWS = 64
+# Below DENSE_ROWS (64; AVX2 builds 128): the GEMV over cache-sized tiles, 6-16 rows of x
+# at a time; from there: all of W dequantized, then the float32 engine's GEMM
+# (dense_linear: MKL, oneDNN from 256 rows).
+DENSE_ROWS = ops.block_linear_dense_rows() if ops.available() else 64
 
 
-@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 13, 16, 47, 63, 64, 130, 255, 256, 300])
+@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 13, 16, 47, 63, 64, 127, 128, 130, 255, 256, 300])
 @pytest.mark.parametrize("qtype", TYPES)
 def test_block_linear_matches_float32_matmul(qtype: T, rows: int) -> None:
     weight, reference = _block_weight(qtype, 197, 1536, seed=rows)
@@ -61,7 +62,7 @@ def test_packaged_q8_0_heads_multiply_exactly_and_row_by_row(model: str | None) 
     """The packaged files' Q8_0 embeddings, tied to their LM heads (1000 of their rows: an
     output's arithmetic does not depend on how many there are), at 1-256 rows of x: within
     float32 rounding of the float64 product of gguf's weights, and below the dense path's
-    64 rows each row's result is the same bits whatever rows share its matmul."""
+    DENSE_ROWS each row's result is the same bits whatever rows share its matmul."""
     from kvserve.model_executor.model_loader.gguf_loader import iterate_gguf_blocks
 
     config = (
@@ -76,7 +77,7 @@ def test_packaged_q8_0_heads_multiply_exactly_and_row_by_row(model: str | None) 
     weight = BlockWeight.from_raw(raw, T.Q8_0)
     reference = weight.dequantize()
     assert torch.equal(reference, torch.from_numpy(dequantize(raw, T.Q8_0).astype(np.float32)))
-    for rows in (1, 2, 3, 4, 5, 16, 17, 63, 64, 256):
+    for rows in (1, 2, 3, 4, 5, 16, 17, 63, 64, 100, 127, 128, 256):
         x = torch.randn(rows, weight.shape[1], generator=torch.Generator().manual_seed(rows))
         out = weight.linear(x)
         want = x.double() @ reference.double().T
@@ -88,7 +89,7 @@ def test_packaged_q8_0_heads_multiply_exactly_and_row_by_row(model: str | None) 
 
 
 def test_lm_head_sized_block_linear_takes_dequantized_tiles() -> None:
-    # Over 16M weights W is not dequantized whole: 64+ rows go through cache-sized
+    # Over 16M weights W is not dequantized whole: DENSE_ROWS+ rows go through cache-sized
     # dequantized tiles and single-threaded BLAS, below that the GEMV.
     weight, reference = _block_weight(T.Q8_0, 8200, 2048, seed=3)
     for rows in (DENSE_ROWS - 1, DENSE_ROWS + 6):

@@ -142,3 +142,22 @@ def test_packaged_smollm2_tensors() -> None:
             x = torch.randn(rows, plain.shape[1], generator=torch.Generator().manual_seed(rows))
             _check_product(plain, planes, weights, x)
     assert count > 0
+
+
+@pytest.mark.parametrize("cols", [576, 1536])
+def test_planes_rows_do_not_depend_on_their_batch_or_threads(cols: int) -> None:
+    """Below block_linear's dense rows (128 on AVX2: prompts up to 127 tokens) every row
+    of a batch is the bits of that row multiplied alone, on one thread or two."""
+    _, planes, reference = _weights(T.Q4_1, 200, cols, seed=cols)
+    limit = ops.block_linear_dense_rows()
+    x = torch.randn(limit - 1, cols)
+    alone = torch.cat([planes.linear(x[i : i + 1]) for i in range(limit - 1)])
+    torch.testing.assert_close(alone, F.linear(x, reference), rtol=1e-4, atol=1e-4)
+    threads = torch.get_num_threads()
+    try:
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            for rows in sorted({2, 5, 6, 7, 13, 45, 63, 64, 100, limit - 1} & set(range(limit))):
+                assert torch.equal(planes.linear(x[:rows]), alone[:rows])
+    finally:
+        torch.set_num_threads(threads)
