@@ -218,12 +218,12 @@ at::Tensor nibble_planes_of(const at::Tensor& qs, const at::Tensor& d, const at:
   return out;
 }
 
-// Whether this build's float GEMV runs nibble planes faster than the plain 4-bit layout
-// (AVX2 without AVX-512, whose wider conversions already halve the unpacking).
 // Rows of x from which block_linear dequantizes W for the dense GEMM (below: the GEMV,
 // each row's result independent of the others).
 int64_t block_linear_dense_rows() { return kDenseRows; }
 
+// Whether this build's float GEMV runs nibble planes faster than the plain 4-bit layout
+// (AVX2 without AVX-512, whose wider conversions already halve the unpacking).
 bool gemv_prefers_nibble_planes() {
 #if defined(__AVX2__) && !defined(__AVX512F__)
   return true;
