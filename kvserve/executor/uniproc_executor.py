@@ -45,16 +45,56 @@ class _Calls(Protocol):
     def shutdown(self, wait: bool = True) -> None: ...
 
 
+class _Completed(Future[T]):
+    """A future born done, with the call's result or error. A plain Future builds a
+    Condition (an RLock) and takes it to settle and to read: ~10 us per future on a loaded
+    Zen 3, two per synchronous step, for a value that is known before the future exists.
+    Nothing waits on an inline call's future, so it needs no lock."""
+
+    def __init__(self, value: T | None, error: BaseException | None) -> None:
+        # Future.__init__ is skipped on purpose: its lock and waiter list serve only
+        # futures that are still pending, and every method that reads them is overridden.
+        self._value = value
+        self._error = error
+
+    def done(self) -> bool:
+        return True
+
+    def running(self) -> bool:
+        return False
+
+    def cancelled(self) -> bool:
+        return False
+
+    def cancel(self) -> bool:
+        return False
+
+    def result(self, timeout: float | None = None) -> T:
+        if self._error is not None:
+            raise self._error
+        return self._value  # type: ignore[return-value]
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        return self._error
+
+    def add_done_callback(self, fn: Callable[[Future[T]], object]) -> None:
+        fn(self)
+
+    def set_result(self, result: T) -> None:
+        raise RuntimeError("an inline call's future is settled when it is made")
+
+    def set_exception(self, exception: BaseException | None) -> None:
+        raise RuntimeError("an inline call's future is settled when it is made")
+
+
 class _InlineCalls:
     """Runs each call at once on the caller's thread (synchronous steps)."""
 
     def submit(self, fn: Callable[[], T], /) -> Future[T]:
-        future: Future[T] = Future()
         try:
-            future.set_result(fn())
+            return _Completed(fn(), None)
         except Exception as e:
-            future.set_exception(e)
-        return future
+            return _Completed(None, e)
 
     def shutdown(self, wait: bool = True) -> None:
         return None

@@ -114,3 +114,27 @@ def test_async_worker_thread_owns_the_intra_op_threads(config: EngineConfig) -> 
     finally:
         executor.shutdown()
     assert torch.get_num_threads() == threads
+
+
+def test_inline_call_futures_carry_the_result_or_the_error(config: EngineConfig) -> None:
+    """Synchronous steps hand out futures born done; a call's error is the future's."""
+    executor = UniProcExecutor(config)
+    try:
+        specs = executor.get_kv_cache_specs()
+        executor.initialize_from_config(build_kv_cache_config(specs[0], 0, num_blocks_override=16))
+        failed = executor.sample_tokens(None, non_block=True)  # no execute_model before it
+        assert failed.done() and not failed.running() and not failed.cancelled()
+        assert isinstance(failed.exception(), RuntimeError)
+        with pytest.raises(RuntimeError, match="without a preceding execute_model"):
+            failed.result()
+        new = NewRequestData("r", [5, 6, 7], SamplingParams(temperature=0.0), ([1],), 0)
+        started = executor.execute_model(
+            SchedulerOutput([new], CachedRequestData(), {"r": 3}, 3), non_block=True
+        )
+        assert started is not None and started.done() and started.exception() is None
+        sampled = executor.sample_tokens(None, non_block=True)
+        seen: list[object] = []
+        sampled.add_done_callback(seen.append)
+        assert seen == [sampled] and sampled.result().req_ids == ["r"]
+    finally:
+        executor.shutdown()

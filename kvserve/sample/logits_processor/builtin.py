@@ -50,6 +50,8 @@ class RowStateLogitsProcessor(LogitsProcessor, Generic[S]):
         return not self.states
 
     def update_state(self, batch_update: BatchUpdate | None) -> None:
+        if batch_update is None and not self.states:
+            return  # nothing to add, drop or refresh: most steps of most batches
         changed = False
         if batch_update is not None:
             for row, params, prompt, output in batch_update.added:
