@@ -71,9 +71,10 @@ def test_gemma_file_tensors_dequantize_bit_exact_with_gguf() -> None:
         assert torch.equal(weight.dequantize(), _reference(raw, tensor.tensor_type)), tensor.name
 
 
-# As in test_quantization: 1-63 rows the GEMV (6-8 rows of x at a time), 64+ all of W
-# dequantized and the float32 engine's GEMM (bit for bit).
-@pytest.mark.parametrize("rows", [1, 2, 5, 7, 13, 47, 64, 256])
+# As in test_quantization: below block_linear_dense_rows() (64; AVX2: 128) the GEMV (6-16
+# rows of x at a time), from there all of W dequantized and the float32 engine's GEMM (bit
+# for bit).
+@pytest.mark.parametrize("rows", [1, 2, 5, 7, 13, 47, 64, 127, 128, 256])
 @pytest.mark.parametrize("qtype", REPACKED)
 def test_repacked_block_linear_matches_float32_matmul(qtype: T, rows: int) -> None:
     raw = _random_raw(qtype, 197, 1536, seed=rows)
@@ -82,7 +83,7 @@ def test_repacked_block_linear_matches_float32_matmul(qtype: T, rows: int) -> No
     out = weight.linear(x)
     exact = F.linear(x, reference)
     torch.testing.assert_close(out, exact, rtol=1e-4, atol=1e-4 * float(exact.abs().max()))
-    if rows >= 64:
+    if rows >= ops.block_linear_dense_rows():
         assert torch.equal(out, ops.dense_linear(x, reference))
 
 
