@@ -22,6 +22,7 @@ allocated when the core starts; found with a breakpoint on GOMP_parallel), and i
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -35,6 +36,8 @@ from kvserve.protocol.runner_output import ModelRunnerOutput
 from kvserve.protocol.scheduler_output import GrammarOutput, SchedulerOutput
 from kvserve.utils.threads import release_openmp_team
 from kvserve.worker.worker import Worker
+
+logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
@@ -78,7 +81,15 @@ class _Completed(Future[T]):
         return self._error
 
     def add_done_callback(self, fn: Callable[[Future[T]], object]) -> None:
-        fn(self)
+        # As Future does for a done future: a failing callback is logged, not raised.
+        try:
+            fn(self)
+        except Exception:
+            logger.exception("exception calling callback for %r", self)
+
+    def __repr__(self) -> str:  # Future's reads the lock this one does not have
+        outcome = "raised " + type(self._error).__name__ if self._error else "finished"
+        return f"<_Completed at {id(self):#x} state={outcome}>"
 
     def set_result(self, result: T) -> None:
         raise RuntimeError("an inline call's future is settled when it is made")
