@@ -35,6 +35,9 @@ def pytest_configure(config: pytest.Config) -> None:
     # conversion) but never in the real home. Tests of the cache use tmp_path instead.
     if getattr(config, "cache", None) is not None:
         os.environ.setdefault("KVSERVE_HOME", str(config.cache.mkdir("kvserve")))
+        # The process that sees every test's report: xdist's controller, or a serial run.
+        if not hasattr(config, "workerinput"):
+            config.pluginmanager.register(xdist_groups.DurationRecorder(config))
 
 
 # `make test-fast` runs `pytest -m "not e2e"`: the unit and component tests, in a few
