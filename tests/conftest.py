@@ -130,6 +130,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         xdist_groups.check_shared_fixture_groups(item, module)
 
 
+# Optional: a serial run with xdist left out (`-p no:xdist`) has no such hook.
+@pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     """Whole modules (and modules sharing a costly fixture) per worker: tests/xdist_groups.py."""
     if config.getvalue("dist") in ("load", "loadscope", "loadgroup"):
