@@ -20,7 +20,7 @@ from tests.entrypoints.openai.utils import RemoteServer
 
 pytestmark = pytest.mark.slow
 
-EXAMPLES_PER_OPERATION = 20
+EXAMPLES_PER_OPERATION = 8
 
 
 @pytest.fixture(scope="module")
