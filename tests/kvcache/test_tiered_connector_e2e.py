@@ -23,9 +23,10 @@ from tests.reference import assert_no_leak
 
 pytestmark = pytest.mark.slow
 
-DOC_TOKENS = 2000
-FULL_CHUNKS = DOC_TOKENS // 256 * 256  # 1792: what a second ask loads from the tier
-SHORT_DOC = 1000
+# Two whole 256-token chunks and a partial one: what crosses the tier is the same at any
+# length, and every process here prefills the document.
+DOC_TOKENS = 600
+FULL_CHUNKS = DOC_TOKENS // 256 * 256  # 512: what a second ask loads from the tier
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0)
 
 
@@ -51,7 +52,7 @@ def _run_engine(extra: dict[str, Any], seed: int = 0) -> dict[str, Any]:
             sys.executable,
             "-m",
             "tests.kvcache.engine_run",
-            json.dumps({"extra": extra, "seed": seed}),
+            json.dumps({"extra": extra, "seed": seed, "num_tokens": DOC_TOKENS}),
         ],
         capture_output=True,
         text=True,
@@ -136,14 +137,13 @@ def test_corrupt_chunk_and_redis_stopped_mid_run(
         )
     )
     tok = llm.get_tokenizer()
-    # Shorter documents: this test asks seven times.
-    doc_a, doc_b, doc_c = (make_document_ids(tok, SHORT_DOC, seed=s) for s in (21, 22, 23))
+    doc_a, doc_b, doc_c = (make_document_ids(tok, DOC_TOKENS, seed=s) for s in (21, 22, 23))
     want_a, _ = _ask(llm, doc_a)
     # Corrupt one stored chunk: lookup still counts it, the load finds it bad, the
     # scheduler recomputes from there, and the tokens stay right.
     raw = redis.Redis(port=redis_server.port)
     values = sorted(raw.keys(VALUE_PREFIX + "*"))
-    assert len(values) == SHORT_DOC // 256
+    assert len(values) == DOC_TOKENS // 256
     raw.setrange(values[0], 500, b"\x00garbage\x00")
     llm.reset_prefix_cache()
     assert _ask(llm, doc_a)[0] == want_a
@@ -159,5 +159,5 @@ def test_corrupt_chunk_and_redis_stopped_mid_run(
     want_c, _ = _ask(llm, doc_c)
     llm.reset_prefix_cache()
     got_c, cached_c = _ask(llm, doc_c)
-    assert got_c == want_c and cached_c == SHORT_DOC // 256 * 256
+    assert got_c == want_c and cached_c == FULL_CHUNKS
     assert_no_leak(llm)
