@@ -15,17 +15,20 @@ import pytest
 import redis
 
 from kvserve.benchmarks.kvcache import make_document_ids
+from kvserve.entrypoints.llm import LLM
 from kvserve.kvcache.builder import CacheEngineBuilder
 from kvserve.kvcache.storage.redis_backend import VALUE_PREFIX
 from kvserve.sampling_params import SamplingParams
+from tests.conftest import TEST_KV_CACHE_MEMORY
 from tests.kvcache.conftest import RedisServer
 from tests.reference import assert_no_leak
 
 pytestmark = pytest.mark.slow
 
-DOC_TOKENS = 2000
-FULL_CHUNKS = DOC_TOKENS // 256 * 256  # 1792: what a second ask loads from the tier
-SHORT_DOC = 1000
+# Two whole 256-token chunks and a partial one: what crosses the tier is the same at any
+# length, and every process here prefills the document.
+DOC_TOKENS = 600
+FULL_CHUNKS = DOC_TOKENS // 256 * 256  # 512: what a second ask loads from the tier
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0)
 
 
@@ -45,13 +48,28 @@ def _cache_engine(llm: Any) -> Any:
     return CacheEngineBuilder.get(engine_id)
 
 
+def _write_here(extra: dict[str, Any], seed: int = 0) -> tuple[list[int], int]:
+    """The first of two processes: an engine in this one asks the document, its tier
+    flushed to the stores and the engine shut down before another process reads them
+    (it starts no interpreter of its own, so costs the model load alone)."""
+    llm = LLM(
+        kv_cache_memory=TEST_KV_CACHE_MEMORY, kv_transfer_config=json.loads(_transfer(**extra))
+    )
+    try:
+        answer = _ask(llm, make_document_ids(llm.get_tokenizer(), DOC_TOKENS, seed=seed))
+        _cache_engine(llm).flush()
+    finally:
+        llm.llm_engine.shutdown()
+    return answer
+
+
 def _run_engine(extra: dict[str, Any], seed: int = 0) -> dict[str, Any]:
     proc = subprocess.run(
         [
             sys.executable,
             "-m",
             "tests.kvcache.engine_run",
-            json.dumps({"extra": extra, "seed": seed}),
+            json.dumps({"extra": extra, "seed": seed, "num_tokens": DOC_TOKENS}),
         ],
         capture_output=True,
         text=True,
@@ -104,27 +122,27 @@ def test_redis_shared_by_two_processes_and_disk_survives_restart(
     redis_server: RedisServer, tmp_path: Path
 ) -> None:
     disk = str(tmp_path / "disk")
-    first = _run_engine({"remote_url": redis_server.url, "local_disk": disk})
-    assert first["num_cached_tokens"] == 0
+    tokens, cached = _write_here({"remote_url": redis_server.url, "local_disk": disk})
+    assert cached == 0
     # A second engine process with only Redis: it reuses the first one's KV.
     via_redis = _run_engine({"remote_url": redis_server.url, "local_cpu": False})
     assert via_redis["num_cached_tokens"] == FULL_CHUNKS
     assert via_redis["tiers"]["redis"]["hits"] == FULL_CHUNKS // 256
-    assert via_redis["tokens"] == first["tokens"]
+    assert via_redis["tokens"] == tokens
     # A restarted engine with only the disk directory finds the chunks there.
     via_disk = _run_engine({"local_disk": disk, "local_cpu": False})
     assert via_disk["num_cached_tokens"] == FULL_CHUNKS
     assert via_disk["tiers"]["disk"]["hits"] == FULL_CHUNKS // 256
-    assert via_disk["tokens"] == first["tokens"]
+    assert via_disk["tokens"] == tokens
 
 
 def test_cache_server_shared_by_two_processes(cache_server_factory: type) -> None:
     server = cache_server_factory("--max-memory", "1GiB")
-    first = _run_engine({"remote_url": server.url}, seed=3)
+    tokens, cached = _write_here({"remote_url": server.url}, seed=3)
     second = _run_engine({"remote_url": server.url, "local_cpu": False}, seed=3)
-    assert first["num_cached_tokens"] == 0
+    assert cached == 0
     assert second["num_cached_tokens"] == FULL_CHUNKS
-    assert second["tokens"] == first["tokens"]
+    assert second["tokens"] == tokens
 
 
 def test_corrupt_chunk_and_redis_stopped_mid_run(
@@ -136,14 +154,13 @@ def test_corrupt_chunk_and_redis_stopped_mid_run(
         )
     )
     tok = llm.get_tokenizer()
-    # Shorter documents: this test asks seven times.
-    doc_a, doc_b, doc_c = (make_document_ids(tok, SHORT_DOC, seed=s) for s in (21, 22, 23))
+    doc_a, doc_b, doc_c = (make_document_ids(tok, DOC_TOKENS, seed=s) for s in (21, 22, 23))
     want_a, _ = _ask(llm, doc_a)
     # Corrupt one stored chunk: lookup still counts it, the load finds it bad, the
     # scheduler recomputes from there, and the tokens stay right.
     raw = redis.Redis(port=redis_server.port)
     values = sorted(raw.keys(VALUE_PREFIX + "*"))
-    assert len(values) == SHORT_DOC // 256
+    assert len(values) == DOC_TOKENS // 256
     raw.setrange(values[0], 500, b"\x00garbage\x00")
     llm.reset_prefix_cache()
     assert _ask(llm, doc_a)[0] == want_a
@@ -159,5 +176,5 @@ def test_corrupt_chunk_and_redis_stopped_mid_run(
     want_c, _ = _ask(llm, doc_c)
     llm.reset_prefix_cache()
     got_c, cached_c = _ask(llm, doc_c)
-    assert got_c == want_c and cached_c == SHORT_DOC // 256 * 256
+    assert got_c == want_c and cached_c == FULL_CHUNKS
     assert_no_leak(llm)

@@ -86,15 +86,29 @@ class Process:
                 out[(s.name, label or "")] = s.value
         return out
 
-    def stop(self, sig: int = signal.SIGTERM) -> None:
+    def send_signal(self, sig: int = signal.SIGTERM) -> None:
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, sig)
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
+
+    def wait_stopped(self) -> None:
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
         self.log.close()
+
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        self.send_signal(sig)
+        self.wait_stopped()
+
+
+def stop_all(processes: list[Process]) -> None:
+    """Each drains its shutdown alongside the others, not after them."""
+    for process in processes:
+        process.send_signal()
+    for process in processes:
+        process.wait_stopped()
 
 
 def serve(name: str, transfer: dict[str, Any] | None, env: dict[str, str] | None = None) -> Process:

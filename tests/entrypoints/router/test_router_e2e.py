@@ -163,10 +163,12 @@ def fleet() -> Iterator[list[Instance]]:
             instance.wait()
         yield instances
     finally:
-        for instance in instances:
-            if instance.proc is not None and instance.proc.poll() is None:
-                os.killpg(instance.proc.pid, signal.SIGTERM)
-                instance.proc.wait(timeout=60)
+        # All signalled first: each drains its shutdown alongside the others.
+        running = [i.proc for i in instances if i.proc is not None and i.proc.poll() is None]
+        for proc in running:
+            os.killpg(proc.pid, signal.SIGTERM)
+        for proc in running:
+            proc.wait(timeout=60)
 
 
 def _conversation(topic: str, turns: int) -> list[str]:
