@@ -27,17 +27,33 @@ def one_gguf_parse() -> Iterator[None]:
     and once for the weights (~7 s each for SmolLM2's vocabulary on these machines, ~20 s
     for Gemma's 262k tokens), and builds the same tensor-name map once per module of the
     model (~400 times, 8 s). Both are pure: the reader is a read-only memory map, the map
-    a function of the architecture and the layer count, so here each is made once."""
+    a function of the architecture and the layer count, so here each is made once.
+
+    The parse itself slices the memmap once per part of every field (two per token of the
+    vocabulary), and numpy's memmap subclass makes each slice cost ~3x a plain array's; the
+    reader here slices a plain-array view of the same map, so every field and tensor holds
+    the same bytes, dtypes and shapes (~8 s less CPU for Gemma's 262k tokens)."""
     import gguf
+    import numpy as np
 
     real_reader, real_name_map = gguf.GGUFReader, gguf.get_tensor_name_map
     readers: dict[str, Any] = {}
+
+    class PlainArrayReader(real_reader):  # type: ignore[misc,valid-type]
+        def _get(self, offset: int, dtype: Any, count: int = 1, override_order: Any = None) -> Any:
+            if "_plain" not in self.__dict__:
+                self._plain = self.data.view(np.ndarray)
+            count = int(count)
+            end = offset + np.dtype(dtype).itemsize * count
+            arr = self._plain[offset:end].view(dtype=dtype)[:count]
+            order = self.byte_order if override_order is None else override_order
+            return arr.view(arr.dtype.newbyteorder(order))
 
     def shared_reader(path: Any, *args: Any, **kwargs: Any) -> Any:
         if args or kwargs:
             return real_reader(path, *args, **kwargs)
         if str(path) not in readers:
-            readers[str(path)] = real_reader(path)
+            readers[str(path)] = PlainArrayReader(path)
         return readers[str(path)]
 
     with (
