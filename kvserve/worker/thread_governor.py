@@ -8,10 +8,21 @@ quiet machine two threads are ~1.8x faster than one. Neither count is right ever
 so the runner measures: it runs an occasional step (a probe) with the other count and
 keeps whichever is clearly faster for steps of that size.
 
-Probes back off while they confirm the current choice (after 8 steps, doubling up to
-every 1024), so on a steady machine they cost well under 1% of the steps. A step that
-takes several times the usual time for its size, twice in a row, starts probing again
-at once, weighed against those slow steps: that is how the onset (or the end) of
+Each size bucket has its own choice and its own probe schedule. Sizes differ in what a
+second thread buys: a batched decode step that reads every sequence's KV cache is bound
+by memory (read rate 23.8 / 26.4 GB/s at one / two threads on a 2-core Zen 4), the single
+stream's step gains ~1.8x. With one choice for every size, one thread chosen during a
+batch carried over to the single stream after it, and the probe interval the batch's
+steps had backed off (up to 1,024 steps) kept it there: `bench peers` ran workload c
+after a and b at 60-72 tok/s, against 110-116 alone. A size not probed yet runs with
+the nearest probed size's choice (contention slows them all, and a loaded machine's
+two-thread step can take ten times its one-thread one) until its own first probe, 8
+steps in.
+
+Probes back off while they confirm a size's choice (after 8 steps, doubling up to every
+1024), so on a steady machine they cost well under 1% of the steps. A step that takes
+several times the usual time for its size, twice in a row, starts probing again at
+once, weighed against those slow steps: that is how the onset (or the end) of
 contention shows.
 
 ``KVSERVE_ADAPTIVE_THREADS=0`` keeps torch's thread count for every step.
@@ -48,77 +59,113 @@ def _size_bucket(num_tokens: int) -> int:
     return max(1, num_tokens).bit_length()
 
 
+class _SizeState:
+    """What the governor knows about steps of one size bucket."""
+
+    def __init__(self, bucket: int, threads: int) -> None:
+        self.bucket = bucket
+        self.threads = threads  # the count its steps run with
+        self.cost: dict[int, float] = {}  # threads -> mean seconds of a step
+        self.seen: set[int] = set()  # thread counts that ran a step of this size
+        self.probed = False  # its own choice; until then it follows the nearest size's
+        self.interval = FIRST_PROBE_AFTER
+        self.until_probe = FIRST_PROBE_AFTER
+        self.slow_steps: list[float] = []  # consecutive slow steps' times, current count
+
+
 class StepThreadGovernor:
     """Sets torch's intra-op threads before each step (``begin``) and learns from its
-    elapsed time (``end``). Options: all ``max_threads`` or one."""
+    elapsed time (``end``). Options: all ``max_threads`` or one, chosen per size bucket."""
 
     def __init__(self, max_threads: int, enabled: bool = True) -> None:
         self.max_threads = max_threads
         self.enabled = enabled and max_threads > 1
-        self.current = max_threads
-        self._cost: dict[tuple[int, int], float] = {}  # (threads, bucket) -> mean seconds
-        self._interval = FIRST_PROBE_AFTER
-        self._until_probe = FIRST_PROBE_AFTER
-        self._step: tuple[int, int, float] | None = None  # threads, bucket, start
-        self._slow_steps: list[float] = []  # consecutive slow steps' times, current count
+        self._sizes: dict[int, _SizeState] = {}
+        self._step: tuple[_SizeState, int, float] | None = None  # size, threads, start
 
     @classmethod
     def for_process(cls) -> StepThreadGovernor:
         return cls(torch.get_num_threads(), os.environ.get(ENV_ADAPTIVE, "1") != "0")
 
-    @property
-    def other(self) -> int:
-        return 1 if self.current > 1 else self.max_threads
+    def threads_for(self, num_tokens: int) -> int:
+        """The thread count the next step of this many tokens runs with, probes aside."""
+        bucket = _size_bucket(num_tokens)
+        size = self._sizes.get(bucket)
+        return size.threads if size is not None and size.probed else self._guess(bucket)
+
+    def _guess(self, bucket: int) -> int:
+        """For a size not probed yet: the choice of the nearest probed size (contention
+        slows every size), all threads where there is none."""
+        probed = [s for s in self._sizes.values() if s.probed]
+        if not probed:
+            return self.max_threads
+        return min(probed, key=lambda s: (abs(s.bucket - bucket), s.bucket)).threads
+
+    def _other(self, size: _SizeState) -> int:
+        return 1 if size.threads > 1 else self.max_threads
 
     def begin(self, num_tokens: int) -> None:
         if not self.enabled:
             return
         bucket = _size_bucket(num_tokens)
-        probing = self._until_probe <= 0 and (self.current, bucket) in self._cost
-        threads = self.other if probing else self.current
+        size = self._sizes.get(bucket)
+        if size is None:
+            size = self._sizes[bucket] = _SizeState(bucket, self.max_threads)
+        if not size.probed and size.threads != (guess := self._guess(bucket)):
+            size.threads = guess
+            size.slow_steps.clear()
+        probing = size.until_probe <= 0 and size.threads in size.cost
+        threads = self._other(size) if probing else size.threads
         if torch.get_num_threads() != threads:
             torch.set_num_threads(threads)
-        self._step = (threads, bucket, time.perf_counter())
+        self._step = (size, threads, time.perf_counter())
 
     def end(self) -> None:
         if self._step is None:
             return
-        threads, bucket, start = self._step
+        size, threads, start = self._step
         self._step = None
         elapsed = time.perf_counter() - start
-        if threads != self.current:
-            self._after_probe(threads, bucket, elapsed)
+        if threads != size.threads:
+            self._after_probe(size, threads, elapsed)
             return
-        key = (threads, bucket)
-        usual = self._cost.get(key)
-        self._until_probe -= 1
+        size.until_probe -= 1
+        if threads not in size.seen:
+            # A size's first step pays one-time costs (buffers, pages, the first decode's
+            # lazy set-up: 1.8 s against 30 ms steps after it, load 8), which an average
+            # would carry into the first probe's comparison.
+            size.seen.add(threads)
+            return
+        usual = size.cost.get(threads)
         if usual is not None and elapsed > SLOWDOWN_FACTOR * usual:
-            self._slow_steps.append(elapsed)
-            if len(self._slow_steps) < SLOWDOWN_STEPS:
+            size.slow_steps.append(elapsed)
+            if len(size.slow_steps) < SLOWDOWN_STEPS:
                 return  # kept out of the mean until it proves to be a new regime
             # A new regime: the probe must be weighed against it (its fastest step, so a
             # hiccup among them does not decide), not against the old mean.
-            self._cost[key] = min(self._slow_steps)
-            self._slow_steps.clear()
-            self._interval = FIRST_PROBE_AFTER
-            self._until_probe = 0
+            size.cost[threads] = min(size.slow_steps)
+            size.slow_steps.clear()
+            size.interval = FIRST_PROBE_AFTER
+            size.until_probe = 0
             return
-        self._slow_steps.clear()
-        self._cost[key] = elapsed if usual is None else usual + EMA_WEIGHT * (elapsed - usual)
+        size.slow_steps.clear()
+        size.cost[threads] = elapsed if usual is None else usual + EMA_WEIGHT * (elapsed - usual)
 
-    def _after_probe(self, threads: int, bucket: int, elapsed: float) -> None:
-        self._cost[(threads, bucket)] = elapsed
-        current_cost = self._cost[(self.current, bucket)]
+    def _after_probe(self, size: _SizeState, threads: int, elapsed: float) -> None:
+        size.probed = True
+        size.cost[threads] = elapsed
+        current_cost = size.cost[size.threads]
         if elapsed < SWITCH_MARGIN * current_cost:
             logger.info(
-                "step threads %d -> %d: a %d-token step took %.1f ms against %.1f ms "
+                "step threads %d -> %d for %d+ token steps: one took %.1f ms against %.1f ms "
                 "(other processes are %s the cores)",
-                self.current, threads, 1 << (bucket - 1), 1e3 * elapsed, 1e3 * current_cost,
+                size.threads, threads, 1 << (size.bucket - 1),
+                1e3 * elapsed, 1e3 * current_cost,
                 "holding" if threads == 1 else "no longer holding",
             )  # fmt: skip
-            self.current = threads
-            self._slow_steps.clear()
-            self._interval = FIRST_PROBE_AFTER
+            size.threads = threads
+            size.slow_steps.clear()
+            size.interval = FIRST_PROBE_AFTER
         else:
-            self._interval = min(MAX_PROBE_INTERVAL, 2 * self._interval)
-        self._until_probe = self._interval
+            size.interval = min(MAX_PROBE_INTERVAL, 2 * size.interval)
+        size.until_probe = size.interval

@@ -1,6 +1,6 @@
 """The step thread governor: probes the other thread count, switches only when it is
-clearly faster, backs off while probes confirm the choice, and probes again at once when
-steps slow down. Steps here sleep for a time that depends on torch's thread count at the
+clearly faster, backs off while probes confirm the choice, probes again at once when
+steps slow down, and keeps all of that per step size. Steps here sleep for a time that depends on torch's thread count at the
 moment they run, the one thing the governor controls; long enough that a loaded
 machine's scheduling jitter stays well under the governor's margins."""
 
@@ -23,11 +23,13 @@ def _restore_threads() -> Iterator[None]:
     torch.set_num_threads(threads)
 
 
-def _run(gov: StepThreadGovernor, steps: int, seconds: Callable[[int], float]) -> list[int]:
-    """Runs `steps` one-token steps; returns the thread count each ran with."""
+def _run(
+    gov: StepThreadGovernor, steps: int, seconds: Callable[[int], float], num_tokens: int = 1
+) -> list[int]:
+    """Runs `steps` steps of `num_tokens`; returns the thread count each ran with."""
     used = []
     for _ in range(steps):
-        gov.begin(1)
+        gov.begin(num_tokens)
         threads = torch.get_num_threads()
         used.append(threads)
         time.sleep(seconds(threads))
@@ -40,9 +42,9 @@ def test_switches_to_one_thread_when_it_is_faster_and_back_when_it_is_not() -> N
     gov = StepThreadGovernor(2)
     contended = _run(gov, 12, lambda t: 0.1 if t == 2 else 0.01)
     assert contended[: tg.FIRST_PROBE_AFTER] == [2] * tg.FIRST_PROBE_AFTER
-    assert gov.current == 1 and contended[-1] == 1
+    assert gov.threads_for(1) == 1 and contended[-1] == 1
     quiet = _run(gov, 2 * tg.FIRST_PROBE_AFTER + 2, lambda t: 0.04 if t == 2 else 0.08)
-    assert gov.current == 2 and quiet[-1] == 2
+    assert gov.threads_for(1) == 2 and quiet[-1] == 2
 
 
 def test_probes_back_off_while_they_confirm_the_choice() -> None:
@@ -50,7 +52,7 @@ def test_probes_back_off_while_they_confirm_the_choice() -> None:
     gov = StepThreadGovernor(2)
     used = _run(gov, 60, lambda t: 0.02 if t == 2 else 0.08)
     probes = [i for i, t in enumerate(used) if t == 1]
-    assert gov.current == 2
+    assert gov.threads_for(1) == 2
     # After 8 steps, then 16 more, then 32 more: the intervals double.
     assert probes == [8, 25, 58]
 
@@ -60,7 +62,7 @@ def test_a_sudden_slowdown_probes_at_once() -> None:
     gov = StepThreadGovernor(2)
     _run(gov, 30, lambda t: 0.02 if t == 2 else 0.08)  # interval now 32
     slow = _run(gov, 4, lambda t: 0.1 if t == 2 else 0.01)
-    assert slow == [2, 2, 1, 1] and gov.current == 1
+    assert slow == [2, 2, 1, 1] and gov.threads_for(1) == 1
 
 
 def test_a_single_slow_step_changes_nothing() -> None:
@@ -69,11 +71,11 @@ def test_a_single_slow_step_changes_nothing() -> None:
     torch.set_num_threads(2)
     gov = StepThreadGovernor(2)
     _run(gov, 30, lambda t: 0.02 if t == 2 else 0.05)  # interval now 32
-    usual = gov._cost[(2, 1)]
+    usual = gov._sizes[1].cost[2]
     hiccups = iter([0.14] + [0.02] * 5)
     used = _run(gov, 6, lambda t: next(hiccups) if t == 2 else 0.05)
-    assert used == [2] * 6 and gov.current == 2
-    assert gov._cost[(2, 1)] < 1.5 * usual
+    assert used == [2] * 6 and gov.threads_for(1) == 2
+    assert gov._sizes[1].cost[2] < 1.5 * usual
 
 
 def test_disabled_or_single_core_never_touches_threads() -> None:
@@ -81,3 +83,39 @@ def test_disabled_or_single_core_never_touches_threads() -> None:
     for gov in (StepThreadGovernor(2, enabled=False), StepThreadGovernor(1)):
         used = _run(gov, 20, lambda t: 0.01 if t == 2 else 0.0)
         assert used == [2] * 20
+
+
+def test_a_batch_choice_does_not_carry_over_to_the_single_stream() -> None:
+    # Batched steps where one thread is as fast as two (bound by memory, or contended),
+    # then a single stream where two threads are clearly faster: the stream starts on the
+    # batch's choice and switches at its own first probe. With one choice and one probe
+    # schedule for all sizes, the batch's confirmations had backed the probes off past
+    # the whole stream, which ran on one thread.
+    torch.set_num_threads(2)
+    gov = StepThreadGovernor(2)
+    batch = _run(gov, 40, lambda t: 0.04 if t == 2 else 0.02, num_tokens=32)
+    assert batch[-1] == 1 and gov.threads_for(32) == 1 and gov.threads_for(1) == 1
+    single = _run(gov, 20, lambda t: 0.01 if t == 2 else 0.03)
+    assert single == [1] * 8 + [2] * 9 + [1] + [2] * 2  # 1 at 17: the switch confirmed
+    assert gov.threads_for(1) == 2 and gov.threads_for(32) == 1
+
+
+def test_a_size_not_probed_yet_follows_the_nearest_probed_one() -> None:
+    # Contention: one thread wins at every size. A new size starts there, not on the
+    # two threads that cost ten times as much, and its own probe confirms it.
+    torch.set_num_threads(2)
+    gov = StepThreadGovernor(2)
+    _run(gov, 10, lambda t: 0.05 if t == 2 else 0.005, num_tokens=32)
+    assert gov.threads_for(32) == 1 and gov.threads_for(4) == 1 and gov.threads_for(1000) == 1
+    used = _run(gov, 12, lambda t: 0.05 if t == 2 else 0.005, num_tokens=4)
+    assert used == [1] * 8 + [2] + [1] * 3 and gov.threads_for(4) == 1
+
+
+def test_the_first_step_of_a_size_is_not_in_its_mean() -> None:
+    # The first step pays one-time costs; in the mean it would make the first probe's
+    # one-thread step (25 ms) look faster than the two-thread steps (20 ms).
+    torch.set_num_threads(2)
+    gov = StepThreadGovernor(2)
+    times = iter([0.4] + [0.02] * 40)
+    used = _run(gov, 12, lambda t: next(times) if t == 2 else 0.025)
+    assert used == [2] * 8 + [1] + [2] * 3 and gov.threads_for(1) == 2
