@@ -86,16 +86,17 @@ def test_disabled_or_single_core_never_touches_threads() -> None:
 
 
 def test_a_batch_choice_does_not_carry_over_to_the_single_stream() -> None:
-    # Batched steps where one thread is as fast as two (bound by memory, or contended),
-    # then a single stream where two threads are clearly faster: the stream starts on the
-    # batch's choice and switches at its own first probe. With one choice and one probe
-    # schedule for all sizes, the batch's confirmations had backed the probes off past
-    # the whole stream, which ran on one thread.
+    # A batch under contention switches to one thread; the contention ends, but its
+    # memory-bound steps gain too little from a second thread to switch back, and its
+    # probes back off. Then a single stream, clearly faster on two threads: it starts on
+    # the batch's choice and switches at its own first probe. With one choice and one
+    # probe schedule for every size it stayed on one thread throughout.
     torch.set_num_threads(2)
     gov = StepThreadGovernor(2)
-    batch = _run(gov, 40, lambda t: 0.04 if t == 2 else 0.02, num_tokens=32)
+    _run(gov, 10, lambda t: 0.05 if t == 2 else 0.01, num_tokens=32)
+    batch = _run(gov, 30, lambda t: 0.020 if t == 2 else 0.022, num_tokens=32)
     assert batch[-1] == 1 and gov.threads_for(32) == 1 and gov.threads_for(1) == 1
-    single = _run(gov, 20, lambda t: 0.01 if t == 2 else 0.03)
+    single = _run(gov, 20, lambda t: 0.01 if t == 2 else 0.018)
     assert single == [1] * 8 + [2] * 9 + [1] + [2] * 2  # 1 at 17: the switch confirmed
     assert gov.threads_for(1) == 2 and gov.threads_for(32) == 1
 
