@@ -132,7 +132,7 @@ class StepThreadGovernor:
         size.until_probe -= 1
         if threads not in size.seen:
             # A size's first step pays one-time costs (buffers, pages, the first decode's
-            # lazy set-up: 1.8 s against 30 ms steps after it, load 8), which an average
+            # lazy set-up: 1.7-2.0 s against ~30 ms steps after it, load 8-12), which a mean
             # would carry into the first probe's comparison.
             size.seen.add(threads)
             return
