@@ -169,4 +169,3 @@ def _release_freed_heap() -> None:
         ctypes.CDLL(None).malloc_trim(0)  # the process's own symbols: libc's among them
     except (OSError, AttributeError):  # not glibc
         pass
-
