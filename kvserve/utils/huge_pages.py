@@ -142,7 +142,11 @@ def move_to_huge_pages(tensors: Iterable[torch.Tensor]) -> int:
         for key, members in groups.items():
             storage, start = storages.pop(key), offsets[key]
             nbytes = storage.nbytes()
-            region[start : start + nbytes].copy_(_bytes(storage))
+            # memmove, not torch's copy_: a copy this size is an OpenMP region, whose
+            # threads spin at its barrier while other processes hold the cores (on a
+            # loaded 2-core machine, 0.6-1.4 s of CPU for SmolLM2's 200 MB, against
+            # 0.02-0.05 s for one thread's memcpy, which is no slower on a quiet one).
+            ctypes.memmove(region.data_ptr() + start, storage.data_ptr(), nbytes)
             del storage
             for tensor in members:
                 byte_offset = base + start + tensor.storage_offset() * tensor.element_size()
@@ -165,8 +169,3 @@ def _release_freed_heap() -> None:
         ctypes.CDLL(None).malloc_trim(0)  # the process's own symbols: libc's among them
     except (OSError, AttributeError):  # not glibc
         pass
-
-
-def _bytes(storage: torch.UntypedStorage) -> torch.Tensor:
-    """A storage's bytes as a uint8 tensor (no copy)."""
-    return torch.empty(0, dtype=torch.uint8).set_(storage, 0, (storage.nbytes(),), (1,))

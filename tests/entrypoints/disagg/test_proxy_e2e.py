@@ -13,13 +13,23 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 import httpx
 import openai
 import pytest
+import torch
+import zmq
 
+from kvserve.distributed.kv_transfer.kv_connector.connectors.p2p_params import prompt_hash
+from kvserve.distributed.kv_transfer.kv_connector.connectors.p2p_wire import (
+    LayerHeader,
+    PeerSender,
+)
+from kvserve.kvcache.integrity import KeyedKVAuthenticator
+from kvserve.utils.zmq_curve import socket_security
 from tests.entrypoints.disagg.helpers import (
     MODEL,
     Process,
@@ -62,7 +72,6 @@ class Fleet:
     d2: Process  # policy fail
     d1_kv: int
     d2_kv: int
-    forger: Process  # a producer whose KV secret is not the fleet's
     one_one: Process
     two_one: Process
     one_two: Process
@@ -76,13 +85,12 @@ def fleet() -> Iterator[Fleet]:
         serve("p2", p2p_producer()),
         serve("d1", p2p_consumer(d1_kv)),
         serve("d2", p2p_consumer(d2_kv, policy="fail")),
-        serve("forger", p2p_producer(), env={"KVSERVE_KV_SECRET": "not-the-fleet-secret-" * 2}),
     ]
     proxies: list[Process] = []
     try:
         for engine in engines:
             engine.wait_healthy()
-        p1, p2, d1, d2, forger = engines
+        p1, p2, d1, d2 = engines
         proxies = [
             proxy("proxy-1p1d", [p1], [(d1, d1_kv)], api_key=PROXY_KEY),
             proxy("proxy-2p1d", [p1, p2], [(d1, d1_kv)]),
@@ -90,7 +98,7 @@ def fleet() -> Iterator[Fleet]:
         ]
         for p in proxies:
             p.wait_healthy()
-        yield Fleet(p1, p2, d1, d2, d1_kv, d2_kv, forger, *proxies)
+        yield Fleet(p1, p2, d1, d2, d1_kv, d2_kv, *proxies)
     finally:
         stop_all([*proxies, *engines])
 
@@ -256,18 +264,24 @@ def test_producer_killed_mid_transfer(fleet: Fleet, plain: dict[tuple[str, str],
     params_b = _prefill_then_die(fleet.p2, fleet.d2_kv, topic_b)
     fleet.p2.stop(sig=9)  # SIGKILL, engine core included: the rest never comes
     kwargs: dict[str, Any] = {"model": MODEL, "max_tokens": MAX_TOKENS, "temperature": 0.0}
-    # "recompute": the consumer waits out recv_timeout_s, then computes the prompt itself.
-    started = time.monotonic()
-    answer = fleet.d1.client().completions.create(
-        prompt=_prompt(topic_a), extra_body={"kv_transfer_params": params_a}, **kwargs
-    )
-    assert answer.choices[0].text == plain[("completion", topic_a)]
-    assert time.monotonic() - started >= 7  # it did wait for the KV first
-    # "fail": a clear error, and the consumer goes on serving.
-    with pytest.raises(openai.APIStatusError) as failure:
-        fleet.d2.client().completions.create(
-            prompt=_prompt(topic_b), extra_body={"kv_transfer_params": params_b}, **kwargs
+
+    def decode(consumer: Process, topic: str, params: dict[str, Any]) -> Any:
+        return consumer.client().completions.create(
+            prompt=_prompt(topic), extra_body={"kv_transfer_params": params}, **kwargs
         )
+
+    # Both consumers wait out recv_timeout_s at once, not one after the other.
+    with ThreadPoolExecutor(2) as pool:
+        started = time.monotonic()
+        recomputed = pool.submit(decode, fleet.d1, topic_a, params_a)
+        failed = pool.submit(decode, fleet.d2, topic_b, params_b)
+        # "recompute": the consumer waits out recv_timeout_s, then computes the prompt itself.
+        answer = recomputed.result()
+        assert time.monotonic() - started >= 7  # it did wait for the KV first
+        # "fail": a clear error, and the consumer goes on serving.
+        with pytest.raises(openai.APIStatusError) as failure:
+            failed.result()
+    assert answer.choices[0].text == plain[("completion", topic_a)]
     assert failure.value.status_code == 503
     assert "failed to load external KV" in str(failure.value)
     assert "kv_load_failure_policy is 'fail'" in str(failure.value)
@@ -282,19 +296,60 @@ def test_producer_killed_mid_transfer(fleet: Fleet, plain: dict[tuple[str, str],
         assert _complete(fleet.two_one, topic, stream=False) == plain[("completion", topic)]
 
 
-def test_kv_from_an_engine_without_the_secret_is_refused_and_recomputed(fleet: Fleet) -> None:
+def _plant(server: Process, kv_port: int, topic: str) -> dict[str, Any]:
+    """What a peer without the fleet's secret does to plant KV: the engines' own sender,
+    under another KV secret, sends every layer of the prompt's KV to the consumer's KV
+    port; returns the kv_transfer_params a producer would have handed out for it."""
+    ids = httpx.post(
+        f"{server.url}/tokenize",
+        json={"model": MODEL, "prompt": _prompt(topic)},
+        headers={"authorization": f"Bearer {server.key}"},
+        timeout=30,
+    ).json()["tokens"]
+    num_tokens = len(ids) - 1  # the consumer computes the last prompt token itself
+    params = {
+        "do_remote_prefill": True, "transfer_id": f"planted-{topic}", "num_tokens": num_tokens,
+        "prompt_hash": prompt_hash(ids[:num_tokens]),
+    }  # fmt: skip
+    forged_secret = b"not-the-fleet-secret-" * 2
+    context = zmq.Context()
+    sender = PeerSender(
+        context,
+        f"tcp://127.0.0.1:{kv_port}",
+        timeout_s=1,
+        auth=KeyedKVAuthenticator(forged_secret),
+        security=socket_security(forged_secret),
+    )
+    try:
+        # SmolLM2's KV: 30 layers of 3 KV heads of 64, in blocks of 16 tokens.
+        layer = torch.zeros(2, -(-num_tokens // 16), 16, 3, 64)
+        for i in range(30):
+            header = LayerHeader(
+                transfer_id=str(params["transfer_id"]), layer_index=i, num_layers=30,
+                layer_name=f"model.layers.{i}.self_attn.attn", dtype="float32",
+                shape=list(layer.shape), num_tokens=num_tokens,
+                prompt_hash=str(params["prompt_hash"]),
+            )  # fmt: skip
+            sender.send_layer("planted", header, layer)
+        # The consumer never acknowledges it (the CURVE handshake fails): a timed-out send.
+        deadline = time.monotonic() + 30
+        while not (done := sender.take_done()):
+            assert time.monotonic() < deadline, "the planted transfer never ended"
+            time.sleep(0.1)
+        assert [(req_id, ok) for req_id, ok, _, _ in done] == [("planted", False)]
+    finally:
+        sender.close()
+        context.destroy(linger=0)
+    return params
+
+
+def test_kv_from_a_peer_without_the_secret_is_refused_and_recomputed(fleet: Fleet) -> None:
     """A peer that can reach the consumer's KV port but does not hold the fleet's secret
-    (here a producer started with another one) plants a transfer: the consumer refuses it,
-    computes the prompt itself and answers what an instance without transfers answers."""
+    plants a transfer: the consumer refuses it, computes the prompt itself and answers
+    what an instance without transfers answers."""
     topic = "migrating cranes"
     reference = _complete(fleet.p1, topic, stream=False)
-    planted = fleet.forger.client().completions.create(
-        model=MODEL, prompt=_prompt(topic), max_tokens=1, temperature=0.0,
-        extra_body={"kv_transfer_params": {
-            "do_remote_decode": True, "remote_host": "127.0.0.1", "remote_port": fleet.d1_kv,
-        }},
-    )  # fmt: skip
-    params = planted.model_extra["kv_transfer_params"]  # type: ignore[index]
+    params = _plant(fleet.p1, fleet.d1_kv, topic)
 
     def refusals() -> float:
         m = fleet.d1.metrics()

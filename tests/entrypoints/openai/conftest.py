@@ -38,7 +38,7 @@ VLLM_FLAGS = (
 def server() -> Iterator[RemoteServer]:
     # Package scope: the server (and its engine core) exits once the last test here ran,
     # rather than holding its memory through the rest of the suite.
-    remote = RemoteServer(*VLLM_FLAGS)
+    remote = RemoteServer(*VLLM_FLAGS, forced_tokens=True)
     yield remote
     # The shutdown contract, checked on the way out: SIGTERM stops admitting, lets an
     # in-flight request finish, then the server exits 0.
@@ -82,10 +82,12 @@ def _assert_not_admitted(remote: RemoteServer, body: dict[str, Any]) -> None:
 _SHARED: dict[str, tuple[RemoteServer, str | None]] = {}
 
 
-def _shared_server(request: pytest.FixtureRequest, *args: str) -> Iterator[RemoteServer]:
+def _shared_server(
+    request: pytest.FixtureRequest, *args: str, forced_tokens: bool = False
+) -> Iterator[RemoteServer]:
     name = request.fixturename
     users = [item.nodeid for item in request.session.items if name in item.fixturenames]
-    remote = RemoteServer(*args)
+    remote = RemoteServer(*args, forced_tokens=forced_tokens)
     _SHARED[name] = (remote, users[-1] if users else None)
     yield remote
     _SHARED.pop(name, None)
@@ -94,7 +96,7 @@ def _shared_server(request: pytest.FixtureRequest, *args: str) -> Iterator[Remot
 
 @pytest.fixture(scope="package")
 def tool_server(request: pytest.FixtureRequest) -> Iterator[RemoteServer]:
-    yield from _shared_server(request, *TOOL_SERVER_ARGS)
+    yield from _shared_server(request, *TOOL_SERVER_ARGS, forced_tokens=True)
 
 
 def pytest_runtest_teardown(item: pytest.Item) -> None:

@@ -237,7 +237,7 @@ def test_default_tool_choice_parses_the_models_call(
 
 @pytest.fixture(scope="module")
 def thinking_server() -> Iterator[RemoteServer]:
-    remote = RemoteServer("--reasoning-parser", "qwen3")
+    remote = RemoteServer("--reasoning-parser", "qwen3", forced_tokens=True)
     yield remote
     remote.stop()
 

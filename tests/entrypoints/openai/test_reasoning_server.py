@@ -69,9 +69,13 @@ def build_model(directory: Path) -> Any:
 def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[RemoteServer, Any]]:
     directory = tmp_path_factory.mktemp("tiny_think")
     tokenizer = build_model(directory)
-    # An option first: the model path must not follow SERVER_ARGS' --logits-processors list.
     server = RemoteServer(
-        "--served-model-name", MODEL, str(directory), "--reasoning-parser", "auto"
+        "--served-model-name",
+        MODEL,
+        str(directory),
+        "--reasoning-parser",
+        "auto",
+        forced_tokens=True,
     )
     yield server, tokenizer
     assert server.stop() == 0

@@ -23,11 +23,6 @@ from tests.forced_tokens import FORCED_TOKENS
 # Small enough to start fast and to make "beyond the context" cheap to provoke.
 MAX_MODEL_LEN = 512
 SERVER_ARGS = [
-    # Off unless a request asks (vllm_xargs): makes the model emit a given output, so the
-    # parsers and agent loops are tested on what a real model's output looks like. First:
-    # it takes a list, which would swallow a model path given after these arguments.
-    "--logits-processors",
-    FORCED_TOKENS,
     "--kv-cache-memory",
     "96M",
     "--max-model-len",
@@ -38,6 +33,13 @@ SERVER_ARGS = [
     "warning",
     "--disable-log-requests",
 ]
+
+# Off unless a request asks (vllm_xargs): makes the model emit a given output, so the
+# parsers and agent loops are tested on what a real model's output looks like. Only the
+# servers of tests that force tokens load it (RemoteServer(forced_tokens=True)): its
+# module imports torch, which an API server's process otherwise never does, ~1.4 s of CPU
+# a start. Given first: it takes a list, which would swallow a model path given after it.
+FORCED_TOKENS_ARGS = ("--logits-processors", FORCED_TOKENS)
 
 # The servers conftest.py shares between modules besides the default one: each start is a
 # server and an engine core (seconds of a 2-core CI machine), so modules whose flags do not
@@ -73,7 +75,9 @@ def _free_port() -> int:
 class RemoteServer:
     """Starts the server as a subprocess and waits for /health; stop() sends SIGTERM."""
 
-    def __init__(self, *extra_args: str, startup_timeout: float = 240.0) -> None:
+    def __init__(
+        self, *extra_args: str, forced_tokens: bool = False, startup_timeout: float = 240.0
+    ) -> None:
         self.port = _free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile("w+", prefix="kvserve-server-", suffix=".log")
@@ -85,6 +89,7 @@ class RemoteServer:
                 "serve",
                 "--port",
                 str(self.port),
+                *(FORCED_TOKENS_ARGS if forced_tokens else ()),
                 *SERVER_ARGS,
                 *extra_args,
             ],
