@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import pytest
@@ -48,28 +50,61 @@ def test_greedy_one_at_a_time_matches_hf(llm: Any, cases: Any) -> None:
     assert_no_leak(llm)
 
 
+@contextmanager
+def token_budget(engine: Any, tokens: int) -> Iterator[None]:
+    """Chunked prefill on an engine built with a larger max_num_batched_tokens: the
+    scheduler reads its step budget at every step, and the runner's buffers, sized for
+    the configured budget, hold any smaller step, so the steps are those of an engine
+    configured with max_num_batched_tokens=tokens, without building another engine."""
+    scheduler = engine.llm_engine.engine_core.engine_core.scheduler
+    configured = scheduler.max_num_scheduled_tokens
+    assert tokens < configured
+    scheduler.max_num_scheduled_tokens = tokens
+    try:
+        yield
+    finally:
+        scheduler.max_num_scheduled_tokens = configured
+
+
+# One engine for the priority policy and the long-prefill threshold (its cap on a
+# prompt's chunk applies under either policy).
+PRIORITY_ENGINE = {
+    "scheduling_policy": "priority",
+    "max_num_seqs": 3,
+    "long_prefill_token_threshold": 48,
+}
+
+
 @pytest.mark.parametrize(
-    "engine_kwargs",
+    ("engine_kwargs", "budget"),
     [
-        {"max_num_batched_tokens": 64},
-        {"max_num_batched_tokens": 64, "enable_prefix_caching": False},
-        {"enable_prefix_caching": False},
-        {"long_prefill_token_threshold": 48, "max_num_seqs": 3},
+        ({}, 64),
+        ({"enable_prefix_caching": False}, 64),
+        ({"enable_prefix_caching": False}, None),
+        (PRIORITY_ENGINE, None),
     ],
     ids=["chunked-prefill", "chunked-no-prefix-cache", "no-prefix-cache", "long-prefill-threshold"],
 )
-def test_scheduling_variants_match_hf(llm_factory: Any, cases: Any, engine_kwargs: dict) -> None:
+def test_scheduling_variants_match_hf(
+    llm_factory: Any, cases: Any, engine_kwargs: dict, budget: int | None
+) -> None:
     prompts, expected = cases
+    # No kwargs: the session engine; its prefix cache holds earlier tests' prompts.
     engine = llm_factory(**engine_kwargs)
-    assert run(engine, prompts) == expected
-    # A second pass hits the prefix cache (when on) and must not change a token.
-    assert run(engine, prompts) == expected
+    engine.reset_prefix_cache()
+    with token_budget(engine, budget) if budget else nullcontext():
+        assert run(engine, prompts) == expected
+        # A second pass hits the prefix cache and must not change a token (without the
+        # cache it would repeat the first pass).
+        if engine.llm_engine.config.cache_config.enable_prefix_caching:
+            assert run(engine, prompts) == expected
     assert_no_leak(engine)
 
 
 def test_priority_scheduling_matches_hf(llm_factory: Any, cases: Any) -> None:
     prompts, expected = cases
-    engine = llm_factory(scheduling_policy="priority", max_num_seqs=3)
+    engine = llm_factory(**PRIORITY_ENGINE)
+    engine.reset_prefix_cache()
     priorities = [random.Random(7).randint(-3, 3) for _ in prompts]
     assert run(engine, prompts, priority=priorities) == expected
     assert_no_leak(engine)
@@ -246,7 +281,9 @@ def test_tokens_do_not_follow_the_thread_count(
     engine = llm if quantization == "gguf" else llm_factory(quantization=quantization)
     assert engine.llm_engine.config.model_config.quantization == quantization
     runner = _model_runner(engine)
-    prompts, _ = cases
+    # The longest prompt cut to 600 tokens: still split in two by decode attention, at
+    # well under the prefill work of its ~1,000 (each of the three passes prefills it).
+    prompts = [p[:600] for p in cases[0]]
     assert any(ops.decode_attention_partitions(len(p) + 16) > 1 for p in prompts)
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=1)
 

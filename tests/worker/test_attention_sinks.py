@@ -15,9 +15,9 @@ from kvserve.protocol.kv_cache_interface import SinkFullAttentionSpec, cdiv
 from kvserve.sampling_params import SamplingParams
 from tests.reference import assert_no_leak, hf_reference
 
-CONTEXT = 64  # max_model_len: sinks + window
+CONTEXT = 32  # max_model_len: sinks + window
 SINKS = 4
-NEW_TOKENS = 136  # with the short prompts the sequences end past twice the context
+NEW_TOKENS = 72  # with the short prompts the sequences end past twice the context
 
 
 def sink_mask(query_positions: range, num_keys: int, dtype: torch.dtype) -> torch.Tensor:
