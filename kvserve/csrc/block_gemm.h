@@ -29,6 +29,15 @@ constexpr int64_t kPrefetchRows = 4;
 // weights streamed from DRAM: Q4_1 1.5x, Q8_0 1.7x, the lossless single stream 150 ->
 // 226 tok/s.
 constexpr int64_t kStreamAheadBytes = 4096;
+#ifdef __AVX512F__
+// The AVX-512 float GEMV asks further ahead in int8 quants (Q8_0: a 1B model's tied LM
+// head, a third of a token's bytes), which waited on DRAM at 4 KiB (two 2048-wide rows).
+// A 32768 x 2048 Q8_0 weight from DRAM on huge pages, AMD EPYC Zen 4, CPU ns per block
+// (medians of 5 interleaved runs, load 9-12): one thread 3.58 at 4 KiB, 3.11 at 8, 2.99
+// at 16, 3.01 at 32; two threads 5.12 -> 3.96 at 16. Q4_1 does not gain (one thread 2.0
+// at 4-32 KiB) and lost at two (3.3 -> 3.6), so 4-bit quants keep kStreamAheadBytes.
+constexpr int64_t kGemvStreamAheadBytes = 16384;
+#endif
 // Rows of x per float GEMV pass at most (gemv's largest R; BlockWeight::gemv_pass_rows):
 // a pass converts each block's quants once for all its rows. AVX-512's 32 registers hold
 // 16 rows' sums beside the weights (the minimum term joins them), so decode steps of up to
@@ -171,15 +180,36 @@ struct BlockWeight {
   // at 4 KiB page boundaries (every ~14 rows of a 576-wide Q4_1 weight), so the GEMVs ask
   // for the row kPrefetchRows ahead themselves. Single-stream gguf_int8 decode on a noisy
   // AVX-512 VM: 3% (6 alternating runs) to 15% (5 runs, another hour) faster.
-  // Block b of row n, and the request for the quants kStreamAheadBytes beyond it when b
-  // starts a new 64-byte stretch of the row.
+  // Block b of row n, and the request for the quants kAhead bytes beyond it when b starts
+  // a new 64-byte stretch of the row.
+  template <int64_t kAhead = kStreamAheadBytes>
   const uint8_t* streamed_block(int64_t n, int64_t b, int64_t block_bytes) const {
     const uint8_t* block = qs + n * row_bytes + b * block_bytes;
 #if defined(__SSE__)
     if (((b * block_bytes) & 63) == 0)
-      _mm_prefetch(reinterpret_cast<const char*>(block + kStreamAheadBytes), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(block + kAhead), _MM_HINT_T0);
 #endif
     return block;
+  }
+
+  // The float16 scale planes' counterpart of streamed_block, at each group of 16 blocks:
+  // prefetch_row asks for only the first line of a row's scales and minimums (a 2048-wide
+  // Q4_1 row has two of each, an 8192-wide one eight), and the rest waited on DRAM. The
+  // Q4_1 GEMV from DRAM (65536 x 2048, huge pages, AMD EPYC Zen 4, CPU ns per block,
+  // medians of 5-7 interleaved runs, load 12-14): one thread 1.99 -> 1.78, two threads
+  // 3.00 -> 2.72; Q8_0 unchanged. 256 blocks ahead: kStreamAheadBytes of 4-bit quants.
+  template <int KIND>
+  void stream_scales(int64_t i) const {
+#if defined(__SSE__)
+    constexpr int64_t kAheadBlocks = 256;
+    if constexpr (!float32_scales(KIND)) {
+      _mm_prefetch(reinterpret_cast<const char*>(d + i + kAheadBlocks), _MM_HINT_T0);
+      if constexpr (has_min(KIND))
+        _mm_prefetch(reinterpret_cast<const char*>(m + i + kAheadBlocks), _MM_HINT_T0);
+    }
+#else
+    (void)i;
+#endif
   }
 
   void prefetch_row(int64_t n) const {
@@ -294,6 +324,7 @@ struct BlockWeight {
     // minimum term joins a row's sums once per 16 blocks. One thread, in cache, against
     // the scaled partial sums (AMD EPYC Zen 5): 1 row as fast, 4 rows 1.2x, 8 rows 1.3x,
     // and 9-16 rows in one pass instead of two.
+    constexpr int64_t kAhead = byte_quants(KIND) ? kGemvStreamAheadBytes : kStreamAheadBytes;
     __m512 acc[NO][R];
     for (int o = 0; o < NO; ++o)
       for (int r = 0; r < R; ++r) acc[o][r] = _mm512_setzero_ps();
@@ -301,14 +332,16 @@ struct BlockWeight {
       const int64_t count = std::min<int64_t>(16, nb - b0);
       alignas(64) float scales[NO][16], scales_hi[NO][16];
       __m512 mins[NO];
-      for (int o = 0; o < NO; ++o)
+      for (int o = 0; o < NO; ++o) {
+        stream_scales<KIND>((n + o) * nb + b0);
         mins[o] = load_block_scales16<KIND>((n + o) * nb + b0, count, scales[o], scales_hi[o]);
+      }
       for (int64_t b = b0; b < b0 + count; ++b)
         for (int o = 0; o < NO; ++o) {
           __m512 w[2];
-          const float d = scales[o][b - b0];
-          load_weights16<KIND, (R <= 4)>(streamed_block(n + o, b, bb), d,
-                                         KIND == 4 ? scales_hi[o][b - b0] : d, w);
+          const float* d = scales[o] + (b - b0);
+          load_weights16<KIND, (R <= 4)>(streamed_block<kAhead>(n + o, b, bb), d,
+                                         KIND == 4 ? scales_hi[o] + (b - b0) : d, w);
           for (int r = 0; r < R; ++r) {
             const float* xb = x + r * cols + b * kBlock;
             acc[o][r] = _mm512_fmadd_ps(w[0], _mm512_loadu_ps(xb), acc[o][r]);

@@ -88,6 +88,20 @@ def test_packaged_q8_0_heads_multiply_exactly_and_row_by_row(model: str | None) 
                 assert torch.equal(weight.linear(x[i : i + 1])[0], out[i])
 
 
+@pytest.mark.parametrize("rows", [1, 4, 16])
+@pytest.mark.parametrize("qtype", TYPES)
+def test_wide_rows_multiply_within_rounding_of_float64(qtype: T, rows: int) -> None:
+    """Rows as wide as a 1B model's down projection (8192 weights: 256 blocks, many
+    groups of 16 and prefetches far ahead of the read) against the float64 product of
+    gguf's own dequantized weights, within float32 rounding of each output."""
+    weight, reference = _block_weight(qtype, 130, 8192, seed=rows + 7)
+    x = torch.randn(rows, 8192, generator=torch.Generator().manual_seed(rows))
+    out = weight.linear(x)
+    want = x.double() @ reference.double().T
+    bound = x.abs().double() @ reference.abs().double().T
+    assert ((out.double() - want).abs() <= 1e-5 * bound + 1e-30).all()
+
+
 def test_lm_head_sized_block_linear_takes_dequantized_tiles() -> None:
     # Over 16M weights W is not dequantized whole: DENSE_ROWS+ rows go through cache-sized
     # dequantized tiles and single-threaded BLAS, below that the GEMV.
