@@ -22,8 +22,10 @@ steps in.
 Probes back off while they confirm a size's choice (after 8 steps, doubling up to every
 1024), so on a steady machine they cost well under 1% of the steps. A step that takes
 several times the usual time for its size, twice in a row, starts probing again at
-once, weighed against those slow steps: that is how the onset (or the end) of
-contention shows.
+once, weighed against those slow steps: that is how the onset of contention shows. Its
+end shows on one thread as steps clearly faster than usual, twice in a row: they probe
+all threads at once too (once between two scheduled probes), instead of waiting out an
+interval that the contended probes had backed off.
 
 ``KVSERVE_ADAPTIVE_THREADS=0`` keeps torch's thread count for every step.
 """
@@ -51,6 +53,13 @@ SWITCH_MARGIN = 0.75
 # 1,024 steps) undid it. Contention by other processes lasts far longer than two steps.
 SLOWDOWN_FACTOR = 3.0
 SLOWDOWN_STEPS = 2
+# On one thread (chosen while other processes held the cores), steps this many times
+# faster than usual, this many in a row, mean the contention may have ended: probe all
+# threads now, not at a backed-off probe up to 1,024 steps away. Once between two
+# scheduled probes: under lasting contention a false alarm's probe is a two-thread step,
+# up to 10x a one-thread one.
+SPEEDUP_FACTOR = 1.5
+SPEEDUP_STEPS = 2
 EMA_WEIGHT = 0.25  # of the newest step in each running mean
 
 
@@ -71,6 +80,9 @@ class _SizeState:
         self.interval = FIRST_PROBE_AFTER
         self.until_probe = FIRST_PROBE_AFTER
         self.slow_steps: list[float] = []  # consecutive slow steps' times, current count
+        self.fast_steps: list[float] = []  # consecutive fast steps' times, on one thread
+        self.speedup_may_probe = True  # no speed-up probe since the last scheduled one
+        self.speedup_probing = False  # the next probe is a speed-up's
 
 
 class StepThreadGovernor:
@@ -114,6 +126,7 @@ class StepThreadGovernor:
         if not size.probed and size.threads != (guess := self._guess(bucket)):
             size.threads = guess
             size.slow_steps.clear()
+            size.fast_steps.clear()
         probing = size.until_probe <= 0 and size.threads in size.cost
         threads = self._other(size) if probing else size.threads
         if torch.get_num_threads() != threads:
@@ -149,10 +162,30 @@ class StepThreadGovernor:
             size.until_probe = 0
             return
         size.slow_steps.clear()
+        if (
+            threads < self.max_threads
+            and size.speedup_may_probe
+            and usual is not None
+            and SPEEDUP_FACTOR * elapsed < usual
+        ):
+            size.fast_steps.append(elapsed)
+            if len(size.fast_steps) < SPEEDUP_STEPS:
+                return  # kept out of the mean, as a slow step is
+            # Weighed against the fast steps (the slowest of them), as a slowdown is.
+            size.cost[threads] = max(size.fast_steps)
+            size.fast_steps.clear()
+            size.speedup_may_probe = False
+            size.speedup_probing = True
+            size.until_probe = 0
+            return
+        size.fast_steps.clear()
         size.cost[threads] = elapsed if usual is None else usual + EMA_WEIGHT * (elapsed - usual)
 
     def _after_probe(self, size: _SizeState, threads: int, elapsed: float) -> None:
         size.probed = True
+        if not size.speedup_probing:
+            size.speedup_may_probe = True
+        size.speedup_probing = False
         size.cost[threads] = elapsed
         current_cost = size.cost[size.threads]
         if elapsed < SWITCH_MARGIN * current_cost:
@@ -165,6 +198,8 @@ class StepThreadGovernor:
             )  # fmt: skip
             size.threads = threads
             size.slow_steps.clear()
+            size.fast_steps.clear()
+            size.speedup_may_probe = True
             size.interval = FIRST_PROBE_AFTER
         else:
             size.interval = min(MAX_PROBE_INTERVAL, 2 * size.interval)

@@ -1,8 +1,9 @@
 """The step thread governor: probes the other thread count, switches only when it is
 clearly faster, backs off while probes confirm the choice, probes again at once when
-steps slow down, and keeps all of that per step size. Steps here sleep for a time that depends on torch's thread count at the
-moment they run, the one thing the governor controls; long enough that a loaded
-machine's scheduling jitter stays well under the governor's margins."""
+steps slow down (or, on one thread, speed up), and keeps all of that per step size.
+Steps here sleep for a time that depends on torch's thread count at the moment they
+run, the one thing the governor controls; long enough that a loaded machine's
+scheduling jitter stays well under the governor's margins."""
 
 from __future__ import annotations
 
@@ -120,3 +121,27 @@ def test_the_first_step_of_a_size_is_not_in_its_mean() -> None:
     times = iter([0.4] + [0.02] * 40)
     used = _run(gov, 12, lambda t: next(times) if t == 2 else 0.025)
     assert used == [2] * 8 + [1] + [2] * 3 and gov.threads_for(1) == 2
+
+
+def test_the_end_of_contention_probes_at_once_on_one_thread() -> None:
+    # Contention: one thread wins and the probes that confirm it back off. When it ends
+    # the one-thread steps get clearly faster: two of them in a row probe two threads at
+    # once, which now win, instead of waiting out the backed-off interval.
+    torch.set_num_threads(2)
+    gov = StepThreadGovernor(2)
+    contended = _run(gov, 24, lambda t: 0.15 if t == 2 else 0.05)
+    assert contended[-1] == 1 and gov._sizes[1].until_probe > tg.SPEEDUP_STEPS + 1
+    quiet = _run(gov, 6, lambda t: 0.005 if t == 2 else 0.02)
+    assert quiet == [1, 1, 2, 2, 2, 2] and gov.threads_for(1) == 2
+
+
+def test_a_false_alarm_probes_once_until_the_next_scheduled_probe() -> None:
+    # Two fast one-thread steps while two threads still cost three times as much: one
+    # probe, no switch; the next fast pair probes nothing (each such probe costs a slow
+    # two-thread step).
+    torch.set_num_threads(2)
+    gov = StepThreadGovernor(2)
+    _run(gov, 24, lambda t: 0.15 if t == 2 else 0.05)
+    one_thread = iter([0.02, 0.02, 0.05, 0.05, 0.02, 0.02, 0.05])
+    used = _run(gov, 8, lambda t: 0.15 if t == 2 else next(one_thread))
+    assert used == [1, 1, 2, 1, 1, 1, 1, 1] and gov.threads_for(1) == 1
