@@ -82,7 +82,6 @@ class _SizeState:
         self.slow_steps: list[float] = []  # consecutive slow steps' times, current count
         self.fast_steps: list[float] = []  # consecutive fast steps' times, on one thread
         self.speedup_may_probe = True  # no speed-up probe since the last scheduled one
-        self.speedup_probing = False  # the next probe is a speed-up's
 
 
 class StepThreadGovernor:
@@ -143,6 +142,8 @@ class StepThreadGovernor:
             self._after_probe(size, threads, elapsed)
             return
         size.until_probe -= 1
+        if size.until_probe == 0:  # a scheduled probe is next
+            size.speedup_may_probe = True
         if threads not in size.seen:
             # A size's first step pays one-time costs (buffers, pages, the first decode's
             # lazy set-up: 1.7-2.0 s against ~30 ms steps after it, load 8-12), which a mean
@@ -158,6 +159,7 @@ class StepThreadGovernor:
             # hiccup among them does not decide), not against the old mean.
             size.cost[threads] = min(size.slow_steps)
             size.slow_steps.clear()
+            size.speedup_may_probe = True
             size.interval = FIRST_PROBE_AFTER
             size.until_probe = 0
             return
@@ -175,7 +177,6 @@ class StepThreadGovernor:
             size.cost[threads] = max(size.fast_steps)
             size.fast_steps.clear()
             size.speedup_may_probe = False
-            size.speedup_probing = True
             size.until_probe = 0
             return
         size.fast_steps.clear()
@@ -183,9 +184,6 @@ class StepThreadGovernor:
 
     def _after_probe(self, size: _SizeState, threads: int, elapsed: float) -> None:
         size.probed = True
-        if not size.speedup_probing:
-            size.speedup_may_probe = True
-        size.speedup_probing = False
         size.cost[threads] = elapsed
         current_cost = size.cost[size.threads]
         if elapsed < SWITCH_MARGIN * current_cost:
