@@ -37,6 +37,7 @@ _SOURCES = [
         "block_gemm_int8.cpp",
         "block_gemm_vnni.cpp",
         "block_gemm_packed_avx2.cpp",
+        "greedy_screen.cpp",
         "decode_stack.cpp",
         "decode_step.cpp",
         "mamba_decode.cpp",
@@ -307,6 +308,23 @@ def block_linear_int8(
     return torch.ops.kvserve.block_linear_int8(x, qs, d, m, kind, packed)
 
 
+def greedy_screen(
+    x: torch.Tensor,
+    weight: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    kind: int,
+    row_coeffs: torch.Tensor,
+    block_coeffs: torch.Tensor,
+    vocab: int,
+    max_candidates: int,
+) -> torch.Tensor:
+    """int64 [R]: each row's greedy token over the weight's first ``vocab`` rows, -1 where
+    the screen cannot tell (model_executor/layers/greedy_screen.py)."""
+    qs, d, m = weight
+    return torch.ops.kvserve.greedy_screen(
+        x, qs, d, m, kind, row_coeffs, block_coeffs, vocab, max_candidates
+    )
+
+
 def pack_blocks_vnni(qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor, kind: int) -> torch.Tensor:
     """gguf_int8's row-interleaved copy of a block weight (for AVX-512 VNNI's kernel or
     AVX2's); empty in builds without either."""
@@ -325,6 +343,15 @@ def gemv_prefers_nibble_planes() -> bool:
         require()
         _state["planes"] = bool(torch.ops.kvserve.gemv_prefers_nibble_planes())
     return _state["planes"]
+
+
+def integer_gemv_is_cheaper() -> bool:
+    """Whether this build's gguf_int8 GEMV costs less than its exact float one on one row
+    (AVX2 without AVX-512: the float one is bound by its arithmetic)."""
+    if "integer_cheaper" not in _state:
+        require()
+        _state["integer_cheaper"] = bool(torch.ops.kvserve.integer_gemv_is_cheaper())
+    return _state["integer_cheaper"]
 
 
 def block_linear_dense_rows() -> int:

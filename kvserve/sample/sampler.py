@@ -16,7 +16,19 @@ from kvserve.sample.ops.penalties import apply_metadata_penalties
 from kvserve.sample.ops.topk_topp import apply_top_k_top_p, random_sample
 from kvserve.sampling_params import _SAMPLING_EPS
 
-__all__ = ["Sampler", "SamplerOutput", "compute_prompt_logprobs"]
+__all__ = ["Sampler", "SamplerOutput", "argmax_suffices", "compute_prompt_logprobs"]
+
+
+def argmax_suffices(metadata: SamplingMetadata) -> bool:
+    """Whether the Sampler's tokens for these rows are the logits' argmax and it returns
+    nothing else: every row greedy, no penalty, no processor that can move the argmax,
+    no logprobs."""
+    return (
+        metadata.all_greedy
+        and metadata.no_penalties
+        and metadata.max_num_logprobs is None
+        and not _active(metadata.logitsprocs.non_argmax_invariant)
+    )
 
 
 @dataclass

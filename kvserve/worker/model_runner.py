@@ -45,6 +45,7 @@ from kvserve.utils.census import census_of, prefixed
 from kvserve.worker.blend_runner import NO_BLEND_RUNNER, BlendRunner, make_blend_runner
 from kvserve.worker.cuda_graph_runner import NoCUDAGraphs, make_cuda_graph_runner
 from kvserve.worker.encoder_runner import make_encoder_runner
+from kvserve.worker.greedy_head import NO_GREEDY_HEAD, GreedyHead, make_greedy_head
 from kvserve.worker.input_batch import InputBatch
 from kvserve.worker.input_preparation import InputPreparer, StepInputs
 from kvserve.worker.kv_cache_binder import KVCacheBinder
@@ -84,6 +85,8 @@ class ExecuteModelState:
     forward_time: float = 0.0
     # Where the drafts' logits are (a step with drafts); logits then has n + 1 rows per row.
     spec_metadata: SpecDecodeMetadata | None = None
+    # A greedy step's tokens when they came without logits (greedy_head.py): [S] int64.
+    greedy_tokens: torch.Tensor | None = None
 
 
 class ModelRunner:
@@ -121,6 +124,8 @@ class ModelRunner:
         # A pooling model returns vectors instead of sampling; an earlier pipeline stage
         # returns neither (its hidden states go on to the next stage).
         self.output_head = make_output_head(model_config, self.is_last_stage)
+        # Greedy steps' tokens without the logits, where the model can (set by load_model).
+        self.greedy_head: GreedyHead = NO_GREEDY_HEAD
         self.execute_model_state: ExecuteModelState | None = None
         # The proposer and the RejectionSampler (a no-op without speculative_config).
         self.spec_decode = make_spec_decode_runner(config, self.device)
@@ -174,6 +179,9 @@ class ModelRunner:
             )
         self.drafter.load_model()
         self.encoder_runner.set_model(self.model)
+        self.greedy_head = make_greedy_head(
+            self.model, self.is_last_stage, self.config.model_config.is_pooling
+        )
         if self.config.lora_config is not None:
             manager = LoRAModelManager(self.model, self.config.lora_config)
             self.lora_runner = ActiveLoRARunner(manager)
@@ -362,8 +370,11 @@ class ModelRunner:
                 self.model, inputs, mm_kwargs, self.cuda_graphs.forward
             )
             self.blend_runner.end_step()
-        logits, pooler_output = self.output_head.compute(
-            self.model, hidden_states, batch, inputs, spec_metadata
+        greedy_tokens = self.greedy_head.tokens(hidden_states, batch, inputs, spec_metadata)
+        logits, pooler_output = (
+            self.output_head.compute(self.model, hidden_states, batch, inputs, spec_metadata)
+            if greedy_tokens is None
+            else (None, {})
         )
         if self.device.type == "cuda":
             # Kernels run asynchronously: without this the forward's time would show up in
@@ -386,6 +397,7 @@ class ModelRunner:
             prepare_time=forward_start - start,
             forward_time=forward_end - forward_start,
             spec_metadata=spec_metadata,
+            greedy_tokens=greedy_tokens,
         )
 
     # ---- per step: sampling ---------------------------------------------------------------
@@ -441,6 +453,9 @@ class ModelRunner:
                 logprobs_row_starts = self.spec_decode.logprobs_row_starts(
                     sample_rows, spec_out.sampled_token_ids, num_reqs
                 )
+        elif state.greedy_tokens is not None:
+            tokens = state.greedy_tokens.numpy()
+            self.requests.append_sampled(sample_rows, tokens.astype(np.int32), sampled_token_ids)
         elif state.logits is not None:
             rows = None if len(sample_rows) == num_reqs else torch.from_numpy(sample_rows)
             metadata = batch.sampling_batch.make_sampling_metadata(num_reqs, rows)

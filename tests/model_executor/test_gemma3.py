@@ -8,9 +8,11 @@ from typing import Any
 import pytest
 
 import kvserve
+from kvserve.model_executor.layers.greedy_screen import GreedyScreen
 from kvserve.sampling_params import SamplingParams
 from kvserve.transformers_utils.arch_config import load_arch_config
 from kvserve.transformers_utils.model_resolver import resolve_model
+from kvserve.worker.greedy_head import make_greedy_head
 from tests.gemma3_fixtures import GEMMA3, GEMMA3_MAX_TOKENS, GEMMA3_WINDOW
 from tests.reference import assert_no_leak
 
@@ -43,6 +45,42 @@ def test_gemma3_270m_batched_chunked_prefill_matches_hf(
     )
     for prompt, output, expected in zip(gemma3_prompts, outputs, gemma3_reference, strict=True):
         assert list(output.outputs[0].token_ids) == expected, f"prompt of {len(prompt)} tokens"
+    assert_no_leak(gemma3_llm)
+
+
+def test_gemma3_greedy_screen_matches_hf(
+    gemma3_llm: Any, gemma3_prompts: list[list[int]], gemma3_reference: list[list[int]]
+) -> None:
+    """The tied 262,144-row Q8_0 head through the greedy screen (greedy_screen.py), on by
+    default only where the integer GEMV is the cheaper (AVX2): installed here on the
+    session engine whatever the CPU, for the short prompts, up to three at a time."""
+    runner = gemma3_llm.llm_engine.engine_core.engine_core.model_executor.driver_worker
+    runner = runner.model_runner
+    lm_head = runner.model.lm_head
+    saved = runner.greedy_head, lm_head.greedy_screen
+    lm_head.greedy_screen = GreedyScreen(lm_head.quant_weight, lm_head.num_embeddings)
+    runner.greedy_head = make_greedy_head(runner.model, is_last_stage=True, is_pooling=False)
+    screened = 0
+    tokens = runner.greedy_head.tokens
+
+    def counted(*args: Any) -> Any:
+        nonlocal screened
+        out = tokens(*args)
+        screened += out is not None
+        return out
+
+    runner.greedy_head.tokens = counted
+    params = SamplingParams(temperature=0.0, max_tokens=GEMMA3_MAX_TOKENS, ignore_eos=True)
+    try:
+        for group in (slice(0, 3), slice(3, 5)):
+            outputs = gemma3_llm.generate(
+                [{"prompt_token_ids": p} for p in gemma3_prompts[group]], params, use_tqdm=False
+            )
+            got = [list(o.outputs[0].token_ids) for o in outputs]
+            assert got == gemma3_reference[group]
+    finally:
+        runner.greedy_head, lm_head.greedy_screen = saved
+    assert screened >= 2 * (GEMMA3_MAX_TOKENS - 1)
     assert_no_leak(gemma3_llm)
 
 

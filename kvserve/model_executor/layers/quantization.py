@@ -43,6 +43,7 @@ from torch import nn
 from kvserve import _custom_ops as ops
 from kvserve.config import QUANTIZATION_METHODS
 from kvserve.model_executor.layers.gguf_repack import REPACKED_KINDS, REPACKED_TYPES, repack
+from kvserve.model_executor.layers.greedy_screen import GreedyScreen, screen_wanted
 
 if TYPE_CHECKING:
     from kvserve.transformers_utils.arch_config import ArchConfig
@@ -274,6 +275,21 @@ def _gguf_blocks_for(
     return blocks[names[0]] if len(names) == 1 else concat_rows([blocks[n] for n in names])
 
 
+def _attach(module: Any, bw: BlockWeight) -> None:
+    """The module computes with ``bw`` from now on; an LM head on one TP rank with the
+    lossless arithmetic also gets its greedy screen where it pays (greedy_screen.py)."""
+    from kvserve.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
+
+    module.quant_weight = bw
+    if (
+        isinstance(module, ParallelLMHead)
+        and module.tp_size == 1
+        and GreedyScreen.supports(bw)
+        and screen_wanted()
+    ):
+        module.greedy_screen = GreedyScreen(bw, module.num_embeddings)
+
+
 def quantize_model(model: nn.Module, method: str, gguf_path: str | None, arch: ArchConfig) -> None:
     """Give each linear layer (and the LM head) block weights and drop its float32 copy.
 
@@ -311,7 +327,7 @@ def quantize_model(model: nn.Module, method: str, gguf_path: str | None, arch: A
         bw.prepare_kernels(method)
         if method != "q8_0" and not torch.equal(bw.dequantize(), weight):
             raise RuntimeError(f"{name}: GGUF blocks do not reproduce the loaded weight")
-        module.quant_weight = bw
+        _attach(module, bw)
         if not tied:
             module.weight = nn.Parameter(torch.empty(0, device=weight.device), requires_grad=False)
     if kept:
@@ -449,7 +465,7 @@ def attach_gguf_blocks(
             prepared.update((n, placeholder.data) for n in names)
         # Before check_sampled_rows: it checks the layout the kernels will read.
         bw.prepare_kernels(method)
-        module.quant_weight = bw
+        _attach(module, bw)
     check_sampled_rows(checks)
     if kept:
         logger.info("quantization %s: %d layers stay float32: %s", method, len(kept), kept[:4])

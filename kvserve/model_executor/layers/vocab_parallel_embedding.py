@@ -12,6 +12,7 @@ from kvserve.distributed.parallel_state import get_pp_group, get_tp_group
 from kvserve.model_executor.layers.linear import ShardRange, get_tp_rank_size
 
 if TYPE_CHECKING:
+    from kvserve.model_executor.layers.greedy_screen import GreedyScreen
     from kvserve.model_executor.layers.quantization import BlockWeight
 
 
@@ -68,6 +69,8 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     # Set by quantize_model (--quantization): the projection as GGUF blocks.
     quant_weight: BlockWeight | None = None
+    # With lossless blocks and one TP rank: greedy tokens without every exact logit.
+    greedy_screen: GreedyScreen | None = None
 
     def tie_weights(self, embed_tokens: VocabParallelEmbedding) -> None:
         self.weight = embed_tokens.weight
@@ -80,6 +83,17 @@ class ParallelLMHead(VocabParallelEmbedding):
             # can run the next micro-batch meanwhile).
             raise RuntimeError("compute_logits() runs on the last pipeline stage only")
         return self._logits(hidden_states)
+
+    def greedy_tokens(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
+        """int64 ``[N]``: ``compute_logits(hidden_states).argmax(-1)`` exactly (the first
+        of equal maxima), cheaper where the greedy screen applies; None where it does not
+        (the caller computes the logits)."""
+        screen = self.greedy_screen
+        if screen is None:
+            return None
+        if hidden_states.dtype != torch.float32:
+            hidden_states = hidden_states.float()
+        return screen.greedy_tokens(hidden_states)
 
     def _logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         # Conversions and slices that would change nothing are skipped: each is a trip

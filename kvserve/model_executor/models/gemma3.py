@@ -202,5 +202,13 @@ class Gemma3ForCausalLM(nn.Module):
             logits = torch.tanh(logits / cap) * cap
         return logits
 
+    def greedy_tokens(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
+        """``compute_logits(hidden_states).argmax(-1)``, or None (see ParallelLMHead).
+        Not with a soft-cap: its tanh can round distinct logits to equal ones, which moves
+        the first maximum."""
+        if self.arch.final_logit_softcapping is not None:
+            return None
+        return self.lm_head.greedy_tokens(hidden_states)
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         return load_hf_weights(self, weights, self.stacked_params, self.arch.tie_word_embeddings)

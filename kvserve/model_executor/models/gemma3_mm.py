@@ -67,6 +67,9 @@ class Gemma3ForConditionalGeneration(nn.Module):
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.language_model.compute_logits(hidden_states)
 
+    def greedy_tokens(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
+        return self.language_model.greedy_tokens(hidden_states)
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         text: list[tuple[str, torch.Tensor]] = []
         vision: list[tuple[str, torch.Tensor]] = []

@@ -270,6 +270,10 @@ class LlamaForCausalLM(nn.Module):
         """``[N, hidden] -> [N, vocab]`` float32."""
         return self.lm_head.compute_logits(hidden_states)
 
+    def greedy_tokens(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
+        """``compute_logits(hidden_states).argmax(-1)``, or None (see ParallelLMHead)."""
+        return self.lm_head.greedy_tokens(hidden_states)
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load HF-named tensors; returns the parameter names that were filled and
         raises if any parameter was left unset."""

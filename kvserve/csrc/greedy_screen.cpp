@@ -1,0 +1,166 @@
+// The greedy screen of a block-weight LM head (model_executor/layers/greedy_screen.py has
+// the bound's derivation): gguf_int8's integer GEMV gives every logit approximately, each
+// within a proven bound; the exact float GEMV then runs on the rows whose bound reaches
+// the largest lower bound. One call per step, so the screen's selection costs no trips
+// through torch's dispatcher and no parallel regions for vocabulary-wide elementwise work.
+
+#include <ATen/ops/full.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "block_gemm.h"
+#include "cpu_common.h"
+
+namespace kvserve_cpu {
+
+namespace {
+
+// The rows of one x row's approximate logits that may hold the exact maximum, ascending;
+// empty when the screen cannot tell (non-finite or all-zero x, too many candidates).
+std::vector<int64_t> screen_candidates(const float* approx, const float* x, int64_t cols,
+                                       const float* row_coeffs, const float* block_coeffs,
+                                       int64_t vocab, int64_t max_candidates) {
+  const int64_t nb = cols / kBlock;
+  std::vector<double> block_max(nb);
+  double largest = 0.0;
+  for (int64_t b = 0; b < nb; ++b) {
+    float a = 0.f;
+    for (int i = 0; i < kBlock; ++i) a = std::max(a, std::fabs(x[b * kBlock + i]));
+    if (!std::isfinite(a)) return {};
+    block_max[b] = a;
+    largest = std::max(largest, static_cast<double>(a));
+  }
+  if (largest == 0.0) return {};  // every logit ties
+  // The comparisons run in double; the slack covers their rounding, the bounds' own
+  // margin (1% in the coefficients) the float32 rounding of the coefficients.
+  double floor = -std::numeric_limits<double>::infinity(), biggest = 0.0;
+  int64_t n = 0;
+#ifdef __AVX2__
+  // Vocabulary-wide passes: four lanes, and independent maxima rather than one chain.
+  const __m256d scale = _mm256_set1_pd(largest);
+  const __m256d sign = _mm256_set1_pd(-0.0);
+  __m256d lows = _mm256_set1_pd(floor), mags = _mm256_setzero_pd(), nans = _mm256_setzero_pd();
+  for (; n + 4 <= vocab; n += 4) {
+    const __m256d a = _mm256_cvtps_pd(_mm_loadu_ps(approx + n));
+    const __m256d bound = _mm256_mul_pd(_mm256_cvtps_pd(_mm_loadu_ps(row_coeffs + n)), scale);
+    lows = _mm256_max_pd(lows, _mm256_sub_pd(a, bound));
+    mags = _mm256_max_pd(mags, _mm256_andnot_pd(sign, a));
+    nans = _mm256_or_pd(nans, _mm256_cmp_pd(a, a, _CMP_UNORD_Q));  // max_pd would drop them
+  }
+  if (_mm256_movemask_pd(nans)) return {};
+  alignas(32) double lanes[2][4];
+  _mm256_store_pd(lanes[0], lows);
+  _mm256_store_pd(lanes[1], mags);
+  for (int i = 0; i < 4; ++i) {
+    floor = std::max(floor, lanes[0][i]);
+    biggest = std::max(biggest, lanes[1][i]);
+  }
+#endif
+  for (; n < vocab; ++n) {
+    const double a = approx[n];
+    if (std::isnan(a)) return {};
+    floor = std::max(floor, a - row_coeffs[n] * largest);
+    biggest = std::max(biggest, std::fabs(a));
+  }
+  if (!std::isfinite(floor) || !std::isfinite(biggest)) return {};  // an infinite logit
+  const double threshold = floor - 2 * std::ldexp(biggest, -40);
+  std::vector<int64_t> candidates;
+  n = 0;
+#ifdef __AVX2__
+  const __m256d at_least = _mm256_set1_pd(threshold);
+  for (; n + 4 <= vocab; n += 4) {
+    const __m256d a = _mm256_cvtps_pd(_mm_loadu_ps(approx + n));
+    const __m256d high = _mm256_add_pd(
+        a, _mm256_mul_pd(_mm256_cvtps_pd(_mm_loadu_ps(row_coeffs + n)), scale));
+    int mask = _mm256_movemask_pd(_mm256_cmp_pd(high, at_least, _CMP_GE_OQ));
+    for (; mask; mask &= mask - 1) candidates.push_back(n + __builtin_ctz(mask));
+  }
+#endif
+  for (; n < vocab; ++n)
+    if (approx[n] + row_coeffs[n] * largest >= threshold) candidates.push_back(n);
+  if (candidates.size() > 16) {
+    // The per-block bound on the survivors; a floor from any of them is still a lower
+    // bound of the maximum, which is among them.
+    std::vector<double> bound(candidates.size());
+    double tight_floor = -std::numeric_limits<double>::infinity();
+    for (size_t i = 0; i < candidates.size(); ++i) {
+      const float* c = block_coeffs + candidates[i] * nb;
+      double sum = 0.0;
+      for (int64_t b = 0; b < nb; ++b) sum += c[b] * block_max[b];
+      bound[i] = sum;
+      tight_floor = std::max(tight_floor, approx[candidates[i]] - sum);
+    }
+    size_t kept = 0;
+    for (size_t i = 0; i < candidates.size(); ++i)
+      if (approx[candidates[i]] + bound[i] >= tight_floor - 2 * std::ldexp(biggest, -40))
+        candidates[kept++] = candidates[i];
+    candidates.resize(kept);
+  }
+  if (static_cast<int64_t>(candidates.size()) > max_candidates) return {};
+  return candidates;
+}
+
+}  // namespace
+
+// int64 [R]: each row's greedy token over the first `vocab` rows of the weight, or -1
+// where the screen cannot tell (the caller then computes the logits).
+at::Tensor greedy_screen(const at::Tensor& x_in, const at::Tensor& qs, const at::Tensor& d,
+                         const at::Tensor& m, int64_t kind, const at::Tensor& row_coeffs,
+                         const at::Tensor& block_coeffs, int64_t vocab, int64_t max_candidates) {
+  const BlockWeight w = block_weight(qs, d, m, kind);
+  check_float(row_coeffs, "row_coeffs");
+  check_float(block_coeffs, "block_coeffs");
+  TORCH_CHECK(vocab > 0 && vocab <= w.rows, "vocab must be in [1, rows]");
+  TORCH_CHECK(row_coeffs.is_contiguous() && row_coeffs.numel() == vocab,
+              "row_coeffs: one per vocabulary row");
+  TORCH_CHECK(block_coeffs.is_contiguous() && block_coeffs.numel() == vocab * (w.cols / kBlock),
+              "block_coeffs: one per block of each vocabulary row");
+  check_float(x_in, "x");
+  TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) == w.cols, "x must be [rows, ", w.cols, "]");
+  const at::Tensor x = x_in.contiguous();
+  const at::Tensor approx = block_linear_int8(x, qs, d, m, kind, std::nullopt);
+  const int64_t rows_x = x.size(0), N = w.rows;
+  at::Tensor tokens = at::full({rows_x}, -1, x.options().dtype(at::kLong));
+  int64_t* token = tokens.data_ptr<int64_t>();
+  const float* xp = x.data_ptr<float>();
+  const float* ap = approx.data_ptr<float>();
+  // The GEMV writes output n at index n: a vocabulary-wide row, kept between calls.
+  thread_local std::vector<float> exact;
+  if (static_cast<int64_t>(exact.size()) < N) exact.resize(N);
+  GemvInput input;
+  for (int64_t r = 0; r < rows_x; ++r) {
+    const float* xr = xp + r * w.cols;
+    const std::vector<int64_t> candidates =
+        screen_candidates(ap + r * N, xr, w.cols, row_coeffs.data_ptr<float>(),
+                          block_coeffs.data_ptr<float>(), vocab, max_candidates);
+    if (candidates.empty()) continue;
+    // The exact GEMV, one output at a time: an output's value does not depend on which
+    // others the call computes (block_gemm.h), so these are the full head's logits.
+    input.prepare(w, xr, 1);
+    int64_t best = -1;
+    float best_value = 0.f;
+    for (const int64_t n : candidates) {
+      w.gemv(1, input.rows_from(0), exact.data(), n, n + 1);
+      if (std::isnan(exact[n])) {
+        best = -1;  // the full head's argmax takes the first NaN: not the screen's to give
+        break;
+      }
+      if (best < 0 || exact[n] > best_value) best = n, best_value = exact[n];
+    }
+    token[r] = best;
+  }
+  return tokens;
+}
+
+}  // namespace kvserve_cpu
+
+TORCH_LIBRARY_FRAGMENT(kvserve, m) {
+  m.def(
+      "greedy_screen(Tensor x, Tensor qs, Tensor d, Tensor m, int kind, Tensor row_coeffs, "
+      "Tensor block_coeffs, int vocab, int max_candidates) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(kvserve, CPU, m) { m.impl("greedy_screen", &kvserve_cpu::greedy_screen); }
