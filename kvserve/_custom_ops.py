@@ -325,6 +325,14 @@ def greedy_screen(
     )
 
 
+def greedy_screen_approx(
+    x: torch.Tensor, weight: tuple[torch.Tensor, torch.Tensor, torch.Tensor], kind: int
+) -> torch.Tensor:
+    """The greedy screen's approximate logits [R, N] (gguf_int8's arithmetic)."""
+    qs, d, m = weight
+    return torch.ops.kvserve.greedy_screen_approx(x.contiguous(), qs, d, m, kind)
+
+
 def pack_blocks_vnni(qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor, kind: int) -> torch.Tensor:
     """gguf_int8's row-interleaved copy of a block weight (for AVX-512 VNNI's kernel or
     AVX2's); empty in builds without either."""

@@ -119,6 +119,8 @@ void silu_and_mul(at::Tensor& out, const at::Tensor& x);
 void gelu_tanh_and_mul(at::Tensor& out, const at::Tensor& x);
 at::Tensor block_linear(const at::Tensor& x_in, const at::Tensor& qs, const at::Tensor& d,
                         const at::Tensor& m, int64_t kind);
+// x's 32 values as int8 q with scale d (max|x| / 127) and s = d * sum(q) (block_gemm_int8.cpp).
+void quantize_block_q8(const float* x, int8_t* q, float& d, float& s);
 at::Tensor block_linear_int8(const at::Tensor& x_in, const at::Tensor& qs, const at::Tensor& d,
                              const at::Tensor& m, int64_t kind,
                              const std::optional<at::Tensor>& packed);

@@ -4,6 +4,7 @@
 // the largest lower bound. One call per step, so the screen's selection costs no trips
 // through torch's dispatcher and no parallel regions for vocabulary-wide elementwise work.
 
+#include <ATen/ops/empty.h>
 #include <ATen/ops/full.h>
 #include <torch/library.h>
 
@@ -103,7 +104,100 @@ std::vector<int64_t> screen_candidates(const float* approx, const float* x, int6
   return candidates;
 }
 
+// gguf_int8's arithmetic for the repacked k-quants, which gguf_int8 itself keeps on the
+// exact path (kind 3: Q4_1 with float32 d and m; kind 4: int8 quants with a float32 scale
+// per 16 weights): x quantized per 32 values (quantize_block_q8), a block's dot product in
+// integer SIMD. The screen's bound holds for any such approximation: it needs only
+// |x_i - d_x q_i| <= d_x / 2 and the float32 roundings of at most cols + 2 nb terms.
+template <int KIND>
+void approx_rows(const BlockWeight& w, const int8_t* xq, const float* xd, const float* xs,
+                 int64_t rows_x, float* out, int64_t begin, int64_t end) {
+  static_assert(KIND == 3 || KIND == 4);
+  const int64_t nb = w.cols / kBlock, K = w.cols, N = w.rows;
+  constexpr int64_t bb = KIND == 4 ? 32 : 16;
+  for (int64_t n = begin; n < end; ++n) {
+    w.prefetch_row(n + kPrefetchRows);
+    const uint8_t* row = w.qs + n * w.row_bytes;
+    const float* d = w.d32 + n * nb * (KIND == 4 ? 2 : 1);
+    for (int64_t r = 0; r < rows_x; ++r) {
+      const int8_t* xr = xq + r * K;
+      const float* dx = xd + r * nb;
+      float result = 0.f;
+#ifdef __AVX2__
+      const __m256i ones = _mm256_set1_epi16(1);
+      __m256 acc = _mm256_setzero_ps();
+      float mins = 0.f;  // kind 3's sum over blocks of m * s
+      for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* block = row + b * bb;
+        __m256i wu, xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr + b * kBlock));
+        __m256 scale;
+        if constexpr (KIND == 4) {
+          // maddubs multiplies unsigned by signed bytes: the weights' signs move to x.
+          const __m256i wq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block));
+          wu = _mm256_sign_epi8(wq, wq);
+          xv = _mm256_sign_epi8(xv, wq);
+          // int32 lanes 0-3 sum weights 0-15, lanes 4-7 weights 16-31.
+          scale = _mm256_set_m128(_mm_set1_ps(d[2 * b + 1] * dx[b]), _mm_set1_ps(d[2 * b] * dx[b]));
+        } else {
+          const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block));
+          wu = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(bytes, 4), bytes),
+                                _mm256_set1_epi8(15));
+          scale = _mm256_set1_ps(d[b] * dx[b]);
+          mins += w.m32[n * nb + b] * xs[r * nb + b];
+        }
+        const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(wu, xv), ones);
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, acc);
+      }
+      result = hsum(acc) + mins;
+#else
+      for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* block = row + b * bb;
+        int32_t lo = 0, hi = 0;
+        for (int i = 0; i < 16; ++i) {
+          const int32_t q0 = KIND == 4 ? static_cast<int8_t>(block[i]) : block[i] & 15;
+          const int32_t q1 = KIND == 4 ? static_cast<int8_t>(block[16 + i]) : block[i] >> 4;
+          lo += q0 * xr[b * kBlock + i];
+          hi += q1 * xr[b * kBlock + 16 + i];
+        }
+        if constexpr (KIND == 4) {
+          result += dx[b] * (d[2 * b] * static_cast<float>(lo) + d[2 * b + 1] * static_cast<float>(hi));
+        } else {
+          result += d[b] * dx[b] * static_cast<float>(lo + hi) + w.m32[n * nb + b] * xs[r * nb + b];
+        }
+      }
+#endif
+      out[r * N + n] = result;
+    }
+  }
+}
+
 }  // namespace
+
+// The screen's approximate logits [R, N] for contiguous float32 x [R, K]: gguf_int8's own
+// GEMV where it takes the kind (its bound is checked against these in the tests).
+at::Tensor greedy_screen_approx(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,
+                                const at::Tensor& m, int64_t kind) {
+  if (kind != 3 && kind != 4) return block_linear_int8(x, qs, d, m, kind, std::nullopt);
+  const BlockWeight w = block_weight(qs, d, m, kind);
+  check_float(x, "x");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == w.cols && x.is_contiguous(),
+              "x must be contiguous [rows, ", w.cols, "]");
+  const int64_t rows_x = x.size(0), nb = w.cols / kBlock, N = w.rows;
+  std::vector<int8_t> xq(rows_x * w.cols);
+  std::vector<float> xd(rows_x * nb), xs(rows_x * nb);
+  const float* xp = x.data_ptr<float>();
+  for (int64_t i = 0; i < rows_x * nb; ++i)
+    quantize_block_q8(xp + i * kBlock, xq.data() + i * kBlock, xd[i], xs[i]);
+  at::Tensor out = at::empty({rows_x, N}, x.options());
+  float* op = out.data_ptr<float>();
+  constexpr int64_t kTileRows = 16;
+  at::parallel_for(0, (N + kTileRows - 1) / kTileRows, 1, [&](int64_t begin, int64_t end) {
+    const int64_t n0 = begin * kTileRows, n1 = std::min(N, end * kTileRows);
+    if (kind == 3) approx_rows<3>(w, xq.data(), xd.data(), xs.data(), rows_x, op, n0, n1);
+    else approx_rows<4>(w, xq.data(), xd.data(), xs.data(), rows_x, op, n0, n1);
+  });
+  return out;
+}
 
 // int64 [R]: each row's greedy token over the first `vocab` rows of the weight, or -1
 // where the screen cannot tell (the caller then computes the logits).
@@ -121,7 +215,7 @@ at::Tensor greedy_screen(const at::Tensor& x_in, const at::Tensor& qs, const at:
   check_float(x_in, "x");
   TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) == w.cols, "x must be [rows, ", w.cols, "]");
   const at::Tensor x = x_in.contiguous();
-  const at::Tensor approx = block_linear_int8(x, qs, d, m, kind, std::nullopt);
+  const at::Tensor approx = greedy_screen_approx(x, qs, d, m, kind);
   const int64_t rows_x = x.size(0), N = w.rows;
   at::Tensor tokens = at::full({rows_x}, -1, x.options().dtype(at::kLong));
   int64_t* token = tokens.data_ptr<int64_t>();
@@ -158,9 +252,13 @@ at::Tensor greedy_screen(const at::Tensor& x_in, const at::Tensor& qs, const at:
 }  // namespace kvserve_cpu
 
 TORCH_LIBRARY_FRAGMENT(kvserve, m) {
+  m.def("greedy_screen_approx(Tensor x, Tensor qs, Tensor d, Tensor m, int kind) -> Tensor");
   m.def(
       "greedy_screen(Tensor x, Tensor qs, Tensor d, Tensor m, int kind, Tensor row_coeffs, "
       "Tensor block_coeffs, int vocab, int max_candidates) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(kvserve, CPU, m) { m.impl("greedy_screen", &kvserve_cpu::greedy_screen); }
+TORCH_LIBRARY_IMPL(kvserve, CPU, m) {
+  m.impl("greedy_screen_approx", &kvserve_cpu::greedy_screen_approx);
+  m.impl("greedy_screen", &kvserve_cpu::greedy_screen);
+}

@@ -5,28 +5,29 @@ Gemma 3's tied 262,144 x 640 Q8_0 head is 178 of the 247 MB a token reads, and t
 float32 arithmetic of the lossless path costs about twice what the bytes do. A greedy
 request needs only the first index of the row's maximum, so the head runs in two passes:
 
-1. gguf_int8's integer GEMV (the input quantized to int8 per 32 values) gives every
-   logit approximately, with a proven bound on each row's error;
+1. gguf_int8's integer arithmetic (the input quantized to int8 per 32 values) gives
+   every logit approximately, with a proven bound on each row's error;
 2. the exact float32 GEMV runs on the candidate rows only: those whose bound reaches the
    largest lower bound, a handful of the vocabulary on real models.
 
 Every row whose exact logit could be the maximum is a candidate, and the candidates'
 exact logits are those the full head gives bit for bit (the GEMV's output does not
 depend on the other rows it computes), so the token is the full head's argmax, ties
-and all.
+and all. The selection and the exact pass are one kernel call (csrc/greedy_screen.cpp).
 
 The bound. The int8 input differs from x by at most half a quantization step per value:
-|x_i - d_b q_i| <= (0.5 + 2.3e-5) d_b with d_b = max|x| over the block / 127 (the
-float32 rounding of the scale and the product adds the small part). Over a row of the
-weight that is sum_b d_b (0.5 + ...) L1_rb, L1_rb the block's sum of |w_i|. Both passes
-also round in float32: at most (K + 2 nb + 128) u times the sum of the terms'
-magnitudes, u = 2^-24 for K columns and nb blocks, whose terms per block are at most
-32 * 3 * max|w| * max|x| (Q4_1's kernels add d q and m separately, each under
-3 max|w|). So row r's error is at most sum_b c_rb a_b, a_b = max|x| of block b, with
-c_rb = L1_rb (0.5001 / 127) + eps * 96 max_b|w|, precomputed at load.
-The screen first uses the cheap per-row form max_b(a_b) * sum_b c_rb, then the block
-form on the rows that pass it (a row's outlier activations would otherwise widen every
-row's bound).
+|x_i - d_b q_i| <= (0.5 + 2.3e-5) d_b with d_b = a_b / 127, a_b = max|x| over block b
+(the float32 rounding of the scale and the product adds the small part). Over a row of
+the weight that is at most sum_b a_b (0.5001 / 127) L1_rb, L1_rb the block's sum of
+|w_i|. Both passes also round in float32: at most eps = (K + 2 nb + 128) u times the sum
+of the terms' magnitudes (u = 2^-24, K columns, nb blocks). The kernels add a block's
+d q_i x_i and m x_i separately (a minimum's kinds), and |d q_i| <= |w_i| + |m|, so those
+magnitudes are at most (L1_rb + 64 |m_b|) a_b. Row r's error is therefore at most
+sum_b c_rb a_b with c_rb = 1.01 (L1_rb 0.5001 / 127 + eps (L1_rb + 64 |m_b|)),
+precomputed at load (1% for the float32 rounding of the coefficients themselves).
+The screen first uses the cheap per-row form max_b(a_b) sum_b c_rb, then the block form
+on the rows that pass it (one outlier activation would otherwise widen every row's
+bound).
 """
 
 from __future__ import annotations
@@ -46,10 +47,7 @@ __all__ = ["ENV_GREEDY_SCREEN", "GreedyScreen", "screen_wanted"]
 # "1" / "0": the screen on / off whatever the build (tests run it on every CPU).
 ENV_GREEDY_SCREEN = "KVSERVE_GREEDY_SCREEN"
 
-# Kernel kinds with gguf_int8's integer GEMV on the plain layout (Q8_0, Q4_1, Q4_0 and
-# their nibble planes); repacked Q4_K / Q6_K heads keep the exact head.
-_INT8_KINDS = frozenset({0, 1, 2, 5, 6})
-# The integer GEMV without the interleaved copy takes up to 3 rows of x.
+# Rows of x per call: gguf_int8's integer GEMV on the plain layout takes up to 3.
 MAX_ROWS = 3
 # Beyond this share of the vocabulary the second pass would cost about what the exact
 # head does (a random-weight model's flat logits): compute the whole head instead.
@@ -77,13 +75,13 @@ class GreedyScreen:
 
     @staticmethod
     def supports(weight: BlockWeight) -> bool:
-        """The lossless arithmetic on a kind the integer GEMV takes (gguf_int8's own
-        head is already the integer one: nothing to screen)."""
-        return weight.kind in _INT8_KINDS and not weight.int8_activations
+        """The lossless arithmetic (gguf_int8's own head is already the integer one:
+        nothing to screen)."""
+        return not weight.int8_activations
 
     def __init__(self, weight: BlockWeight, vocab: int) -> None:
         if not self.supports(weight):
-            raise ValueError(f"no integer screen for block kind {weight.kind}")
+            raise ValueError("gguf_int8's head is the integer GEMV already: no screen")
         self.weight = weight
         self.vocab = vocab
         rows, cols = weight.shape
@@ -94,13 +92,11 @@ class GreedyScreen:
         qs, d, m = weight.planes
         for start in range(0, rows, chunk):
             end = min(rows, start + chunk)
-            part = ops.dequantize_blocks(
-                qs[start:end], d[start:end], m[start:end] if m.numel() else m, weight.kind
-            )
-            blocks = part.abs_().view(end - start, nb, 32)
-            l1 = blocks.sum(dim=-1, dtype=torch.float64)
-            biggest = blocks.amax(dim=-1).double()
-            coeffs[start:end] = (l1 * (0.5001 / 127) + biggest * (96 * eps)).mul_(1.01).float()
+            rows_m = m[start:end] if m.numel() else m
+            part = ops.dequantize_blocks(qs[start:end], d[start:end], rows_m, weight.kind)
+            l1 = part.abs_().view(end - start, nb, 32).sum(dim=-1, dtype=torch.float64)
+            magnitudes = l1 if not m.numel() else l1 + 64 * rows_m.double().abs().view_as(l1)
+            coeffs[start:end] = (l1 * (0.5001 / 127) + magnitudes * eps).mul_(1.01).float()
         # [vocab, nb] per-block and [vocab] whole-row coefficients of the bound
         self.block_coeffs = coeffs[:vocab].contiguous()
         self.row_coeffs = coeffs[:vocab].sum(dim=1, dtype=torch.float64).mul_(1.001).float()

@@ -21,15 +21,20 @@ from kvserve.model_executor.layers.greedy_screen import (
     screen_wanted,
 )
 from kvserve.model_executor.layers.quantization import BlockWeight
+from tests.model_executor.test_gguf_repack import _random_raw
 
 pytestmark = pytest.mark.skipif(not ops.available(), reason="no C++ toolchain for the kernels")
 
 COLS = 640
+K_COLS = 768  # k-quant super-blocks hold 256 weights
+K_QUANTS = (T.Q4_K, T.Q6_K)
 ROWS = 3000
 VOCAB = 2990  # a padded head: rows past the vocabulary never count
 
 
 def _head(qtype: T, seed: int, nibble_planes: bool = False, rows: int = ROWS) -> BlockWeight:
+    if qtype in K_QUANTS:  # random blocks (both signs of scales and minimums), repacked
+        return BlockWeight.from_raw(_random_raw(qtype, rows, K_COLS, seed), qtype)
     rng = np.random.default_rng(seed)
     weight = (rng.standard_normal((rows, COLS)) * 0.05).astype(np.float32)
     weight[rows - 1] = 1.0  # past the vocabulary: the largest logit of a positive x
@@ -40,14 +45,14 @@ def _head(qtype: T, seed: int, nibble_planes: bool = False, rows: int = ROWS) ->
     return w
 
 
-def _inputs(seed: int) -> list[torch.Tensor]:
+def _inputs(seed: int, cols: int = COLS) -> list[torch.Tensor]:
     """1-3 rows each: ordinary activations, one outlier channel, tiny values, a mix."""
     g = torch.Generator().manual_seed(seed)
-    ordinary = torch.randn(3, COLS, generator=g)
-    outlier = torch.randn(2, COLS, generator=g)
+    ordinary = torch.randn(3, cols, generator=g)
+    outlier = torch.randn(2, cols, generator=g)
     outlier[:, 17] = 300.0
-    tiny = torch.randn(1, COLS, generator=g) * 1e-30
-    positive = torch.rand(2, COLS, generator=g) + 0.5
+    tiny = torch.randn(1, cols, generator=g) * 1e-30
+    positive = torch.rand(2, cols, generator=g) + 0.5
     return [ordinary[:1], ordinary, outlier, tiny, positive]
 
 
@@ -55,14 +60,22 @@ def _exact(w: BlockWeight, x: torch.Tensor) -> torch.Tensor:
     return ops.block_linear(x, w.qs, w.d, w.m, w.kind)[:, :VOCAB]
 
 
-KINDS = [(T.Q8_0, False), (T.Q4_1, False), (T.Q4_0, False), (T.Q4_1, True), (T.Q4_0, True)]
+KINDS = [
+    (T.Q8_0, False),
+    (T.Q4_1, False),
+    (T.Q4_0, False),
+    (T.Q4_1, True),
+    (T.Q4_0, True),
+    (T.Q4_K, False),  # repacked: kind 3
+    (T.Q6_K, False),  # kind 4
+]
 
 
 @pytest.mark.parametrize(("qtype", "planes"), KINDS)
 def test_tokens_are_the_exact_heads_argmax(qtype: T, planes: bool) -> None:
     w = _head(qtype, seed=3, nibble_planes=planes)
     screen = GreedyScreen(w, VOCAB)
-    for x in _inputs(seed=4):
+    for x in _inputs(seed=4, cols=w.shape[1]):
         tokens = screen.greedy_tokens(x)
         assert tokens is not None
         want = np.argmax(_exact(w, x).numpy(), axis=-1)
@@ -73,8 +86,8 @@ def test_tokens_are_the_exact_heads_argmax(qtype: T, planes: bool) -> None:
 def test_integer_pass_error_within_the_bound(qtype: T, planes: bool) -> None:
     w = _head(qtype, seed=5, nibble_planes=planes)
     screen = GreedyScreen(w, VOCAB)
-    for x in _inputs(seed=6):
-        approx = ops.block_linear_int8(x, w.qs, w.d, w.m, w.kind, None)[:, :VOCAB]
+    for x in _inputs(seed=6, cols=w.shape[1]):
+        approx = ops.greedy_screen_approx(x, w.planes, w.kind)[:, :VOCAB]
         block_max = x.abs().reshape(len(x), -1, 32).amax(dim=-1)
         bound = block_max.double() @ screen.block_coeffs.double().T
         error = (_exact(w, x).double() - approx.double()).abs()
@@ -110,12 +123,12 @@ def test_declines_what_it_cannot_screen() -> None:
     assert GreedyScreen(same, 64).greedy_tokens(torch.randn(1, COLS)) is None
 
 
-def test_screen_only_on_the_lossless_integer_kinds(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_screen_only_on_the_lossless_arithmetic(monkeypatch: pytest.MonkeyPatch) -> None:
     w = _head(T.Q8_0, seed=10)
     assert GreedyScreen.supports(w)
     w.use_int8_activations()  # gguf_int8's head is the integer GEMV already
     assert not GreedyScreen.supports(w)
-    with pytest.raises(ValueError, match="no integer screen"):
+    with pytest.raises(ValueError, match="no screen"):
         GreedyScreen(w, VOCAB)
     monkeypatch.setenv(ENV_GREEDY_SCREEN, "1")
     assert screen_wanted()
