@@ -325,6 +325,15 @@ def greedy_screen(
     )
 
 
+def greedy_screen_coeffs(
+    weight: tuple[torch.Tensor, torch.Tensor, torch.Tensor], kind: int, vocab: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The greedy screen's bound coefficients: float32 [vocab, nb] and their row sums."""
+    qs, d, m = weight
+    blocks, rows = torch.ops.kvserve.greedy_screen_coeffs(qs, d, m, kind, vocab)
+    return blocks, rows
+
+
 def greedy_screen_approx(
     x: torch.Tensor, weight: tuple[torch.Tensor, torch.Tensor, torch.Tensor], kind: int
 ) -> torch.Tensor:

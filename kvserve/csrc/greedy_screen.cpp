@@ -10,6 +10,7 @@
 
 #include <cmath>
 #include <limits>
+#include <tuple>
 #include <vector>
 
 #include "block_gemm.h"
@@ -171,7 +172,47 @@ void approx_rows(const BlockWeight& w, const int8_t* xq, const float* xd, const 
   }
 }
 
+float block_minimum(const BlockWeight& w, int64_t i) {
+  if (w.kind == 3) return w.m32[i];
+  if (base_kind(w.kind) == 1) return f16(w.m[i]);
+  return 0.f;
+}
+
 }  // namespace
+
+// The bound's coefficients of the first `vocab` rows (greedy_screen.py derives them):
+// c_rb = 1.01 (L1_rb 0.5001 / 127 + eps (L1_rb + 64 |m_b|)), eps = (K + 2 nb + 128) 2^-24,
+// float32 [vocab, nb], and each row's sum 1.001 sum_b c_rb, float32 [vocab]. One pass over
+// the weight at load (Gemma 3's 262,144-row head: torch's chunked version took 0.6 s).
+std::tuple<at::Tensor, at::Tensor> greedy_screen_coeffs(const at::Tensor& qs, const at::Tensor& d,
+                                                        const at::Tensor& m, int64_t kind,
+                                                        int64_t vocab) {
+  const BlockWeight w = block_weight(qs, d, m, kind);
+  TORCH_CHECK(vocab > 0 && vocab <= w.rows, "vocab must be in [1, rows]");
+  const int64_t nb = w.cols / kBlock;
+  const double eps = std::ldexp(static_cast<double>(w.cols + 2 * nb + 128), -24);
+  at::Tensor blocks = at::empty({vocab, nb}, d.options().dtype(at::kFloat));
+  at::Tensor rows = at::empty({vocab}, d.options().dtype(at::kFloat));
+  float* bp = blocks.data_ptr<float>();
+  float* rp = rows.data_ptr<float>();
+  at::parallel_for(0, vocab, 64, [&](int64_t begin, int64_t end) {
+    std::vector<float> weights(w.cols);
+    for (int64_t n = begin; n < end; ++n) {
+      w.dequant_rows(n, n + 1, weights.data());
+      double row = 0.0;
+      for (int64_t b = 0; b < nb; ++b) {
+        double l1 = 0.0;
+        for (int i = 0; i < kBlock; ++i) l1 += std::fabs(weights[b * kBlock + i]);
+        const double minimum = std::fabs(block_minimum(w, n * nb + b));
+        const double c = 1.01 * (l1 * (0.5001 / 127) + eps * (l1 + 64 * minimum));
+        bp[n * nb + b] = static_cast<float>(c);
+        row += c;
+      }
+      rp[n] = static_cast<float>(1.001 * row);
+    }
+  });
+  return {blocks, rows};
+}
 
 // The screen's approximate logits [R, N] for contiguous float32 x [R, K]: gguf_int8's own
 // GEMV where it takes the kind (its bound is checked against these in the tests).
@@ -254,11 +295,15 @@ at::Tensor greedy_screen(const at::Tensor& x_in, const at::Tensor& qs, const at:
 TORCH_LIBRARY_FRAGMENT(kvserve, m) {
   m.def("greedy_screen_approx(Tensor x, Tensor qs, Tensor d, Tensor m, int kind) -> Tensor");
   m.def(
+      "greedy_screen_coeffs(Tensor qs, Tensor d, Tensor m, int kind, int vocab) -> "
+      "(Tensor, Tensor)");
+  m.def(
       "greedy_screen(Tensor x, Tensor qs, Tensor d, Tensor m, int kind, Tensor row_coeffs, "
       "Tensor block_coeffs, int vocab, int max_candidates) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvserve, CPU, m) {
   m.impl("greedy_screen_approx", &kvserve_cpu::greedy_screen_approx);
+  m.impl("greedy_screen_coeffs", &kvserve_cpu::greedy_screen_coeffs);
   m.impl("greedy_screen", &kvserve_cpu::greedy_screen);
 }

@@ -52,9 +52,6 @@ MAX_ROWS = 3
 # Beyond this share of the vocabulary the second pass would cost about what the exact
 # head does (a random-weight model's flat logits): compute the whole head instead.
 _MAX_CANDIDATE_SHARE = 1 / 8
-# Rows per chunk when the bound's coefficients are computed at load (bounds the float32
-# scratch to ~40 MB whatever the vocabulary).
-_LOAD_CHUNK_WEIGHTS = 1 << 23
 
 
 def screen_wanted() -> bool:
@@ -84,22 +81,10 @@ class GreedyScreen:
             raise ValueError("gguf_int8's head is the integer GEMV already: no screen")
         self.weight = weight
         self.vocab = vocab
-        rows, cols = weight.shape
-        nb = cols // 32
-        eps = (cols + 2 * nb + 128) * 2.0**-24
-        coeffs = torch.empty(rows, nb)
-        chunk = max(1, _LOAD_CHUNK_WEIGHTS // cols)
-        qs, d, m = weight.planes
-        for start in range(0, rows, chunk):
-            end = min(rows, start + chunk)
-            rows_m = m[start:end] if m.numel() else m
-            part = ops.dequantize_blocks(qs[start:end], d[start:end], rows_m, weight.kind)
-            l1 = part.abs_().view(end - start, nb, 32).sum(dim=-1, dtype=torch.float64)
-            magnitudes = l1 if not m.numel() else l1 + 64 * rows_m.double().abs().view_as(l1)
-            coeffs[start:end] = (l1 * (0.5001 / 127) + magnitudes * eps).mul_(1.01).float()
         # [vocab, nb] per-block and [vocab] whole-row coefficients of the bound
-        self.block_coeffs = coeffs[:vocab].contiguous()
-        self.row_coeffs = coeffs[:vocab].sum(dim=1, dtype=torch.float64).mul_(1.001).float()
+        self.block_coeffs, self.row_coeffs = ops.greedy_screen_coeffs(
+            weight.planes, weight.kind, vocab
+        )
 
     def greedy_tokens(self, x: torch.Tensor) -> torch.Tensor | None:
         """int64 ``[R]`` for float32 ``x [R, K]``; None where the screen does not apply
