@@ -28,7 +28,7 @@ from typing import Any
 from kvserve.args.engine_args import EngineArgs
 from kvserve.benchmarks.long_context_gguf import gguf_with_context
 from kvserve.benchmarks.long_context_llamacpp import llamacpp_decode_rate
-from kvserve.benchmarks.peers_llamacpp import llama_cpp_available
+from kvserve.benchmarks.peers_llamacpp import extra_buffer_types_run, llama_cpp_available
 from kvserve.benchmarks.random_gguf import SHAPES, ensure_random_gguf
 
 LLAMACPP_MISSING = "llama.cpp not installed (pip install llama-cpp-python)"
@@ -148,6 +148,15 @@ def run_long_context(args: argparse.Namespace) -> dict[str, Any]:
         notes.append(LLAMACPP_MISSING)
         print(LLAMACPP_MISSING, flush=True)
         engines.remove("llamacpp")
+    # The prompts go to llama.cpp in batches, which its AMX tile kernels serve: on a VM
+    # whose CPU advertises AMX without running it they kill this process.
+    extra_buffer_types = "llamacpp" not in engines or extra_buffer_types_run(gguf_path, threads)
+    if not extra_buffer_types:
+        notes.append(
+            "llama.cpp: its extra CPU buffer types (AMX, repacking) crashed a probe decode on "
+            "this machine; it runs without them (use_extra_bufts off)"
+        )
+        print(notes[-1], flush=True)
     results: list[dict[str, Any]] = []
     for context in args.contexts:
         # One kvserve engine per context, sized for the most streams, serves every count.
@@ -163,7 +172,7 @@ def run_long_context(args: argparse.Namespace) -> dict[str, Any]:
                     row["kvserve"] = kvserve_decode_rate(llm, prompts, args.output_len, "long")
                 if "llamacpp" in engines:
                     row["llamacpp"] = llamacpp_decode_rate(
-                        gguf_path, prompts, args.output_len, threads
+                        gguf_path, prompts, args.output_len, threads, extra_buffer_types
                     )
                 if "kvserve" in row and "llamacpp" in row:
                     ratio = row["kvserve"]["decode_tok_s"] / row["llamacpp"]["decode_tok_s"]

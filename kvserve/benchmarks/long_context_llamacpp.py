@@ -14,14 +14,20 @@ N_BATCH = 2048
 
 
 def llamacpp_decode_rate(
-    gguf_path: str, prompts: list[list[int]], output_len: int, threads: int
+    gguf_path: str,
+    prompts: list[list[int]],
+    output_len: int,
+    threads: int,
+    extra_buffer_types: bool = True,
 ) -> dict[str, Any]:
     import llama_cpp as lc
 
     quiet = lc.llama_log_callback(lambda level, text, data: None)
     lc.llama_log_set(quiet, None)
     lc.llama_backend_init()
-    model = lc.llama_model_load_from_file(gguf_path.encode(), lc.llama_model_default_params())
+    mparams = lc.llama_model_default_params()
+    mparams.use_extra_bufts = extra_buffer_types  # off: see peers_llamacpp.extra_buffer_types_run
+    model = lc.llama_model_load_from_file(gguf_path.encode(), mparams)
     if not model:
         raise RuntimeError(f"llama.cpp could not load {gguf_path}")
     n_vocab = lc.llama_vocab_n_tokens(lc.llama_model_get_vocab(model))

@@ -40,7 +40,11 @@ constexpr int64_t kMinParallelAttention = 1 << 15;
 }  // namespace
 
 int64_t split_k_partitions(int64_t context) {
-  return std::clamp<int64_t>(context / kMinPartition, 1, kMaxPartitions);
+  const int64_t n = std::clamp<int64_t>(context / kMinPartition, 1, kMaxPartitions);
+  // An even count: a single stream's partitions are its tasks, and two threads given an
+  // odd count of equal ones wait on each other (3 partitions: one thread does two, and
+  // the other idles for a third of the attention).
+  return n > 1 ? n & ~int64_t{1} : n;
 }
 
 int64_t DecodeAttentionPlan::context_start(int64_t r) const {

@@ -120,6 +120,11 @@ def test_the_rule_reads_the_context_alone() -> None:
     assert ops.decode_attention_partitions(0) == 1
     assert ops.decode_attention_partitions(511) == 1
     assert ops.decode_attention_partitions(512) == 2  # partitions of >= 256 tokens
-    assert ops.decode_attention_partitions(3000) == 11
+    assert ops.decode_attention_partitions(767) == 2
+    assert ops.decode_attention_partitions(800) == 2  # 3 of >= 256 tokens: an even count
+    assert ops.decode_attention_partitions(3000) == 10
     assert ops.decode_attention_partitions(4096) == 16
     assert ops.decode_attention_partitions(1 << 20) == 16  # at most 16
+    # Split contexts always have an even count: two threads get equal shares of a
+    # single stream's partitions.
+    assert all(ops.decode_attention_partitions(c) % 2 == 0 for c in range(512, 5000, 37))
