@@ -32,6 +32,9 @@ from kvserve.benchmarks.peers_llamacpp import extra_buffer_types_run, llama_cpp_
 from kvserve.benchmarks.random_gguf import SHAPES, ensure_random_gguf
 
 LLAMACPP_MISSING = "llama.cpp not installed (pip install llama-cpp-python)"
+# A token per llama_decode costs a decode step each: 8,192 of SmolLM2's took 8 minutes on
+# an Intel Xeon, so longer prompts go in batches.
+_TOKEN_AT_A_TIME_PROMPTS = 8192
 
 
 def _int_list(text: str) -> list[int]:
@@ -148,15 +151,9 @@ def run_long_context(args: argparse.Namespace) -> dict[str, Any]:
         notes.append(LLAMACPP_MISSING)
         print(LLAMACPP_MISSING, flush=True)
         engines.remove("llamacpp")
-    # The prompts go to llama.cpp in batches, which its AMX tile kernels serve: on a VM
-    # whose CPU advertises AMX without running it they kill this process.
-    extra_buffer_types = "llamacpp" not in engines or extra_buffer_types_run(gguf_path, threads)
-    if not extra_buffer_types:
-        notes.append(
-            "llama.cpp: its extra CPU buffer types (AMX, repacking) crashed a probe decode on "
-            "this machine; it runs without them (use_extra_bufts off)"
-        )
-        print(notes[-1], flush=True)
+    llamacpp_options = (
+        _llamacpp_options(gguf_path, threads, args, notes) if "llamacpp" in engines else {}
+    )
     results: list[dict[str, Any]] = []
     for context in args.contexts:
         # One kvserve engine per context, sized for the most streams, serves every count.
@@ -172,7 +169,7 @@ def run_long_context(args: argparse.Namespace) -> dict[str, Any]:
                     row["kvserve"] = kvserve_decode_rate(llm, prompts, args.output_len, "long")
                 if "llamacpp" in engines:
                     row["llamacpp"] = llamacpp_decode_rate(
-                        gguf_path, prompts, args.output_len, threads, extra_buffer_types
+                        gguf_path, prompts, args.output_len, threads, **llamacpp_options
                     )
                 if "kvserve" in row and "llamacpp" in row:
                     ratio = row["kvserve"]["decode_tok_s"] / row["llamacpp"]["decode_tok_s"]
@@ -192,6 +189,29 @@ def run_long_context(args: argparse.Namespace) -> dict[str, Any]:
         "results": results,
         "notes": notes,
     }
+
+
+def _llamacpp_options(
+    gguf_path: str, threads: int, args: argparse.Namespace, notes: list[str]
+) -> dict[str, Any]:
+    """How llama.cpp runs here. Prompts (and several streams' decode steps) go to it in
+    batches, which its AMX tile kernels serve, and on a VM whose CPU advertises AMX
+    without running it they kill the process. There a single stream's prompt goes a token
+    per llama_decode (its matrix-vector kernels, its fastest decode on such a machine, as
+    `bench peers`' single stream) up to _TOKEN_AT_A_TIME_PROMPTS tokens; other runs, and
+    every run where even that crashes, go without the extra buffer types."""
+    if extra_buffer_types_run(gguf_path, threads):
+        return {}
+    crashed = "llama.cpp: its extra CPU buffer types (AMX, repacking) crashed a probe decode"
+    single = max(args.streams) == 1 and max(args.contexts) <= _TOKEN_AT_A_TIME_PROMPTS
+    if single and extra_buffer_types_run(gguf_path, threads, tokens_per_decode=1):
+        notes.append(f"{crashed}; prompts go a token per llama_decode (untimed), decode keeps them")
+        options: dict[str, Any] = {"prefill_tokens_per_decode": 1}
+    else:
+        notes.append(f"{crashed}; it runs without them (use_extra_bufts off)")
+        options = {"extra_buffer_types": False}
+    print(notes[-1], flush=True)
+    return options
 
 
 def _kvserve_engine(args: argparse.Namespace, gguf_path: str, context: int) -> Any:

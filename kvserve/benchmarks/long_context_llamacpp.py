@@ -19,6 +19,7 @@ def llamacpp_decode_rate(
     output_len: int,
     threads: int,
     extra_buffer_types: bool = True,
+    prefill_tokens_per_decode: int = N_BATCH,
 ) -> dict[str, Any]:
     import llama_cpp as lc
 
@@ -62,8 +63,8 @@ def llamacpp_decode_rate(
         start = time.perf_counter()
         next_tokens = []
         for seq, prompt in enumerate(prompts):
-            for c in range(0, len(prompt), N_BATCH):
-                chunk = prompt[c : c + N_BATCH]
+            for c in range(0, len(prompt), prefill_tokens_per_decode):
+                chunk = prompt[c : c + prefill_tokens_per_decode]
                 last = c + len(chunk) == len(prompt)
                 decode([(t, c + i, seq, last and i == len(chunk) - 1) for i, t in enumerate(chunk)])
             next_tokens.append(argmax(len(chunk) - 1))
