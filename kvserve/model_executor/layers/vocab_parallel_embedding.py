@@ -20,9 +20,10 @@ class VocabParallelEmbedding(nn.Module):
     """Each rank holds rows ``[vocab_start, vocab_end)``; the table is padded so
     every rank holds the same number of rows (padding rows stay zero)."""
 
-    # Set by attach_gguf_blocks for an embedding tied to a GGUF LM head: this rank's rows
-    # of the table as the head's own blocks (padding rows zero blocks), each lookup
-    # dequantizing only its rows; the float32 table is then never built.
+    # Set by the quantization loader (attach_gguf_blocks, or quantize_model's lossless
+    # path) for an embedding tied to a GGUF LM head: this rank's rows of the table as the
+    # head's own blocks (padding rows zero blocks), each lookup dequantizing only its
+    # rows, so no float32 table is kept.
     row_blocks: BlockWeight | None = None
 
     def __init__(self, num_embeddings: int, embedding_dim: int, prefix: str = "") -> None:
