@@ -286,6 +286,14 @@ def dequantize_blocks(
     return torch.ops.kvserve.dequantize_blocks(qs, d, m, kind)
 
 
+def dequantize_rows(
+    qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor, kind: int, ids: torch.Tensor
+) -> torch.Tensor:
+    """Rows ``ids`` (any shape of integers) of a block weight, ``[*ids.shape, cols]``
+    float32, each bit for bit the row of ``dequantize_blocks``."""
+    return torch.ops.kvserve.dequantize_rows(qs, d, m, kind, ids)
+
+
 def block_linear(
     x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor, kind: int
 ) -> torch.Tensor:

@@ -70,6 +70,30 @@ at::Tensor dequantize_blocks(const at::Tensor& qs, const at::Tensor& d, const at
   return out;
 }
 
+// Rows ``ids`` of the weight as float32 [ids..., cols], each exactly as dequantize_blocks
+// gives it: a tied LM head's blocks serve the embedding lookups, so no float32 table is
+// kept beside them. Rows are spread over threads from 16 on: a 1-2k-token prompt's lookup
+// is as much arithmetic as a small layer's matmul, a decode step's a few hundred ns.
+at::Tensor dequantize_rows(const at::Tensor& qs, const at::Tensor& d, const at::Tensor& m,
+                           int64_t kind, const at::Tensor& ids_in) {
+  const BlockWeight w = block_weight(qs, d, m, kind);
+  TORCH_CHECK(!ids_in.is_floating_point() && !ids_in.is_complex(), "ids must be integers");
+  const at::Tensor ids = ids_in.to(at::kLong).contiguous();
+  const int64_t* id = ids.data_ptr<int64_t>();
+  const int64_t n = ids.numel();
+  for (int64_t i = 0; i < n; ++i)
+    TORCH_CHECK(id[i] >= 0 && id[i] < w.rows, "row ", id[i], " out of range for ", w.rows,
+                " rows");
+  std::vector<int64_t> shape(ids.sizes().begin(), ids.sizes().end());
+  shape.push_back(w.cols);
+  at::Tensor out = at::empty(shape, d.options().dtype(at::kFloat));
+  float* o = out.data_ptr<float>();
+  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) w.dequant_rows(id[i], id[i] + 1, o + i * w.cols);
+  });
+  return out;
+}
+
 // y = x @ W^T for x [M, K] float32 and W in blocks [N, K]. Weights cross the memory bus
 // as 4-8 bits per value on every path; decode-sized inputs never materialize them.
 //   < kDenseRows rows (64; AVX2: 128): the GEMV over cache-sized tiles of W, 6-16 rows
@@ -255,6 +279,7 @@ TORCH_LIBRARY_FRAGMENT(kvserve, m) {
 
 TORCH_LIBRARY_IMPL(kvserve, CPU, m) {
   m.impl("dequantize_blocks", &kvserve_cpu::dequantize_blocks);
+  m.impl("dequantize_rows", &kvserve_cpu::dequantize_rows);
   m.impl("block_linear", &kvserve_cpu::block_linear);
   m.impl("dense_linear", &kvserve_cpu::dense_linear);
   m.impl("nibble_planes", &kvserve_cpu::nibble_planes_of);

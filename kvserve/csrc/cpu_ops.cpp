@@ -213,6 +213,7 @@ TORCH_LIBRARY(kvserve, m) {
   m.def("silu_and_mul(Tensor(a!) out, Tensor x) -> ()");
   m.def("gelu_tanh_and_mul(Tensor(a!) out, Tensor x) -> ()");
   m.def("dequantize_blocks(Tensor qs, Tensor d, Tensor m, int kind) -> Tensor");
+  m.def("dequantize_rows(Tensor qs, Tensor d, Tensor m, int kind, Tensor ids) -> Tensor");
   m.def("block_linear(Tensor x, Tensor qs, Tensor d, Tensor m, int kind) -> Tensor");
   m.def("dense_linear(Tensor x, Tensor w) -> Tensor");
   m.def(

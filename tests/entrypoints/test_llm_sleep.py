@@ -75,8 +75,9 @@ def test_sleep_level_2_frees_the_weights_too_and_reloads_them(sleepy_llm: LLM) -
     awake = core_rss(llm)
     llm.sleep(level=2)
     freed = awake - core_rss(llm)
-    # SmolLM2-135M's weights: ~90 MB of Q4_1 blocks and a 113 MB float32 embedding.
-    assert freed >= 0.6 * KV_CACHE_BYTES + 150 * MiB, f"{freed / MiB:.1f} MiB freed"
+    # SmolLM2-135M's weights: ~90 MB of Q4_1 blocks and the tied head's 30 MB of Q8_0
+    # blocks, from which the embedding looks its rows up (no float32 table).
+    assert freed >= 0.6 * KV_CACHE_BYTES + 90 * MiB, f"{freed / MiB:.1f} MiB freed"
     # Waking the KV cache alone leaves the model asleep: no weights to run.
     llm.wake_up(tags=["kv_cache"])
     assert llm.is_sleeping()

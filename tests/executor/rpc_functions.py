@@ -6,6 +6,8 @@ from __future__ import annotations
 import os
 import time
 
+import torch
+
 from kvserve.distributed.parallel_state import get_tp_group
 from kvserve.worker.worker import Worker
 
@@ -42,6 +44,21 @@ def block_shapes(worker: Worker) -> dict[str, list[object]]:
         out[name] = [bw.shape, bw.qtype.name] if bw is not None else [None, "float32"]
     out["heads"] = [layer.self_attn.attn.num_heads, layer.self_attn.attn.num_kv_heads]
     return out
+
+
+def embedding_lookup(worker: Worker, token_ids: list[int]) -> dict[str, object]:
+    """The input embedding's rows of ``token_ids`` (the all-reduced lookup), the elements of
+    its float32 weight and whether it looks rows up in the LM head's blocks, on this rank."""
+    model = worker.model_runner.model
+    embed = model.model.embed_tokens
+    rows = embed.forward(torch.tensor(token_ids, device=worker.device))
+    return {
+        "rows": rows.cpu().tolist(),
+        "weight_numel": embed.weight.numel(),
+        "head_blocks": embed.row_blocks is not None
+        and embed.row_blocks is model.lm_head.quant_weight,
+        "blocks_shape": list(embed.row_blocks.shape) if embed.row_blocks is not None else None,
+    }
 
 
 def own_layers(worker: Worker) -> list[int]:

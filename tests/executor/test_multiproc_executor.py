@@ -69,6 +69,27 @@ def test_tp2_gguf_blocks_match_tp1_and_transformers(checkpoints: dict[str, Any])
         }
 
 
+def test_tp2_tied_gguf_head_serves_the_embedding_lookups(checkpoints: dict[str, Any]) -> None:
+    """A tied LM head on 2 ranks (255 tokens: rank 1's last row is padding): each rank's
+    embedding looks its rows up in its shard of the head's blocks, with no float32 table,
+    and the all-reduced rows are the file's values bit for bit; tokens equal HF's."""
+    path, reference = checkpoints["gguf_tied"]
+    llm = tp_llm(path, 2, quantization="gguf")
+    token_ids = [0, 1, 127, 128, 200, 254, 128, 5]
+    try:
+        assert greedy(llm) == [hf_greedy(reference, p) for p in PROMPTS]
+        ranks = _executor(llm).collective_rpc(
+            "tests.executor.rpc_functions:embedding_lookup", args=(token_ids,)
+        )
+    finally:
+        llm.llm_engine.shutdown()
+    expected = reference.get_input_embeddings().weight[token_ids].tolist()
+    for rank in ranks:
+        assert rank["head_blocks"] and rank["weight_numel"] == 0
+        assert rank["blocks_shape"] == [128, 64]
+        assert rank["rows"] == expected
+
+
 def test_collective_rpc_across_processes(tp2: LLM) -> None:
     executor = _executor(tp2)
     pids = [p.pid for p in executor.resources.procs]

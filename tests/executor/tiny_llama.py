@@ -22,7 +22,9 @@ PROMPTS = [[5, 17, 99, 3, 42, 7], [200, 11, 64, 128, 9, 31, 77, 250, 4], [8]]
 MAX_TOKENS = 12
 
 
-def tiny_llama() -> LlamaForCausalLM:
+def tiny_llama(tied: bool = False) -> LlamaForCausalLM:
+    """Tied: the LM head is the embedding, and 255 tokens leave the second of 2 ranks one
+    padding row."""
     torch.manual_seed(0)
     config = LlamaConfig(
         hidden_size=64,
@@ -30,12 +32,12 @@ def tiny_llama() -> LlamaForCausalLM:
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=1,  # fewer than the 2 ranks: replicated
-        vocab_size=256,
+        vocab_size=255 if tied else 256,
         max_position_embeddings=256,
         initializer_range=0.2,
         bos_token_id=1,
         eos_token_id=2,
-        tie_word_embeddings=False,
+        tie_word_embeddings=tied,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
     )
     return LlamaForCausalLM(config).float().eval()
@@ -49,6 +51,8 @@ def write_gguf(hf: LlamaForCausalLM, path: Path) -> LlamaForCausalLM:
     state = reference.state_dict()
     w = gguf_writer(path, "llama", cfg)
     for name, tensor in hf.state_dict().items():
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue  # the file's token_embd serves both
         arr = tensor.float().numpy()
         if name.startswith("model.layers."):
             _, _, layer, rest = name.split(".", 3)
@@ -108,4 +112,9 @@ def make_checkpoints(root: Path) -> dict[str, Any]:
     hf = tiny_llama()
     hf.save_pretrained(root / "hf")
     gguf_ref = write_gguf(hf, root / "tiny.gguf")
-    return {"hf": (str(root / "hf"), hf), "gguf": (str(root / "tiny.gguf"), gguf_ref)}
+    tied_ref = write_gguf(tiny_llama(tied=True), root / "tiny_tied.gguf")
+    return {
+        "hf": (str(root / "hf"), hf),
+        "gguf": (str(root / "tiny.gguf"), gguf_ref),
+        "gguf_tied": (str(root / "tiny_tied.gguf"), tied_ref),
+    }

@@ -5,7 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
+import torch
 
 import kvserve
 from kvserve.model_executor.layers.greedy_screen import GreedyScreen
@@ -82,6 +84,28 @@ def test_gemma3_greedy_screen_matches_hf(
         runner.greedy_head, lm_head.greedy_screen = saved
     assert screened >= 2 * (GEMMA3_MAX_TOKENS - 1)
     assert_no_leak(gemma3_llm)
+
+
+def test_gemma3_tied_head_serves_the_lookups_without_a_float32_table(gemma3_llm: Any) -> None:
+    """The 262,144 x 640 embedding (671 MB in float32) is looked up in the tied head's
+    Q8_0 blocks: each row gguf's dequantization of the file's, bit for bit."""
+    from gguf.quants import dequantize
+
+    from kvserve.model_executor.model_loader.gguf_loader import iterate_gguf_blocks
+
+    runner = gemma3_llm.llm_engine.engine_core.engine_core.model_executor.driver_worker
+    model = runner.model_runner.model
+    embed = model.model.embed_tokens
+    assert embed.row_blocks is model.lm_head.quant_weight and embed.weight.numel() == 0
+    config = gemma3_llm.llm_engine.config.model_config
+    qtype, raw = next(
+        (qtype, raw)
+        for name, qtype, raw in iterate_gguf_blocks(config.resolved.path, config.arch)
+        if name == "model.embed_tokens.weight"
+    )
+    ids = [0, 2, 106, 1000, 262143, 2, 131072]
+    reference = torch.from_numpy(dequantize(raw[ids], qtype).astype(np.float32))
+    assert torch.equal(embed.forward(torch.tensor(ids)), reference)
 
 
 def test_gemma3_base_model_chat_needs_a_template(gemma3_llm: Any) -> None:

@@ -168,7 +168,9 @@ def test_model_uses_the_files_blocks_for_every_linear_layer() -> None:
     assert kinds == {T.Q4_1}  # SmolLM2's GGUF stores every projection as Q4_1
     head = model.lm_head.quant_weight
     assert head is not None and head.qtype == T.Q8_0  # the tied token_embd table
-    assert model.model.embed_tokens.weight.numel() > 0  # lookups keep the float32 table
+    # The lookups dequantize their rows from the head's blocks: no float32 table.
+    embed = model.model.embed_tokens
+    assert embed.row_blocks is head and embed.weight.numel() == 0
     # 4-bit weights plus scales: about a sixth of the float32 bytes.
     fp32_bytes = sum(4 * m.quant_weight.shape[0] * m.quant_weight.shape[1] for m in linears)  # type: ignore[union-attr]
     assert sum(m.quant_weight.nbytes for m in linears) < fp32_bytes / 5  # type: ignore[union-attr]
@@ -273,8 +275,83 @@ def test_load_takes_the_files_blocks_without_float32_weights_and_all_are_lossles
         )
         checked += 1
     assert checked == 4 * config.arch.num_hidden_layers + 1  # every linear layer, the head
-    # The tied table's lookups stay float32: the kernel's dequantization, gguf's values.
-    assert torch.equal(fast.model.embed_tokens.weight, float_embedding)
+    # The tied table's lookups: rows of the head's blocks, gguf's float32 values bit for
+    # bit, every row of the vocabulary; quantize_model drops the loaded table the same way.
+    every_row = torch.arange(config.arch.vocab_size)
+    for model in (fast, full):
+        assert model.model.embed_tokens.weight.numel() == 0
+        assert torch.equal(model.model.embed_tokens.forward(every_row), float_embedding)
+
+
+# Every layout a tied LM head's blocks may have once prepared: the plain kinds, Q4_1 /
+# Q4_0 in nibble planes, and the repacked Q5_0 (as Q8_0), Q4_K and Q6_K.
+LOOKUP_LAYOUTS = [
+    (T.Q8_0, False),
+    (T.Q4_1, False),
+    (T.Q4_0, False),
+    (T.Q4_1, True),
+    (T.Q4_0, True),
+    (T.Q5_0, False),
+    (T.Q4_K, False),
+    (T.Q6_K, False),
+]
+
+
+@pytest.mark.parametrize(
+    ("qtype", "planes"),
+    LOOKUP_LAYOUTS,
+    ids=[f"{q.name}{'-planes' if p else ''}" for q, p in LOOKUP_LAYOUTS],
+)
+def test_row_lookups_are_ggufs_rows_bit_for_bit(qtype: T, planes: bool) -> None:
+    """An embedding tied to a GGUF head looks its rows up in the head's blocks: each row
+    exactly gguf's dequantization of it, whatever the ids' shape, repeats or dtype."""
+    from tests.model_executor.test_gguf_repack import _random_raw
+
+    rows, cols = 300, 1024
+    if qtype in (T.Q5_0, T.Q4_K, T.Q6_K):
+        raw = _random_raw(qtype, rows, cols, seed=3)
+    else:
+        rng = np.random.default_rng(3)
+        raw = quantize((rng.standard_normal((rows, cols)) * 0.05).astype(np.float32), qtype)
+    reference = torch.from_numpy(dequantize(raw, qtype).astype(np.float32))
+    weight = BlockWeight.from_raw(raw, qtype)
+    if planes:
+        weight.use_nibble_planes()
+        assert weight.nibble_planes
+    ids = torch.tensor([[0, rows - 1, 5, 5], [17, 3, 0, rows - 1]])
+    out = weight.dequantize_rows(ids)
+    assert out.shape == (2, 4, cols) and torch.equal(out, reference[ids])
+    assert torch.equal(weight.dequantize_rows(ids.int()), out)
+    prompt = torch.randint(0, rows, (1024,), generator=torch.Generator().manual_seed(1))
+    assert torch.equal(weight.dequantize_rows(prompt), reference[prompt])  # threads' split
+    assert weight.dequantize_rows(torch.zeros(0, dtype=torch.long)).shape == (0, cols)
+    for bad in (-1, rows):
+        with pytest.raises(RuntimeError, match="out of range"):
+            weight.dequantize_rows(torch.tensor([1, bad]))
+
+
+def test_tied_gguf_head_holds_no_float32_table() -> None:
+    """The model's resident tensors with the tied head on the file's blocks: the blocks
+    plus small norms, not SmolLM2's 49,152 x 576 float32 table (113 MB) beside them."""
+    from kvserve.model_executor.model_loader import get_model
+    from kvserve.utils.huge_pages import module_tensors
+
+    config = ModelConfig(quantization="gguf")
+    model = get_model(config.resolved, config.arch, "cpu", torch.float32, "gguf")
+    storages = {}
+    for tensor in module_tensors(model):
+        storage = tensor.untyped_storage()
+        storages[storage.data_ptr()] = max(storages.get(storage.data_ptr(), 0), storage.nbytes())
+    held = sum(storages.values())
+    blocks = {
+        id(m.quant_weight): m.quant_weight.nbytes
+        for m in model.modules()
+        if getattr(m, "quant_weight", None) is not None
+    }
+    table = config.arch.vocab_size * config.arch.hidden_size * 4
+    assert held < sum(blocks.values()) + table // 20, (held, sum(blocks.values()), table)
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert params < table // 20
 
 
 def test_sampled_check_catches_a_block_the_kernel_would_read_differently() -> None:

@@ -172,6 +172,10 @@ class BlockWeight:
     def dequantize(self) -> torch.Tensor:
         return ops.dequantize_blocks(self.qs, self.d, self.m, self.kind)
 
+    def dequantize_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` as float32 ``[*ids.shape, cols]``, each the row of dequantize()."""
+        return ops.dequantize_rows(self.qs, self.d, self.m, self.kind, ids)
+
     def linear(self, x: torch.Tensor) -> torch.Tensor:
         if self.int8_activations:
             return ops.block_linear_int8(x, self.qs, self.d, self.m, self.kind, self.packed)
@@ -315,7 +319,6 @@ def quantize_model(model: nn.Module, method: str, gguf_path: str | None, arch: A
     kept: list[str] = []
     for name, module in targets.items():
         weight: torch.Tensor = module.weight
-        # A tied LM head shares its float32 table with the embedding lookup.
         tied = name.endswith("lm_head") and arch.tie_word_embeddings
         if method == "q8_0":
             bw: BlockWeight | None = BlockWeight.quantize(weight, GGMLQuantizationType.Q8_0)
@@ -328,8 +331,16 @@ def quantize_model(model: nn.Module, method: str, gguf_path: str | None, arch: A
         if method != "q8_0" and not torch.equal(bw.dequantize(), weight):
             raise RuntimeError(f"{name}: GGUF blocks do not reproduce the loaded weight")
         _attach(module, bw)
-        if not tied:
-            module.weight = nn.Parameter(torch.empty(0, device=weight.device), requires_grad=False)
+        if tied and method == "q8_0":
+            # Q8_0 is lossy: the embedding keeps looking up the exact float32 table.
+            continue
+        empty = nn.Parameter(torch.empty(0, dtype=weight.dtype, device=weight.device))
+        empty.requires_grad_(False)
+        if tied:  # the blocks equal the table bit for bit (checked above)
+            for embedding in _sharing_embeddings(model, weight):
+                embedding.weight = empty
+                embedding.row_blocks = bw
+        module.weight = empty
     if kept:
         logger.info("quantization %s: %d layers stay float32: %s", method, len(kept), kept[:4])
 
@@ -384,6 +395,32 @@ def _kept_as_blocks(param: nn.Parameter, loaded: torch.Tensor, *shard: object) -
         raise RuntimeError("float32 values loaded into a layer that holds GGUF blocks")
 
 
+def _blocks_placeholder(weight: torch.Tensor) -> nn.Parameter:
+    """The empty parameter of a weight that lives only as blocks (load_weights fills it
+    with nothing); it keeps the weight's dtype, a tied embedding's lookups' dtype."""
+    placeholder = nn.Parameter(
+        torch.empty(0, dtype=weight.dtype, device=weight.device), requires_grad=False
+    )
+    placeholder.weight_loader = _kept_as_blocks  # type: ignore[attr-defined]
+    return placeholder
+
+
+def _sharing_embeddings(model: nn.Module, weight: torch.Tensor) -> list[Any]:
+    """The embedding lookups that read ``weight`` (a tied LM head's table)."""
+    from kvserve.model_executor.layers.vocab_parallel_embedding import (
+        ParallelLMHead,
+        VocabParallelEmbedding,
+    )
+
+    return [
+        module
+        for module in model.modules()
+        if isinstance(module, VocabParallelEmbedding)
+        and not isinstance(module, ParallelLMHead)
+        and module.weight is weight
+    ]
+
+
 def attach_gguf_blocks(
     model: nn.Module, method: str, gguf_path: str, arch: ArchConfig
 ) -> dict[str, torch.Tensor]:
@@ -391,9 +428,10 @@ def attach_gguf_blocks(
     layer and the LM head the file's blocks, so their float32 weights are never built.
 
     Each layer's blocks must have its weight's shape, and pass check_sampled_rows.
+    A tied LM head's embedding lookups dequantize their rows from the head's blocks
+    (VocabParallelEmbedding.row_blocks), so no float32 table is built.
     Returns HF tensor name -> what load_weights gets for it instead of gguf's
-    dequantization: an empty placeholder for a weight that is now only blocks, the
-    kernel's (checked) dequantization for a tied embedding, whose lookups stay float32.
+    dequantization: an empty placeholder, every such weight being now only blocks.
     """
     if method not in ("gguf", "gguf_int8"):
         raise ValueError(f"quantization {method!r} does not take the file's blocks")
@@ -445,22 +483,17 @@ def attach_gguf_blocks(
             bw = concat_rows(shards)
         if bw.shape != tuple(weight.shape):
             raise RuntimeError(f"{name}: GGUF blocks {bw.shape} for a {tuple(weight.shape)} weight")
-        if tied:  # the embedding's own parameter (the whole table), filled by load_weights
-            whole = raws[names[0]]
-            full = bw if module.tp_size == 1 else BlockWeight.from_raw(whole[1], whole[0])
-            table = full.dequantize()
-            if (table.shape, table.dtype, table.device) == (
-                weight.shape,
-                weight.dtype,
-                weight.device,
-            ):
-                # The table becomes the parameter: load_weights' copy of it onto itself
-                # is then skipped by torch (a 100+ MB copy saved at start-up).
-                weight.data = table
-            prepared[names[0]] = table
+        if tied:
+            # The head's blocks hold this rank's rows of the table, padded as the
+            # embedding's own weight is: its lookups dequantize their rows from them.
+            placeholder = _blocks_placeholder(weight)
+            for embedding in _sharing_embeddings(model, weight):
+                embedding.weight = placeholder
+                embedding.row_blocks = bw
+            module.weight = placeholder
+            prepared[names[0]] = placeholder.data
         else:
-            placeholder = nn.Parameter(torch.empty(0, device=weight.device), requires_grad=False)
-            placeholder.weight_loader = _kept_as_blocks  # type: ignore[attr-defined]
+            placeholder = _blocks_placeholder(weight)
             module.weight = placeholder
             prepared.update((n, placeholder.data) for n in names)
         # Before check_sampled_rows: it checks the layout the kernels will read.

@@ -20,6 +20,12 @@ class VocabParallelEmbedding(nn.Module):
     """Each rank holds rows ``[vocab_start, vocab_end)``; the table is padded so
     every rank holds the same number of rows (padding rows stay zero)."""
 
+    # Set by the quantization loader (attach_gguf_blocks, or quantize_model's lossless
+    # path) for an embedding tied to a GGUF LM head: this rank's rows of the table as the
+    # head's own blocks (padding rows zero blocks), each lookup dequantizing only its
+    # rows, so no float32 table is kept.
+    row_blocks: BlockWeight | None = None
+
     def __init__(self, num_embeddings: int, embedding_dim: int, prefix: str = "") -> None:
         super().__init__()
         self.tp_rank, self.tp_size = get_tp_rank_size()
@@ -50,12 +56,18 @@ class VocabParallelEmbedding(nn.Module):
             param[:rows].copy_(loaded[self.vocab_start : self.vocab_end])
             param[rows:].zero_()
 
+    def _rows(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.row_blocks is not None:
+            rows = self.row_blocks.dequantize_rows(ids)
+            return rows if rows.dtype == self.weight.dtype else rows.to(self.weight.dtype)
+        return F.embedding(ids, self.weight)
+
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return F.embedding(input_ids, self.weight)
+            return self._rows(input_ids)
         local = input_ids - self.vocab_start
         outside = (input_ids < self.vocab_start) | (input_ids >= self.vocab_end)
-        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out = self._rows(local.masked_fill(outside, 0))
         out = out.masked_fill(outside.unsqueeze(-1), 0.0)
         # Exactly one rank holds each token's row: the sum is that row.
         return get_tp_group().all_reduce(out)
