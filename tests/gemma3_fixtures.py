@@ -8,6 +8,7 @@ computed once from transformers' own GGUF loader in float32.
 
 from __future__ import annotations
 
+import functools
 import gc
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,6 +19,7 @@ import torch
 
 from kvserve.benchmarks.peers_hf import one_gguf_parse
 from tests.engine_cache import EngineCache, engine_cache
+from tests.reference import _enter_one_thread, _leave_one_thread, _TokenStore
 
 GEMMA3 = "gemma-3-270m"
 # HF's float32 decode reads the whole model (262k x 640 tied head included, ~1 GB) per
@@ -73,25 +75,46 @@ def gemma3_prompts(gemma3_llm: Any) -> list[list[int]]:
 
 
 class Gemma3HFReference:
-    """Greedy tokens from transformers' Gemma3ForCausalLM on the same GGUF, float32."""
+    """Greedy tokens from transformers' Gemma3ForCausalLM on the same GGUF, float32.
+
+    Results come from the same on-disk store as SmolLM2's reference (tests/reference.py's
+    ``_TokenStore``, keyed on this GGUF file, the library versions and this file's code):
+    the model (~1 GB in float32, dequantized from the GGUF) is loaded only when an entry
+    is missing, as in a first run; later runs and the other xdist worker read the tokens."""
 
     def __init__(self) -> None:
-        from transformers import AutoModelForCausalLM
-
         from kvserve.transformers_utils.model_resolver import resolve_model
 
-        gguf = Path(resolve_model(GEMMA3).path)
-        with one_gguf_parse():
-            self.model = AutoModelForCausalLM.from_pretrained(
-                gguf.parent, gguf_file=gguf.name, dtype=torch.float32
-            ).eval()
+        self.gguf = Path(resolve_model(GEMMA3).path)
+        self._store = _TokenStore(self.gguf)
         # Prompt -> its longest greedy run so far: a shorter run is that run's prefix (the
         # same forward calls up to its end), so no prompt is prefilled twice.
         self._runs: dict[tuple[int, ...], list[int]] = {}
 
-    @torch.inference_mode()
+    @functools.cached_property
+    def model(self) -> Any:
+        from transformers import AutoModelForCausalLM
+
+        with one_gguf_parse():
+            model = AutoModelForCausalLM.from_pretrained(
+                self.gguf.parent, gguf_file=self.gguf.name, dtype=torch.float32
+            ).eval()
+        # One intra-op thread, as SmolLM2's reference (tests/reference.py says why): under
+        # `pytest -n 2` the other worker keeps the second core busy.
+        model.register_forward_pre_hook(_enter_one_thread)
+        model.register_forward_hook(_leave_one_thread, always_call=True)
+        return model
+
     def greedy(self, prompt_ids: list[int], max_tokens: int) -> list[int]:
         """Exactly max_tokens argmax tokens (EOS does not stop it, like ignore_eos=True)."""
+        return self._store.get_or_compute(
+            __file__,
+            {"greedy": prompt_ids, "max_tokens": max_tokens},
+            lambda: self._compute_greedy(prompt_ids, max_tokens),
+        )
+
+    @torch.inference_mode()
+    def _compute_greedy(self, prompt_ids: list[int], max_tokens: int) -> list[int]:
         key = tuple(prompt_ids)
         if len(self._runs.get(key, ())) < max_tokens:
             # logits_to_keep=1: the prompt's other rows would each be a 262k-wide matmul
@@ -110,8 +133,9 @@ class Gemma3HFReference:
 def gemma3_hf() -> Iterator[Gemma3HFReference]:
     reference = Gemma3HFReference()
     yield reference
-    del reference.model
-    gc.collect()
+    if "model" in vars(reference):  # loaded: a store entry was missing
+        del reference.model
+        gc.collect()
 
 
 @pytest.fixture(scope="session")

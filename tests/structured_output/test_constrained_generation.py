@@ -5,6 +5,7 @@ xgrammar mask (built here with xgrammar's own matcher, independently of kvserve)
 from __future__ import annotations
 
 import functools
+import importlib.metadata
 import json
 import re
 from typing import Any
@@ -131,9 +132,34 @@ def hf_grammar_compiler() -> xgr.GrammarCompiler:
     )
 
 
+def hf_masked_greedy(prompt_ids: list[int], grammar: tuple[str, str], max_tokens: int) -> list[int]:
+    """HF's greedy decoding with each step's logits masked by xgrammar's matcher, under
+    ``grammar`` (kind, source: "json" schema text, "regex" or "ebnf"). From the HF
+    reference's token store when an earlier run (or the other xdist worker) computed them:
+    its key holds the prompt, the grammar's source and xgrammar's version beside the
+    model's and this file's code."""
+    inputs = {
+        "masked_greedy": prompt_ids,
+        "grammar": list(grammar),
+        "xgrammar": importlib.metadata.version("xgrammar"),
+        "max_tokens": max_tokens,
+    }
+    return hf_reference().stored_tokens(
+        __file__, inputs, lambda: _hf_masked_greedy(prompt_ids, _grammar(*grammar), max_tokens)
+    )
+
+
+def _grammar(kind: str, source: str) -> xgr.Grammar:
+    if kind == "json":
+        return xgr.Grammar.from_json_schema(source, any_whitespace=False)
+    if kind == "regex":
+        return xgr.Grammar.from_regex(source)
+    assert kind == "ebnf", kind
+    return xgr.Grammar.from_ebnf(source)
+
+
 @torch.inference_mode()
-def hf_masked_greedy(prompt_ids: list[int], grammar: xgr.Grammar, max_tokens: int) -> list[int]:
-    """HF's greedy decoding with each step's logits masked by xgrammar's matcher."""
+def _hf_masked_greedy(prompt_ids: list[int], grammar: xgr.Grammar, max_tokens: int) -> list[int]:
     hf = hf_reference()
     vocab_size = hf.model.config.vocab_size
     matcher = xgr.GrammarMatcher(hf_grammar_compiler().compile_grammar(grammar))
@@ -167,7 +193,7 @@ def test_json_schemas_validate_and_match_hf_masked_greedy(llm: Any) -> None:
         completion = output.outputs[0]
         assert completion.finish_reason == "stop", completion.text
         jsonschema.validate(json.loads(completion.text), schema)
-        grammar = xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False)
+        grammar = ("json", json.dumps(schema))
         expected = hf_masked_greedy(prompt["prompt_token_ids"], grammar, MAX_TOKENS)
         assert list(completion.token_ids) == expected, completion.text
     assert_no_leak(llm)
@@ -183,8 +209,8 @@ def test_regex_and_choice_match_and_equal_hf(llm: Any) -> None:
     for regex, output in zip(REGEXES, outputs, strict=False):
         assert re.fullmatch(regex, output.outputs[0].text), output.outputs[0].text
     assert outputs[-1].outputs[0].text in CHOICES
-    grammars = [xgr.Grammar.from_regex(r) for r in REGEXES]
-    grammars.append(xgr.Grammar.from_ebnf("root ::= " + " | ".join(json.dumps(c) for c in CHOICES)))
+    grammars = [("regex", r) for r in REGEXES]
+    grammars.append(("ebnf", "root ::= " + " | ".join(json.dumps(c) for c in CHOICES)))
     for prompt, grammar, output in zip(prompts, grammars, outputs, strict=True):
         expected = hf_masked_greedy(prompt["prompt_token_ids"], grammar, 40)
         assert list(output.outputs[0].token_ids) == expected
