@@ -81,9 +81,10 @@ at::Tensor dequantize_rows(const at::Tensor& qs, const at::Tensor& d, const at::
   const at::Tensor ids = ids_in.to(at::kLong).contiguous();
   const int64_t* id = ids.data_ptr<int64_t>();
   const int64_t n = ids.numel();
+  // An IndexError in Python, as F.embedding's for the same id.
   for (int64_t i = 0; i < n; ++i)
-    TORCH_CHECK(id[i] >= 0 && id[i] < w.rows, "row ", id[i], " out of range for ", w.rows,
-                " rows");
+    TORCH_CHECK_INDEX(id[i] >= 0 && id[i] < w.rows, "row ", id[i], " out of range for ",
+                      w.rows, " rows");
   std::vector<int64_t> shape(ids.sizes().begin(), ids.sizes().end());
   shape.push_back(w.cols);
   at::Tensor out = at::empty(shape, d.options().dtype(at::kFloat));
