@@ -77,18 +77,22 @@ def _assert_not_admitted(remote: RemoteServer, body: dict[str, Any]) -> None:
     assert late.headers["retry-after"]
 
 
-# Fixture name -> (its server, the node id of the last collected test that uses it; None
-# where only getfixturevalue asks for it: stopped at the package's end then).
-_SHARED: dict[str, tuple[RemoteServer, str | None]] = {}
+# Fixture name -> (its server, the node ids of the collected tests that use it and have
+# not run yet here). The server stops once all have run: not at the last one in collection
+# order, which a pytest-xdist worker may run before the others (they then met a stopped
+# server). Where another worker runs some of them, or only getfixturevalue asks for it,
+# the set never empties and the server stops at the package's end.
+_SHARED: dict[str, tuple[RemoteServer, set[str]]] = {}
+_NO_TEST = ""  # no test's node id: a set holding it never empties
 
 
 def _shared_server(
     request: pytest.FixtureRequest, *args: str, forced_tokens: bool = False
 ) -> Iterator[RemoteServer]:
     name = request.fixturename
-    users = [item.nodeid for item in request.session.items if name in item.fixturenames]
+    users = {item.nodeid for item in request.session.items if name in item.fixturenames}
     remote = RemoteServer(*args, forced_tokens=forced_tokens)
-    _SHARED[name] = (remote, users[-1] if users else None)
+    _SHARED[name] = (remote, users or {_NO_TEST})
     yield remote
     _SHARED.pop(name, None)
     remote.stop()  # a no-op where pytest_runtest_teardown stopped it already
@@ -100,8 +104,9 @@ def tool_server(request: pytest.FixtureRequest) -> Iterator[RemoteServer]:
 
 
 def pytest_runtest_teardown(item: pytest.Item) -> None:
-    for name, (remote, last_user) in list(_SHARED.items()):
-        if item.nodeid == last_user:
+    for name, (remote, waiting) in list(_SHARED.items()):
+        waiting.discard(item.nodeid)
+        if not waiting:
             del _SHARED[name]
             remote.stop()
 
