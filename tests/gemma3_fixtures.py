@@ -17,9 +17,8 @@ from typing import Any
 import pytest
 import torch
 
-from kvserve.benchmarks.peers_hf import one_gguf_parse
 from tests.engine_cache import EngineCache, engine_cache
-from tests.reference import _enter_one_thread, _leave_one_thread, _TokenStore
+from tests.reference import _TokenStore, hf_float32_model, on_one_thread
 
 GEMMA3 = "gemma-3-270m"
 # HF's float32 decode reads the whole model (262k x 640 tied head included, ~1 GB) per
@@ -93,16 +92,10 @@ class Gemma3HFReference:
 
     @functools.cached_property
     def model(self) -> Any:
-        from transformers import AutoModelForCausalLM
-
-        with one_gguf_parse():
-            model = AutoModelForCausalLM.from_pretrained(
-                self.gguf.parent, gguf_file=self.gguf.name, dtype=torch.float32
-            ).eval()
+        model = hf_float32_model(self.gguf)
         # One intra-op thread, as SmolLM2's reference (tests/reference.py says why): under
         # `pytest -n 2` the other worker keeps the second core busy.
-        model.register_forward_pre_hook(_enter_one_thread)
-        model.register_forward_hook(_leave_one_thread, always_call=True)
+        on_one_thread(model)
         return model
 
     def greedy(self, prompt_ids: list[int], max_tokens: int) -> list[int]:

@@ -46,17 +46,10 @@ class HFReference:
 
     @functools.cached_property
     def model(self) -> Any:
-        from transformers import AutoModelForCausalLM
-
-        with one_gguf_parse():
-            model = AutoModelForCausalLM.from_pretrained(
-                self.gguf.parent, gguf_file=self.gguf.name, dtype=torch.float32
-            ).eval()
+        model = hf_float32_model(self.gguf)
         # Callers run the causal LM, its decoder alone (embeddings), or the decoder
-        # under a wrapper that calls forward() directly (peft): hook both.
-        for module in (model, model.model):
-            module.register_forward_pre_hook(_enter_one_thread)
-            module.register_forward_hook(_leave_one_thread, always_call=True)
+        # under a wrapper that calls forward() directly (peft): both on one thread.
+        on_one_thread(model, model.model)
         return model
 
     def greedy(self, prompt_ids: list[int], max_tokens: int) -> list[int]:
@@ -137,6 +130,23 @@ _PREFIX_KV_ENTRIES = 8
 # spins against the other: on a loaded 2-core machine that cost 4x the CPU time of one
 # thread per greedy continuation, 13x per full forward.
 _saved_threads: list[int] = []
+
+
+def hf_float32_model(gguf: Path) -> Any:
+    """transformers' causal LM on ``gguf`` in float32, from its own GGUF loader."""
+    from transformers import AutoModelForCausalLM
+
+    with one_gguf_parse():
+        return AutoModelForCausalLM.from_pretrained(
+            gguf.parent, gguf_file=gguf.name, dtype=torch.float32
+        ).eval()
+
+
+def on_one_thread(*modules: Any) -> None:
+    """Each module's forward on one intra-op thread (see above)."""
+    for module in modules:
+        module.register_forward_pre_hook(_enter_one_thread)
+        module.register_forward_hook(_leave_one_thread, always_call=True)
 
 
 def _enter_one_thread(module: Any, args: Any) -> None:
