@@ -334,12 +334,9 @@ def quantize_model(model: nn.Module, method: str, gguf_path: str | None, arch: A
         if tied and method == "q8_0":
             # Q8_0 is lossy: the embedding keeps looking up the exact float32 table.
             continue
-        empty = nn.Parameter(torch.empty(0, dtype=weight.dtype, device=weight.device))
-        empty.requires_grad_(False)
+        empty = _blocks_placeholder(weight)
         if tied:  # the blocks equal the table bit for bit (checked above)
-            for embedding in _sharing_embeddings(model, weight):
-                embedding.weight = empty
-                embedding.row_blocks = bw
+            _look_up_from_blocks(model, weight, bw, empty)
         module.weight = empty
     if kept:
         logger.info("quantization %s: %d layers stay float32: %s", method, len(kept), kept[:4])
@@ -405,20 +402,24 @@ def _blocks_placeholder(weight: torch.Tensor) -> nn.Parameter:
     return placeholder
 
 
-def _sharing_embeddings(model: nn.Module, weight: torch.Tensor) -> list[Any]:
-    """The embedding lookups that read ``weight`` (a tied LM head's table)."""
+def _look_up_from_blocks(
+    model: nn.Module, weight: torch.Tensor, blocks: BlockWeight, placeholder: nn.Parameter
+) -> None:
+    """Every embedding lookup that reads ``weight`` (a tied LM head's table) takes its
+    rows from ``blocks`` instead, and holds ``placeholder`` in the table's place."""
     from kvserve.model_executor.layers.vocab_parallel_embedding import (
         ParallelLMHead,
         VocabParallelEmbedding,
     )
 
-    return [
-        module
-        for module in model.modules()
-        if isinstance(module, VocabParallelEmbedding)
-        and not isinstance(module, ParallelLMHead)
-        and module.weight is weight
-    ]
+    for module in model.modules():
+        if (
+            isinstance(module, VocabParallelEmbedding)
+            and not isinstance(module, ParallelLMHead)
+            and module.weight is weight
+        ):
+            module.weight = placeholder
+            module.row_blocks = blocks
 
 
 def attach_gguf_blocks(
@@ -487,9 +488,7 @@ def attach_gguf_blocks(
             # The head's blocks hold this rank's rows of the table, padded as the
             # embedding's own weight is: its lookups dequantize their rows from them.
             placeholder = _blocks_placeholder(weight)
-            for embedding in _sharing_embeddings(model, weight):
-                embedding.weight = placeholder
-                embedding.row_blocks = bw
+            _look_up_from_blocks(model, weight, bw, placeholder)
             module.weight = placeholder
             prepared[names[0]] = placeholder.data
         else:
