@@ -36,6 +36,18 @@ def cases(llm: Any) -> tuple[list[list[int]], list[list[int]]]:
     return prompts, [reference.greedy(p, NUM_TOKENS) for p in prompts]
 
 
+def test_longest_prompt_takes_chunks_and_split_k(cases: Any) -> None:
+    """What the variants below rely on the prompt set for: its longest prompt prefills
+    in several steps under a 64-token budget and the 48-token long-prefill threshold,
+    and decode attention cuts its context into partitions from the first decode step."""
+    from kvserve import _custom_ops as ops
+
+    longest = max(len(p) for p in cases[0])
+    assert longest > 8 * 64
+    if ops.available():
+        assert ops.decode_attention_partitions(longest) > 1
+
+
 def test_greedy_batched_matches_hf(llm: Any, cases: Any) -> None:
     prompts, expected = cases
     assert run(llm, prompts) == expected
@@ -136,7 +148,7 @@ def test_prefix_cache_hits_report_cached_tokens(llm: Any, cases: Any) -> None:
     assert again.outputs[0].token_ids == first.outputs[0].token_ids
 
     # A different tail after a shared prefix: the shared prefix's full blocks are hits.
-    shared = 600
+    shared = 330
     other = [*long_prompt[:shared], 28, 339, 1345, 30]
     out = llm.generate({"prompt_token_ids": other}, greedy(), use_tqdm=False)[0]
     assert out.num_cached_tokens == shared // block * block
@@ -281,9 +293,7 @@ def test_tokens_do_not_follow_the_thread_count(
     engine = llm if quantization == "gguf" else llm_factory(quantization=quantization)
     assert engine.llm_engine.config.model_config.quantization == quantization
     runner = _model_runner(engine)
-    # The longest prompt cut to 600 tokens: still split in two by decode attention, at
-    # well under the prefill work of its ~1,000 (each of the three passes prefills it).
-    prompts = [p[:600] for p in cases[0]]
+    prompts = cases[0]
     assert any(ops.decode_attention_partitions(len(p) + 16) > 1 for p in prompts)
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=1)
 
