@@ -36,6 +36,7 @@ _SOURCES = [
         "block_gemm.cpp",
         "block_gemm_int8.cpp",
         "block_gemm_vnni.cpp",
+        "block_gemm_exact.cpp",
         "block_gemm_packed_avx2.cpp",
         "greedy_screen.cpp",
         "decode_stack.cpp",
@@ -298,6 +299,15 @@ def block_linear(
     x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor, kind: int
 ) -> torch.Tensor:
     return torch.ops.kvserve.block_linear(x, qs, d, m, kind)
+
+
+def exact_packed_matmul() -> bool:
+    """Whether this build has the lossless digit matmul on interleaved blocks (AVX-512
+    VNNI), for the weights BlockWeight.use_interleaved reorders."""
+    if "exact_packed" not in _state:
+        require()
+        _state["exact_packed"] = bool(torch.ops.kvserve.exact_packed_matmul())
+    return _state["exact_packed"]
 
 
 def dense_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

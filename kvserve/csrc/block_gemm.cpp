@@ -32,6 +32,8 @@ BlockWeight block_weight(const at::Tensor& qs, const at::Tensor& d, const at::Te
   TORCH_CHECK(cols % kBlock == 0, "columns must be a multiple of 32");
   TORCH_CHECK(!nibble_planes(kind) || cols % (2 * kBlock) == 0,
               "nibble planes take rows of a multiple of 64 weights");
+  TORCH_CHECK(!interleaved(kind) || rows % kInterleavedRows == 0,
+              "interleaved blocks take a multiple of ", kInterleavedRows, " rows");
   TORCH_CHECK(d.numel() == rows * cols / kBlock * scales_per_block(kind),
               scales_per_block(kind), " scale(s) per block expected");
   const uint16_t* m_ptr = nullptr;
@@ -175,6 +177,10 @@ at::Tensor block_linear(const at::Tensor& x_in, const at::Tensor& qs, const at::
   float* op = out.data_ptr<float>();
   if (rows_x == 0) return out;
 
+  if (rows_x < kDenseRows && interleaved(kind)) {
+    linear_exact(w, xp, rows_x, op);
+    return out;
+  }
   if (rows_x < kDenseRows) {
     // Tiles of W small enough to stay in cache while every group of x rows passes over
     // them; the quants are converted once per group, not once per row.

@@ -83,11 +83,19 @@ struct BlockWeight {
 
   // Block i's scale and minimum as floats, whichever plane holds them; scale_hi is the
   // scale of its weights 16-31 (kind 4's second scale, the block's scale otherwise).
+  // Where block i (= n nb + b) keeps its scale and minimum: at i, or for the interleaved
+  // kinds in its group of 16 rows (block_quants.h).
+  template <int KIND>
+  int64_t scale_index(int64_t i) const {
+    if constexpr (!interleaved(KIND)) return i;
+    const int64_t nb = cols / kBlock, n = i / nb, b = i % nb;
+    return ((n / kInterleavedRows) * nb + b) * kInterleavedRows + n % kInterleavedRows;
+  }
   template <int KIND>
   float scale(int64_t i) const {
     if constexpr (KIND == 4) return d32[2 * i];
     else if constexpr (KIND == 3) return d32[i];
-    else return f16(d[i]);
+    else return f16(d[scale_index<KIND>(i)]);
   }
   template <int KIND>
   float scale_hi(int64_t i) const {
@@ -97,7 +105,7 @@ struct BlockWeight {
   template <int KIND>
   float minimum(int64_t i) const {
     if constexpr (KIND == 3) return m32[i];
-    else if constexpr (base_kind(KIND) == 1) return f16(m[i]);
+    else if constexpr (base_kind(KIND) == 1) return f16(m[scale_index<KIND>(i)]);
     else return 0.f;
   }
 
@@ -234,7 +242,7 @@ struct BlockWeight {
   template <int KIND>
   void dequant_rows_t(int64_t begin, int64_t end, float* out) const {
     const int64_t nb = cols / kBlock;
-    alignas(16) uint8_t plain[16];
+    alignas(32) uint8_t plain[kBlock];
     for (int64_t n = begin; n < end; ++n)
       for (int64_t b = 0; b < nb; ++b) {
         const uint8_t* block = plain_block<KIND>(n, b, plain);
@@ -257,16 +265,24 @@ struct BlockWeight {
       }
   }
 
-  // Block b of row n in its kind's plain layout: in place, or (nibble planes) copied to
-  // `plain`, 16 bytes.
+  // Block b of row n in its kind's plain layout: in place, or (nibble planes, interleaved
+  // kinds) copied to `plain`, kBlock bytes.
   template <int KIND>
   const uint8_t* plain_block(int64_t n, int64_t b, uint8_t* plain) const {
-    if constexpr (!nibble_planes(KIND)) {
-      (void)plain;
-      return qs + n * row_bytes + b * block_bytes_of(KIND);
-    } else {
+    if constexpr (nibble_planes(KIND)) {
       planes_to_plain(qs + n * row_bytes + (b & ~int64_t{1}) * 16, static_cast<int>(b & 1), plain);
       return plain;
+    } else if constexpr (interleaved(KIND)) {
+      constexpr int64_t bb = block_bytes_of(KIND), G = kInterleavedRows;
+      const int64_t nb = cols / kBlock, i = n % G;
+      const uint8_t* group = qs + ((n / G) * nb + b) * G * bb;
+      for (int64_t c = 0; c < bb / 4; ++c) std::memcpy(plain + 4 * c, group + (c * G + i) * 4, 4);
+      if constexpr (KIND == 7)  // stored as q + 128
+        for (int64_t j = 0; j < bb; ++j) plain[j] = static_cast<uint8_t>(plain[j] ^ 0x80);
+      return plain;
+    } else {
+      (void)plain;
+      return qs + n * row_bytes + b * block_bytes_of(KIND);
     }
   }
 
@@ -277,7 +293,10 @@ struct BlockWeight {
     else if (kind == 3) dequant_rows_t<3>(begin, end, out);
     else if (kind == 4) dequant_rows_t<4>(begin, end, out);
     else if (kind == 5) dequant_rows_t<5>(begin, end, out);
-    else dequant_rows_t<6>(begin, end, out);
+    else if (kind == 6) dequant_rows_t<6>(begin, end, out);
+    else if (kind == 7) dequant_rows_t<7>(begin, end, out);
+    else if (kind == 8) dequant_rows_t<8>(begin, end, out);
+    else dequant_rows_t<9>(begin, end, out);
   }
 
   // out[r * ldo + n] = sum_k x[r, k] * W[n, k] for n in [begin, end), R rows of x.
@@ -306,6 +325,9 @@ struct BlockWeight {
   // Outputs n .. n + NO - 1 of gemv_t.
   template <int KIND, int R, int NO>
   void gemv_outputs(const GemvRows& in, float* __restrict out, int64_t ldo, int64_t n) const {
+    // The interleaved kinds' matmul is block_gemm_exact.cpp's; this serves them correctly,
+    // not fast.
+    if constexpr (interleaved(KIND)) return gemv_outputs_scalar<KIND, R, NO>(in, out, ldo, n);
 #if defined(__AVX2__) && !defined(__AVX512F__)
     if constexpr (nibble_planes(KIND)) return gemv_planes_outputs<KIND, R, NO>(*this, in, out, ldo, n);
 #elif defined(__AVX512F__)
@@ -421,7 +443,7 @@ struct BlockWeight {
     for (int o = 0; o < NO; ++o) {
       float acc[R] = {};
       alignas(64) float wb[kBlock];
-      alignas(16) uint8_t plain[16];
+      alignas(32) uint8_t plain[kBlock];
       for (int64_t b = 0; b < nb; ++b) {
         const int64_t i = (n + o) * nb + b;
         dequant_block<base_kind(KIND)>(plain_block<KIND>(n + o, b, plain), scale<KIND>(i),
@@ -478,7 +500,10 @@ struct BlockWeight {
     else if (kind == 3) gemv_kind<3>(rows_x, in, out, begin, end);
     else if (kind == 4) gemv_kind<4>(rows_x, in, out, begin, end);
     else if (kind == 5) gemv_kind<5>(rows_x, in, out, begin, end);
-    else gemv_kind<6>(rows_x, in, out, begin, end);
+    else if (kind == 6) gemv_kind<6>(rows_x, in, out, begin, end);
+    else if (kind == 7) gemv_kind<7>(rows_x, in, out, begin, end);
+    else if (kind == 8) gemv_kind<8>(rows_x, in, out, begin, end);
+    else gemv_kind<9>(rows_x, in, out, begin, end);
   }
 };
 
@@ -525,6 +550,52 @@ bool packed_groups_avx2(const uint8_t* packed, int64_t kind, int64_t record,
                         int64_t quant_bytes, int64_t N, int64_t K, int64_t rows,
                         const int8_t* xq, const float* xd, const float* xs, float* out,
                         int64_t g_begin, int64_t g_end);
+
+// Rows of x from which block_linear dequantizes W for the dense GEMM (block_gemm.cpp).
+int64_t block_linear_dense_rows();
+
+// ---- The lossless digit matmul on interleaved blocks (block_gemm_exact.cpp) -----------
+// x as it reads it, prepared once per call into reused buffers. Each block of 32 values
+// is split exactly into four int8 digits: with 2^(e-1) <= max|x| < 2^e, X = x 2^(30-e)
+// rounded to an integer (|X| <= 2^30), X = a0 + 2^8 a1 + 2^16 a2 + 2^24 a3, every digit in
+// -128..127. X is x itself (times a power of two) for every value within 2^7 of the
+// block's largest; smaller ones round at 2^-31 of it.
+class ExactInput {
+ public:
+  static constexpr int kDigits = 4;
+  // Room for `rows` rows of `cols` values, so prepare allocates nothing (callers inside
+  // a parallel region, where nothing may throw).
+  void reserve(int64_t rows, int64_t cols) {
+    const int64_t blocks = rows * cols / kBlock;
+    digits_.reserve(blocks * kDigits * kBlock);
+    scale_.reserve(blocks);
+    sum_.reserve(blocks);
+    digit_sums_.reserve(blocks * kDigits);
+  }
+  // kind: the weight's (7-9); its digit sums are kept for Q8_0 and Q4_0.
+  void prepare(const float* x, int64_t rows, int64_t cols, int64_t kind);
+
+  // Block i (= r nb + b) of x, digit k: 32 bytes in weight order.
+  const int8_t* digits(int64_t i, int k) const { return digits_.data() + (i * kDigits + k) * kBlock; }
+  float scale(int64_t i) const { return scale_.data()[i]; }  // x = scale X
+  float sum(int64_t i) const { return sum_.data()[i]; }      // the block's 32 x, added in order
+  const int32_t* digit_sums(int64_t i) const { return digit_sums_.data() + i * kDigits; }
+
+ private:
+  GrowingBuffer<int8_t> digits_;
+  GrowingBuffer<float> scale_, sum_;
+  GrowingBuffer<int32_t> digit_sums_;
+};
+
+// Whether this build has the digit matmul (AVX-512 VNNI); without it the interleaved
+// kinds are never made.
+bool exact_packed_matmul();
+// out[r * ldo + n] for every row of x (as prepared) and the outputs of groups
+// [g_begin, g_end) of 16 rows of an interleaved weight, on the calling thread.
+void groups_exact(const BlockWeight& w, int64_t rows, const ExactInput& x, float* out,
+                  int64_t ldo, int64_t g_begin, int64_t g_end);
+// out [rows, w.rows] = x [rows, w.cols] W^T, threads splitting the groups.
+void linear_exact(const BlockWeight& w, const float* x, int64_t rows, float* out);
 
 // block_gemm_int8.cpp: x's 32 values quantized as gguf_int8 does (llama.cpp's Q8_1):
 // int8 quants q, scale d and s = d * sum(q).

@@ -239,7 +239,7 @@ void gemv_int8_t(const BlockWeight& w, const Int8Rows& xq, int64_t r0, float* __
     }
 #else
     (void)scales;
-    alignas(16) uint8_t plain[16];
+    alignas(32) uint8_t plain[kBlock];
     for (int r = 0; r < R; ++r) {
       float acc = 0.f;
       for (int64_t b = 0; b < nb; ++b) {

@@ -36,7 +36,8 @@ int64_t in_features(const Projection& p) {
 }
 
 // A projection as the step multiplies it: gguf_int8's interleaved copy (int8 activations)
-// or the lossless gguf blocks (float activations, block_gemm.h's GEMV).
+// or the lossless gguf blocks (float activations: block_gemm.h's GEMV, or the digit
+// matmul for the interleaved kinds).
 struct ProjectionView {
   const uint8_t* packed;  // nullptr: the float block GEMV on `blocks`
   BlockWeight blocks;
@@ -49,16 +50,18 @@ struct ProjectionView {
         K(in_features(p)), bias(p.bias ? p.bias->data_ptr<float>() : nullptr) {}
 };
 
-// A thread's copy of what a projection needs of its input: x quantized (int8) or as the
-// float GEMV reads it (GemvInput).
+// A thread's copy of what a projection needs of its input: x quantized (int8), in digits
+// (ExactInput) or as the float GEMV reads it (GemvInput).
 struct ThreadInput {
   CacheAligned<int8_t> q;
   CacheAligned<uint8_t> u;  // Q8_0 weights take x as unsigned bytes
   CacheAligned<float> d, s;
   GemvInput gemv;
+  ExactInput exact;  // the interleaved kinds' digits of x
   ThreadInput(int64_t rows, int64_t max_k)
       : q(rows * max_k), u(rows * max_k), d(rows * max_k / kBlock), s(rows * max_k / kBlock) {
     gemv.reserve(rows, max_k);
+    exact.reserve(rows, max_k);
   }
 };
 
@@ -77,6 +80,9 @@ void linear_share(const ProjectionView& w, const float* x, int64_t T, ThreadInpu
     if (w.kind == 0) unsigned_activations(in.q.data(), in.u.data(), T * w.K);
     packed_groups_vnni(w.packed, w.kind, w.N, w.K, T, in.q.data(), in.u.data(), in.d.data(),
                        in.s.data(), out, g0, g1);
+  } else if (interleaved(w.kind)) {
+    in.exact.prepare(x, T, w.K, w.kind);
+    groups_exact(w.blocks, T, in.exact, out, w.N, g0, g1);
   } else if (n0 < n1) {
     in.gemv.prepare(w.blocks, x, T);
     const int64_t pass_rows = w.blocks.gemv_pass_rows();

@@ -60,7 +60,9 @@ def test_gemma3_greedy_screen_matches_hf(
     runner = runner.model_runner
     lm_head = runner.model.lm_head
     saved = runner.greedy_head, lm_head.greedy_screen
-    lm_head.greedy_screen = GreedyScreen(lm_head.quant_weight, lm_head.num_embeddings)
+    # AVX-512 VNNI builds interleave the head for the digit matmul: the screen takes the
+    # plain layout's copy (its exact pass is the float GEMV's).
+    lm_head.greedy_screen = GreedyScreen(lm_head.quant_weight.plain(), lm_head.num_embeddings)
     runner.greedy_head = make_greedy_head(runner.model, is_last_stage=True, is_pooling=False)
     screened = 0
     tokens = runner.greedy_head.tokens

@@ -7,16 +7,14 @@ of the rows beside it, on random blocks and on the packaged files' tensors. Run 
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as T
-from gguf.quants import dequantize, quantize
 
 from kvserve import _custom_ops as ops
-from kvserve.config import ModelConfig
 from kvserve.model_executor.layers.quantization import BlockWeight
 from tests.gemma3_fixtures import GEMMA3
+from tests.model_executor.layers.gguf_blocks import packaged_tensors, random_blocks
 
 pytestmark = pytest.mark.skipif(
     not ops.available() or not ops.packs_int8_weights(),
@@ -64,19 +62,12 @@ def _check(weight: BlockWeight, reference: torch.Tensor, x: torch.Tensor) -> Non
         assert torch.equal(alone[0], out[i])
 
 
-def _random(qtype: T, rows: int, cols: int, seed: int) -> tuple[BlockWeight, torch.Tensor]:
-    rng = np.random.default_rng(seed)
-    raw = quantize((rng.standard_normal((rows, cols)) * 0.05).astype(np.float32), qtype)
-    reference = torch.from_numpy(dequantize(raw, qtype).astype(np.float32))
-    return BlockWeight.from_raw(raw, qtype), reference
-
-
 # 197 output rows leave a partial group of 16; 96 columns an odd number of blocks.
 @pytest.mark.parametrize("cols", [1536, 96])
 @pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize("qtype", TYPES)
 def test_packed_matmul_is_llamacpp_arithmetic(qtype: T, rows: int, cols: int) -> None:
-    weight, reference = _random(qtype, 197, cols, seed=rows)
+    weight, reference = random_blocks(qtype, 197, cols, seed=rows)
     x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(rows))
     x[0, :32] = 0.0  # an all-zero block has scale 0
     x[-1, 32:64] *= 1e4  # one large block beside small ones
@@ -88,7 +79,7 @@ def test_extreme_quants_do_not_saturate(qtype: T) -> None:
     """Every quant at its range's end and x at +-127 after rounding: the AVX2 kernel's
     int16 sums (a Q4 block's 8 pairs, a Q8_0 pair) stay within range."""
     cols = 256
-    weight, _ = _random(qtype, 16, cols, seed=0)
+    weight, _ = random_blocks(qtype, 16, cols, seed=0)
     top = {T.Q8_0: -128, T.Q4_1: 15, T.Q4_0: 15}[qtype]
     if qtype == T.Q8_0:
         weight.qs.fill_(top)
@@ -101,26 +92,10 @@ def test_extreme_quants_do_not_saturate(qtype: T) -> None:
     _check(weight, reference, x)
 
 
-def _packaged_tensors(model: str | None) -> dict[tuple[T, tuple[int, int]], np.ndarray]:
-    """One tensor of each integer-path type and shape in the model's packaged GGUF file."""
-    from kvserve.model_executor.model_loader.gguf_loader import iterate_gguf_blocks
-
-    config = (
-        ModelConfig(model=model, quantization="gguf") if model else ModelConfig(quantization="gguf")
-    )
-    assert config.resolved.path is not None
-    found: dict[tuple[T, tuple[int, int]], np.ndarray] = {}
-    for _, qtype, raw in iterate_gguf_blocks(config.resolved.path, config.arch):
-        if qtype not in (*TYPES, T.Q5_0) or raw.shape[0] > 4096:  # not the 49k-row heads
-            continue
-        found.setdefault((qtype, raw.shape), raw)
-    return found
-
-
 @pytest.mark.parametrize("model", [None, GEMMA3], ids=["smollm2", "gemma3"])
 def test_packaged_files_tensors(model: str | None) -> None:
     """SmolLM2's Q4_1 and Gemma 3's Q8_0 and Q5_0 (taken as Q8_0) tensors."""
-    tensors = _packaged_tensors(model)
+    tensors = packaged_tensors(model, (*TYPES, T.Q5_0))
     assert tensors
     for (qtype, _), raw in tensors.items():
         weight = BlockWeight.from_raw(raw, qtype)
@@ -135,7 +110,7 @@ def test_rows_are_identical_across_thread_counts(qtype: T) -> None:
     """Threads split the weight's groups of 16 outputs, each summed whole on one thread in
     one order (with or without the records requested ahead at 1-3 rows): a row's outputs
     are the same bits on 1 and 2 threads, alone and in every tile of x rows."""
-    weight, _ = _random(qtype, 16 * 37 + 5, 640, seed=7)
+    weight, _ = random_blocks(qtype, 16 * 37 + 5, 640, seed=7)
     packed = _packed(weight)
     x = torch.randn(9, 640, generator=torch.Generator().manual_seed(9))
     threads = torch.get_num_threads()

@@ -1,0 +1,190 @@
+"""The lossless digit matmul on blocks interleaved 16 rows at a time (kinds 7-9,
+csrc/block_gemm_exact.cpp, AVX-512 VNNI builds): x split exactly into int8 digits, the
+GGUF weights exactly. Its results are the float32 product of gguf's own dequantized
+weights within float32 rounding at 1-256 rows (the float GEMV's tolerance), on random
+blocks of every kind it takes, on outlier, tiny, zero and non-finite inputs and on the
+packaged files' tensors; the interleaved planes dequantize bit for bit as the plain ones;
+a row's result never depends on the rows beside it or the thread count; the lossless
+method uses it by default where the build has it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+
+from kvserve import _custom_ops as ops
+from kvserve.model_executor.layers.quantization import BlockWeight
+from tests.gemma3_fixtures import GEMMA3
+from tests.model_executor.layers.gguf_blocks import packaged_tensors, random_blocks
+
+pytestmark = pytest.mark.skipif(
+    not ops.available() or not ops.exact_packed_matmul(),
+    reason="a build without AVX-512 VNNI (the digit matmul's kernel)",
+)
+
+TYPES = [T.Q8_0, T.Q4_1, T.Q4_0]
+# 4: the kernel's tile of x rows (5, 9, 17: partial tiles after full ones); 64 and 256:
+# block_linear's dense path on the interleaved planes' dequantized rows.
+ROWS = [1, 2, 3, 4, 5, 9, 17, 63, 64, 256]
+
+
+def _interleaved(weight: BlockWeight) -> BlockWeight:
+    """A copy of a plain weight, interleaved."""
+    copy = BlockWeight(weight.qtype, weight.qs.clone(), weight.d.clone(), weight.m.clone())
+    copy.use_interleaved()
+    assert copy.interleaved and copy.kind in (7, 8, 9)
+    return copy
+
+
+def _exact(weight: BlockWeight, x: torch.Tensor) -> torch.Tensor:
+    assert weight.interleaved
+    return weight.linear(x)
+
+
+def _bound(weight: BlockWeight, x: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
+    """Float32 rounding of the sums (2e-6 of the sum of |terms|, as the float GEMV is held
+    to) plus the digits' own rounding: each value at 2^-31 of its block's largest |x|,
+    which reaches the result through the block's d q (|d q| <= |w| + |m|)."""
+    rows, cols = x.shape
+    block_max = x.abs().double().reshape(rows, cols // 32, 32).amax(-1)
+    block_l1 = reference.abs().double().reshape(reference.shape[0], cols // 32, 32).sum(-1)
+    if weight.m.numel():
+        block_l1 += 32 * weight.m.double().abs().reshape(block_l1.shape)
+    terms = x.abs().double() @ reference.abs().double().T
+    return 2e-6 * terms + 2.0**-31 * (block_max @ block_l1.T) + 1e-30
+
+
+def _check(plain: BlockWeight, reference: torch.Tensor, x: torch.Tensor) -> None:
+    weight = _interleaved(plain)
+    assert torch.equal(weight.dequantize(), plain.dequantize())
+    out = _exact(weight, x)
+    want = x.double() @ reference.double().T
+    bound = _bound(weight, x, reference)
+    assert ((out.double() - want).abs() <= bound).all()
+    if x.shape[0] < ops.block_linear_dense_rows():  # the integer sums are exact
+        for i in sorted({0, x.shape[0] // 2, x.shape[0] - 1}):
+            assert torch.equal(_exact(weight, x[i : i + 1])[0], out[i])
+
+
+# 208 output rows: 13 groups of 16; 96 columns an odd number of blocks.
+@pytest.mark.parametrize("cols", [1536, 96])
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("qtype", TYPES)
+def test_exact_matmul_is_the_float32_product(qtype: T, rows: int, cols: int) -> None:
+    weight, reference = random_blocks(qtype, 208, cols, seed=rows)
+    x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(rows))
+    x[0, :32] = 0.0  # an all-zero block
+    x[-1, 32:64] *= 1e4  # one large block beside small ones
+    _check(weight, reference, x)
+    # Ordinary activations: the digits' rounding stays below float32's own, so the
+    # results are held to the float GEMV's bound alone.
+    error = (_exact(_interleaved(weight), x).double() - x.double() @ reference.double().T).abs()
+    assert (error <= 2e-6 * (x.abs().double() @ reference.abs().double().T) + 1e-30).all()
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+def test_values_far_below_their_blocks_largest(qtype: T) -> None:
+    """One value 2^20 times its block's others (an outlier channel: the small values are
+    rounded at 2^-31 of it), a block spanning float32's range, tiny and subnormal rows,
+    a value near float32's largest: within the bound."""
+    weight, reference = random_blocks(qtype, 64, 256, seed=3)
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(5, 256, generator=g)
+    x[0, 7] = 2.0**20
+    x[1, :32] = torch.logspace(-30, 30, 32)
+    x[1, 1::2] *= -1
+    x[2] *= 1e-30
+    x[3] *= 1e-41  # subnormal: below 2^-126
+    x[4, 100] = 3.0e38  # near float32's largest
+    _check(weight, reference, x)
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+def test_extreme_quants(qtype: T) -> None:
+    """Every quant at its range's end against x whose digits are all at theirs."""
+    weight, _ = random_blocks(qtype, 16, 256, seed=0)
+    if qtype == T.Q8_0:
+        weight.qs.fill_(-128)
+    else:  # both nibbles at 15
+        weight.qs.fill_(0xFF)
+    reference = weight.dequantize()
+    x = torch.full((3, 256), -1.0 + 2.0**-23)
+    x[1] = 1.0 - 2.0**-24
+    x[2, ::2] = -(1.0 - 2.0**-24)
+    _check(weight, reference, x)
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+def test_non_finite_rows(qtype: T) -> None:
+    """A row with inf or NaN gives non-finite outputs (the float GEMV's NaN or inf); the
+    other rows are untouched."""
+    weight = _interleaved(random_blocks(qtype, 48, 128, seed=5)[0])
+    x = torch.randn(3, 128, generator=torch.Generator().manual_seed(6))
+    clean = _exact(weight, x)
+    x[0, 3] = float("nan")
+    x[2, 70] = float("inf")
+    out = _exact(weight, x)
+    assert not torch.isfinite(out[0]).any() and not torch.isfinite(out[2]).any()
+    assert torch.equal(out[1], clean[1])
+
+
+@pytest.mark.parametrize("model", [None, GEMMA3], ids=["smollm2", "gemma3"])
+def test_packaged_files_tensors(model: str | None) -> None:
+    """SmolLM2's Q4_1 and Q8_0 and Gemma 3's Q8_0 tensors."""
+    tensors = packaged_tensors(model, tuple(TYPES))
+    assert tensors
+    for (qtype, _), raw in tensors.items():
+        weight = BlockWeight.from_raw(raw, qtype)
+        reference = weight.dequantize()
+        for rows in (1, 3, 4, 17):
+            gen = torch.Generator().manual_seed(rows)
+            _check(weight, reference, torch.randn(rows, weight.shape[1], generator=gen))
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+def test_rows_are_identical_across_thread_counts(qtype: T) -> None:
+    """Threads split the groups of 16 outputs, each summed whole on one thread in one
+    order: a row's outputs are the same bits on 1 and 2 threads, alone and in every tile
+    of x rows."""
+    weight = _interleaved(random_blocks(qtype, 16 * 37, 640, seed=7)[0])
+    x = torch.randn(9, 640, generator=torch.Generator().manual_seed(9))
+    threads = torch.get_num_threads()
+    try:
+        outs = []
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            batch = _exact(weight, x)
+            for rows in (1, 2, 3, 4, 5):
+                assert torch.equal(_exact(weight, x[:rows]), batch[:rows])
+            outs.append(batch)
+        assert torch.equal(outs[0], outs[1])
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_lossless_method_interleaves_its_blocks() -> None:
+    """prepare_kernels interleaves the lossless method's plain blocks of a multiple of 16
+    rows in place (no copy kept: the same bytes); gguf_int8 keeps its own arithmetic,
+    and so do the repacked k-quants (float32 scales) and other row counts their layout.
+    Every row looks up (dequantize_rows) as the plain layout's."""
+    for qtype in TYPES:
+        plain, _ = random_blocks(qtype, 48, 256, seed=8)
+        weight, _ = random_blocks(qtype, 48, 256, seed=8)
+        weight.prepare_kernels("gguf")
+        assert weight.interleaved and weight.nbytes == plain.nbytes and weight.packed is None
+        ids = torch.tensor([0, 15, 16, 47, 3, 3])
+        assert torch.equal(weight.dequantize_rows(ids), plain.dequantize_rows(ids))
+        x = torch.randn(2, 256, generator=torch.Generator().manual_seed(1))
+        assert torch.equal(weight.linear(x), _exact(_interleaved(plain), x))
+        int8, _ = random_blocks(qtype, 48, 256, seed=8)
+        int8.prepare_kernels("gguf_int8")
+        assert int8.int8_activations and not int8.interleaved
+        odd, _ = random_blocks(qtype, 40, 256, seed=8)
+        odd.prepare_kernels("gguf")
+        assert not odd.interleaved
+    from tests.model_executor.test_gguf_repack import _random_raw
+
+    k_quant = BlockWeight.from_raw(_random_raw(T.Q4_K, 16, 256, 2), T.Q4_K)
+    k_quant.prepare_kernels("gguf")
+    assert not k_quant.interleaved
