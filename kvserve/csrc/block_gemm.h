@@ -551,9 +551,6 @@ bool packed_groups_avx2(const uint8_t* packed, int64_t kind, int64_t record,
                         const int8_t* xq, const float* xd, const float* xs, float* out,
                         int64_t g_begin, int64_t g_end);
 
-// Rows of x from which block_linear dequantizes W for the dense GEMM (block_gemm.cpp).
-int64_t block_linear_dense_rows();
-
 // ---- The lossless digit matmul on interleaved blocks (block_gemm_exact.cpp) -----------
 // x as it reads it, prepared once per call into reused buffers. Each block of 32 values
 // is split exactly into four int8 digits: with 2^(e-1) <= max|x| < 2^e, X = x 2^(30-e)

@@ -24,9 +24,9 @@ pytestmark = pytest.mark.skipif(
 )
 
 TYPES = [T.Q8_0, T.Q4_1, T.Q4_0]
-# 4: the kernel's tile of x rows (5, 9, 17: partial tiles after full ones); 64 and 256:
-# block_linear's dense path on the interleaved planes' dequantized rows.
-ROWS = [1, 2, 3, 4, 5, 9, 17, 63, 64, 256]
+# 4: the kernel's tile of x rows (5, 9, 17: partial tiles after full ones); it serves up
+# to 255 rows, 256 take block_linear's dense path on the interleaved planes' dequantized rows.
+ROWS = [1, 2, 3, 4, 5, 9, 17, 64, 255, 256]
 
 
 def _interleaved(weight: BlockWeight) -> BlockWeight:
