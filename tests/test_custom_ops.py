@@ -147,7 +147,7 @@ def test_cache_write_skips_negative_slots_and_matches_index_copy() -> None:
 
 def test_block_kernels_check_the_scale_planes_of_each_kind() -> None:
     # Kind 3 (repacked Q4_K) takes float32 scales and minimums; kind 4 (repacked Q6_K)
-    # two float32 scales per block and no minimum; kinds 0-2 and 5-6 float16.
+    # two float32 scales per block and no minimum; kinds 0-2 and 5-9 float16.
     qs = torch.zeros(2, 16, dtype=torch.uint8)
     f32, f16 = torch.ones(2, 1), torch.ones(2, 1, dtype=torch.float16)
     q8 = torch.full((2, 32), 3, dtype=torch.int8)
@@ -161,5 +161,7 @@ def test_block_kernels_check_the_scale_planes_of_each_kind() -> None:
         ops.dequantize_blocks(qs, f16, f16, 3)
     with pytest.raises(RuntimeError, match="float16 for kind 1"):
         ops.dequantize_blocks(qs, f32, f32, 1)
+    with pytest.raises(RuntimeError, match="multiple of 16 rows"):  # interleaved Q4_1
+        ops.dequantize_blocks(qs, f16, f16, 8)
     with pytest.raises(RuntimeError, match="unknown block kind"):
-        ops.dequantize_blocks(qs, f32, f32, 7)
+        ops.dequantize_blocks(qs, f32, f32, 10)

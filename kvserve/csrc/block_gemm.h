@@ -81,8 +81,6 @@ struct BlockWeight {
   const float* d32 = nullptr;  // kinds 3-4: float32 scales; kind 3: float32 minimums
   const float* m32 = nullptr;
 
-  // Block i's scale and minimum as floats, whichever plane holds them; scale_hi is the
-  // scale of its weights 16-31 (kind 4's second scale, the block's scale otherwise).
   // Where block i (= n nb + b) keeps its scale and minimum: at i, or for the interleaved
   // kinds in its group of 16 rows (block_quants.h).
   template <int KIND>
@@ -91,6 +89,8 @@ struct BlockWeight {
     const int64_t nb = cols / kBlock, n = i / nb, b = i % nb;
     return ((n / kInterleavedRows) * nb + b) * kInterleavedRows + n % kInterleavedRows;
   }
+  // Block i's scale and minimum as floats, whichever plane holds them; scale_hi is the
+  // scale of its weights 16-31 (kind 4's second scale, the block's scale otherwise).
   template <int KIND>
   float scale(int64_t i) const {
     if constexpr (KIND == 4) return d32[2 * i];

@@ -3,6 +3,8 @@ tensor of each type and shape from a packaged GGUF file."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
+
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType as T
@@ -37,3 +39,40 @@ def packaged_tensors(
             continue
         found.setdefault((qtype, raw.shape), raw)
     return found
+
+
+Check = Callable[[BlockWeight, torch.Tensor, torch.Tensor], None]
+
+
+def check_packaged_tensors(
+    model: str | None, types: tuple[T, ...], check: Check, rows: Iterable[int]
+) -> None:
+    """``check(weight, gguf's dequantization, x)`` on each packaged tensor of ``types`` (one
+    per shape) for x of each row count."""
+    tensors = packaged_tensors(model, types)
+    assert tensors
+    for (qtype, _), raw in tensors.items():
+        weight = BlockWeight.from_raw(raw, qtype)
+        reference = weight.dequantize()
+        for count in rows:
+            gen = torch.Generator().manual_seed(count)
+            check(weight, reference, torch.randn(count, weight.shape[1], generator=gen))
+
+
+def assert_rows_independent_of_threads(
+    matmul: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, tiles: Iterable[int]
+) -> None:
+    """A row's outputs are the same bits on 1 and 2 threads, and the first ``tiles`` rows
+    alone give the whole batch's first rows."""
+    threads = torch.get_num_threads()
+    try:
+        outs = []
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            batch = matmul(x)
+            for rows in tiles:
+                assert torch.equal(matmul(x[:rows]), batch[:rows])
+            outs.append(batch)
+        assert torch.equal(outs[0], outs[1])
+    finally:
+        torch.set_num_threads(threads)

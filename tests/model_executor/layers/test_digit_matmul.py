@@ -16,7 +16,11 @@ from gguf import GGMLQuantizationType as T
 from kvserve import _custom_ops as ops
 from kvserve.model_executor.layers.quantization import BlockWeight
 from tests.gemma3_fixtures import GEMMA3
-from tests.model_executor.layers.gguf_blocks import packaged_tensors, random_blocks
+from tests.model_executor.layers.gguf_blocks import (
+    assert_rows_independent_of_threads,
+    check_packaged_tensors,
+    random_blocks,
+)
 
 pytestmark = pytest.mark.skipif(
     not ops.available() or not ops.exact_packed_matmul(),
@@ -132,14 +136,7 @@ def test_non_finite_rows(qtype: T) -> None:
 @pytest.mark.parametrize("model", [None, GEMMA3], ids=["smollm2", "gemma3"])
 def test_packaged_files_tensors(model: str | None) -> None:
     """SmolLM2's Q4_1 and Q8_0 and Gemma 3's Q8_0 tensors."""
-    tensors = packaged_tensors(model, tuple(TYPES))
-    assert tensors
-    for (qtype, _), raw in tensors.items():
-        weight = BlockWeight.from_raw(raw, qtype)
-        reference = weight.dequantize()
-        for rows in (1, 3, 4, 17):
-            gen = torch.Generator().manual_seed(rows)
-            _check(weight, reference, torch.randn(rows, weight.shape[1], generator=gen))
+    check_packaged_tensors(model, tuple(TYPES), _check, (1, 3, 4, 17))
 
 
 @pytest.mark.parametrize("qtype", TYPES)
@@ -149,18 +146,7 @@ def test_rows_are_identical_across_thread_counts(qtype: T) -> None:
     of x rows."""
     weight = _interleaved(random_blocks(qtype, 16 * 37, 640, seed=7)[0])
     x = torch.randn(9, 640, generator=torch.Generator().manual_seed(9))
-    threads = torch.get_num_threads()
-    try:
-        outs = []
-        for count in (1, 2):
-            torch.set_num_threads(count)
-            batch = _exact(weight, x)
-            for rows in (1, 2, 3, 4, 5):
-                assert torch.equal(_exact(weight, x[:rows]), batch[:rows])
-            outs.append(batch)
-        assert torch.equal(outs[0], outs[1])
-    finally:
-        torch.set_num_threads(threads)
+    assert_rows_independent_of_threads(lambda rows: _exact(weight, rows), x, (1, 2, 3, 4, 5))
 
 
 def test_lossless_method_interleaves_its_blocks() -> None:

@@ -14,7 +14,11 @@ from gguf import GGMLQuantizationType as T
 from kvserve import _custom_ops as ops
 from kvserve.model_executor.layers.quantization import BlockWeight
 from tests.gemma3_fixtures import GEMMA3
-from tests.model_executor.layers.gguf_blocks import packaged_tensors, random_blocks
+from tests.model_executor.layers.gguf_blocks import (
+    assert_rows_independent_of_threads,
+    check_packaged_tensors,
+    random_blocks,
+)
 
 pytestmark = pytest.mark.skipif(
     not ops.available() or not ops.packs_int8_weights(),
@@ -95,14 +99,7 @@ def test_extreme_quants_do_not_saturate(qtype: T) -> None:
 @pytest.mark.parametrize("model", [None, GEMMA3], ids=["smollm2", "gemma3"])
 def test_packaged_files_tensors(model: str | None) -> None:
     """SmolLM2's Q4_1 and Gemma 3's Q8_0 and Q5_0 (taken as Q8_0) tensors."""
-    tensors = packaged_tensors(model, (*TYPES, T.Q5_0))
-    assert tensors
-    for (qtype, _), raw in tensors.items():
-        weight = BlockWeight.from_raw(raw, qtype)
-        reference = weight.dequantize()
-        for rows in (1, 3, 4, 64):
-            gen = torch.Generator().manual_seed(rows)
-            _check(weight, reference, torch.randn(rows, weight.shape[1], generator=gen))
+    check_packaged_tensors(model, (*TYPES, T.Q5_0), _check, (1, 3, 4, 64))
 
 
 @pytest.mark.parametrize("qtype", TYPES)
@@ -113,18 +110,10 @@ def test_rows_are_identical_across_thread_counts(qtype: T) -> None:
     weight, _ = random_blocks(qtype, 16 * 37 + 5, 640, seed=7)
     packed = _packed(weight)
     x = torch.randn(9, 640, generator=torch.Generator().manual_seed(9))
-    threads = torch.get_num_threads()
-    try:
-        outs = []
-        for count in (1, 2):
-            torch.set_num_threads(count)
-            batch = ops.block_linear_int8(x, weight.qs, weight.d, weight.m, weight.kind, packed)
-            for rows in (1, 2, 3, 4):  # each tile width the kernel has, from the same rows
-                part = ops.block_linear_int8(
-                    x[:rows], weight.qs, weight.d, weight.m, weight.kind, packed
-                )
-                assert torch.equal(part, batch[:rows])
-            outs.append(batch)
-        assert torch.equal(outs[0], outs[1])
-    finally:
-        torch.set_num_threads(threads)
+    assert_rows_independent_of_threads(  # each tile width the kernel has, from the same rows
+        lambda rows: ops.block_linear_int8(
+            rows, weight.qs, weight.d, weight.m, weight.kind, packed
+        ),
+        x,
+        (1, 2, 3, 4),
+    )
