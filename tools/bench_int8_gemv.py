@@ -26,7 +26,7 @@ import torch
 from gguf import GGMLQuantizationType as T
 
 from kvserve import _custom_ops as ops
-from kvserve.model_executor.layers.quantization import BlockWeight
+from kvserve.model_executor.layers.block_weight import BlockWeight
 
 # (model, op, out features, in features, block type)
 SHAPES = [

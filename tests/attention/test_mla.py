@@ -16,8 +16,8 @@ from kvserve.attention.backends.mla_cpu import CPUMLABackend, CPUMLAImpl
 from kvserve.attention.backends.utils import make_common_attn_metadata
 from kvserve.attention.mla import MLAAttention
 from kvserve.entrypoints.llm import LLM
+from kvserve.model_executor.layers.block_weight import BlockWeight
 from kvserve.model_executor.layers.linear import ColumnParallelLinear
-from kvserve.model_executor.layers.quantization import BlockWeight
 from kvserve.protocol.kv_cache_interface import (
     FullAttentionSpec,
     MLAAttentionSpec,

@@ -14,8 +14,8 @@ from gguf.quants import dequantize
 
 from kvserve import _custom_ops as ops
 from kvserve.config import ModelConfig
+from kvserve.model_executor.layers.block_weight import BlockWeight
 from kvserve.model_executor.layers.gguf_repack import KIND_Q4_K_F32, KIND_Q6_K_F32
-from kvserve.model_executor.layers.quantization import BlockWeight
 
 pytestmark = pytest.mark.skipif(not ops.available(), reason="no C++ toolchain for the kernels")
 

@@ -19,8 +19,9 @@ from kvserve import _custom_ops as ops
 from kvserve.attention.backends.registry import get_attn_backend
 from kvserve.attention.backends.utils import make_common_attn_metadata
 from kvserve.forward_context import set_forward_context
+from kvserve.model_executor.layers.block_weight import BlockWeight
 from kvserve.model_executor.layers.linear import LinearBase
-from kvserve.model_executor.layers.quantization import BlockWeight, quantize_model
+from kvserve.model_executor.layers.quantization import quantize_model
 from kvserve.model_executor.model_loader import get_model
 from kvserve.transformers_utils.arch_config import load_arch_config
 from kvserve.transformers_utils.model_resolver import resolve_model

@@ -12,12 +12,8 @@ from gguf.quants import dequantize, quantize
 
 from kvserve import _custom_ops as ops
 from kvserve.config import ModelConfig
-from kvserve.model_executor.layers.quantization import (
-    BlockWeight,
-    check_sampled_rows,
-    concat_rows,
-    quantize_model,
-)
+from kvserve.model_executor.layers.block_weight import BlockWeight, concat_rows
+from kvserve.model_executor.layers.quantization import check_sampled_rows, quantize_model
 from tests.gemma3_fixtures import GEMMA3
 
 pytestmark = pytest.mark.skipif(not ops.available(), reason="no C++ toolchain for the kernels")

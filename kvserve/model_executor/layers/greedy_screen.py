@@ -40,7 +40,7 @@ import torch
 from kvserve import _custom_ops as ops
 
 if TYPE_CHECKING:
-    from kvserve.model_executor.layers.quantization import BlockWeight
+    from kvserve.model_executor.layers.block_weight import BlockWeight
 
 __all__ = ["ENV_GREEDY_SCREEN", "GreedyScreen", "screen_wanted"]
 

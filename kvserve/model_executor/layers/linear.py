@@ -18,7 +18,7 @@ from kvserve import _custom_ops as ops
 from kvserve.distributed.parallel_state import get_tp_group
 
 if TYPE_CHECKING:
-    from kvserve.model_executor.layers.quantization import BlockWeight
+    from kvserve.model_executor.layers.block_weight import BlockWeight
 
 # (dim, start, size): where this rank's shard lies in the full checkpoint tensor.
 ShardRange = tuple[int, int, int]

@@ -12,8 +12,8 @@ from kvserve.distributed.parallel_state import get_pp_group, get_tp_group
 from kvserve.model_executor.layers.linear import ShardRange, get_tp_rank_size
 
 if TYPE_CHECKING:
+    from kvserve.model_executor.layers.block_weight import BlockWeight
     from kvserve.model_executor.layers.greedy_screen import GreedyScreen
-    from kvserve.model_executor.layers.quantization import BlockWeight
 
 
 class VocabParallelEmbedding(nn.Module):

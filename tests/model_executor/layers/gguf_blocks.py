@@ -11,7 +11,7 @@ from gguf import GGMLQuantizationType as T
 from gguf.quants import dequantize, quantize
 
 from kvserve.config import ModelConfig
-from kvserve.model_executor.layers.quantization import BlockWeight
+from kvserve.model_executor.layers.block_weight import BlockWeight
 
 
 def random_blocks(qtype: T, rows: int, cols: int, seed: int) -> tuple[BlockWeight, torch.Tensor]:

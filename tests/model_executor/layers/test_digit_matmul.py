@@ -14,7 +14,7 @@ import torch
 from gguf import GGMLQuantizationType as T
 
 from kvserve import _custom_ops as ops
-from kvserve.model_executor.layers.quantization import BlockWeight
+from kvserve.model_executor.layers.block_weight import BlockWeight
 from tests.gemma3_fixtures import GEMMA3
 from tests.model_executor.layers.gguf_blocks import (
     assert_rows_independent_of_threads,

@@ -14,13 +14,13 @@ from gguf import GGMLQuantizationType as T
 from gguf.quants import quantize
 
 from kvserve import _custom_ops as ops
+from kvserve.model_executor.layers.block_weight import BlockWeight
 from kvserve.model_executor.layers.greedy_screen import (
     ENV_GREEDY_SCREEN,
     MAX_ROWS,
     GreedyScreen,
     screen_wanted,
 )
-from kvserve.model_executor.layers.quantization import BlockWeight
 from tests.model_executor.test_gguf_repack import _random_raw
 
 pytestmark = pytest.mark.skipif(not ops.available(), reason="no C++ toolchain for the kernels")

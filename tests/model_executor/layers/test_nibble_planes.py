@@ -15,7 +15,7 @@ from gguf.quants import dequantize, quantize
 
 from kvserve import _custom_ops as ops
 from kvserve.config import ModelConfig
-from kvserve.model_executor.layers.quantization import BlockWeight, concat_rows
+from kvserve.model_executor.layers.block_weight import BlockWeight, concat_rows
 
 pytestmark = pytest.mark.skipif(not ops.available(), reason="no C++ toolchain for the kernels")
 

@@ -1,0 +1,244 @@
+"""A linear weight kept as llama.cpp's 32-weight blocks (BlockWeight): its planes as the
+C++ kernels read them (csrc/block_quants.h), the layouts it can be reordered into for this
+build's kernels, and its matmul. quantization.py decides which weights of a model become
+blocks and attaches them.
+
+* On AVX-512 VNNI builds the lossless method's Q8_0 / Q4_1 / Q4_0 planes are interleaved
+  16 rows at a time for the digit matmul (csrc/block_gemm_exact.cpp: x split exactly into
+  int8 digits, integer dot products): the same bytes reordered, no copy kept.
+* On builds whose float GEMV is AVX2 without AVX-512, Q4_1 and Q4_0 quants are reordered
+  into nibble planes (csrc/block_gemm_planes.h): fewer instructions per weight, the same
+  float32 results bit for bit.
+* gguf_int8 keeps the plain planes and, with AVX-512 VNNI or AVX2, a row-interleaved copy
+  for its int8 matmuls (csrc/block_gemm_vnni.cpp).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import quantize as gguf_quantize
+
+from kvserve import _custom_ops as ops
+from kvserve.model_executor.layers.gguf_repack import REPACKED_KINDS, REPACKED_TYPES, repack
+
+# GGML type -> (kernel kind, bytes per 32-weight block, has a per-block minimum)
+_KINDS: dict[GGMLQuantizationType, tuple[int, int, bool]] = {
+    GGMLQuantizationType.Q8_0: (0, 34, False),
+    GGMLQuantizationType.Q4_1: (1, 20, True),
+    GGMLQuantizationType.Q4_0: (2, 18, False),
+}
+# Kernel kinds of Q4_1 and Q4_0 in nibble planes (csrc/block_quants.h).
+_NIBBLE_PLANE_KINDS = {GGMLQuantizationType.Q4_1: 5, GGMLQuantizationType.Q4_0: 6}
+# Kernel kinds of Q8_0, Q4_1 and Q4_0 interleaved 16 rows at a time.
+_INTERLEAVED_KINDS = {
+    GGMLQuantizationType.Q8_0: 7,
+    GGMLQuantizationType.Q4_1: 8,
+    GGMLQuantizationType.Q4_0: 9,
+}
+_INTERLEAVED_ROWS = 16
+# Q5_0, Q4_K and Q6_K are repacked at load into kernel formats (gguf_repack.py).
+SUPPORTED_TYPES = frozenset(_KINDS) | REPACKED_TYPES
+
+
+@dataclass
+class BlockWeight:
+    """A ``[rows, cols]`` weight as separate planes of its blocks (see csrc/block_gemm.h)."""
+
+    qtype: GGMLQuantizationType
+    qs: torch.Tensor  # int8 [rows, cols] (Q8_0, Q6_K) or uint8 [rows, cols/2] (4-bit)
+    # float16 [rows, cols/32], as stored; float32 for repacked Q4_K, [rows, cols/16] Q6_K
+    d: torch.Tensor
+    m: torch.Tensor  # like d for Q4_1 and Q4_K, else empty
+    int8_activations: bool = False
+    # gguf_int8 on AVX-512 VNNI or AVX2: the same blocks interleaved 16 rows at a time
+    # for its matmuls (csrc/block_gemm_vnni.cpp); None elsewhere.
+    packed: torch.Tensor | None = None
+    # qs reordered into nibble planes for the AVX2 float GEMV (use_nibble_planes).
+    nibble_planes: bool = False
+    # qs, d and m interleaved 16 rows at a time for the lossless digit matmul on AVX-512
+    # VNNI (use_interleaved).
+    interleaved: bool = False
+
+    @property
+    def kind(self) -> int:
+        if self.nibble_planes:
+            return _NIBBLE_PLANE_KINDS[self.qtype]
+        if self.interleaved:
+            return _INTERLEAVED_KINDS[self.qtype]
+        return _KINDS[self.qtype][0] if self.qtype in _KINDS else REPACKED_KINDS[self.qtype]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        rows = self.qs.shape[0]
+        return rows, self.qs.shape[1] * (1 if self.qs.dtype == torch.int8 else 2)
+
+    @property
+    def planes(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.qs, self.d, self.m
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.qs, self.d, self.m))
+
+    def use_int8_activations(self) -> None:
+        """Switch to gguf_int8's arithmetic, with the interleaved copy where the CPU has
+        AVX-512 VNNI or AVX2. Repacked Q4_K and Q6_K (float32 scales) have no integer
+        kernel and keep the exact float path."""
+        if self.qtype in REPACKED_KINDS:
+            return
+        if self.interleaved:  # gguf_int8's kernels read the plain layout (and their copy)
+            self.qs, self.d, self.m = self.plain().planes
+            self.interleaved = False
+        self.int8_activations = True
+        if self.nibble_planes:  # the interleaved copy is made from the plain layout
+            return
+        packed = ops.pack_blocks_vnni(self.qs, self.d, self.m, self.kind)
+        self.packed = packed if packed.numel() else None
+
+    def use_interleaved(self) -> None:
+        """Interleave the planes 16 rows at a time for the lossless digit matmul where the
+        build has it (AVX-512 VNNI: x split exactly into int8 digits, integer dot products,
+        csrc/block_gemm_exact.cpp; one row of x 1.7-2.2x the float GEMV's speed on AMD
+        EPYC Zen 4, and faster at every decode batch size). The same bytes, reordered: no
+        copy is kept. Plain Q8_0 / Q4_1 / Q4_0 weights of a multiple of 16 rows only (the
+        repacked k-quants' float32 scales keep the float GEMV)."""
+        if self.interleaved or self.int8_activations or self.nibble_planes:
+            return
+        if self.qtype not in _INTERLEAVED_KINDS or self.shape[0] % _INTERLEAVED_ROWS:
+            return
+        if not ops.exact_packed_matmul():
+            return
+        self.qs, self.d, self.m = _interleave(self.qtype, self.qs, self.d, self.m, inverse=False)
+        self.interleaved = True
+
+    def plain(self) -> BlockWeight:
+        """This weight in the plain layout (itself if it is in it)."""
+        if not self.interleaved:
+            return self
+        qs, d, m = _interleave(self.qtype, self.qs, self.d, self.m, inverse=True)
+        return BlockWeight(self.qtype, qs, d, m)
+
+    def use_nibble_planes(self) -> None:
+        """Reorder Q4_1 / Q4_0 quants into nibble planes (rows of a multiple of 64 weights;
+        others stay as they are). Not after gguf_int8's interleaved copy, made from the
+        plain layout."""
+        if self.nibble_planes or self.qtype not in _NIBBLE_PLANE_KINDS or self.shape[1] % 64:
+            return
+        if self.interleaved:
+            raise ValueError("nibble planes after interleaving")
+        if self.packed is not None:
+            raise ValueError("nibble planes after gguf_int8's interleaved copy")
+        self.qs = ops.nibble_planes(self.qs, self.d, self.m, self.kind)
+        self.nibble_planes = True
+
+    def prepare_kernels(self, method: str, interleave: bool = True) -> None:
+        """Give the weight the arithmetic and layout its method and this build's kernels
+        run best: gguf_int8's int8 activations, or (``interleave``) the lossless digit
+        matmul's interleaved planes where the build has it; then nibble planes where the
+        float GEMV prefers them (ops.gemv_prefers_nibble_planes)."""
+        if method == "gguf_int8":
+            self.use_int8_activations()
+        elif interleave:
+            self.use_interleaved()
+        # gguf_int8's interleaved copy serves every input: the float GEMV never runs.
+        if ops.gemv_prefers_nibble_planes() and self.packed is None:
+            self.use_nibble_planes()
+
+    @classmethod
+    def from_raw(cls, raw: np.ndarray, qtype: GGMLQuantizationType) -> BlockWeight:
+        """``raw``: uint8 ``[rows, row_bytes]`` in GGUF's block layout (f16 d, [f16 m], quants)."""
+        if qtype in REPACKED_TYPES:
+            ops.require()
+            return cls(*repack(raw, qtype))
+        if qtype not in _KINDS:
+            raise ValueError(f"no kernel for GGUF type {qtype.name}")
+        ops.require()
+        _, block_bytes, has_min = _KINDS[qtype]
+        rows = raw.shape[0]
+        # One record per block: taking a field copies whole quant runs, not single bytes
+        # (2x faster, and the load's largest copy).
+        head = [("d", "<f2")] + ([("m", "<f2")] if has_min else [])
+        quant_bytes = block_bytes - 2 * len(head)
+        blocks = np.ascontiguousarray(raw).view(np.dtype([*head, ("q", f"V{quant_bytes}")]))
+        d = np.ascontiguousarray(blocks["d"])
+        m = np.ascontiguousarray(blocks["m"]) if has_min else np.zeros((0,), np.float16)
+        quants = np.ascontiguousarray(blocks["q"]).view(np.uint8).reshape(rows, -1)
+        if qtype == GGMLQuantizationType.Q8_0:
+            quants = quants.view(np.int8)
+        return cls(qtype, torch.from_numpy(quants), torch.from_numpy(d), torch.from_numpy(m))
+
+    @classmethod
+    def quantize(cls, weight: torch.Tensor, qtype: GGMLQuantizationType) -> BlockWeight:
+        """Quantize a float32 ``[rows, cols]`` weight with the gguf package's quantizer."""
+        if weight.shape[-1] % 32:
+            raise ValueError(f"cannot quantize {tuple(weight.shape)}: columns not a multiple of 32")
+        raw = gguf_quantize(weight.detach().float().cpu().numpy(), qtype)
+        return cls.from_raw(raw, qtype)
+
+    def dequantize(self) -> torch.Tensor:
+        return ops.dequantize_blocks(self.qs, self.d, self.m, self.kind)
+
+    def dequantize_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` as float32 ``[*ids.shape, cols]``, each the row of dequantize()."""
+        return ops.dequantize_rows(self.qs, self.d, self.m, self.kind, ids)
+
+    def linear(self, x: torch.Tensor) -> torch.Tensor:
+        if self.int8_activations:
+            return ops.block_linear_int8(x, self.qs, self.d, self.m, self.kind, self.packed)
+        return ops.block_linear(x, self.qs, self.d, self.m, self.kind)
+
+
+def _interleave(
+    qtype: GGMLQuantizationType,
+    qs: torch.Tensor,
+    d: torch.Tensor,
+    m: torch.Tensor,
+    inverse: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Plain planes as the interleaved kinds hold them (csrc/block_quants.h: per group of
+    16 rows and block, the rows' 4-byte chunks in chunk order, Q8_0's quants as q + 128,
+    the scales of the group's rows side by side), or back (``inverse``)."""
+    rows, row_bytes = qs.shape
+    groups, nb = rows // _INTERLEAVED_ROWS, d.numel() // rows
+    chunks = row_bytes // nb // 4
+    plain_order = (groups, _INTERLEAVED_ROWS, nb, chunks, 4)
+    interleaved_order = (groups, nb, chunks, _INTERLEAVED_ROWS, 4)
+    quants = qs.view(torch.uint8)
+    if qtype == GGMLQuantizationType.Q8_0:
+        quants = quants ^ 0x80  # q + 128 in two's complement, and back
+    if inverse:
+        quants = quants.reshape(interleaved_order).permute(0, 3, 1, 2, 4)
+    else:
+        quants = quants.reshape(plain_order).permute(0, 2, 3, 1, 4)
+    quants = quants.contiguous().view(qs.dtype).reshape(rows, row_bytes)
+
+    def scales(plane: torch.Tensor) -> torch.Tensor:
+        if not plane.numel():
+            return plane
+        shape = (groups, nb, _INTERLEAVED_ROWS) if inverse else (groups, _INTERLEAVED_ROWS, nb)
+        return plane.reshape(shape).transpose(1, 2).contiguous().reshape(plane.shape)
+
+    return quants, scales(d), scales(m)
+
+
+def concat_rows(parts: list[BlockWeight]) -> BlockWeight:
+    """Stack shards (q/k/v, gate/up) along the output rows, as the fused layers do."""
+    qtypes = {p.qtype for p in parts}
+    if len(qtypes) != 1:
+        raise ValueError(f"fused shards mix block types {sorted(t.name for t in qtypes)}")
+    if len({p.nibble_planes for p in parts}) != 1:
+        raise ValueError("fused shards mix plain and nibble-plane layouts")
+    if any(p.interleaved for p in parts):
+        raise ValueError("interleaved shards: stack the plain ones, then interleave")
+    return BlockWeight(
+        parts[0].qtype,
+        torch.cat([p.qs for p in parts]),
+        torch.cat([p.d for p in parts]),
+        torch.cat([p.m for p in parts]),
+        parts[0].int8_activations,
+        nibble_planes=parts[0].nibble_planes,
+    )
