@@ -163,5 +163,7 @@ def test_block_kernels_check_the_scale_planes_of_each_kind() -> None:
         ops.dequantize_blocks(qs, f32, f32, 1)
     with pytest.raises(RuntimeError, match="multiple of 16 rows"):  # interleaved Q4_1
         ops.dequantize_blocks(qs, f16, f16, 8)
+    with pytest.raises(RuntimeError, match="20 bytes a row"):  # interleaved 5-bit Q8_0
+        ops.dequantize_blocks(torch.zeros(16, 30, dtype=torch.uint8), f16, f16, 12)
     with pytest.raises(RuntimeError, match="unknown block kind"):
-        ops.dequantize_blocks(qs, f32, f32, 10)
+        ops.dequantize_blocks(qs, f32, f32, 13)

@@ -28,6 +28,8 @@ BlockWeight block_weight(const at::Tensor& qs, const at::Tensor& d, const at::Te
   TORCH_CHECK(d.scalar_type() == scale_type, "block scales d must be ",
               float32_scales(kind) ? "float32" : "float16", " for kind ", kind);
   const int64_t rows = qs.size(0);
+  TORCH_CHECK(qs.size(1) % block_bytes_of(kind) == 0 || kind != 12,
+              "5-bit blocks take 20 bytes a row and block");
   const int64_t cols = weight_cols(kind, qs.size(1));
   TORCH_CHECK(cols % kBlock == 0, "columns must be a multiple of 32");
   TORCH_CHECK(!nibble_planes(kind) || cols % (2 * kBlock) == 0,
@@ -42,8 +44,8 @@ BlockWeight block_weight(const at::Tensor& qs, const at::Tensor& d, const at::Te
     TORCH_CHECK(m.is_contiguous() && m.numel() == d.numel(), "one minimum per block expected");
     m_ptr = static_cast<const uint16_t*>(m.data_ptr());
   }
-  if (kind == 3) {
-    TORCH_CHECK(m.scalar_type() == at::kFloat, "block minimums m must be float32 for kind 3");
+  if (base_kind(kind) == 3) {
+    TORCH_CHECK(m.scalar_type() == at::kFloat, "block minimums m must be float32 for kind ", kind);
     TORCH_CHECK(m.is_contiguous() && m.numel() == d.numel(), "one minimum per block expected");
     BlockWeight w{kind, rows, cols, qs.size(1), static_cast<const uint8_t*>(qs.data_ptr()),
                   nullptr, nullptr};
@@ -51,7 +53,7 @@ BlockWeight block_weight(const at::Tensor& qs, const at::Tensor& d, const at::Te
     w.m32 = m.data_ptr<float>();
     return w;
   }
-  if (kind == 4) {
+  if (base_kind(kind) == 4) {
     BlockWeight w{kind, rows, cols, qs.size(1), static_cast<const uint8_t*>(qs.data_ptr()),
                   nullptr, nullptr};
     w.d32 = d.data_ptr<float>();

@@ -94,19 +94,27 @@ struct BlockWeight {
   template <int KIND>
   float scale(int64_t i) const {
     if constexpr (KIND == 4) return d32[2 * i];
-    else if constexpr (KIND == 3) return d32[i];
+    else if constexpr (KIND == 11) return d32[half_scale_index(i, 0)];
+    else if constexpr (float32_scales(KIND)) return d32[scale_index<KIND>(i)];
     else return f16(d[scale_index<KIND>(i)]);
   }
   template <int KIND>
   float scale_hi(int64_t i) const {
     if constexpr (KIND == 4) return d32[2 * i + 1];
+    else if constexpr (KIND == 11) return d32[half_scale_index(i, 1)];
     else return scale<KIND>(i);
   }
   template <int KIND>
   float minimum(int64_t i) const {
-    if constexpr (KIND == 3) return m32[i];
+    if constexpr (base_kind(KIND) == 3) return m32[scale_index<KIND>(i)];
     else if constexpr (base_kind(KIND) == 1) return f16(m[scale_index<KIND>(i)]);
     else return 0.f;
+  }
+  // Kind 11's scale of block i's half: each group's blocks keep their 16 rows' low-half
+  // scales, then their high-half ones.
+  int64_t half_scale_index(int64_t i, int half) const {
+    const int64_t nb = cols / kBlock, n = i / nb, b = i % nb;
+    return (((n / kInterleavedRows) * nb + b) * 2 + half) * kInterleavedRows + n % kInterleavedRows;
   }
 
 #ifdef __AVX2__
@@ -272,12 +280,24 @@ struct BlockWeight {
     if constexpr (nibble_planes(KIND)) {
       planes_to_plain(qs + n * row_bytes + (b & ~int64_t{1}) * 16, static_cast<int>(b & 1), plain);
       return plain;
+    } else if constexpr (KIND == 12) {  // Q8_0's int8 quants from nibbles and fifth bits
+      constexpr int64_t G = kInterleavedRows;
+      const int64_t nb = cols / kBlock, i = n % G;
+      const uint8_t* group = qs + ((n / G) * nb + b) * G * block_bytes_of(KIND);
+      for (int j = 0; j < kBlock; ++j) {
+        const int c = (j % 16) / 4, half = j / 16;
+        const uint8_t nibbles = group[(c * G + i) * 4 + j % 4];
+        const uint8_t* mask = group + G * 16 + c * 16 + half * 8;
+        const int bit = (mask[(4 * i + j % 4) / 8] >> ((4 * i + j % 4) % 8)) & 1;
+        plain[j] = static_cast<uint8_t>(((half ? nibbles >> 4 : nibbles & 15) | bit << 4) - 16);
+      }
+      return plain;
     } else if constexpr (interleaved(KIND)) {
       constexpr int64_t bb = block_bytes_of(KIND), G = kInterleavedRows;
       const int64_t nb = cols / kBlock, i = n % G;
       const uint8_t* group = qs + ((n / G) * nb + b) * G * bb;
       for (int64_t c = 0; c < bb / 4; ++c) std::memcpy(plain + 4 * c, group + (c * G + i) * 4, 4);
-      if constexpr (KIND == 7)  // stored as q + 128
+      if constexpr (byte_quants(KIND))  // stored as q + 128
         for (int64_t j = 0; j < bb; ++j) plain[j] = static_cast<uint8_t>(plain[j] ^ 0x80);
       return plain;
     } else {
@@ -296,7 +316,10 @@ struct BlockWeight {
     else if (kind == 6) dequant_rows_t<6>(begin, end, out);
     else if (kind == 7) dequant_rows_t<7>(begin, end, out);
     else if (kind == 8) dequant_rows_t<8>(begin, end, out);
-    else dequant_rows_t<9>(begin, end, out);
+    else if (kind == 9) dequant_rows_t<9>(begin, end, out);
+    else if (kind == 10) dequant_rows_t<10>(begin, end, out);
+    else if (kind == 11) dequant_rows_t<11>(begin, end, out);
+    else dequant_rows_t<12>(begin, end, out);
   }
 
   // out[r * ldo + n] = sum_k x[r, k] * W[n, k] for n in [begin, end), R rows of x.
@@ -503,7 +526,10 @@ struct BlockWeight {
     else if (kind == 6) gemv_kind<6>(rows_x, in, out, begin, end);
     else if (kind == 7) gemv_kind<7>(rows_x, in, out, begin, end);
     else if (kind == 8) gemv_kind<8>(rows_x, in, out, begin, end);
-    else gemv_kind<9>(rows_x, in, out, begin, end);
+    else if (kind == 9) gemv_kind<9>(rows_x, in, out, begin, end);
+    else if (kind == 10) gemv_kind<10>(rows_x, in, out, begin, end);
+    else if (kind == 11) gemv_kind<11>(rows_x, in, out, begin, end);
+    else gemv_kind<12>(rows_x, in, out, begin, end);
   }
 };
 
@@ -567,16 +593,17 @@ class ExactInput {
     digits_.reserve(blocks * kDigits * kBlock);
     scale_.reserve(blocks);
     sum_.reserve(blocks);
-    digit_sums_.reserve(blocks * kDigits);
+    digit_sums_.reserve(blocks * 2 * kDigits);
   }
-  // kind: the weight's (7-9); its digit sums are kept for Q8_0 and Q4_0.
+  // kind: the weight's (7-11); digit sums are kept for the kinds without a minimum.
   void prepare(const float* x, int64_t rows, int64_t cols, int64_t kind);
 
   // Block i (= r nb + b) of x, digit k: 32 bytes in weight order.
   const int8_t* digits(int64_t i, int k) const { return digits_.data() + (i * kDigits + k) * kBlock; }
   float scale(int64_t i) const { return scale_.data()[i]; }  // x = scale X
   float sum(int64_t i) const { return sum_.data()[i]; }      // the block's 32 x, added in order
-  const int32_t* digit_sums(int64_t i) const { return digit_sums_.data() + i * kDigits; }
+  // Block i's digit sums: kDigits over its 32 values, then kDigits over its last 16.
+  const int32_t* digit_sums(int64_t i) const { return digit_sums_.data() + i * 2 * kDigits; }
 
  private:
   GrowingBuffer<int8_t> digits_;

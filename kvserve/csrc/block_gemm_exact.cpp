@@ -1,7 +1,9 @@
 // The lossless path's matmul on AVX-512 VNNI: the GGUF weights exactly, x in float32
 // precision, through integer dot products on the blocks interleaved 16 rows at a time
-// (kinds 7-9, block_quants.h; llama.cpp's repacked buffers and gguf_int8's copy,
-// block_gemm_vnni.cpp, interleave the same way).
+// (kinds 7-12, block_quants.h; llama.cpp's repacked buffers and gguf_int8's copy,
+// block_gemm_vnni.cpp, interleave the same way): Q8_0, Q4_1, Q4_0, the repacked Q4_K
+// (float32 scale and minimum) and Q6_K (a float32 scale per 16 weights), and Q5_0's
+// repacked Q8_0 blocks in 5 bits.
 //
 // The float GEMV (block_gemm.h) turns every block's quants into floats before it can
 // multiply them: per 32 weights 7 vector instructions on Zen 4, whose 512-bit shuffles and
@@ -50,15 +52,17 @@ bool block_exponent(float amax, int& e) {
 void ExactInput::prepare(const float* x, int64_t rows, int64_t cols, int64_t kind) {
   const int64_t blocks = rows * cols / kBlock;
   int8_t* digits = digits_.reserve(blocks * kDigits * kBlock);
-  const bool need_sums = kind != 8;  // Q8_0's and Q4_0's offsets are taken back per digit
+  // The kinds without a minimum take their quants' offset back per digit (kind 11 per
+  // half block: its halves have their own scales).
+  const bool need_sums = !has_min(kind);
   float* scale = scale_.reserve(blocks);
   float* sum = sum_.reserve(blocks);
   block_sums(x, blocks, sum);
-  int32_t* digit_sums = digit_sums_.reserve(blocks * kDigits);
+  int32_t* digit_sums = digit_sums_.reserve(blocks * 2 * kDigits);
   for (int64_t b = 0; b < blocks; ++b) {
     const float* xb = x + b * kBlock;
     int8_t* db = digits + b * kDigits * kBlock;
-    int32_t* sums = digit_sums + b * kDigits;
+    int32_t* sums = digit_sums + b * 2 * kDigits;
 #ifdef KVSERVE_EXACT_VNNI
     const __m512 v[2] = {_mm512_loadu_ps(xb), _mm512_loadu_ps(xb + 16)};
     const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v[0]), _mm512_abs_ps(v[1])));
@@ -71,7 +75,7 @@ void ExactInput::prepare(const float* x, int64_t rows, int64_t cols, int64_t kin
     if (!block_exponent(amax, e) || std::isnan(sum[b])) {
       std::memset(db, 0, kDigits * kBlock);
       scale[b] = std::numeric_limits<float>::quiet_NaN();
-      std::fill(sums, sums + kDigits, 0);
+      std::fill(sums, sums + 2 * kDigits, 0);
       continue;
     }
     scale[b] = std::ldexp(1.f, e - 30);
@@ -88,16 +92,18 @@ void ExactInput::prepare(const float* x, int64_t rows, int64_t cols, int64_t kin
         _mm_storeu_si128(reinterpret_cast<__m128i*>(db + k * kBlock + 16 * h),
                          _mm512_cvtepi32_epi8(digit[h]));
       }
-      sums[k] = need_sums ? _mm512_reduce_add_epi32(_mm512_add_epi32(digit[0], digit[1])) : 0;
+      sums[kDigits + k] = need_sums ? _mm512_reduce_add_epi32(digit[1]) : 0;
+      sums[k] = need_sums ? _mm512_reduce_add_epi32(digit[0]) + sums[kDigits + k] : 0;
     }
 #else
-    std::fill(sums, sums + kDigits, 0);
+    std::fill(sums, sums + 2 * kDigits, 0);
     for (int i = 0; i < kBlock; ++i) {
       auto X = static_cast<int32_t>(std::nearbyint(xb[i] * up));
       for (int k = 0; k < kDigits; ++k) {
         const auto digit = static_cast<int8_t>(static_cast<uint32_t>(X) & 0xFF);
         db[k * kBlock + i] = digit;
         sums[k] += digit;
+        if (i >= kBlock / 2) sums[kDigits + k] += digit;
         X = (X - digit) >> 8;  // exact: X - digit is a multiple of 256
       }
     }
@@ -119,6 +125,23 @@ inline __m512i broadcast4(const int8_t* p) {
 // group's quants and scales are three runs the kernel walks in order.
 constexpr int64_t kAheadBlocks = 4;
 
+// acc[r] += the digit sums of block b (or its half) as one dot product, times the 16
+// rows' scales dv and x's block scale. X . q = 2^16 (2^8 s3 + s2) + (2^8 s1 + s0); each
+// half is exact in float32 for the 4-bit kinds (|s| <= 32 * 15 * 128), the byte kinds'
+// round once.
+template <int R>
+inline void add_block_dots(const __m512i (&sum)[R][ExactInput::kDigits], __m512 dv,
+                           const ExactInput& x, int64_t r0, int64_t nb, int64_t b, __m512 acc[R]) {
+  for (int r = 0; r < R; ++r) {
+    const __m512i hi = _mm512_add_epi32(_mm512_slli_epi32(sum[r][3], 8), sum[r][2]);
+    const __m512i lo = _mm512_add_epi32(_mm512_slli_epi32(sum[r][1], 8), sum[r][0]);
+    const __m512 dot =
+        _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), _mm512_set1_ps(65536.f), _mm512_cvtepi32_ps(lo));
+    acc[r] = _mm512_fmadd_ps(dot, _mm512_mul_ps(dv, _mm512_set1_ps(x.scale((r0 + r) * nb + b))),
+                             acc[r]);
+  }
+}
+
 // acc[r] (the 16 rows of group g as lanes) += the group's blocks times rows r0..r0+R-1 of
 // x. Every integer sum is exact, so a row's result is the same whatever R is.
 template <int KIND, int R>
@@ -127,33 +150,66 @@ void group_dot_exact(const BlockWeight& w, int64_t g, const ExactInput& x, int64
   constexpr int D = ExactInput::kDigits;
   constexpr int64_t G = kInterleavedRows, bb = block_bytes_of(KIND);
   const int64_t nb = w.cols / kBlock;
+  constexpr int S = static_cast<int>(scales_per_block(KIND));
+  constexpr int64_t scale_bytes = float32_scales(KIND) ? 4 : 2;
   const uint8_t* quants = w.qs + g * nb * G * bb;
-  const uint16_t* scales = w.d + g * nb * G;
-  const uint16_t* minimums = has_min(KIND) ? w.m + g * nb * G : nullptr;
+  // The group's scales and minimums: 16 rows' side by side per block (S runs for kind 11)
+  const auto plane = [&](const void* half_plane, const void* float_plane) {
+    return static_cast<const uint8_t*>(float32_scales(KIND) ? float_plane : half_plane) +
+           g * nb * G * S * scale_bytes;
+  };
+  const uint8_t* scales = plane(w.d, w.d32);
+  const uint8_t* minimums = has_min(KIND) ? plane(w.m, w.m32) : nullptr;
+  const auto load16 = [](const uint8_t* p) {
+    if constexpr (float32_scales(KIND)) return _mm512_loadu_ps(p);
+    else return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  };
   const __m512i nibble = _mm512_set1_epi8(15);
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* q = quants + b * G * bb;
     for (int64_t line = 0; line < G * bb; line += 64)
       _mm_prefetch(reinterpret_cast<const char*>(q + kAheadBlocks * G * bb + line), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(scales + (b + kAheadBlocks) * G), _MM_HINT_T0);
+    for (int64_t line = 0; line < G * S * scale_bytes; line += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(scales + (b + kAheadBlocks) * G * S * scale_bytes + line),
+                   _MM_HINT_T0);
     if constexpr (has_min(KIND))
-      _mm_prefetch(reinterpret_cast<const char*>(minimums + (b + kAheadBlocks) * G), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(minimums + (b + kAheadBlocks) * G * scale_bytes),
+                   _MM_HINT_T0);
     __m512i sum[R][D];
-    for (int r = 0; r < R; ++r)
-      for (int k = 0; k < D; ++k) sum[r][k] = _mm512_setzero_si512();
-    if constexpr (byte_quants(KIND)) {  // Q8_0 as unsigned q + 128
-      for (int c = 0; c < 8; ++c) {
-        const __m512i v = _mm512_loadu_si512(q + c * 64);
+    if constexpr (byte_quants(KIND)) {  // unsigned q + 128; kind 11 a half block at a time
+      for (int half = 0; half < S; ++half) {
         for (int r = 0; r < R; ++r)
-          for (int k = 0; k < D; ++k)
-            sum[r][k] = _mm512_dpbusd_epi32(sum[r][k], v,
-                                            broadcast4(x.digits((r0 + r) * nb + b, k) + 4 * c));
+          for (int k = 0; k < D; ++k) sum[r][k] = _mm512_setzero_si512();
+        for (int c = half * 8 / S; c < (half + 1) * 8 / S; ++c) {
+          const __m512i v = _mm512_loadu_si512(q + c * 64);
+          for (int r = 0; r < R; ++r)
+            for (int k = 0; k < D; ++k)
+              sum[r][k] = _mm512_dpbusd_epi32(sum[r][k], v,
+                                              broadcast4(x.digits((r0 + r) * nb + b, k) + 4 * c));
+        }
+        // (q + 128) . a - 128 sum(a) over the block or its half: exact.
+        for (int r = 0; r < R; ++r) {
+          const int32_t* s = x.digit_sums((r0 + r) * nb + b);
+          for (int k = 0; k < D; ++k) {
+            const int32_t digit_sum = S == 1 ? s[k] : half == 0 ? s[k] - s[D + k] : s[D + k];
+            sum[r][k] = _mm512_sub_epi32(sum[r][k], _mm512_set1_epi32(128 * digit_sum));
+          }
+        }
+        add_block_dots<R>(sum, load16(scales + (b * S + half) * G * scale_bytes), x, r0, nb, b, acc);
       }
     } else {
+      for (int r = 0; r < R; ++r)
+        for (int k = 0; k < D; ++k) sum[r][k] = _mm512_setzero_si512();
       for (int c = 0; c < 4; ++c) {
         const __m512i v = _mm512_loadu_si512(q + c * 64);
-        const __m512i lo = _mm512_and_si512(v, nibble);
-        const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+        __m512i lo = _mm512_and_si512(v, nibble);
+        __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+        if constexpr (KIND == 12) {  // the fifth bits: q + 16 in 0..31
+          __mmask64 fifth[2];
+          std::memcpy(fifth, q + 256 + c * 16, sizeof(fifth));
+          lo = _mm512_mask_add_epi8(lo, fifth[0], lo, _mm512_set1_epi8(16));
+          hi = _mm512_mask_add_epi8(hi, fifth[1], hi, _mm512_set1_epi8(16));
+        }
         for (int r = 0; r < R; ++r)
           for (int k = 0; k < D; ++k) {
             const int8_t* a = x.digits((r0 + r) * nb + b, k);
@@ -161,31 +217,19 @@ void group_dot_exact(const BlockWeight& w, int64_t g, const ExactInput& x, int64
             sum[r][k] = _mm512_dpbusd_epi32(sum[r][k], hi, broadcast4(a + 16 + 4 * c));
           }
       }
-    }
-    if constexpr (!has_min(KIND)) {
-      // (q + 128) . a - 128 sum(a) for Q8_0, q . a - 8 sum(a) for Q4_0 (q - 8): exact.
-      constexpr int32_t offset = byte_quants(KIND) ? 128 : 8;
-      for (int r = 0; r < R; ++r) {
-        const int32_t* s = x.digit_sums((r0 + r) * nb + b);
-        for (int k = 0; k < D; ++k)
-          sum[r][k] = _mm512_sub_epi32(sum[r][k], _mm512_set1_epi32(offset * s[k]));
+      if constexpr (!has_min(KIND)) {  // q . a - 8 sum(a) for Q4_0 (q - 8), 16 for kind 12
+        constexpr int32_t offset = KIND == 12 ? 16 : 8;
+        for (int r = 0; r < R; ++r) {
+          const int32_t* s = x.digit_sums((r0 + r) * nb + b);
+          for (int k = 0; k < D; ++k)
+            sum[r][k] = _mm512_sub_epi32(sum[r][k], _mm512_set1_epi32(offset * s[k]));
+        }
       }
-    }
-    const __m512 dv =
-        _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + b * G)));
-    for (int r = 0; r < R; ++r) {
-      // X . q = 2^16 (2^8 s3 + s2) + (2^8 s1 + s0); each half is exact in float32 for the
-      // 4-bit kinds (|s| <= 32 * 15 * 128), Q8_0's round once.
-      const __m512i hi = _mm512_add_epi32(_mm512_slli_epi32(sum[r][3], 8), sum[r][2]);
-      const __m512i lo = _mm512_add_epi32(_mm512_slli_epi32(sum[r][1], 8), sum[r][0]);
-      const __m512 dot =
-          _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), _mm512_set1_ps(65536.f), _mm512_cvtepi32_ps(lo));
-      const int64_t i = (r0 + r) * nb + b;
-      acc[r] = _mm512_fmadd_ps(dot, _mm512_mul_ps(dv, _mm512_set1_ps(x.scale(i))), acc[r]);
+      add_block_dots<R>(sum, load16(scales + b * G * scale_bytes), x, r0, nb, b, acc);
       if constexpr (has_min(KIND)) {  // sum (d q + m) x = d (q . x) + m sum(x)
-        const __m512 mv = _mm512_cvtph_ps(
-            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(minimums + b * G)));
-        acc[r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(x.sum(i)), acc[r]);
+        const __m512 mv = load16(minimums + b * G * scale_bytes);
+        for (int r = 0; r < R; ++r)
+          acc[r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(x.sum((r0 + r) * nb + b)), acc[r]);
       }
     }
   }
@@ -226,7 +270,10 @@ void groups_exact(const BlockWeight& w, int64_t rows, const ExactInput& x, float
 #ifdef KVSERVE_EXACT_VNNI
   if (w.kind == 7) groups_exact_kind<7>(w, rows, x, out, ldo, g_begin, g_end);
   else if (w.kind == 8) groups_exact_kind<8>(w, rows, x, out, ldo, g_begin, g_end);
-  else groups_exact_kind<9>(w, rows, x, out, ldo, g_begin, g_end);
+  else if (w.kind == 9) groups_exact_kind<9>(w, rows, x, out, ldo, g_begin, g_end);
+  else if (w.kind == 10) groups_exact_kind<10>(w, rows, x, out, ldo, g_begin, g_end);
+  else if (w.kind == 11) groups_exact_kind<11>(w, rows, x, out, ldo, g_begin, g_end);
+  else groups_exact_kind<12>(w, rows, x, out, ldo, g_begin, g_end);
 #else
   (void)w, (void)rows, (void)x, (void)out, (void)ldo, (void)g_begin, (void)g_end;
 #endif

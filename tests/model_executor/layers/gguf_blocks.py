@@ -13,11 +13,26 @@ from gguf.quants import dequantize, quantize
 from kvserve.config import ModelConfig
 from kvserve.model_executor.layers.block_weight import BlockWeight
 
+# GGUF's k-quants: 256 weights a super-block, (bytes, [(start, end) of its float16 scales]).
+K_QUANTS = {T.Q4_K: (144, [(0, 2), (2, 4)]), T.Q6_K: (210, [(208, 210)])}
+
 
 def random_blocks(qtype: T, rows: int, cols: int, seed: int) -> tuple[BlockWeight, torch.Tensor]:
-    """A random weight's blocks and gguf's own float32 dequantization of them."""
+    """A random weight's blocks and gguf's own float32 dequantization of them. The gguf
+    package cannot quantize k-quants: theirs are random bytes (every quant and 6-bit scale
+    pattern) with finite float16 super-block scales of both signs, some zero, small
+    enough that weights stay near the quantized ones' size (|w| < 1)."""
     rng = np.random.default_rng(seed)
-    raw = quantize((rng.standard_normal((rows, cols)) * 0.05).astype(np.float32), qtype)
+    if qtype in K_QUANTS:
+        nbytes, scale_bytes = K_QUANTS[qtype]
+        raw = rng.integers(0, 256, (rows, cols // 256, nbytes), dtype=np.uint8)
+        for start, end in scale_bytes:
+            scale = (rng.standard_normal(raw.shape[:2]) * 2e-4).astype(np.float16)
+            scale[rng.random(raw.shape[:2]) < 0.05] = 0
+            raw[..., start:end] = scale[..., None].view(np.uint8)
+        raw = raw.reshape(rows, -1)
+    else:
+        raw = quantize((rng.standard_normal((rows, cols)) * 0.05).astype(np.float32), qtype)
     reference = torch.from_numpy(dequantize(raw, qtype).astype(np.float32))
     return BlockWeight.from_raw(raw, qtype), reference
 

@@ -1,4 +1,4 @@
-"""The lossless digit matmul on blocks interleaved 16 rows at a time (kinds 7-9,
+"""The lossless digit matmul on blocks interleaved 16 rows at a time (kinds 7-12,
 csrc/block_gemm_exact.cpp, AVX-512 VNNI builds): x split exactly into int8 digits, the
 GGUF weights exactly. Its results are the float32 product of gguf's own dequantized
 weights within float32 rounding at 1-256 rows (the float GEMV's tolerance), on random
@@ -17,6 +17,7 @@ from kvserve import _custom_ops as ops
 from kvserve.model_executor.layers.block_weight import BlockWeight
 from tests.gemma3_fixtures import GEMMA3
 from tests.model_executor.layers.gguf_blocks import (
+    K_QUANTS,
     assert_rows_independent_of_threads,
     check_packaged_tensors,
     random_blocks,
@@ -27,7 +28,8 @@ pytestmark = pytest.mark.skipif(
     reason="a build without AVX-512 VNNI (the digit matmul's kernel)",
 )
 
-TYPES = [T.Q8_0, T.Q4_1, T.Q4_0]
+# Q5_0, Q4_K and Q6_K as repacked at load (Q5_0: Q8_0 planes, interleaved in 5 bits).
+TYPES = [T.Q8_0, T.Q4_1, T.Q4_0, T.Q5_0, T.Q4_K, T.Q6_K]
 # 4: the kernel's tile of x rows (5, 9, 17: partial tiles after full ones); it serves up
 # to 255 rows, 256 take block_linear's dense path on the interleaved planes' dequantized rows.
 ROWS = [1, 2, 3, 4, 5, 9, 17, 64, 255, 256]
@@ -37,7 +39,7 @@ def _interleaved(weight: BlockWeight) -> BlockWeight:
     """A copy of a plain weight, interleaved."""
     copy = BlockWeight(weight.qtype, weight.qs.clone(), weight.d.clone(), weight.m.clone())
     copy.use_interleaved()
-    assert copy.interleaved and copy.kind in (7, 8, 9)
+    assert copy.interleaved and copy.kind in (7, 8, 9, 10, 11, 12)
     return copy
 
 
@@ -46,16 +48,18 @@ def _exact(weight: BlockWeight, x: torch.Tensor) -> torch.Tensor:
     return weight.linear(x)
 
 
-def _bound(weight: BlockWeight, x: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
+def _bound(plain: BlockWeight, x: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
     """Float32 rounding of the sums (2e-6 of the sum of |terms|, as the float GEMV is held
-    to) plus the digits' own rounding: each value at 2^-31 of its block's largest |x|,
-    which reaches the result through the block's d q (|d q| <= |w| + |m|)."""
+    to; a block's terms are d q x and m x, |d q| <= |w| + |m|) plus the digits' own
+    rounding: each value at 2^-31 of its block's largest |x|, which reaches the result
+    through the block's d q."""
     rows, cols = x.shape
+    magnitude = reference.abs().double()
+    if plain.m.numel():
+        magnitude += plain.m.double().abs().reshape(magnitude.shape[0], -1).repeat_interleave(32, 1)
     block_max = x.abs().double().reshape(rows, cols // 32, 32).amax(-1)
-    block_l1 = reference.abs().double().reshape(reference.shape[0], cols // 32, 32).sum(-1)
-    if weight.m.numel():
-        block_l1 += 32 * weight.m.double().abs().reshape(block_l1.shape)
-    terms = x.abs().double() @ reference.abs().double().T
+    block_l1 = magnitude.reshape(magnitude.shape[0], cols // 32, 32).sum(-1)
+    terms = x.abs().double() @ magnitude.T
     return 2e-6 * terms + 2.0**-31 * (block_max @ block_l1.T) + 1e-30
 
 
@@ -64,17 +68,20 @@ def _check(plain: BlockWeight, reference: torch.Tensor, x: torch.Tensor) -> None
     assert torch.equal(weight.dequantize(), plain.dequantize())
     out = _exact(weight, x)
     want = x.double() @ reference.double().T
-    bound = _bound(weight, x, reference)
+    bound = _bound(plain, x, reference)
     assert ((out.double() - want).abs() <= bound).all()
     if x.shape[0] < ops.block_linear_dense_rows():  # the integer sums are exact
         for i in sorted({0, x.shape[0] // 2, x.shape[0] - 1}):
             assert torch.equal(_exact(weight, x[i : i + 1])[0], out[i])
 
 
-# 208 output rows: 13 groups of 16; 96 columns an odd number of blocks.
-@pytest.mark.parametrize("cols", [1536, 96])
+# 208 output rows: 13 groups of 16; 96 columns an odd number of blocks (the k-quants:
+# 768, an odd number of their 256-weight super-blocks).
+@pytest.mark.parametrize(
+    ("qtype", "cols"),
+    [(qtype, cols) for qtype in TYPES for cols in (1536, 768 if qtype in K_QUANTS else 96)],
+)
 @pytest.mark.parametrize("rows", ROWS)
-@pytest.mark.parametrize("qtype", TYPES)
 def test_exact_matmul_is_the_float32_product(qtype: T, rows: int, cols: int) -> None:
     weight, reference = random_blocks(qtype, 208, cols, seed=rows)
     x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(rows))
@@ -100,7 +107,7 @@ def test_values_far_below_their_blocks_largest(qtype: T) -> None:
     x[1, 1::2] *= -1
     x[2] *= 1e-30
     x[3] *= 1e-41  # subnormal: below 2^-126
-    x[4, 100] = 3.0e38  # near float32's largest
+    x[4, 100] = 3.0e38 / max(1.0, float(reference.abs().max()))  # near float32's largest
     _check(weight, reference, x)
 
 
@@ -110,6 +117,10 @@ def test_extreme_quants(qtype: T) -> None:
     weight, _ = random_blocks(qtype, 16, 256, seed=0)
     if qtype == T.Q8_0:
         weight.qs.fill_(-128)
+    elif qtype == T.Q6_K:  # repacked: q - 32 in -32..31
+        weight.qs.fill_(-32)
+    elif qtype == T.Q5_0:  # repacked: q - 16 in -16..15
+        weight.qs.fill_(-16)
     else:  # both nibbles at 15
         weight.qs.fill_(0xFF)
     reference = weight.dequantize()
@@ -123,8 +134,8 @@ def test_extreme_quants(qtype: T) -> None:
 def test_non_finite_rows(qtype: T) -> None:
     """A row with inf or NaN gives non-finite outputs (the float GEMV's NaN or inf); the
     other rows are untouched."""
-    weight = _interleaved(random_blocks(qtype, 48, 128, seed=5)[0])
-    x = torch.randn(3, 128, generator=torch.Generator().manual_seed(6))
+    weight = _interleaved(random_blocks(qtype, 48, 256, seed=5)[0])
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(6))
     clean = _exact(weight, x)
     x[0, 3] = float("nan")
     x[2, 70] = float("inf")
@@ -135,7 +146,7 @@ def test_non_finite_rows(qtype: T) -> None:
 
 @pytest.mark.parametrize("model", [None, GEMMA3], ids=["smollm2", "gemma3"])
 def test_packaged_files_tensors(model: str | None) -> None:
-    """SmolLM2's Q4_1 and Q8_0 and Gemma 3's Q8_0 tensors."""
+    """SmolLM2's Q4_1 and Q8_0 and Gemma 3's Q8_0, Q5_0, Q4_K and Q6_K tensors."""
     check_packaged_tensors(model, tuple(TYPES), _check, (1, 3, 4, 17))
 
 
@@ -144,33 +155,31 @@ def test_rows_are_identical_across_thread_counts(qtype: T) -> None:
     """Threads split the groups of 16 outputs, each summed whole on one thread in one
     order: a row's outputs are the same bits on 1 and 2 threads, alone and in every tile
     of x rows."""
-    weight = _interleaved(random_blocks(qtype, 16 * 37, 640, seed=7)[0])
-    x = torch.randn(9, 640, generator=torch.Generator().manual_seed(9))
+    weight = _interleaved(random_blocks(qtype, 16 * 37, 768, seed=7)[0])
+    x = torch.randn(9, 768, generator=torch.Generator().manual_seed(9))
     assert_rows_independent_of_threads(lambda rows: _exact(weight, rows), x, (1, 2, 3, 4, 5))
 
 
 def test_lossless_method_interleaves_its_blocks() -> None:
     """prepare_kernels interleaves the lossless method's plain blocks of a multiple of 16
-    rows in place (no copy kept: the same bytes); gguf_int8 keeps its own arithmetic,
-    and so do the repacked k-quants (float32 scales) and other row counts their layout.
-    Every row looks up (dequantize_rows) as the plain layout's."""
+    rows in place (no copy kept: the same bytes), the repacked k-quants too; gguf_int8
+    keeps its own arithmetic (the k-quants their float GEMV) and other row counts their
+    layout. Every row looks up (dequantize_rows) as the plain layout's."""
     for qtype in TYPES:
         plain, _ = random_blocks(qtype, 48, 256, seed=8)
         weight, _ = random_blocks(qtype, 48, 256, seed=8)
         weight.prepare_kernels("gguf")
-        assert weight.interleaved and weight.nbytes == plain.nbytes and weight.packed is None
+        assert weight.interleaved and weight.packed is None
+        # the same bytes reordered; Q5_0's 5 bits a quant (22 bytes a block) where Q8_0 has 34
+        assert weight.nbytes == plain.nbytes * (22 // 2 if qtype == T.Q5_0 else 17) // 17
+        assert weight.five_bit == (qtype == T.Q5_0)
         ids = torch.tensor([0, 15, 16, 47, 3, 3])
         assert torch.equal(weight.dequantize_rows(ids), plain.dequantize_rows(ids))
         x = torch.randn(2, 256, generator=torch.Generator().manual_seed(1))
         assert torch.equal(weight.linear(x), _exact(_interleaved(plain), x))
         int8, _ = random_blocks(qtype, 48, 256, seed=8)
         int8.prepare_kernels("gguf_int8")
-        assert int8.int8_activations and not int8.interleaved
+        assert int8.int8_activations != (qtype in K_QUANTS) and not int8.interleaved
         odd, _ = random_blocks(qtype, 40, 256, seed=8)
         odd.prepare_kernels("gguf")
         assert not odd.interleaved
-    from tests.model_executor.test_gguf_repack import _random_raw
-
-    k_quant = BlockWeight.from_raw(_random_raw(T.Q4_K, 16, 256, 2), T.Q4_K)
-    k_quant.prepare_kernels("gguf")
-    assert not k_quant.interleaved
