@@ -43,6 +43,7 @@ _SOURCES = [
         "decode_step.cpp",
         "mamba_decode.cpp",
         "memory_probe.cpp",
+        "shm_all_reduce.cpp",
     )
 ]
 # KVSERVE_MARCH: build for another CPU than this one (e.g. "haswell", AVX2 without
@@ -458,3 +459,13 @@ def mamba_decode_step(
         y, xbc, dt, pages, read_blocks, write_blocks, has_initial_state, conv_weight,
         conv_bias, dt_bias, A, D, time_step_limit[0], time_step_limit[1], n_groups, state_size,
     )  # fmt: skip
+
+
+def shm_all_reduce(
+    name: str, create: bool, rank: int, world: int, slot_bytes: int, timeout_s: float
+) -> torch.ScriptObject:
+    """A ``torch.classes.kvserve.ShmAllReduce`` (csrc/shm_all_reduce.cpp) over the POSIX
+    shared-memory segment ``name``, made here when ``create``, opened otherwise; its
+    ``all_reduce(tensor)`` sums in place over the ``world`` ranks mapping it."""
+    require()
+    return torch.classes.kvserve.ShmAllReduce(name, create, rank, world, slot_bytes, timeout_s)

@@ -4,6 +4,9 @@ Every rank runs the same model code; a ``GroupCoordinator`` wraps the ranks that
 one thing together (a TP group shares each layer, a PP group passes activations along)
 with two torch.distributed groups: a gloo ``cpu_group`` for metadata and CPU tensors, and
 a ``device_group`` for the activations (NCCL on CUDA, the gloo group itself on a CPU).
+All-reduces of CPU float tensors skip gloo where every rank of the group shares this
+host's shared memory (shm_all_reduce.py): gloo over localhost TCP costs more system CPU
+per reduction than a small model's layer computes.
 
 Ranks are laid out as vLLM does: ``rank = (dp_rank * pp_size + pp_rank) * tp_size +
 tp_rank``, so a TP group is a run of consecutive ranks and a PP group takes one rank from
@@ -31,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from kvserve.config import ParallelConfig
+from kvserve.distributed import shm_all_reduce
 from kvserve.forward_context import current_ubatch
 
 logger = logging.getLogger(__name__)
@@ -71,6 +75,10 @@ class GroupCoordinator:
         self.device_group: dist.ProcessGroup | None = None
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.rank_in_group = ranks.index(self.rank) if self.rank in ranks else 0
+        # The shared-memory all-reduce, set up by the first all-reduce of a CPU tensor
+        # (a collective, which every rank reaches at the same point); None keeps gloo.
+        self._shm: shm_all_reduce.ShmAllReduce | None = None
+        self._shm_tried = False
 
     @classmethod
     def single(cls, name: str) -> GroupCoordinator:
@@ -101,14 +109,28 @@ class GroupCoordinator:
     def prev_rank(self) -> int:
         return self.ranks[(self.rank_in_group - 1) % self.world_size]
 
+    @property
+    def uses_shared_memory(self) -> bool:
+        """Whether CPU all-reduces go through shared memory (known after the first)."""
+        return self._shm is not None
+
     def _group_for(self, tensor: torch.Tensor) -> dist.ProcessGroup | None:
         return self.cpu_group if tensor.device.type == "cpu" else self.device_group
 
     # ---- collectives (each returns its input unchanged in a one-rank group) ---------
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Sum over the group, in place (the input is returned)."""
+        """Sum over the group, in place (the input is returned). CPU tensors of the
+        float types go through shared memory where every rank is on this host (see
+        shm_all_reduce.py); the rest through torch.distributed."""
         if self.world_size == 1:
+            return tensor
+        shm = self._shared_memory() if shm_all_reduce.ShmAllReduce.supports(tensor) else None
+        if shm is not None:
+            # Done when issued, so a micro-batch (dual batch overlap) gets finished work
+            # and still hands its turn on here: the turns, and with them the order of
+            # every rank's collectives, stay as they are with gloo.
+            current_ubatch().overlap(lambda async_op: shm.all_reduce(tensor))
             return tensor
         group = self._group_for(tensor)
         # Inside a micro-batch (dual batch overlap) the reduction runs while the other
@@ -117,6 +139,15 @@ class GroupCoordinator:
             lambda async_op: dist.all_reduce(tensor, group=group, async_op=async_op)
         )
         return tensor
+
+    def _shared_memory(self) -> shm_all_reduce.ShmAllReduce | None:
+        if not self._shm_tried:
+            self._shm_tried = True
+            assert self.cpu_group is not None, f"the {self.name} group has no CPU group"
+            self._shm = shm_all_reduce.connect(
+                self.cpu_group, self.ranks, self.rank_in_group, COLLECTIVE_TIMEOUT_S
+            )
+        return self._shm
 
     def all_gather(self, tensor: torch.Tensor, dim: int = -1) -> torch.Tensor:
         """Every rank's tensor concatenated along ``dim``, in group order."""
@@ -181,6 +212,7 @@ class GroupCoordinator:
         for group in {id(g): g for g in (self.cpu_group, self.device_group) if g}.values():
             dist.destroy_process_group(group)
         self.cpu_group = self.device_group = None
+        self._shm, self._shm_tried = None, True
 
 
 @dataclass
