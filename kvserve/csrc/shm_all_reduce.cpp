@@ -18,7 +18,9 @@
 // ranks end with identical bits.
 
 #include <fcntl.h>
+#if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
+#endif
 #include <sched.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
@@ -147,7 +149,9 @@ class ShmAllReduce : public torch::CustomClassHolder {
       while (__atomic_load_n(flag(r), __ATOMIC_ACQUIRE) < round) {
         ++waits;
         if (waits < kSpins) {
+#if defined(__x86_64__) || defined(__i386__)
           _mm_pause();
+#endif
           continue;
         }
         if (waits == kSpins) start = Clock::now();
