@@ -36,7 +36,7 @@ $(STAMP): pyproject.toml
 	$(PY) -c "from kvserve.utils.allocator import jemalloc_library as j; raise SystemExit(j() is None)" || \
 		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libjemalloc2)
 	# Compile the C++ CPU kernels now (cached per machine) rather than in the first request.
-	$(PY) -c "import kvserve._custom_ops as ops; print('kvserve CPU kernels:', 'built' if ops.available() else 'unavailable, torch fallbacks in use')"
+	$(PY) -c "import kvserve._custom_ops as ops; w = ops.why_unavailable(); print('kvserve CPU kernels:', 'built' if w is None else f'{w.reason.value}, torch fallbacks in use')"
 	touch $(STAMP)
 
 install: $(STAMP)

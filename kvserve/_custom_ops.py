@@ -2,22 +2,27 @@
 
 They are built just in time with torch's cpp_extension for the machine they run on
 (``-march=native``), cached under the user's torch extensions directory, and registered
-as ``torch.ops.kvserve.*``. Where no compiler is available, or with
-``KVSERVE_DISABLE_CUSTOM_OPS=1``, ``available()`` is False and callers use their plain
-torch paths, which compute the same thing.
+as ``torch.ops.kvserve.*``. Where no compiler is available, with
+``KVSERVE_DISABLE_CUSTOM_OPS=1``, or where the build fails, ``available()`` is False and
+callers use their plain torch paths, which compute the same thing; ``why_unavailable()``
+tells the three apart (a failed build carries the compiler's output), so tests skip only
+for the first two.
 """
 
 from __future__ import annotations
 
+import enum
 import hashlib
 import json
 import logging
 import os
+import shutil
 import sys
 import sysconfig
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -52,8 +57,25 @@ _SOURCES = [
 ENV_MARCH = "KVSERVE_MARCH"
 _CFLAGS = ["-O3", "-ffp-contract=off", "-fopenmp"]
 
+
+class Reason(enum.Enum):
+    DISABLED = "disabled"  # by $KVSERVE_DISABLE_CUSTOM_OPS
+    NO_COMPILER = "no compiler"  # $CXX (default c++) is not on PATH
+    BUILD_FAILED = "build failed"  # compiling, linking or loading the library failed
+
+
+@dataclass(frozen=True)
+class Unavailable:
+    """Why the kernels are not loaded; ``detail`` holds the compiler's output for a
+    failed build."""
+
+    reason: Reason
+    detail: str
+
+
 _lock = threading.Lock()
 _state: dict[str, bool] = {}
+_why: Unavailable | None = None  # set with _state["ok"]
 _forced_off = threading.local()
 
 
@@ -68,33 +90,74 @@ def _library_name() -> str:
     return "kvserve_cpu_ops" + suffix
 
 
-def _build() -> bool:
+class _NoCompiler(Exception):
+    pass
+
+
+def _build(sources: Sequence[Path]) -> None:
     # torch re-builds when the sources or flags change; headers only count through a flag.
     headers = b"".join(path.read_bytes() for path in sorted(_CSRC.glob("*.h")))
     header_hash = hashlib.sha256(headers).hexdigest()[:16]
     march, name = _march(), _library_name()
     cflags = [*_CFLAGS, f"-march={march}", f"-DKVSERVE_HEADERS={header_hash}"]
-    stamp = _build_stamp(name, cflags, headers)
+    stamp = _build_stamp(name, cflags, headers, sources)
     if _load_stamped(name, stamp):
-        return True
-    from torch.utils import cpp_extension
-
+        return
     # The venv's own ninja (a pip dependency) is found even when the venv is not activated.
     scripts = sysconfig.get_path("scripts")
     os.environ["PATH"] = os.pathsep.join([scripts, os.path.dirname(sys.executable)]) + (
         os.pathsep + os.environ.get("PATH", "")
     )
-    library = cpp_extension.load(
-        name=name,
-        sources=[str(path) for path in _SOURCES],
-        extra_include_paths=[str(_CSRC)],
-        extra_cflags=cflags,
-        extra_ldflags=["-fopenmp"],
-        is_python_module=False,
-        verbose=False,
-    )
-    _write_stamp(Path(str(library)), stamp)
-    return True
+    # torch's own choice of compiler (cpp_extension.get_cxx_compiler on POSIX), looked up
+    # before importing cpp_extension: its failure would read like any other build error.
+    compiler = os.environ.get("CXX", "c++")
+    if not compiler or shutil.which(compiler) is None:
+        raise _NoCompiler(f"no C++ compiler: {compiler!r} (from $CXX, default c++) is not on PATH")
+    with _build_lock(_library_path(name).parent):
+        if _load_stamped(name, stamp):  # built by the process this one waited for
+            return
+        from torch.utils import cpp_extension
+
+        library = cpp_extension.load(
+            name=name,
+            sources=[str(path) for path in sources],
+            extra_include_paths=[str(_CSRC)],
+            extra_cflags=cflags,
+            extra_ldflags=["-fopenmp"],
+            is_python_module=False,
+            verbose=False,
+        )
+        _write_stamp(Path(str(library)), stamp)
+
+
+# torch's cpp_extension serialises builds with a bare file (FileBaton, "<build dir>/lock")
+# that only its creator removes: a builder killed mid-build leaves it behind, and every
+# later process waits on it forever. kvserve's builders also hold an flock on a file of
+# their own, which the operating system drops when the holder dies, however it dies;
+# whoever holds it knows that no kvserve process is building, so a baton it finds is a
+# dead one's. (A builder that does not take the flock, an older kvserve sharing the
+# extensions directory, could lose its baton this way, as could the ninja a killed builder
+# left running: the cost is two ninja runs in one directory at once, not a hang.)
+_FLOCK_NAME = "kvserve-build.flock"
+
+
+@contextmanager
+def _build_lock(build_dir: Path) -> Iterator[None]:
+    import fcntl
+
+    build_dir.mkdir(parents=True, exist_ok=True)
+    with open(build_dir / _FLOCK_NAME, "a") as holder:
+        fcntl.flock(holder, fcntl.LOCK_EX)  # waits while a live process builds
+        baton = build_dir / "lock"
+        if baton.exists():
+            logger.warning(
+                "removing the stale build lock %s: the process that took it died mid-build "
+                "(no live kvserve builder holds %s)",
+                baton,
+                holder.name,
+            )
+            baton.unlink(missing_ok=True)
+        yield
 
 
 # A library built by the slow path above is loaded straight from its build directory by
@@ -104,9 +167,9 @@ def _build() -> bool:
 _STAMP_SUFFIX = ".kvserve-build.json"
 
 
-def _build_stamp(name: str, cflags: list[str], headers: bytes) -> str:
+def _build_stamp(name: str, cflags: list[str], headers: bytes, sources: Sequence[Path]) -> str:
     digest = hashlib.sha256(headers)
-    for path in _SOURCES:
+    for path in sources:
         digest.update(path.name.encode() + b"\0" + path.read_bytes())
     context = [name, *cflags, torch.__version__, sys.version, os.environ.get("CXX", "")]
     digest.update("\0".join(context).encode())
@@ -158,19 +221,50 @@ def _write_stamp(library: Path, stamp: str) -> None:
 
 def available() -> bool:
     """Whether torch.ops.kvserve's CPU kernels are loaded (builds them on the first call)."""
+    global _why
     if "ok" in _state:
         return _state["ok"]
     with _lock:
         if "ok" not in _state:
-            if os.environ.get(ENV_DISABLE, "") not in ("", "0"):
-                _state["ok"] = False
-            else:
-                try:
-                    _state["ok"] = _build()
-                except Exception as exc:  # no compiler, no headers: the torch paths remain
-                    logger.warning("kvserve CPU kernels unavailable, using torch ops: %s", exc)
-                    _state["ok"] = False
+            _why = _load(_SOURCES)
+            _state["ok"] = _why is None
     return _state["ok"]
+
+
+def why_unavailable() -> Unavailable | None:
+    """Why ``available()`` is False; None where the kernels are loaded."""
+    available()
+    return _why
+
+
+def _load(sources: Sequence[Path]) -> Unavailable | None:
+    """Build (or find built) and load the library of ``sources``; why not, if it fails."""
+    if os.environ.get(ENV_DISABLE, "") not in ("", "0"):
+        return Unavailable(Reason.DISABLED, f"${ENV_DISABLE} is set")
+    try:
+        _build(sources)
+    except _NoCompiler as exc:  # the torch paths remain
+        logger.warning("kvserve CPU kernels unavailable, using torch ops: %s", exc)
+        return Unavailable(Reason.NO_COMPILER, str(exc))
+    except Exception as exc:  # a compile or link error, a library that does not load
+        detail = str(exc)
+        logger.warning(
+            "kvserve CPU kernels failed to build, using torch ops (slower):\n%s",
+            _first_errors(detail),
+        )
+        return Unavailable(Reason.BUILD_FAILED, detail)
+    return None
+
+
+def _first_errors(output: str, lines: int = 12) -> str:
+    """The lines of a build's output that name its errors, not the screens of context
+    (compiler commands, "In file included from") that come between them."""
+    head, *rest = output.splitlines() or [""]
+    # torch's message starts "Error building extension 'name': " and runs on into ninja's
+    # first compiler command, a line of include paths and flags.
+    head = head.split(": ", 1)[0] if head.startswith("Error building extension") else head
+    errors = [line for line in rest if "error" in line.lower()]
+    return "\n".join([head, *(errors or rest)][:lines])
 
 
 def use_for(tensor: torch.Tensor) -> bool:

@@ -14,13 +14,14 @@ from kvserve import _custom_ops as ops
 from kvserve.model_executor.layers.activation import GeluAndMul, SiluAndMul
 from kvserve.model_executor.layers.layernorm import RMSNorm
 from kvserve.model_executor.layers.rotary_embedding import RotaryEmbedding
+from tests.kernel_support import require_kernels
 
-pytestmark = pytest.mark.skipif(not ops.available(), reason="no C++ toolchain for the kernels")
+require_kernels()
 
 
 def test_kernels_are_built_on_this_machine() -> None:
     # The CI machine has a compiler: the fast paths must really be in use there.
-    assert ops.available()
+    assert ops.available() and ops.why_unavailable() is None
     assert ops.use_for(torch.zeros(1))
     assert not ops.use_for(torch.zeros(1, dtype=torch.float64))
     with ops.disabled():

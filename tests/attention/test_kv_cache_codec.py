@@ -19,6 +19,7 @@ from kvserve.attention.backends.kv_cache_codec import (
 from kvserve.attention.backends.registry import get_attn_backend
 from kvserve.attention.backends.utils import make_common_attn_metadata
 from tests.attention.test_cpu_attn import naive_attention
+from tests.kernel_support import require_kernels
 
 
 def _rows(seed: int, n: int, d: int) -> torch.Tensor:
@@ -65,8 +66,8 @@ def _half_step(x: torch.Tensor) -> torch.Tensor:
     return x.abs().amax(dim=-1, keepdim=True) / 127 * (1 + 2**-8) / 2
 
 
-@pytest.mark.skipif(not ops.available(), reason="C++ kernels not built")
 def test_kernel_writes_the_torch_paths_bytes() -> None:
+    require_kernels()
     torch.manual_seed(1)
     num_blocks, block_size, heads, head = 6, 4, 3, 32
     key = torch.randn(10, heads, head) * torch.logspace(-2, 2, 10)[:, None, None]

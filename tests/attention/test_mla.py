@@ -11,7 +11,6 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType
 
-from kvserve import _custom_ops as ops
 from kvserve.attention.backends.mla_cpu import CPUMLABackend, CPUMLAImpl
 from kvserve.attention.backends.utils import make_common_attn_metadata
 from kvserve.attention.mla import MLAAttention
@@ -27,6 +26,7 @@ from kvserve.protocol.kv_cache_interface import (
 )
 from kvserve.transformers_utils.arch_families import MLAConfig
 from tests.family_models import build_family_model
+from tests.kernel_support import require_kernels
 
 KV_LORA, ROPE, NOPE, V, HEADS = 16, 8, 16, 16, 4
 
@@ -114,9 +114,9 @@ def test_mla_model_caches_one_latent_per_token(
         llm.llm_engine.shutdown()
 
 
-@pytest.mark.skipif(not ops.available(), reason="block weights need kvserve's CPU kernels")
 def test_quantized_kv_b_proj_is_read_dequantized() -> None:
     """--quantization drops kv_b_proj's float weight; the layer reads its blocks instead."""
+    require_kernels()
     mla = MLAConfig(
         kv_lora_rank=32, q_lora_rank=None, qk_nope_head_dim=NOPE, qk_rope_head_dim=ROPE,
         v_head_dim=V,

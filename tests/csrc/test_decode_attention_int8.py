@@ -15,8 +15,9 @@ import torch
 from kvserve import _custom_ops as ops
 from kvserve.attention.backends.kv_cache_codec import SCALE_BYTES, dequantize, quantize
 from tests.csrc.paged_decode import paged_cache, reference, run_kernel
+from tests.kernel_support import require_kernels
 
-pytestmark = pytest.mark.skipif(not ops.available(), reason="needs the C++ CPU kernels")
+require_kernels()
 
 
 def _paged(

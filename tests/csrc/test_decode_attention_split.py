@@ -13,8 +13,9 @@ import torch
 
 from kvserve import _custom_ops as ops
 from tests.csrc.paged_decode import paged_cache, reference, run_kernel
+from tests.kernel_support import require_kernels
 
-pytestmark = pytest.mark.skipif(not ops.available(), reason="needs the C++ CPU kernels")
+require_kernels()
 
 
 def _paged(

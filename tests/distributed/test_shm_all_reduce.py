@@ -14,11 +14,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from kvserve import _custom_ops as ops
 from kvserve.distributed import parallel_state as ps
 from kvserve.distributed import shm_all_reduce
+from tests.kernel_support import require_kernels
 
-pytestmark = pytest.mark.skipif(not ops.available(), reason="C++ kernels not built")
+require_kernels()
 
 # Small slots so that a few thousand elements already take several rounds.
 SLOT_BYTES = 4096

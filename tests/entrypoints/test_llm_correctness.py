@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from kvserve.sampling_params import SamplingParams
+from tests.kernel_support import require_kernels
 from tests.prompts import all_prompt_ids
 from tests.reference import assert_near_greedy, assert_no_leak, hf_reference
 
@@ -195,11 +196,9 @@ def _model(engine: Any) -> torch.nn.Module:
 def test_default_runs_the_gguf_blocks(llm: Any) -> None:
     """Every test above ran the default engine: for a GGUF model, the file's own blocks
     (quantization "gguf", lossless), with no float32 copy of the layers' weights."""
-    from kvserve import _custom_ops as ops
     from kvserve.model_executor.layers.linear import LinearBase
 
-    if not ops.available():
-        pytest.skip("no C++ toolchain: the default falls back to float32 weights")
+    require_kernels()  # without them the default falls back to float32 weights
     assert llm.llm_engine.config.model_config.quantization == "gguf"
     linears = [m for m in _model(llm).modules() if isinstance(m, LinearBase)]
     assert linears and all(m.quant_weight is not None and m.weight.numel() == 0 for m in linears)
@@ -238,8 +237,7 @@ def test_gguf_int8_stays_near_greedy(
     from kvserve import _custom_ops as ops
     from kvserve.worker.thread_governor import ENV_ADAPTIVE
 
-    if not ops.available():
-        pytest.skip("no C++ toolchain for the block kernels")
+    require_kernels()
     monkeypatch.setenv(ENV_ADAPTIVE, "0")  # read when the engine's runner is built
     engine = llm_factory(quantization="gguf_int8")
     prompts, expected = cases
@@ -288,8 +286,7 @@ def test_tokens_do_not_follow_the_thread_count(
     thread count (split-K's partitions included: the longest prompt is split)."""
     from kvserve import _custom_ops as ops
 
-    if not ops.available():
-        pytest.skip("no C++ toolchain for the block kernels")
+    require_kernels()
     engine = llm if quantization == "gguf" else llm_factory(quantization=quantization)
     assert engine.llm_engine.config.model_config.quantization == quantization
     runner = _model_runner(engine)

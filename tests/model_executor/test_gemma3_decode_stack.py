@@ -16,13 +16,13 @@ import pytest
 import torch
 from transformers import Gemma3ForCausalLM, Gemma3TextConfig, PreTrainedModel
 
-from kvserve import _custom_ops as ops
 from kvserve.model_executor.model_loader import get_model
 from kvserve.transformers_utils.arch_config import load_arch_config
 from kvserve.transformers_utils.model_resolver import resolve_model
+from tests.kernel_support import require_kernels
 from tests.model_executor.test_llama_decode_stack import _decode_run, _load
 
-pytestmark = pytest.mark.skipif(not ops.available(), reason="needs the C++ CPU kernels")
+require_kernels()
 
 VOCAB = 256
 

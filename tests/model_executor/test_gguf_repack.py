@@ -16,8 +16,9 @@ from kvserve import _custom_ops as ops
 from kvserve.config import ModelConfig
 from kvserve.model_executor.layers.block_weight import BlockWeight
 from kvserve.model_executor.layers.gguf_repack import KIND_Q4_K_F32, KIND_Q6_K_F32
+from tests.kernel_support import require_kernels
 
-pytestmark = pytest.mark.skipif(not ops.available(), reason="no C++ toolchain for the kernels")
+require_kernels()
 
 GEMMA3 = "gemma-3-270m"
 REPACKED = [T.Q5_0, T.Q4_K, T.Q6_K]

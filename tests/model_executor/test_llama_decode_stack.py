@@ -25,8 +25,9 @@ from kvserve.model_executor.layers.quantization import quantize_model
 from kvserve.model_executor.model_loader import get_model
 from kvserve.transformers_utils.arch_config import load_arch_config
 from kvserve.transformers_utils.model_resolver import resolve_model
+from tests.kernel_support import require_kernels
 
-pytestmark = pytest.mark.skipif(not ops.available(), reason="needs the C++ CPU kernels")
+require_kernels()
 
 
 def _load(path: Path, quantization: str | None = None, int8: bool = False) -> torch.nn.Module:

@@ -15,8 +15,9 @@ from kvserve.config import ModelConfig
 from kvserve.model_executor.layers.block_weight import BlockWeight, concat_rows
 from kvserve.model_executor.layers.quantization import check_sampled_rows, quantize_model
 from tests.gemma3_fixtures import GEMMA3
+from tests.kernel_support import require_kernels
 
-pytestmark = pytest.mark.skipif(not ops.available(), reason="no C++ toolchain for the kernels")
+require_kernels()
 
 TYPES = [T.Q8_0, T.Q4_1, T.Q4_0]
 
@@ -38,7 +39,7 @@ def test_dequantize_is_bit_exact_with_gguf(qtype: T) -> None:
 # Below DENSE_ROWS (64; AVX2 builds 128): the GEMV over cache-sized tiles, 6-16 rows of x
 # at a time; from there: all of W dequantized, then the float32 engine's GEMM
 # (dense_linear: MKL, oneDNN from 256 rows).
-DENSE_ROWS = ops.block_linear_dense_rows() if ops.available() else 64
+DENSE_ROWS = ops.block_linear_dense_rows()
 
 
 @pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 13, 16, 47, 63, 64, 127, 128, 130, 255, 256, 300])

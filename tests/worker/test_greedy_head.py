@@ -18,9 +18,10 @@ from kvserve.model_executor.layers.greedy_screen import ENV_GREEDY_SCREEN
 from kvserve.sampling_params import SamplingParams, StructuredOutputsParams
 from kvserve.worker.greedy_head import NoGreedyHead, ScreenedGreedyHead
 from tests.conftest import TEST_KV_CACHE_MEMORY
+from tests.kernel_support import require_kernels
 from tests.reference import assert_no_leak, hf_reference
 
-pytestmark = pytest.mark.skipif(not ops.available(), reason="no C++ toolchain for the kernels")
+require_kernels()
 
 MAX_TOKENS = 24
 PROMPTS = [

@@ -16,6 +16,7 @@ from gguf import GGMLQuantizationType as T
 from kvserve import _custom_ops as ops
 from kvserve.model_executor.layers.block_weight import BlockWeight
 from tests.gemma3_fixtures import GEMMA3
+from tests.kernel_support import require_kernels
 from tests.model_executor.layers.gguf_blocks import (
     K_QUANTS,
     assert_rows_independent_of_threads,
@@ -23,8 +24,9 @@ from tests.model_executor.layers.gguf_blocks import (
     random_blocks,
 )
 
+require_kernels()
 pytestmark = pytest.mark.skipif(
-    not ops.available() or not ops.exact_packed_matmul(),
+    not ops.exact_packed_matmul(),
     reason="a build without AVX-512 VNNI (the digit matmul's kernel)",
 )
 

@@ -21,9 +21,10 @@ from kvserve.model_executor.layers.greedy_screen import (
     GreedyScreen,
     screen_wanted,
 )
+from tests.kernel_support import require_kernels
 from tests.model_executor.test_gguf_repack import _random_raw
 
-pytestmark = pytest.mark.skipif(not ops.available(), reason="no C++ toolchain for the kernels")
+require_kernels()
 
 COLS = 640
 K_COLS = 768  # k-quant super-blocks hold 256 weights

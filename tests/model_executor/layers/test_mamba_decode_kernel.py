@@ -14,8 +14,9 @@ from kvserve.forward_context import set_forward_context
 from kvserve.model_executor.layers.mamba.mamba_metadata import MambaMetadata
 from kvserve.model_executor.layers.mamba.mamba_mixer2 import MambaMixer2
 from kvserve.transformers_utils.mamba_arch import MambaArch
+from tests.kernel_support import require_kernels
 
-pytestmark = pytest.mark.skipif(not ops.available(), reason="no C++ toolchain for the kernels")
+require_kernels()
 
 HIDDEN = 64
 

@@ -16,8 +16,9 @@ from gguf.quants import dequantize, quantize
 from kvserve import _custom_ops as ops
 from kvserve.config import ModelConfig
 from kvserve.model_executor.layers.block_weight import BlockWeight, concat_rows
+from tests.kernel_support import require_kernels
 
-pytestmark = pytest.mark.skipif(not ops.available(), reason="no C++ toolchain for the kernels")
+require_kernels()
 
 ROWS = [1, 2, 3, 5, 6, 7, 13, 16, 63, 64, 130, 256]
 

@@ -14,14 +14,16 @@ from gguf import GGMLQuantizationType as T
 from kvserve import _custom_ops as ops
 from kvserve.model_executor.layers.block_weight import BlockWeight
 from tests.gemma3_fixtures import GEMMA3
+from tests.kernel_support import require_kernels
 from tests.model_executor.layers.gguf_blocks import (
     assert_rows_independent_of_threads,
     check_packaged_tensors,
     random_blocks,
 )
 
+require_kernels()
 pytestmark = pytest.mark.skipif(
-    not ops.available() or not ops.packs_int8_weights(),
+    not ops.packs_int8_weights(),
     reason="a build without the interleaved copy (no AVX2 or AVX-512 VNNI)",
 )
 
