@@ -128,7 +128,7 @@ constexpr int64_t kAheadBlocks = 4;
 // acc[r] += the digit sums of block b (or its half) as one dot product, times the 16
 // rows' scales dv and x's block scale. X . q = 2^16 (2^8 s3 + s2) + (2^8 s1 + s0); each
 // half is exact in float32 for the 4-bit kinds (|s| <= 32 * 15 * 128), the byte kinds'
-// round once.
+// and the 5-bit kind's (|s| up to 32 * 16 * 128) may round once.
 template <int R>
 inline void add_block_dots(const __m512i (&sum)[R][ExactInput::kDigits], __m512 dv,
                            const ExactInput& x, int64_t r0, int64_t nb, int64_t b, __m512 acc[R]) {
