@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 
 from kvserve import _custom_ops as ops
+from kvserve import kernel_build
 
 _SHOWN_LINES = 40
 
@@ -20,10 +21,10 @@ def require_kernels() -> None:
     why = ops.why_unavailable()
     if why is None:
         return
-    if why.reason is ops.Reason.BUILD_FAILED:
+    if why.reason is kernel_build.Reason.BUILD_FAILED:
         pytest.fail(
-            f"kvserve's C++ kernels failed to build (set ${ops.ENV_DISABLE}=1 to test "
-            f"without them):\n{ops._first_errors(why.detail, _SHOWN_LINES)}",
+            f"kvserve's C++ kernels failed to build (set ${kernel_build.ENV_DISABLE}=1 to test "
+            f"without them):\n{kernel_build.first_errors(why.detail, _SHOWN_LINES)}",
             pytrace=False,
         )
     pytest.skip(

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from kvserve import _custom_ops as ops
+from kvserve import kernel_build
 from kvserve.model_executor.layers.activation import GeluAndMul, SiluAndMul
 from kvserve.model_executor.layers.layernorm import RMSNorm
 from kvserve.model_executor.layers.rotary_embedding import RotaryEmbedding
@@ -33,10 +34,10 @@ def test_a_built_library_loads_without_torchs_build_machinery() -> None:
     cpp_extension keeps it (importing cpp_extension costs a start ~0.5 s)."""
     from torch.utils import cpp_extension
 
-    name = ops._library_name()  # KVSERVE_MARCH=haswell builds kvserve_cpu_ops_haswell
-    library = ops._library_path(name)
+    name = kernel_build.library_name()  # KVSERVE_MARCH=haswell builds kvserve_cpu_ops_haswell
+    library = kernel_build.library_path(name)
     assert library.parent == Path(cpp_extension._get_build_directory(name, False))
-    assert library.with_name(library.name + ops._STAMP_SUFFIX).is_file()  # this run's build
+    assert library.with_name(library.name + kernel_build._STAMP_SUFFIX).is_file()  # this run's build
     probe = "import sys, torch; from kvserve import _custom_ops as o; o.available(); "
     probe += "print(o.available(), 'torch.utils.cpp_extension' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
@@ -47,21 +48,21 @@ def test_a_stale_or_foreign_stamp_is_not_trusted(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
-    library = ops._library_path("kvserve_cpu_ops")
+    library = kernel_build.library_path("kvserve_cpu_ops")
     assert library.parent == tmp_path / "kvserve_cpu_ops"
     library.parent.mkdir()
     library.write_bytes(b"a library built from other sources")
-    stamp = library.with_name(library.name + ops._STAMP_SUFFIX)
+    stamp = library.with_name(library.name + kernel_build._STAMP_SUFFIX)
     info = library.stat()
     # Another checkout's sources or flags: a different stamp.
     record = {"stamp": "other", "size": info.st_size, "mtime_ns": info.st_mtime_ns}
     stamp.write_text(json.dumps(record))
-    assert not ops._load_stamped("kvserve_cpu_ops", "ours")
+    assert not kernel_build._load_stamped("kvserve_cpu_ops", "ours")
     # Our stamp, but the library was rebuilt since (by another checkout): not ours.
     stamp.write_text(json.dumps({**record, "stamp": "ours", "size": info.st_size + 1}))
-    assert not ops._load_stamped("kvserve_cpu_ops", "ours")
+    assert not kernel_build._load_stamped("kvserve_cpu_ops", "ours")
     stamp.write_text("{truncated")
-    assert not ops._load_stamped("kvserve_cpu_ops", "ours")
+    assert not kernel_build._load_stamped("kvserve_cpu_ops", "ours")
 
 
 @pytest.mark.parametrize("scaling", [None, {"rope_type": "linear", "factor": 2.0}])

@@ -18,17 +18,17 @@ from pathlib import Path
 
 import pytest
 
-from kvserve import _custom_ops as ops
+from kvserve import kernel_build
 
 # Self-contained (its own TORCH_LIBRARY_FRAGMENT) and the smallest source.
-_ONE_SOURCE = ops._CSRC / "memory_probe.cpp"
+_ONE_SOURCE = kernel_build.CSRC / "memory_probe.cpp"
 
 _PROBE = """
 import json, logging, sys
 from pathlib import Path
 logging.basicConfig(level=logging.WARNING)
-from kvserve import _custom_ops as ops
-why = ops._load([Path(p) for p in sys.argv[1:]])
+from kvserve import kernel_build
+why = kernel_build.load([Path(p) for p in sys.argv[1:]])
 print(json.dumps(None if why is None else [why.reason.value, why.detail]))
 """
 
@@ -38,10 +38,10 @@ needs_compiler = pytest.mark.skipif(
 
 
 def _env(extensions: Path) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k != ops.ENV_DISABLE}
+    env = {k: v for k, v in os.environ.items() if k != kernel_build.ENV_DISABLE}
     env["TORCH_EXTENSIONS_DIR"] = str(extensions)
     # This checkout's kvserve, whichever one the venv's editable install points at.
-    root = str(Path(ops.__file__).resolve().parents[1])
+    root = str(Path(kernel_build.__file__).resolve().parents[1])
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
     return env
 
@@ -72,14 +72,14 @@ def test_a_compile_error_is_a_failed_build_with_the_compilers_message(tmp_path: 
     result = _result(done.stdout)
     assert result is not None, done.stderr
     reason, detail = result
-    assert reason == ops.Reason.BUILD_FAILED.value
+    assert reason == kernel_build.Reason.BUILD_FAILED.value
     error = f"{broken}:{source[:at].count(chr(10)) + 1}:"  # file:line: of the typo
     assert error in detail and "error:" in detail
     # The log names the failure and its first errors, not only "unavailable".
     assert "failed to build" in done.stderr
     assert any(error in line and "error:" in line for line in done.stderr.splitlines())
     # The failed build's lock was released: the directory is free for the next try.
-    assert not (tmp_path / "extensions" / ops._library_name() / "lock").exists()
+    assert not (tmp_path / "extensions" / kernel_build.library_name() / "lock").exists()
 
 
 @pytest.mark.parametrize("where", ["CXX names a missing binary", "PATH has no compiler"])
@@ -88,22 +88,22 @@ def test_a_missing_compiler_is_told_apart_from_a_failed_build(
 ) -> None:
     # No library is built or loaded on this path: it is safe in this process.
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))  # no stamped library there
-    monkeypatch.delenv(ops.ENV_DISABLE, raising=False)
+    monkeypatch.delenv(kernel_build.ENV_DISABLE, raising=False)
     if where.startswith("CXX"):
         monkeypatch.setenv("CXX", str(tmp_path / "bin" / "c++"))
     else:
         monkeypatch.delenv("CXX", raising=False)
         monkeypatch.setenv("PATH", str(tmp_path))
-    why = ops._load(ops._SOURCES)
-    assert why is not None and why.reason is ops.Reason.NO_COMPILER
+    why = kernel_build.load(kernel_build.SOURCES)
+    assert why is not None and why.reason is kernel_build.Reason.NO_COMPILER
     assert "not on PATH" in why.detail
     assert any("unavailable" in r.getMessage() for r in caplog.records)
 
 
 def test_disabled_kernels_say_so(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(ops.ENV_DISABLE, "1")
-    why = ops._load(ops._SOURCES)
-    assert why is not None and why.reason is ops.Reason.DISABLED
+    monkeypatch.setenv(kernel_build.ENV_DISABLE, "1")
+    why = kernel_build.load(kernel_build.SOURCES)
+    assert why is not None and why.reason is kernel_build.Reason.DISABLED
 
 
 @needs_compiler
@@ -111,7 +111,7 @@ def test_a_lock_left_by_a_killed_builder_does_not_hang_the_next_one(tmp_path: Pa
     source = tmp_path / _ONE_SOURCE.name
     shutil.copy(_ONE_SOURCE, source)
     env = _env(tmp_path / "extensions")
-    lock = tmp_path / "extensions" / ops._library_name() / "lock"
+    lock = tmp_path / "extensions" / kernel_build.library_name() / "lock"
     # Its own session, so that the kill takes its ninja and compiler along, as a killed
     # terminal or container would.
     builder = subprocess.Popen(
