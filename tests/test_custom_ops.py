@@ -37,7 +37,9 @@ def test_a_built_library_loads_without_torchs_build_machinery() -> None:
     name = kernel_build.library_name()  # KVSERVE_MARCH=haswell builds kvserve_cpu_ops_haswell
     library = kernel_build.library_path(name)
     assert library.parent == Path(cpp_extension._get_build_directory(name, False))
-    assert library.with_name(library.name + kernel_build._STAMP_SUFFIX).is_file()  # this run's build
+    assert library.with_name(
+        library.name + kernel_build._STAMP_SUFFIX
+    ).is_file()  # this run's build
     probe = "import sys, torch; from kvserve import _custom_ops as o; o.available(); "
     probe += "print(o.available(), 'torch.utils.cpp_extension' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
