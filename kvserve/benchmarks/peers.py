@@ -40,7 +40,7 @@ from kvserve.benchmarks.peers_workloads import (
     make_requests,
     workload_flops,
 )
-from kvserve.benchmarks.random_gguf import SHAPES, ensure_random_gguf
+from kvserve.benchmarks.random_gguf import MIXES, SHAPES, ensure_random_gguf
 
 ENGINES = (*KVSERVE_ENGINES, "hf", "llamacpp")
 
@@ -66,9 +66,14 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     EngineArgs.add_cli_args(parser, with_model=False)
     parser.add_argument(
         "--random-gguf", default=None, choices=sorted(SHAPES),
-        help="instead of --model: a random-weight Q4_1 GGUF at this model's shape, written "
+        help="instead of --model: a random-weight GGUF at this model's shape, written "
         "under --random-gguf-dir on first use (e.g. llama-3.2-1b with --workloads c: the "
         "single stream against the memory read bound)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--random-gguf-type", default="Q4_1", choices=sorted(MIXES),
+        help="the random GGUF's tensor types: one block type throughout (the embedding "
+        "Q8_0), or Q4_K_M's mix of Q4_K and Q6_K as llama.cpp's quantizer places them",
     )  # fmt: skip
     parser.add_argument(
         "--random-gguf-dir", default=None, help="where random GGUFs are kept (default: "
@@ -216,8 +221,15 @@ def run_peers(args: argparse.Namespace) -> dict[str, Any]:
         if w not in WORKLOADS:
             raise SystemExit(f"unknown workload {w!r}; choose from {', '.join(WORKLOADS)}")
     if args.random_gguf:
-        print(f"random-weight GGUF at {args.random_gguf}'s shape ...", flush=True)
-        args.model = str(ensure_random_gguf(SHAPES[args.random_gguf], args.random_gguf_dir))
+        print(
+            f"random-weight {args.random_gguf_type} GGUF at {args.random_gguf}'s shape ...",
+            flush=True,
+        )
+        args.model = str(
+            ensure_random_gguf(
+                SHAPES[args.random_gguf], args.random_gguf_dir, MIXES[args.random_gguf_type]
+            )
+        )
     resolved = resolve_model(args.model)
     arch = load_arch_config(resolved)
     special = set(get_tokenizer(resolved).all_special_ids)

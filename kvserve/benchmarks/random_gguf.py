@@ -2,9 +2,10 @@
 
 Decode speed does not depend on the weights' values, and no hub is reachable, so speed at
 1-8B parameters is measured on files like these (`kvserve bench peers --random-gguf
-llama-3.2-1b`). Every 2-D weight is random quant blocks of the chosen type (valid float16
-scales, random quants: llama.cpp and kvserve's lossless path read them as any other
-file's), norms are ones, and llama3 rope scaling is baked into ``rope_freqs.weight`` as
+llama-3.2-1b`). Every 2-D weight is random quant blocks of the type the chosen mix gives
+it (valid float16 scales, random quants and 6-bit sub-block scales: llama.cpp and
+kvserve's lossless path read them as any other file's; Q4_K_M places Q4_K and Q6_K as
+llama.cpp's quantizer does, the format most downloaded files have), norms are ones, and llama3 rope scaling is baked into ``rope_freqs.weight`` as
 llama.cpp's converter does. The tokenizer is the packaged SmolLM2's (its BPE vocabulary,
 merges, special ids and chat template), its token list padded to the shape's vocabulary
 with unused ``[PAD<i>]`` tokens as llama.cpp's converter pads a model whose embedding has
@@ -28,9 +29,11 @@ from gguf import GGMLQuantizationType, GGUFWriter, TokenType
 from gguf.constants import GGML_QUANT_SIZES
 
 Q = GGMLQuantizationType
-# Block types this writer fills (kvserve's lossless path reads all three), with the
-# number of float16 scale fields at the start of each block (Q4_1: d and m).
+# Block types this writer fills with the number of float16 scale fields at the start of
+# each block (Q4_1: d and m).
 _SCALE_FIELDS = {Q.Q4_0: 1, Q.Q4_1: 2, Q.Q8_0: 1}
+# K-quants: 256-weight super-blocks of random quants and 6-bit / int8 sub-block scales.
+_K_QUANTS = frozenset({Q.Q4_K, Q.Q6_K})
 # Weights drawn with about this standard deviation, an initializer's usual scale.
 _WEIGHT_STD = 0.02
 _TOKENIZER_PREFIX = "tokenizer."
@@ -78,6 +81,37 @@ SHAPES: dict[str, LlamaShape] = {
 }  # fmt: skip
 
 
+@dataclass(frozen=True)
+class WeightMix:
+    """A file's tensor types, as llama.cpp's quantizer picks them for its file type."""
+
+    name: str
+    ftype: int  # llama_ftype, written as general.file_type
+    weight: Q
+    embedding: Q  # token_embd when the model has an output head of its own
+    output: Q  # the output head, and token_embd when the embedding is tied (llama.cpp's rule)
+    # attn_v and ffn_down in llama.cpp's use_more_bits layers (None: same as weight)
+    more_bits: Q | None = None
+
+
+MIXES: dict[str, WeightMix] = {
+    m.name: m
+    for m in (
+        WeightMix("Q4_0", 2, Q.Q4_0, Q.Q8_0, Q.Q8_0),
+        WeightMix("Q4_1", 3, Q.Q4_1, Q.Q8_0, Q.Q8_0),  # as the packaged SmolLM2 file
+        WeightMix("Q8_0", 7, Q.Q8_0, Q.Q8_0, Q.Q8_0),
+        WeightMix("Q4_K_M", 15, Q.Q4_K, Q.Q4_K, Q.Q6_K, more_bits=Q.Q6_K),
+    )
+}
+
+
+def use_more_bits(layer: int, num_layers: int) -> bool:
+    """llama.cpp's choice of the layers whose attn_v and ffn_down get more bits: the first
+    and last eighth, and every third one between."""
+    eighth = num_layers // 8
+    return layer < eighth or layer >= 7 * num_layers // 8 or (layer - eighth) % 3 == 2
+
+
 def llama3_rope_factors(shape: LlamaShape) -> np.ndarray:
     """Divisors of each rotary frequency under llama3 scaling (llama.cpp's rope_freqs)."""
     assert shape.rope_scaling is not None
@@ -103,43 +137,59 @@ def llama3_rope_factors(shape: LlamaShape) -> np.ndarray:
 
 def random_blocks(rng: np.random.Generator, rows: int, cols: int, qtype: Q) -> np.ndarray:
     """``[rows, cols]`` weights as random ``qtype`` blocks: uint8 ``[rows, bytes per row]``."""
-    if qtype not in _SCALE_FIELDS:
+    if qtype not in _SCALE_FIELDS and qtype not in _K_QUANTS:
         raise ValueError(f"qtype: random blocks of {qtype.name} are not supported")
     block, size = GGML_QUANT_SIZES[qtype]
     if cols % block:
         raise ValueError(f"cols: {cols} is not a multiple of {qtype.name}'s {block}")
     n_blocks = rows * cols // block
     data = np.frombuffer(rng.bytes(n_blocks * size), dtype=np.uint8).reshape(n_blocks, size).copy()
+    spread = rng.uniform(0.5, 1.5, n_blocks)
+    if qtype == Q.Q4_K:
+        # w = d sc q - dmin m, sc and m uniform in 0..63, q in 0..15: std about 250 d;
+        # dmin = 7.5 d centres the weights on 0.
+        d = (_WEIGHT_STD / 250.0) * spread
+        for offset, values in ((0, d), (2, 7.5 * d)):
+            data[:, offset : offset + 2] = _float16_bytes(values)
+        return data.reshape(rows, cols // block * size)
+    if qtype == Q.Q6_K:
+        # w = d sc (q - 32), sc uniform int8, q in 0..63: std about 1370 d.
+        data[:, 208:210] = _float16_bytes((_WEIGHT_STD / 1370.0) * spread)
+        return data.reshape(rows, cols // block * size)
     # Quants are uniform: 0..15 (std 4.6) for 4-bit, -128..127 (std 74) for 8-bit.
     quant_std = 74.0 if qtype == Q.Q8_0 else 4.6
-    d = (_WEIGHT_STD / quant_std) * rng.uniform(0.5, 1.5, n_blocks)
+    d = (_WEIGHT_STD / quant_std) * spread
     scales = [d, -8.0 * d][: _SCALE_FIELDS[qtype]]  # Q4_1's m centres its weights on 0
     for i, values in enumerate(scales):
-        data[:, 2 * i : 2 * i + 2] = values.astype(np.float16).view(np.uint8).reshape(n_blocks, 2)
+        data[:, 2 * i : 2 * i + 2] = _float16_bytes(values)
     return data.reshape(rows, cols // block * size)
 
 
-def _tensors(
-    shape: LlamaShape, weight_type: Q, embedding_type: Q
-) -> Iterator[tuple[str, tuple[int, ...], Q]]:
+def _float16_bytes(values: np.ndarray) -> np.ndarray:
+    return values.astype(np.float16).view(np.uint8).reshape(len(values), 2)
+
+
+def _tensors(shape: LlamaShape, mix: WeightMix) -> Iterator[tuple[str, tuple[int, ...], Q]]:
     """(GGUF name, torch-order shape, type) of every tensor, in file order."""
     h, kv = shape.hidden_size, shape.num_kv_heads * shape.head_dim
-    yield "token_embd.weight", (shape.vocab_size, h), embedding_type
+    tied = shape.tie_word_embeddings
+    yield "token_embd.weight", (shape.vocab_size, h), mix.output if tied else mix.embedding
     if shape.rope_scaling is not None:
         yield "rope_freqs.weight", (shape.head_dim // 2,), Q.F32
     for i in range(shape.num_layers):
+        more = mix.more_bits if mix.more_bits and use_more_bits(i, shape.num_layers) else None
         yield f"blk.{i}.attn_norm.weight", (h,), Q.F32
-        yield f"blk.{i}.attn_q.weight", (h, h), weight_type
-        yield f"blk.{i}.attn_k.weight", (kv, h), weight_type
-        yield f"blk.{i}.attn_v.weight", (kv, h), weight_type
-        yield f"blk.{i}.attn_output.weight", (h, h), weight_type
+        yield f"blk.{i}.attn_q.weight", (h, h), mix.weight
+        yield f"blk.{i}.attn_k.weight", (kv, h), mix.weight
+        yield f"blk.{i}.attn_v.weight", (kv, h), more or mix.weight
+        yield f"blk.{i}.attn_output.weight", (h, h), mix.weight
         yield f"blk.{i}.ffn_norm.weight", (h,), Q.F32
-        yield f"blk.{i}.ffn_gate.weight", (shape.intermediate_size, h), weight_type
-        yield f"blk.{i}.ffn_up.weight", (shape.intermediate_size, h), weight_type
-        yield f"blk.{i}.ffn_down.weight", (h, shape.intermediate_size), weight_type
+        yield f"blk.{i}.ffn_gate.weight", (shape.intermediate_size, h), mix.weight
+        yield f"blk.{i}.ffn_up.weight", (shape.intermediate_size, h), mix.weight
+        yield f"blk.{i}.ffn_down.weight", (h, shape.intermediate_size), more or mix.weight
     yield "output_norm.weight", (h,), Q.F32
-    if not shape.tie_word_embeddings:
-        yield "output.weight", (shape.vocab_size, h), embedding_type
+    if not tied:
+        yield "output.weight", (shape.vocab_size, h), mix.output
 
 
 def _nbytes(dims: tuple[int, ...], qtype: Q) -> int:
@@ -147,9 +197,9 @@ def _nbytes(dims: tuple[int, ...], qtype: Q) -> int:
     return math.prod(dims) // block * size
 
 
-def _add_header(w: GGUFWriter, shape: LlamaShape, weight_type: Q) -> None:
+def _add_header(w: GGUFWriter, shape: LlamaShape, mix: WeightMix) -> None:
     w.add_name(f"{shape.name} random weights")
-    w.add_file_type({Q.Q4_0: 2, Q.Q4_1: 3, Q.Q8_0: 7}[weight_type])  # llama_ftype
+    w.add_file_type(mix.ftype)
     w.add_block_count(shape.num_layers)
     w.add_context_length(shape.context_length)
     w.add_embedding_length(shape.hidden_size)
@@ -210,17 +260,15 @@ def packaged_tokenizer_source() -> str:
 def write_random_gguf(
     path: str | os.PathLike[str],
     shape: LlamaShape,
-    weight_type: Q = Q.Q4_1,
-    embedding_type: Q = Q.Q8_0,
+    mix: WeightMix = MIXES["Q4_1"],
     seed: int = 0,
     tokenizer_source: str | None = None,
 ) -> Path:
-    """Write ``shape`` with random ``weight_type`` layer weights and an ``embedding_type``
-    embedding (Q8_0 by default, as the packaged SmolLM2 Q4_1 file has) to ``path``."""
+    """Write ``shape`` with random weights of ``mix``'s types to ``path``."""
     rng = np.random.default_rng(seed)
-    tensors = list(_tensors(shape, weight_type, embedding_type))
+    tensors = list(_tensors(shape, mix))
     w = GGUFWriter(str(path), "llama")
-    _add_header(w, shape, weight_type)
+    _add_header(w, shape, mix)
     _add_tokenizer(w, shape.vocab_size, tokenizer_source or packaged_tokenizer_source())
     for name, dims, qtype in tensors:
         if qtype == Q.F32:
@@ -249,19 +297,21 @@ def default_directory() -> Path:
 
 
 def ensure_random_gguf(
-    shape: LlamaShape, directory: str | os.PathLike[str] | None = None, weight_type: Q = Q.Q4_1
+    shape: LlamaShape,
+    directory: str | os.PathLike[str] | None = None,
+    mix: WeightMix = MIXES["Q4_1"],
 ) -> Path:
     """``shape``'s random file under ``directory``, written on the first call (seconds to
     a minute per GB) and reused after; written to a temporary name and renamed, so an
     interrupted write never leaves a truncated file under the final name."""
     root = Path(directory) if directory is not None else default_directory()
-    target = root / f"{shape.name}-random.{weight_type.name}.gguf"
+    target = root / f"{shape.name}-random.{mix.name}.gguf"
     if target.is_file():
         return target
     root.mkdir(parents=True, exist_ok=True)
     temporary = target.with_name(f"{target.name}.{os.getpid()}.tmp")
     try:
-        write_random_gguf(temporary, shape, weight_type)
+        write_random_gguf(temporary, shape, mix)
         temporary.replace(target)
     finally:
         temporary.unlink(missing_ok=True)

@@ -12,6 +12,7 @@
 // kvserve/model_executor/models/llama_decode_stack.py, which holds the eligibility rules.
 
 #include <ATen/ops/add.h>
+#include <ATen/ops/cat.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <ATen/ops/linear.h>
@@ -20,6 +21,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <numeric>
 #include <optional>
 #include <tuple>
 #include <utility>
@@ -30,11 +32,38 @@
 
 namespace kvserve_cpu {
 
+at::Tensor ProjectionPart::operator()(const at::Tensor& x) const {
+  return kind < 0              ? dense_linear(x, weight)
+         : int8_activations ? block_linear_int8(x, weight, d, m, kind, packed)
+                               : block_linear(x, weight, d, m, kind);
+}
+
+int64_t ProjectionPart::in_features() const {
+  return kind < 0 ? weight.size(1) : weight_cols(kind, weight.size(1));
+}
+
 at::Tensor Projection::operator()(const at::Tensor& x) const {
-  at::Tensor y = kind < 0              ? dense_linear(x, weight)
-                 : int8_activations ? block_linear_int8(x, weight, d, m, kind, packed)
-                                       : block_linear(x, weight, d, m, kind);
+  at::Tensor y;
+  if (parts.size() == 1) {
+    y = parts.front()(x);
+  } else {
+    std::vector<at::Tensor> outs;
+    outs.reserve(parts.size());
+    for (const ProjectionPart& part : parts) outs.push_back(part(x));
+    y = at::cat(outs, -1);
+  }
   return bias ? at::add(y, *bias) : y;
+}
+
+int64_t Projection::out_features() const {
+  int64_t n = 0;
+  for (const ProjectionPart& part : parts) n += part.out_features();
+  return n;
+}
+
+bool Projection::fused_step_ready() const {
+  return std::all_of(parts.begin(), parts.end(),
+                     [](const ProjectionPart& part) { return part.fused_step_ready(); });
 }
 
 namespace {
@@ -65,21 +94,28 @@ class DecoderStack : public torch::CustomClassHolder {
     check_rope_table(default_rope_);
   }
 
-  // planes: (weight, d, m, packed) for qkv, o, gate_up and down in that order, packed
-  // empty where there is none; kinds and int8_activations: one per projection, kind -1
-  // for a float32 weight (its d, m and packed are ignored). sandwich_norms: empty
+  // planes: (weight, d, m, packed) of each part of qkv, o, gate_up and down in that
+  // order, packed empty where there is none; kinds and int8_activations: one per part,
+  // kind -1 for a float32 weight (its d, m and packed are ignored); part_counts: how many
+  // parts each of the 4 projections has (Projection: several where block types differ). sandwich_norms: empty
   // (Llama's scheme) or Gemma's (pre-feedforward, post-feedforward) norms; q_norm and
   // k_norm: per-head norms before RoPE, both or neither; cos_sin_cache: this layer's
   // RoPE table (the stack's by default); activation: Activation's value.
   void add_layer(at::Tensor input_norm, at::Tensor post_norm, std::vector<at::Tensor> planes,
                  std::vector<int64_t> kinds, c10::List<bool> int8_activations,
-                 std::optional<at::Tensor> qkv_bias, std::optional<at::Tensor> o_bias,
+                 std::vector<int64_t> part_counts, std::optional<at::Tensor> qkv_bias, std::optional<at::Tensor> o_bias,
                  int64_t sliding_window, std::vector<at::Tensor> sandwich_norms,
                  std::optional<at::Tensor> q_norm, std::optional<at::Tensor> k_norm,
                  std::optional<at::Tensor> cos_sin_cache, int64_t activation) {
-    TORCH_CHECK(planes.size() == 16 && kinds.size() == 4 && int8_activations.size() == 4,
-                "add_layer takes 4 projections as (weight, d, m, packed), their 4 kinds and 4 "
-                "int8 flags");
+    TORCH_CHECK(part_counts.size() == 4 &&
+                    std::all_of(part_counts.begin(), part_counts.end(),
+                                [](int64_t n) { return n >= 1; }),
+                "add_layer takes 4 projections of at least one part each");
+    const size_t num_parts = static_cast<size_t>(
+        std::accumulate(part_counts.begin(), part_counts.end(), int64_t{0}));
+    TORCH_CHECK(planes.size() == 4 * num_parts && kinds.size() == num_parts &&
+                    int8_activations.size() == num_parts,
+                "add_layer takes each part as (weight, d, m, packed), a kind and an int8 flag");
     TORCH_CHECK(sandwich_norms.empty() || sandwich_norms.size() == 2,
                 "sandwich_norms: none, or the pre- and post-feedforward norms");
     TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "q_norm and k_norm go together");
@@ -108,18 +144,23 @@ class DecoderStack : public torch::CustomClassHolder {
     layer.cos_sin_cache = cos_sin_cache ? *cos_sin_cache : default_rope_;
     layer.activation = static_cast<Activation>(activation);
     Projection* projections[4] = {&layer.qkv, &layer.o, &layer.gate_up, &layer.down};
+    size_t i = 0;
     for (int p = 0; p < 4; ++p) {
       Projection& proj = *projections[p];
-      proj.weight = planes[4 * p];
-      proj.d = planes[4 * p + 1];
-      proj.m = planes[4 * p + 2];
-      if (planes[4 * p + 3].numel() > 0) proj.packed = planes[4 * p + 3];
-      proj.kind = kinds[p];
-      proj.int8_activations = int8_activations.get(p);
-      if (proj.kind < 0) check_float(proj.weight, "float32 weight");
-      if (proj.packed_int8()) {
-        const int64_t cols = weight_cols(proj.kind, proj.weight.size(1));
-        check_packed_vnni(*proj.packed, proj.kind, proj.weight.size(0), cols);
+      for (int64_t n = 0; n < part_counts[p]; ++n, ++i) {
+        ProjectionPart part;
+        part.weight = planes[4 * i];
+        part.d = planes[4 * i + 1];
+        part.m = planes[4 * i + 2];
+        if (planes[4 * i + 3].numel() > 0) part.packed = planes[4 * i + 3];
+        part.kind = kinds[i];
+        part.int8_activations = int8_activations.get(i);
+        if (part.kind < 0) check_float(part.weight, "float32 weight");
+        if (part.packed_int8())
+          check_packed_vnni(*part.packed, part.kind, part.out_features(), part.in_features());
+        TORCH_CHECK(proj.parts.empty() || part.in_features() == proj.in_features(),
+                    "a projection's parts take inputs of one size");
+        proj.parts.push_back(std::move(part));
       }
     }
     layer.qkv.bias = std::move(qkv_bias);

@@ -12,23 +12,36 @@
 
 namespace kvserve_cpu {
 
-// One linear layer: a float32 weight (kind < 0) or GGUF block planes (kinds as in
-// block_gemm.h), with an optional bias added after the product, as the modules do.
-struct Projection {
+// A run of a linear layer's output features held in one form: a float32 weight (kind < 0)
+// or GGUF block planes (kinds as in block_gemm.h).
+struct ProjectionPart {
   at::Tensor weight;  // float32 [N, K], or the block quants
   at::Tensor d, m;
   std::optional<at::Tensor> packed;  // gguf_int8's interleaved copy (block_gemm_vnni.cpp)
   int64_t kind = -1;
   bool int8_activations = false;
-  std::optional<at::Tensor> bias;
 
-  at::Tensor operator()(const at::Tensor& x) const;
+  at::Tensor operator()(const at::Tensor& x) const;  // x W^T
   int64_t out_features() const { return weight.size(0); }
+  int64_t in_features() const;
   // int8 activations on gguf_int8's packed copy.
   bool packed_int8() const { return kind >= 0 && int8_activations && packed.has_value(); }
   // Whether the fused decode step can run it: the packed copy, or float activations on
   // the blocks (gguf); not a float32 weight, nor int8 activations without the copy.
   bool fused_step_ready() const { return packed_int8() || (kind >= 0 && !int8_activations); }
+};
+
+// One linear layer, with an optional bias added after the product, as the modules do. Its
+// output features are one part, or several in order where a GGUF file's fused shards
+// differ in block type (Llama Q4_K_M files' Q4_K q and k beside a Q6_K v).
+struct Projection {
+  std::vector<ProjectionPart> parts;
+  std::optional<at::Tensor> bias;
+
+  at::Tensor operator()(const at::Tensor& x) const;
+  int64_t out_features() const;
+  int64_t in_features() const { return parts.front().in_features(); }
+  bool fused_step_ready() const;
 };
 
 // The MLP's gate activation.

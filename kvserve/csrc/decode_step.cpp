@@ -31,23 +31,41 @@ inline std::pair<int64_t, int64_t> share(int64_t n, int tid, int threads) {
   return {n * tid / threads, n * (tid + 1) / threads};
 }
 
-int64_t in_features(const Projection& p) {
-  return weight_cols(p.kind, p.weight.size(1));
-}
-
-// A projection as the step multiplies it: gguf_int8's interleaved copy (int8 activations)
-// or the lossless gguf blocks (float activations: block_gemm.h's GEMV, or the digit
-// matmul for the interleaved kinds).
-struct ProjectionView {
+// A projection's part as the step multiplies it: gguf_int8's interleaved copy (int8
+// activations) or the lossless gguf blocks (float activations: block_gemm.h's GEMV, or the
+// digit matmul for the interleaved kinds), into the output's columns [column, column + N).
+struct PartView {
   const uint8_t* packed;  // nullptr: the float block GEMV on `blocks`
   BlockWeight blocks;
-  int64_t kind, N, K;
+  int64_t kind, N, K, column;
+
+  PartView(const ProjectionPart& p, int64_t column)
+      : packed(p.packed_int8() ? p.packed->data_ptr<uint8_t>() : nullptr),
+        blocks(block_weight(p.weight, p.d, p.m, p.kind)), kind(p.kind), N(p.out_features()),
+        K(p.in_features()), column(column) {}
+};
+
+struct ProjectionView {
+  std::vector<PartView> parts;
+  int64_t N;
   const float* bias;  // nullptr: none
 
   explicit ProjectionView(const Projection& p)
-      : packed(p.packed_int8() ? p.packed->data_ptr<uint8_t>() : nullptr),
-        blocks(block_weight(p.weight, p.d, p.m, p.kind)), kind(p.kind), N(p.out_features()),
-        K(in_features(p)), bias(p.bias ? p.bias->data_ptr<float>() : nullptr) {}
+      : N(p.out_features()), bias(p.bias ? p.bias->data_ptr<float>() : nullptr) {
+    int64_t column = 0;
+    for (const ProjectionPart& part : p.parts) {
+      parts.emplace_back(part, column);
+      column += part.out_features();
+    }
+  }
+  // The widest part of a projection of several: their outputs that a kernel writes with
+  // its own row stride pass through a thread's buffer of this many columns a row.
+  int64_t staged_columns() const {
+    int64_t n = 0;
+    if (parts.size() > 1)
+      for (const PartView& part : parts) n = std::max(n, part.N);
+    return n;
+  }
 };
 
 // A thread's copy of what a projection needs of its input: x quantized (int8), in digits
@@ -58,40 +76,61 @@ struct ThreadInput {
   CacheAligned<float> d, s;
   GemvInput gemv;
   ExactInput exact;  // the interleaved kinds' digits of x
-  ThreadInput(int64_t rows, int64_t max_k)
-      : q(rows * max_k), u(rows * max_k), d(rows * max_k / kBlock), s(rows * max_k / kBlock) {
+  CacheAligned<float> staged;  // a part's outputs, [rows, its N] (ProjectionView::staged_columns)
+  ThreadInput(int64_t rows, int64_t max_k, int64_t staged_columns)
+      : q(rows * max_k), u(rows * max_k), d(rows * max_k / kBlock), s(rows * max_k / kBlock),
+        staged(rows * staged_columns) {
     gemv.reserve(rows, max_k);
     exact.reserve(rows, max_k);
   }
 };
 
-// This thread's features of out = x W^T (+ bias), x: [T, K], in groups of 16 (a cache
-// line of each output row). Prepares all of x (a few hundred values per row: cheaper than
-// a barrier), multiplies its own features. The float GEMV takes x 6 rows at a time as
-// block_linear does; a result depends only on its own row of x and of W either way.
-void linear_share(const ProjectionView& w, const float* x, int64_t T, ThreadInput& in,
-                  float* out, int tid, int threads) {
-  const int64_t blocks = T * w.K / kBlock;
-  const auto [g0, g1] = share(packed_groups(w.N), tid, threads);
+// This thread's features [n0, n1) of a part's out = x W^T, x: [T, K], out's rows ldo apart.
+// Prepares all of x (a few hundred values per row: cheaper than a barrier), multiplies its
+// own features. The float GEMV takes x 6 rows at a time as block_linear does; a result
+// depends only on its own row of x and of W either way.
+void part_share(const PartView& w, const float* x, int64_t T, ThreadInput& in, float* out,
+                int64_t ldo, int64_t g0, int64_t g1) {
   const int64_t n0 = g0 * kPackedGroup, n1 = std::min(w.N, g1 * kPackedGroup);
+  if (interleaved(w.kind) && w.packed == nullptr) {
+    in.exact.prepare(x, T, w.K, w.kind);
+    groups_exact(w.blocks, T, in.exact, out, ldo, g0, g1);
+    return;
+  }
+  // The other kernels write rows w.N apart: one row needs no stride, several go through
+  // this thread's staging buffer.
+  float* dst = (T == 1 || ldo == w.N) ? out : in.staged.data();
   if (w.packed != nullptr) {
+    const int64_t blocks = T * w.K / kBlock;
     for (int64_t i = 0; i < blocks; ++i)
       quantize_block_q8(x + i * kBlock, in.q.data() + i * kBlock, in.d[i], in.s[i]);
     if (w.kind == 0) unsigned_activations(in.q.data(), in.u.data(), T * w.K);
     packed_groups_vnni(w.packed, w.kind, w.N, w.K, T, in.q.data(), in.u.data(), in.d.data(),
-                       in.s.data(), out, g0, g1);
-  } else if (interleaved(w.kind)) {
-    in.exact.prepare(x, T, w.K, w.kind);
-    groups_exact(w.blocks, T, in.exact, out, w.N, g0, g1);
+                       in.s.data(), dst, g0, g1);
   } else if (n0 < n1) {
     in.gemv.prepare(w.blocks, x, T);
     const int64_t pass_rows = w.blocks.gemv_pass_rows();
     for (int64_t r0 = 0; r0 < T; r0 += pass_rows)
-      w.blocks.gemv(std::min(pass_rows, T - r0), in.gemv.rows_from(r0), out + r0 * w.N, n0, n1);
+      w.blocks.gemv(std::min(pass_rows, T - r0), in.gemv.rows_from(r0), dst + r0 * w.N, n0, n1);
   }
-  if (w.bias == nullptr) return;
-  for (int64_t r = 0; r < T; ++r)
-    for (int64_t n = n0; n < n1; ++n) out[r * w.N + n] = out[r * w.N + n] + w.bias[n];
+  if (dst != out)
+    for (int64_t r = 0; r < T; ++r)
+      std::copy(dst + r * w.N + n0, dst + r * w.N + n1, out + r * ldo + n0);
+}
+
+// This thread's features of out = x W^T (+ bias), part by part, in groups of 16 (a cache
+// line of each output row) split between the threads.
+void linear_share(const ProjectionView& w, const float* x, int64_t T, ThreadInput& in,
+                  float* out, int tid, int threads) {
+  for (const PartView& part : w.parts) {
+    const auto [g0, g1] = share(packed_groups(part.N), tid, threads);
+    part_share(part, x, T, in, out + part.column, w.N, g0, g1);
+    if (w.bias == nullptr) continue;
+    const int64_t n0 = part.column + g0 * kPackedGroup;
+    const int64_t n1 = part.column + std::min(part.N, g1 * kPackedGroup);
+    for (int64_t r = 0; r < T; ++r)
+      for (int64_t n = n0; n < n1; ++n) out[r * w.N + n] = out[r * w.N + n] + w.bias[n];
+  }
 }
 
 const float* data_or_null(const at::Tensor& t) {
@@ -145,10 +184,10 @@ std::tuple<at::Tensor, at::Tensor> fused_decode_step(
   const int64_t qkv_n = first.qkv.out_features(), inter = first.gate_up.out_features() / 2;
   for (const Layer& l : layers) {
     TORCH_CHECK(l.qkv.out_features() == qkv_n && qkv_n == q_size + 2 * kv_size &&
-                    in_features(l.qkv) == H && l.o.out_features() == H &&
-                    in_features(l.o) == q_size && l.gate_up.out_features() == 2 * inter &&
-                    in_features(l.gate_up) == H && l.down.out_features() == H &&
-                    in_features(l.down) == inter,
+                    l.qkv.in_features() == H && l.o.out_features() == H &&
+                    l.o.in_features() == q_size && l.gate_up.out_features() == 2 * inter &&
+                    l.gate_up.in_features() == H && l.down.out_features() == H &&
+                    l.down.in_features() == inter,
                 "a layer's projections do not fit the stack's sizes");
   }
   TORCH_CHECK(positions.scalar_type() == at::kLong && positions.numel() == T,
@@ -213,13 +252,17 @@ std::tuple<at::Tensor, at::Tensor> fused_decode_step(
   float* down_ptr = down.data_ptr<float>();
   const float* attn_ptr = attn.data_ptr<float>();
   const int64_t max_k = std::max({H, q_size, inter});
+  int64_t staged_columns = 0;
+  for (const LayerViews& l : views)
+    for (const ProjectionView* p : {&l.qkv, &l.o, &l.gate_up, &l.down})
+      staged_columns = std::max(staged_columns, p->staged_columns());
 
 #pragma omp parallel num_threads(threads_wanted)
   {
     const int tid = omp_get_thread_num(), threads = omp_get_num_threads();
     CacheAligned<float> residual(T * H), x(T * H), act(T * inter), tmp(T * H);
     std::copy(hidden_ptr, hidden_ptr + T * H, residual.data());
-    ThreadInput in(T, max_k);
+    ThreadInput in(T, max_k, staged_columns);
     for (int64_t r = 0; r < T; ++r)
       rms_norm_row(x.data() + r * H, hidden_ptr + r * H, views[0].input_norm, H, eps);
     for (size_t i = 0; i < views.size(); ++i) {

@@ -86,7 +86,8 @@ def anon_huge_bytes(address: int) -> int:
 
 def module_tensors(model: torch.nn.Module) -> Iterator[torch.Tensor]:
     """Every tensor a model's modules hold: parameters, buffers, tensor attributes and the
-    tensor fields of dataclass attributes (a linear layer's ``BlockWeight`` planes).
+    tensor fields of dataclass attributes and of the dataclasses in their list fields (a
+    linear layer's ``BlockWeight`` planes, a ``MixedBlockWeight``'s parts').
     Modules marked ``shared_across_models`` (one instance cached for every model, e.g.
     get_rope's) are left out: a tensor of theirs in a model's region would keep the whole
     region alive after the model is gone."""
@@ -98,11 +99,20 @@ def module_tensors(model: torch.nn.Module) -> Iterator[torch.Tensor]:
         for value in vars(module).values():
             if isinstance(value, torch.Tensor):
                 yield value
-            elif dataclasses.is_dataclass(value) and not isinstance(value, type):
-                for field in dataclasses.fields(value):
-                    item = getattr(value, field.name)
-                    if isinstance(item, torch.Tensor):
-                        yield item
+            else:
+                yield from _dataclass_tensors(value)
+
+
+def _dataclass_tensors(value: object) -> Iterator[torch.Tensor]:
+    if not dataclasses.is_dataclass(value) or isinstance(value, type):
+        return
+    for field in dataclasses.fields(value):
+        item = getattr(value, field.name)
+        if isinstance(item, torch.Tensor):
+            yield item
+        elif isinstance(item, list):
+            for element in item:
+                yield from _dataclass_tensors(element)
 
 
 def move_to_huge_pages(tensors: Iterable[torch.Tensor]) -> int:

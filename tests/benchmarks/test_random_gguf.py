@@ -11,16 +11,19 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
 
 from kvserve.benchmarks.random_gguf import (
+    MIXES,
     SHAPES,
     LlamaShape,
     ensure_random_gguf,
     llama3_rope_factors,
     random_blocks,
+    use_more_bits,
     write_random_gguf,
 )
 from kvserve.transformers_utils.arch_config import load_arch_config
 from kvserve.transformers_utils.gguf_reader import open_gguf
 from kvserve.transformers_utils.model_resolver import resolve_model
+from tests.reference import hf_float32_model
 
 Q = GGMLQuantizationType
 # Llama-3.2-1B's proportions at toy size; the vocabulary just past the packaged
@@ -118,11 +121,61 @@ def test_written_once_then_reused(tiny_gguf: Path) -> None:
 def test_bad_input_names_the_field(tmp_path: Path) -> None:
     rng = np.random.default_rng(0)
     with pytest.raises(ValueError, match="qtype"):
-        random_blocks(rng, 2, 32, Q.Q6_K)
+        random_blocks(rng, 2, 256, Q.Q5_K)
     with pytest.raises(ValueError, match="cols"):
         random_blocks(rng, 2, 48, Q.Q4_1)
+    with pytest.raises(ValueError, match="cols"):
+        random_blocks(rng, 2, 128, Q.Q4_K)
     block, size = GGML_QUANT_SIZES[Q.Q4_1]
     assert random_blocks(rng, 3, 64, Q.Q4_1).shape == (3, 64 // block * size)
     small = LlamaShape("small-vocab", 64, 1, 4, 2, 128, 1000)
     with pytest.raises(ValueError, match="vocab_size"):
         write_random_gguf(tmp_path / "small.gguf", small)
+
+
+def test_use_more_bits_is_llamacpps_choice() -> None:
+    # Llama-3.2-1B's 16 layers: the first and last two, and every third one between.
+    assert [i for i in range(16) if use_more_bits(i, 16)] == [0, 1, 4, 7, 10, 13, 14, 15]
+
+
+# Q4_K_M at a shape K-quants fit (rows of 256), the embedding tied as Llama-3.2-1B's;
+# plain RoPE, which transformers' GGUF loader reads (it leaves rope_freqs out).
+TINY_K = LlamaShape("tiny-llama-k", 256, 8, 4, 2, 512, 49152 + 64, rope_scaling=None)
+
+
+def test_q4_k_m_places_k_quants_as_llamacpp(tmp_path: Path) -> None:
+    from kvserve.entrypoints.llm import LLM
+    from kvserve.sampling_params import SamplingParams
+
+    path = ensure_random_gguf(TINY_K, tmp_path, MIXES["Q4_K_M"])
+    assert path.name == "tiny-llama-k-random.Q4_K_M.gguf"
+    reader = open_gguf(str(path))
+    assert reader.fields["general.file_type"] == 15  # LLAMA_FTYPE_MOSTLY_Q4_K_M
+    types = {t.name: t.tensor_type for t in reader.tensors}
+    assert types["token_embd.weight"] == Q.Q6_K  # the tied head: llama.cpp's output type
+    more = {0, 3, 6, 7}  # use_more_bits for 8 layers
+    for i in range(TINY_K.num_layers):
+        want = Q.Q6_K if i in more else Q.Q4_K
+        assert (types[f"blk.{i}.attn_v.weight"], types[f"blk.{i}.ffn_down.weight"]) == (want, want)
+        for name in ("attn_q", "attn_k", "attn_output", "ffn_gate", "ffn_up"):
+            assert types[f"blk.{i}.{name}.weight"] == Q.Q4_K
+    tensors = {t.name: t for t in reader.tensors}
+    for name, qtype in (("blk.0.ffn_up.weight", Q.Q4_K), ("blk.0.ffn_down.weight", Q.Q6_K)):
+        w = dequantize(np.asarray(tensors[name].data), qtype)
+        assert np.isfinite(w).all() and 0.01 < float(w.std()) < 0.04
+        assert abs(float(w.mean())) < 0.005
+    # kvserve's lossless path on these blocks is transformers' float32 model on gguf's
+    # dequantization of them.
+    prompt = [1, 504, 3059, 30, 2523, 314]
+    hf = hf_float32_model(path)
+    with torch.no_grad():
+        expected = hf.generate(
+            torch.tensor([prompt]), max_new_tokens=8, do_sample=False, min_new_tokens=8
+        )[0, len(prompt) :].tolist()
+    llm = LLM(str(path), kv_cache_memory=4 << 20, max_model_len=64)
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+        out = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)
+        assert list(out[0].outputs[0].token_ids) == expected
+    finally:
+        llm.llm_engine.shutdown()

@@ -19,8 +19,17 @@ from kvserve import _custom_ops as ops
 from kvserve.attention.backends.registry import get_attn_backend
 from kvserve.attention.backends.utils import make_common_attn_metadata
 from kvserve.forward_context import set_forward_context
-from kvserve.model_executor.layers.block_weight import BlockWeight
-from kvserve.model_executor.layers.linear import LinearBase
+from kvserve.model_executor.layers.block_weight import (
+    BlockWeight,
+    LinearBlocks,
+    MixedBlockWeight,
+    concat_rows,
+)
+from kvserve.model_executor.layers.linear import (
+    LinearBase,
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+)
 from kvserve.model_executor.layers.quantization import quantize_model
 from kvserve.model_executor.model_loader import get_model
 from kvserve.transformers_utils.arch_config import load_arch_config
@@ -38,6 +47,13 @@ def _load(path: Path, quantization: str | None = None, int8: bool = False) -> to
         for module in model.modules():
             if isinstance(module, LinearBase):
                 module.quant_weight = BlockWeight.quantize(module.weight, T.Q4_1)
+    elif quantization in ("mixed", "mixed_prepared"):
+        for module in model.modules():
+            if isinstance(module, LinearBase):
+                module.quant_weight = _mixed_blocks(module)
+                if quantization == "mixed_prepared" or int8:
+                    # the digit matmul's interleaved parts (AVX-512 VNNI), or gguf_int8's
+                    module.quant_weight.prepare_kernels("gguf_int8" if int8 else "gguf")
     elif quantization is not None:
         quantize_model(model, quantization, None, arch)
         for module in model.modules():
@@ -45,6 +61,21 @@ def _load(path: Path, quantization: str | None = None, int8: bool = False) -> to
             if bw is not None and int8:
                 bw.use_int8_activations()  # with the interleaved copy on AVX-512 VNNI
     return model
+
+
+def _mixed_blocks(module: LinearBase) -> LinearBlocks:
+    """The fused layers' shards in two block types, as Llama Q4_K_M files' q/k (Q4_K)
+    beside their v (Q6_K): here q/k and gate Q4_1, v and up Q8_0 (a MixedBlockWeight);
+    the other layers Q4_1."""
+    if isinstance(module, QKVParallelLinear):
+        q, kv = module.num_heads * module.head_size, module.num_kv_heads * module.head_size
+        sizes, types = [q, kv, kv], [T.Q4_1, T.Q4_1, T.Q8_0]
+    elif isinstance(module, MergedColumnParallelLinear):
+        sizes, types = module.output_sizes, [T.Q4_1, T.Q8_0]
+    else:
+        return BlockWeight.quantize(module.weight, T.Q4_1)
+    shards = module.weight.split(sizes)
+    return concat_rows([BlockWeight.quantize(w, t) for w, t in zip(shards, types, strict=True)])
 
 
 def _decode_run(
@@ -78,6 +109,15 @@ def _decode_run(
         ("tiny_llama", "q4_1", False, 8),  # two GEMV passes: 6 rows, then 2
         ("tiny_llama", "q4_1", False, 12),
         ("tiny_qwen2", "q4_1", False, 2),
+        # Fused layers whose shards differ in block type: one part after the other, the
+        # float GEMV's rows of several through the thread's staging buffer, the digit
+        # matmul's (mixed_prepared, AVX-512 VNNI) straight into the output's columns.
+        ("tiny_llama", "mixed", False, 1),
+        ("tiny_llama", "mixed", False, 3),
+        ("tiny_qwen2", "mixed", False, 2),
+        ("tiny_llama", "mixed_prepared", False, 1),
+        ("tiny_llama", "mixed_prepared", False, 3),
+        ("tiny_llama", "mixed", True, 3),
         # Block weights, int8 activations: with AVX-512 VNNI, steps of up to 8 rows take
         # the fused step (csrc/decode_step.cpp), larger ones the per-op path.
         ("tiny_llama", "q8_0", True, 1),
@@ -102,6 +142,9 @@ def test_decode_steps_equal_the_module_path_exactly(
     got = _decode_run(paged_runner, native, num_requests)
     want = _decode_run(paged_runner, modules, num_requests)
     assert native.model.decode_stack._stack is not None  # the decode steps took it
+    if quantization and quantization.startswith("mixed"):
+        fused = native.model.layers[0].self_attn.qkv_proj.quant_weight
+        assert isinstance(fused, MixedBlockWeight) and len(fused.parts) == 2
     for step, (g, w) in enumerate(zip(got, want, strict=True)):
         assert torch.equal(g, w), f"step {step} differs"
 

@@ -12,7 +12,11 @@ from gguf.quants import dequantize, quantize
 
 from kvserve import _custom_ops as ops
 from kvserve.config import ModelConfig
-from kvserve.model_executor.layers.block_weight import BlockWeight, concat_rows
+from kvserve.model_executor.layers.block_weight import (
+    BlockWeight,
+    MixedBlockWeight,
+    concat_rows,
+)
 from kvserve.model_executor.layers.quantization import check_sampled_rows, quantize_model
 from tests.gemma3_fixtures import GEMMA3
 from tests.kernel_support import require_kernels
@@ -135,13 +139,24 @@ def test_block_linear_keeps_leading_dims_and_rejects_wrong_width() -> None:
         weight.linear(torch.randn(2, 32))
 
 
-def test_concat_rows_stacks_shards_and_refuses_mixed_types() -> None:
+def test_concat_rows_stacks_shards_of_one_type_or_mixes_runs() -> None:
     a, ref_a = _block_weight(T.Q4_1, 8, 64, seed=4)
     b, ref_b = _block_weight(T.Q4_1, 4, 64, seed=5)
-    assert torch.equal(concat_rows([a, b]).dequantize(), torch.cat([ref_a, ref_b]))
-    c, _ = _block_weight(T.Q8_0, 4, 64, seed=6)
-    with pytest.raises(ValueError, match="mix block types"):
-        concat_rows([a, c])
+    same = concat_rows([a, b])
+    assert isinstance(same, BlockWeight)
+    assert torch.equal(same.dequantize(), torch.cat([ref_a, ref_b]))
+    # q and k of one type beside a v of another (Llama Q4_K_M's Q4_K, Q4_K, Q6_K).
+    c, ref_c = _block_weight(T.Q8_0, 4, 64, seed=6)
+    mixed = concat_rows([a, b, c])
+    assert isinstance(mixed, MixedBlockWeight)
+    assert [(p.qtype, p.shape) for p in mixed.parts] == [(T.Q4_1, (12, 64)), (T.Q8_0, (4, 64))]
+    assert mixed.shape == (16, 64) and mixed.nbytes == a.nbytes + b.nbytes + c.nbytes
+    reference = torch.cat([ref_a, ref_b, ref_c])
+    assert torch.equal(mixed.dequantize(), reference)
+    x = torch.randn(3, 64)
+    out = mixed.linear(x)
+    assert torch.equal(out, torch.cat([p.linear(x) for p in mixed.parts], dim=-1))
+    torch.testing.assert_close(out, F.linear(x, reference), rtol=1e-4, atol=1e-4)
 
 
 def test_quantize_q8_0_round_trips_within_about_half_a_step() -> None:

@@ -162,9 +162,9 @@ class BlockWeight:
         run best: gguf_int8's int8 activations, or (``interleave``) the lossless digit
         matmul's interleaved planes where the build has it; then nibble planes where the
         float GEMV prefers them (ops.gemv_prefers_nibble_planes)."""
-        if method == "gguf_int8":
+        if method == "gguf_int8" and self.qtype not in REPACKED_KINDS:
             self.use_int8_activations()
-        elif interleave:
+        elif interleave:  # gguf_int8's repacked Q4_K and Q6_K too: they have no int8 kernel
             self.use_interleaved()
         # gguf_int8's interleaved copy serves every input: the float GEMV never runs.
         if ops.gemv_prefers_nibble_planes() and self.packed is None:
@@ -290,20 +290,59 @@ def _interleave_five_bit(
     return record.reshape(rows, nb * _FIVE_BIT_BLOCK_BYTES), scales
 
 
-def concat_rows(parts: list[BlockWeight]) -> BlockWeight:
-    """Stack shards (q/k/v, gate/up) along the output rows, as the fused layers do."""
-    qtypes = {p.qtype for p in parts}
-    if len(qtypes) != 1:
-        raise ValueError(f"fused shards mix block types {sorted(t.name for t in qtypes)}")
+@dataclass
+class MixedBlockWeight:
+    """A fused layer's weight whose shards differ in block type once repacked (Llama
+    Q4_K_M files' Q4_K q and k beside a Q6_K v, in a third of the layers): a BlockWeight
+    per run of same-type shards, each multiplied into its own output features."""
+
+    parts: list[BlockWeight]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return sum(p.shape[0] for p in self.parts), self.parts[0].shape[1]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+    def prepare_kernels(self, method: str, interleave: bool = True) -> None:
+        for part in self.parts:
+            part.prepare_kernels(method, interleave)
+
+    def dequantize(self) -> torch.Tensor:
+        return torch.cat([p.dequantize() for p in self.parts])
+
+    def linear(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([p.linear(x) for p in self.parts], dim=-1)
+
+
+# A linear layer's block weights.
+LinearBlocks = BlockWeight | MixedBlockWeight
+
+
+def concat_rows(parts: list[BlockWeight]) -> LinearBlocks:
+    """Stack shards (q/k/v, gate/up) along the output rows, as the fused layers do: one
+    BlockWeight where they share a block type, else a MixedBlockWeight of the runs that do."""
     if len({p.nibble_planes for p in parts}) != 1:
         raise ValueError("fused shards mix plain and nibble-plane layouts")
     if any(p.interleaved for p in parts):
         raise ValueError("interleaved shards: stack the plain ones, then interleave")
-    return BlockWeight(
-        parts[0].qtype,
-        torch.cat([p.qs for p in parts]),
-        torch.cat([p.d for p in parts]),
-        torch.cat([p.m for p in parts]),
-        parts[0].int8_activations,
-        nibble_planes=parts[0].nibble_planes,
-    )
+    runs: list[list[BlockWeight]] = []
+    for part in parts:
+        if runs and runs[-1][0].qtype == part.qtype:
+            runs[-1].append(part)
+        else:
+            runs.append([part])
+    stacked = [
+        BlockWeight(
+            run[0].qtype,
+            torch.cat([p.qs for p in run]),
+            torch.cat([p.d for p in run]),
+            torch.cat([p.m for p in run]),
+            run[0].int8_activations,
+            nibble_planes=run[0].nibble_planes,
+        )
+        for run in runs
+    ]
+    return stacked[0] if len(stacked) == 1 else MixedBlockWeight(stacked)

@@ -18,7 +18,7 @@ from kvserve import _custom_ops as ops
 from kvserve.distributed.parallel_state import get_tp_group
 
 if TYPE_CHECKING:
-    from kvserve.model_executor.layers.block_weight import BlockWeight
+    from kvserve.model_executor.layers.block_weight import LinearBlocks
 
 # (dim, start, size): where this rank's shard lies in the full checkpoint tensor.
 ShardRange = tuple[int, int, int]
@@ -56,7 +56,7 @@ class LinearBase(nn.Module):
         self.prefix = prefix
         self.tp_rank, self.tp_size = get_tp_rank_size()
         # Set by quantize_model (--quantization): the weight as GGUF blocks.
-        self.quant_weight: BlockWeight | None = None
+        self.quant_weight: LinearBlocks | None = None
 
     def shard_range(self, param_dim: int, shard_id: str | int | None = None) -> ShardRange | None:
         """Where this rank's part of the checkpoint tensor (``param_dim``: 2 for the

@@ -39,7 +39,12 @@ from torch import nn
 
 from kvserve import _custom_ops as ops
 from kvserve.config import QUANTIZATION_METHODS
-from kvserve.model_executor.layers.block_weight import SUPPORTED_TYPES, BlockWeight, concat_rows
+from kvserve.model_executor.layers.block_weight import (
+    SUPPORTED_TYPES,
+    BlockWeight,
+    LinearBlocks,
+    concat_rows,
+)
 from kvserve.model_executor.layers.greedy_screen import GreedyScreen, screen_wanted
 
 if TYPE_CHECKING:
@@ -127,7 +132,7 @@ def _rank_blocks(
 
 def _gguf_blocks_for(
     name: str, blocks: dict[str, BlockWeight], stacked: dict[str, list[str]], tied: bool
-) -> BlockWeight | None:
+) -> LinearBlocks | None:
     names = _gguf_block_names(name, blocks, stacked, tied)
     if names is None:
         return None
@@ -142,15 +147,15 @@ def _screened_head(module: Any) -> bool:
     return isinstance(module, ParallelLMHead) and module.tp_size == 1 and screen_wanted()
 
 
-def _prepare_kernels(module: Any, bw: BlockWeight, method: str) -> None:
+def _prepare_kernels(module: Any, bw: LinearBlocks, method: str) -> None:
     bw.prepare_kernels(method, interleave=not _screened_head(module))
 
 
-def _attach(module: Any, bw: BlockWeight) -> None:
+def _attach(module: Any, bw: LinearBlocks) -> None:
     """The module computes with ``bw`` from now on; a screened LM head with the lossless
     arithmetic also gets its greedy screen."""
     module.quant_weight = bw
-    if _screened_head(module) and GreedyScreen.supports(bw):
+    if _screened_head(module) and isinstance(bw, BlockWeight) and GreedyScreen.supports(bw):
         module.greedy_screen = GreedyScreen(bw, module.num_embeddings)
 
 
@@ -181,7 +186,7 @@ def quantize_model(model: nn.Module, method: str, gguf_path: str | None, arch: A
         weight: torch.Tensor = module.weight
         tied = name.endswith("lm_head") and arch.tie_word_embeddings
         if method == "q8_0":
-            bw: BlockWeight | None = BlockWeight.quantize(weight, GGMLQuantizationType.Q8_0)
+            bw: LinearBlocks | None = BlockWeight.quantize(weight, GGMLQuantizationType.Q8_0)
         else:
             bw = _gguf_blocks_for(name, blocks, stacked, tied)
         if bw is None:
@@ -196,6 +201,7 @@ def quantize_model(model: nn.Module, method: str, gguf_path: str | None, arch: A
             continue
         empty = _blocks_placeholder(weight)
         if tied:  # the blocks equal the table bit for bit (checked above)
+            assert isinstance(bw, BlockWeight)  # one tensor: the embedding's
             _look_up_from_blocks(model, weight, bw, empty)
         module.weight = empty
     if kept:
@@ -323,9 +329,11 @@ def attach_gguf_blocks(
                 if len(names) == 1
                 else np.concatenate([local[n][1] for n in names])
             )
-            bw = BlockWeight.from_raw(raw, next(iter(qtypes)))
-            checks.append((name, raw, next(iter(qtypes)), bw))
-        else:  # e.g. Gemma's Q5_0 q/k beside a Q8_0 v: one kernel type once repacked
+            whole = BlockWeight.from_raw(raw, next(iter(qtypes)))
+            checks.append((name, raw, next(iter(qtypes)), whole))
+            bw: LinearBlocks = whole
+        else:  # Gemma's Q5_0 q/k beside a Q8_0 v (one kernel type once repacked), Llama
+            # Q4_K_M's Q4_K q/k beside a Q6_K v (a MixedBlockWeight)
             shards = [BlockWeight.from_raw(local[n][1], local[n][0]) for n in names]
             checks += [(n, local[n][1], local[n][0], w) for n, w in zip(names, shards, strict=True)]
             bw = concat_rows(shards)
@@ -335,6 +343,7 @@ def attach_gguf_blocks(
             # The head's blocks hold this rank's rows of the table, padded as the
             # embedding's own weight is: its lookups dequantize their rows from them.
             placeholder = _blocks_placeholder(weight)
+            assert isinstance(bw, BlockWeight)  # one tensor: the embedding's
             _look_up_from_blocks(model, weight, bw, placeholder)
             module.weight = placeholder
             prepared[names[0]] = placeholder.data

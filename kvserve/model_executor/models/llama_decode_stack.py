@@ -30,6 +30,7 @@ from kvserve import _custom_ops as ops
 from kvserve.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionMetadata
 from kvserve.forward_context import get_forward_context, is_forward_context_set
 from kvserve.model_executor.layers.activation import GeluAndMul, SiluAndMul
+from kvserve.model_executor.layers.block_weight import MixedBlockWeight
 from kvserve.model_executor.layers.layernorm import GemmaRMSNorm, RMSNorm
 from kvserve.model_executor.layers.rotary_embedding import RotaryEmbedding
 
@@ -41,13 +42,18 @@ if TYPE_CHECKING:
 _EMPTY = torch.empty(0)
 
 
-def _projection(linear: LinearBase) -> tuple[list[torch.Tensor], int, bool]:
-    """(weight, d, m, packed), kind (-1: float32 weight), int8 activations."""
-    bw = linear.quant_weight
-    if bw is None:
-        return [linear.weight, _EMPTY, _EMPTY, _EMPTY], -1, False
-    packed = bw.packed if bw.packed is not None else _EMPTY
-    return [bw.qs, bw.d, bw.m, packed], bw.kind, bw.int8_activations
+def _projection(linear: LinearBase) -> list[tuple[list[torch.Tensor], int, bool]]:
+    """Each part of the layer's output features (one, unless its blocks are a
+    MixedBlockWeight): (weight, d, m, packed), kind (-1: float32 weight), int8 activations."""
+    quant = linear.quant_weight
+    if quant is None:
+        return [([linear.weight, _EMPTY, _EMPTY, _EMPTY], -1, False)]
+    parts = quant.parts if isinstance(quant, MixedBlockWeight) else [quant]
+    return [
+        ([bw.qs, bw.d, bw.m, bw.packed if bw.packed is not None else _EMPTY], bw.kind,
+         bw.int8_activations)
+        for bw in parts
+    ]  # fmt: skip
 
 
 def _norm_weight(norm: nn.Module | None) -> torch.Tensor | None:
@@ -146,14 +152,18 @@ class LlamaDecodeStack:
         planes: list[torch.Tensor] = []
         kinds: list[int] = []
         int8: list[bool] = []
+        part_counts: list[int] = []
         for linear in (a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj):
-            tensors, kind, int8_activations = _projection(linear)
-            planes += tensors
-            kinds.append(kind)
-            int8.append(int8_activations)
+            parts = _projection(linear)
+            part_counts.append(len(parts))
+            for tensors, kind, int8_activations in parts:
+                planes += tensors
+                kinds.append(kind)
+                int8.append(int8_activations)
         qk = weights[-2:] if q_norm is not None else [None, None]
         return [
-            weights[0], weights[1], planes, kinds, int8, a.qkv_proj.bias, a.o_proj.bias,
+            weights[0], weights[1], planes, kinds, int8, part_counts, a.qkv_proj.bias,
+            a.o_proj.bias,
             a.attn.sliding_window or 0, weights[2:4] if sandwich else [], *qk,
             a.rotary_emb.cos_sin_cache, activation,
         ]  # fmt: skip

@@ -165,8 +165,8 @@ def test_rows_are_identical_across_thread_counts(qtype: T) -> None:
 def test_lossless_method_interleaves_its_blocks() -> None:
     """prepare_kernels interleaves the lossless method's plain blocks of a multiple of 16
     rows in place (no copy kept: the same bytes), the repacked k-quants too; gguf_int8
-    keeps its own arithmetic (the k-quants their float GEMV) and other row counts their
-    layout. Every row looks up (dequantize_rows) as the plain layout's."""
+    keeps its own arithmetic (the k-quants, which have no int8 kernel, the digit matmul)
+    and other row counts their layout. Every row looks up (dequantize_rows) as the plain layout's."""
     for qtype in TYPES:
         plain, _ = random_blocks(qtype, 48, 256, seed=8)
         weight, _ = random_blocks(qtype, 48, 256, seed=8)
@@ -181,7 +181,8 @@ def test_lossless_method_interleaves_its_blocks() -> None:
         assert torch.equal(weight.linear(x), _exact(_interleaved(plain), x))
         int8, _ = random_blocks(qtype, 48, 256, seed=8)
         int8.prepare_kernels("gguf_int8")
-        assert int8.int8_activations != (qtype in K_QUANTS) and not int8.interleaved
+        assert int8.int8_activations != (qtype in K_QUANTS)
+        assert int8.interleaved == (qtype in K_QUANTS)
         odd, _ = random_blocks(qtype, 40, 256, seed=8)
         odd.prepare_kernels("gguf")
         assert not odd.interleaved

@@ -110,6 +110,7 @@ def test_only_q4_rows_of_whole_block_pairs_are_reordered() -> None:
     with pytest.raises(ValueError, match="plain and nibble-plane"):
         concat_rows([plain, planes])
     both = concat_rows([planes, planes])
+    assert isinstance(both, BlockWeight)
     assert both.nibble_planes and torch.equal(
         both.dequantize(), concat_rows([plain, plain]).dequantize()
     )
