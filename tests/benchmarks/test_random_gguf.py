@@ -141,13 +141,23 @@ def test_use_more_bits_is_llamacpps_choice() -> None:
 # Q4_K_M at a shape K-quants fit (rows of 256), the embedding tied as Llama-3.2-1B's;
 # plain RoPE, which transformers' GGUF loader reads (it leaves rope_freqs out).
 TINY_K = LlamaShape("tiny-llama-k", 256, 8, 4, 2, 512, 49152 + 64, rope_scaling=None)
+PROMPT = [1, 504, 3059, 30, 2523, 314]
 
 
-def test_q4_k_m_places_k_quants_as_llamacpp(tmp_path: Path) -> None:
-    from kvserve.entrypoints.llm import LLM
-    from kvserve.sampling_params import SamplingParams
+@pytest.fixture(scope="module")
+def tiny_q4_k_m(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[int]]:
+    """The file and transformers' float32 greedy tokens on gguf's dequantization of it."""
+    path = ensure_random_gguf(TINY_K, tmp_path_factory.mktemp("random_gguf"), MIXES["Q4_K_M"])
+    hf = hf_float32_model(path)
+    with torch.no_grad():
+        out = hf.generate(
+            torch.tensor([PROMPT]), max_new_tokens=8, do_sample=False, min_new_tokens=8
+        )
+    return path, out[0, len(PROMPT) :].tolist()
 
-    path = ensure_random_gguf(TINY_K, tmp_path, MIXES["Q4_K_M"])
+
+def test_q4_k_m_places_k_quants_as_llamacpp(tiny_q4_k_m: tuple[Path, list[int]]) -> None:
+    path, _ = tiny_q4_k_m
     assert path.name == "tiny-llama-k-random.Q4_K_M.gguf"
     reader = open_gguf(str(path))
     assert reader.fields["general.file_type"] == 15  # LLAMA_FTYPE_MOSTLY_Q4_K_M
@@ -164,18 +174,24 @@ def test_q4_k_m_places_k_quants_as_llamacpp(tmp_path: Path) -> None:
         w = dequantize(np.asarray(tensors[name].data), qtype)
         assert np.isfinite(w).all() and 0.01 < float(w.std()) < 0.04
         assert abs(float(w.mean())) < 0.005
-    # kvserve's lossless path on these blocks is transformers' float32 model on gguf's
-    # dequantization of them.
-    prompt = [1, 504, 3059, 30, 2523, 314]
-    hf = hf_float32_model(path)
-    with torch.no_grad():
-        expected = hf.generate(
-            torch.tensor([prompt]), max_new_tokens=8, do_sample=False, min_new_tokens=8
-        )[0, len(prompt) :].tolist()
-    llm = LLM(str(path), kv_cache_memory=4 << 20, max_model_len=64)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_q4_k_m_greedy_tokens_are_transformers(
+    tiny_q4_k_m: tuple[Path, list[int]], tp: int
+) -> None:
+    """kvserve's lossless path on these blocks is transformers' float32 model on gguf's
+    dequantization of them: with q/k (Q4_K) and v (Q6_K) of one fused projection in
+    different block types (half the layers), on one rank and on two (each rank's rows of
+    every shard)."""
+    from kvserve.entrypoints.llm import LLM
+    from kvserve.sampling_params import SamplingParams
+
+    path, expected = tiny_q4_k_m
+    llm = LLM(str(path), kv_cache_memory=4 << 20, max_model_len=64, tensor_parallel_size=tp)
     try:
         params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-        out = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)
+        out = llm.generate({"prompt_token_ids": PROMPT}, params, use_tqdm=False)
         assert list(out[0].outputs[0].token_ids) == expected
     finally:
         llm.llm_engine.shutdown()
