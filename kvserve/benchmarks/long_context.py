@@ -26,10 +26,10 @@ import time
 from typing import Any
 
 from kvserve.args.engine_args import EngineArgs
+from kvserve.benchmarks import random_gguf
 from kvserve.benchmarks.long_context_gguf import gguf_with_context
 from kvserve.benchmarks.long_context_llamacpp import llamacpp_decode_rate
 from kvserve.benchmarks.peers_llamacpp import extra_buffer_types_run, llama_cpp_available
-from kvserve.benchmarks.random_gguf import MIXES, SHAPES, ensure_random_gguf
 
 LLAMACPP_MISSING = "llama.cpp not installed (pip install llama-cpp-python)"
 # A token per llama_decode costs a decode step each: 8,192 of SmolLM2's took 8 minutes on
@@ -46,20 +46,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         "--model", default=EngineArgs.model, help="GGUF file or a known name (a GGUF model)"
     )
     EngineArgs.add_cli_args(parser, with_model=False)
-    parser.add_argument(
-        "--random-gguf", default=None, choices=sorted(SHAPES),
-        help="instead of --model: a random-weight GGUF at this model's shape (131072 "
-        "positions), written under --random-gguf-dir on first use",
-    )  # fmt: skip
-    parser.add_argument(
-        "--random-gguf-type", default="Q4_1", choices=sorted(MIXES),
-        help="the random GGUF's tensor types: one block type throughout (the embedding "
-        "Q8_0), or Q4_K_M's mix of Q4_K and Q6_K as llama.cpp's quantizer places them",
-    )  # fmt: skip
-    parser.add_argument(
-        "--random-gguf-dir", default=None,
-        help="where random GGUFs are kept (default: ~/.cache/kvserve/random_gguf)",
-    )  # fmt: skip
+    random_gguf.add_cli_args(parser, "131072 positions")
     parser.add_argument(
         "--contexts", type=_int_list, default=[8192, 32768], help="context tokens per stream"
     )
@@ -133,16 +120,7 @@ def run_long_context(args: argparse.Namespace) -> dict[str, Any]:
             raise SystemExit(f"unknown engine {e!r}; choose from kvserve, llamacpp")
     if args.output_len < 2 or min(args.contexts) < 1 or min(args.streams) < 1:
         raise SystemExit("output_len must be at least 2, contexts and streams at least 1")
-    if args.random_gguf:
-        print(
-            f"random-weight {args.random_gguf_type} GGUF at {args.random_gguf}'s shape ...",
-            flush=True,
-        )
-        args.model = str(
-            ensure_random_gguf(
-                SHAPES[args.random_gguf], args.random_gguf_dir, MIXES[args.random_gguf_type]
-            )
-        )
+    args.model = random_gguf.model_from_cli_args(args)
     resolved = resolve_model(args.model)
     if resolved.format != "gguf":
         raise SystemExit(f"{args.model!r} is not a GGUF model (llama.cpp runs the same file)")

@@ -18,6 +18,7 @@ import time
 from typing import Any
 
 from kvserve.args.engine_args import EngineArgs
+from kvserve.benchmarks import random_gguf
 from kvserve.benchmarks.memory import format_rates, machine_read_rates, read_bound
 from kvserve.benchmarks.peers_bandwidth import annotate_single_streams, weight_bytes_per_token
 from kvserve.benchmarks.peers_rounds import combine_rounds
@@ -40,7 +41,6 @@ from kvserve.benchmarks.peers_workloads import (
     make_requests,
     workload_flops,
 )
-from kvserve.benchmarks.random_gguf import MIXES, SHAPES, ensure_random_gguf
 
 ENGINES = (*KVSERVE_ENGINES, "hf", "llamacpp")
 
@@ -64,21 +64,10 @@ def parse_scale(text: str) -> dict[str, float]:
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=EngineArgs.model, help="GGUF file or a known name")
     EngineArgs.add_cli_args(parser, with_model=False)
-    parser.add_argument(
-        "--random-gguf", default=None, choices=sorted(SHAPES),
-        help="instead of --model: a random-weight GGUF at this model's shape, written "
-        "under --random-gguf-dir on first use (e.g. llama-3.2-1b with --workloads c: the "
-        "single stream against the memory read bound)",
-    )  # fmt: skip
-    parser.add_argument(
-        "--random-gguf-type", default="Q4_1", choices=sorted(MIXES),
-        help="the random GGUF's tensor types: one block type throughout (the embedding "
-        "Q8_0), or Q4_K_M's mix of Q4_K and Q6_K as llama.cpp's quantizer places them",
-    )  # fmt: skip
-    parser.add_argument(
-        "--random-gguf-dir", default=None, help="where random GGUFs are kept (default: "
-        "~/.cache/kvserve/random_gguf)",
-    )  # fmt: skip
+    random_gguf.add_cli_args(
+        parser,
+        "e.g. llama-3.2-1b with --workloads c: the single stream against the memory read bound",
+    )
     parser.add_argument("--workloads", default="a,b,c", help="comma list of a, b, c, e")
     parser.add_argument(
         "--scale", type=parse_scale, default=parse_scale("1"),
@@ -220,16 +209,7 @@ def run_peers(args: argparse.Namespace) -> dict[str, Any]:
     for w in names:
         if w not in WORKLOADS:
             raise SystemExit(f"unknown workload {w!r}; choose from {', '.join(WORKLOADS)}")
-    if args.random_gguf:
-        print(
-            f"random-weight {args.random_gguf_type} GGUF at {args.random_gguf}'s shape ...",
-            flush=True,
-        )
-        args.model = str(
-            ensure_random_gguf(
-                SHAPES[args.random_gguf], args.random_gguf_dir, MIXES[args.random_gguf_type]
-            )
-        )
+    args.model = random_gguf.model_from_cli_args(args)
     resolved = resolve_model(args.model)
     arch = load_arch_config(resolved)
     special = set(get_tokenizer(resolved).all_special_ids)

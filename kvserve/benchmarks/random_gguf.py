@@ -17,6 +17,7 @@ memory than its largest tensor.
 
 from __future__ import annotations
 
+import argparse
 import math
 import os
 from collections.abc import Iterator
@@ -316,3 +317,33 @@ def ensure_random_gguf(
     finally:
         temporary.unlink(missing_ok=True)
     return target
+
+
+def add_cli_args(parser: argparse.ArgumentParser, use: str) -> None:
+    """``--random-gguf`` and its options; ``use``: what the file serves in this command."""
+    parser.add_argument(
+        "--random-gguf", default=None, choices=sorted(SHAPES),
+        help=f"instead of --model: a random-weight GGUF at this model's shape, written "
+        f"under --random-gguf-dir on first use ({use})",
+    )  # fmt: skip
+    parser.add_argument(
+        "--random-gguf-type", default="Q4_1", choices=sorted(MIXES),
+        help="the random GGUF's tensor types: one block type throughout (the embedding "
+        "Q8_0), or Q4_K_M's mix of Q4_K and Q6_K as llama.cpp's quantizer places them",
+    )  # fmt: skip
+    parser.add_argument(
+        "--random-gguf-dir", default=None,
+        help="where random GGUFs are kept (default: ~/.cache/kvserve/random_gguf)",
+    )  # fmt: skip
+
+
+def model_from_cli_args(args: argparse.Namespace) -> str:
+    """The model the command runs: the random GGUF ``--random-gguf`` asks for (written on
+    first use), else ``--model``."""
+    if not args.random_gguf:
+        return str(args.model)
+    print(
+        f"random-weight {args.random_gguf_type} GGUF at {args.random_gguf}'s shape ...", flush=True
+    )
+    shape, mix = SHAPES[args.random_gguf], MIXES[args.random_gguf_type]
+    return str(ensure_random_gguf(shape, args.random_gguf_dir, mix))
