@@ -10,12 +10,15 @@ fields (kinds 13-14) give kinds 10-11's results bit for bit from fewer bytes."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from gguf import GGMLQuantizationType as T
 
 from kvserve import _custom_ops as ops
 from kvserve.model_executor.layers.block_weight import BlockWeight, concat_rows
+from kvserve.model_executor.layers.quantization import _rank_blocks
 from tests.gemma3_fixtures import GEMMA3
 from tests.kernel_support import require_kernels
 from tests.model_executor.layers.gguf_blocks import (
@@ -272,8 +275,14 @@ def test_file_fields_reach_a_kernel_on_every_path(qtype: T) -> None:
     assert stacked.kind == COMPACT[qtype][0]
     assert torch.equal(stacked.linear(x), want)
 
-    raw = random_raw(qtype, 48, 512, seed=11)  # two super-blocks a row
-    shard = BlockWeight.from_raw(raw[:, raw.shape[1] // 2 :].copy(), qtype)
+    # A row-parallel layer's rank: columns [start, start + size) of each row, taken from
+    # the file's bytes only as whole super-blocks (GGML_QUANT_SIZES' 256 weights), so the
+    # shard's fields are the file's own; a split inside a super-block keeps float32.
+    raw = random_raw(qtype, 48, 512, seed=11)
+    rank = SimpleNamespace(tp_size=2, shard_range=lambda dim, shard_id: (1, 256, 256))
+    shard = BlockWeight.from_raw(_rank_blocks(rank, raw, qtype, None), qtype)
     shard.prepare_kernels("gguf")
     assert shard.kind == COMPACT[qtype][0]
     assert torch.equal(shard.dequantize(), reference[:, 256:])
+    inside = SimpleNamespace(tp_size=2, shard_range=lambda dim, shard_id: (1, 128, 256))
+    assert _rank_blocks(inside, raw, qtype, None) is None
