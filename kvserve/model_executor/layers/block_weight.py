@@ -214,8 +214,7 @@ class BlockWeight:
         """``raw``: uint8 ``[rows, row_bytes]`` in GGUF's block layout (f16 d, [f16 m], quants)."""
         if qtype in REPACKED_TYPES:
             ops.require()
-            compact = qtype in COMPACT_TYPES
-            return cls(*repack(raw, qtype, compact), compact=compact)
+            return cls(*repack(raw, qtype), compact=qtype in COMPACT_TYPES)
         if qtype not in _KINDS:
             raise ValueError(f"no kernel for GGUF type {qtype.name}")
         ops.require()

@@ -21,13 +21,13 @@ repacking them once at load serves them without a kernel per GGUF type:
 On AVX-512 VNNI builds the digit matmul takes Q4_K and Q6_K with the file's own scale
 fields instead (kernel kinds 13 and 14, 18.5 and 34.25 bytes per 32 weights where kinds 3
 and 4 read 24 and 40), and ``d * sc`` cannot be split back into ``d`` and ``sc``: so both
-load as their quants beside the file's fields (``compact=True``, the fields' planes below),
-and BlockWeight.prepare_kernels either interleaves them as kinds 13 and 14 or expands them
-(expand_scales) into kinds 3 and 4's float32 planes, the same products.
+load as their quants beside the file's fields (BlockWeight's ``compact``; the planes
+below), and BlockWeight.prepare_kernels either interleaves them as kinds 13 and 14 or
+expands them (expand_scales) into kinds 3 and 4's float32 planes, the same products.
 
-* Q4_K's fields: ``d`` float16 ``[rows, superblocks, 2]`` (d, dmin), ``m`` uint8 ``[rows,
-  blocks, 2]`` (sc, mn of each 32-weight sub-block).
-* Q6_K's fields: ``d`` float16 ``[rows, superblocks]``, ``m`` int8 ``[rows, blocks, 2]`` (the
+* Q4_K's fields: ``d`` float16 ``[rows, 2 superblocks]`` (each one's d, then dmin), ``m``
+  uint8 ``[rows, 2 blocks]`` (each 32-weight sub-block's sc, then mn).
+* Q6_K's fields: ``d`` float16 ``[rows, superblocks]``, ``m`` int8 ``[rows, 2 blocks]`` (the
   sc of each half block).
 
 The other k-quants (Q2_K, Q3_K, Q5_K) stay float32.
@@ -137,25 +137,14 @@ def expand_scales(
     return scale.reshape(rows, -1), torch.zeros(0, dtype=torch.float32)
 
 
-def _q4_k_as_q4_1_f32(raw: np.ndarray) -> Planes:
-    qtype, qs, d, m = _q4_k_fields(raw)
-    return (qtype, qs, *expand_scales(qtype, d, m))
-
-
-def _q6_k_as_int8_f32(raw: np.ndarray) -> Planes:
-    qtype, qs, d, m = _q6_k_fields(raw)
-    return (qtype, qs, *expand_scales(qtype, d, m))
-
-
 _REPACKS = {
     GGMLQuantizationType.Q5_0: _q5_0_as_q8_0,
-    GGMLQuantizationType.Q4_K: _q4_k_as_q4_1_f32,
-    GGMLQuantizationType.Q6_K: _q6_k_as_int8_f32,
+    GGMLQuantizationType.Q4_K: _q4_k_fields,
+    GGMLQuantizationType.Q6_K: _q6_k_fields,
 }
 REPACKED_TYPES = frozenset(_REPACKS)
-# Types whose file fields load as they are (compact=True) for kinds 13-14 to take.
-_FIELDS = {GGMLQuantizationType.Q4_K: _q4_k_fields, GGMLQuantizationType.Q6_K: _q6_k_fields}
-COMPACT_TYPES = frozenset(_FIELDS)
+# Types that load as their quants beside the file's scale fields (expand_scales).
+COMPACT_TYPES = frozenset({GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K})
 # Kinds of the block types repacking produces and quantization's table lacks.
 REPACKED_KINDS = {
     GGMLQuantizationType.Q4_K: KIND_Q4_K_F32,
@@ -163,12 +152,10 @@ REPACKED_KINDS = {
 }
 
 
-def repack(raw: np.ndarray, qtype: GGMLQuantizationType, compact: bool = False) -> Planes:
+def repack(raw: np.ndarray, qtype: GGMLQuantizationType) -> Planes:
     """``raw``: uint8 ``[rows, row_bytes]`` in GGUF's layout -> the kernel's planes and the
-    type they now have (Q5_0 becomes Q8_0; Q4_K and Q6_K keep their names, kinds 3 and 4,
-    or with ``compact`` their quants beside the file's fields)."""
-    if compact and qtype in _FIELDS:
-        return _FIELDS[qtype](raw)
+    type they now have (Q5_0 becomes Q8_0; Q4_K and Q6_K keep their names, their quants
+    beside the file's fields: COMPACT_TYPES)."""
     if qtype not in _REPACKS:
         raise ValueError(f"no repacking for GGUF type {qtype.name}")
     return _REPACKS[qtype](raw)
