@@ -36,6 +36,20 @@ BlockWeight block_weight(const at::Tensor& qs, const at::Tensor& d, const at::Te
               "nibble planes take rows of a multiple of 64 weights");
   TORCH_CHECK(!interleaved(kind) || rows % kInterleavedRows == 0,
               "interleaved blocks take a multiple of ", kInterleavedRows, " rows");
+  if (compact_scales(kind)) {
+    TORCH_CHECK(cols % kSuperBlock == 0, "kind ", kind, " takes whole super-blocks of ",
+                kSuperBlock, " weights");
+    TORCH_CHECK(d.numel() == rows * cols / kSuperBlock * (kind == 13 ? 2 : 1),
+                "one float16 field set per super-block expected");
+    TORCH_CHECK(m.scalar_type() == (kind == 13 ? at::kByte : at::kChar),
+                "sub-block scales m must be ", kind == 13 ? "uint8" : "int8", " for kind ", kind);
+    TORCH_CHECK(m.is_contiguous() && m.numel() == rows * cols / kBlock * 2,
+                "two sub-block fields per block expected");
+    BlockWeight w{kind, rows, cols, qs.size(1), static_cast<const uint8_t*>(qs.data_ptr()),
+                  static_cast<const uint16_t*>(d.data_ptr()), nullptr};
+    w.sub = static_cast<const uint8_t*>(m.data_ptr());
+    return w;
+  }
   TORCH_CHECK(d.numel() == rows * cols / kBlock * scales_per_block(kind),
               scales_per_block(kind), " scale(s) per block expected");
   const uint16_t* m_ptr = nullptr;

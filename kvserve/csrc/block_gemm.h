@@ -76,10 +76,11 @@ void gemv_planes_outputs(const BlockWeight& w, const GemvRows& in, float* __rest
 struct BlockWeight {
   int64_t kind, rows, cols, row_bytes;
   const uint8_t* qs;
-  const uint16_t* d;  // float16 bits (kinds 0-2)
+  const uint16_t* d;  // float16 bits (kinds 0-2; kinds 13-14: per super-block)
   const uint16_t* m;
   const float* d32 = nullptr;  // kinds 3-4: float32 scales; kind 3: float32 minimums
   const float* m32 = nullptr;
+  const uint8_t* sub = nullptr;  // kinds 13-14: the blocks' 8-bit sub-scales (m)
 
   // Where block i (= n nb + b) keeps its scale and minimum: at i, or for the interleaved
   // kinds in its group of 16 rows (block_quants.h).
@@ -95,6 +96,7 @@ struct BlockWeight {
   float scale(int64_t i) const {
     if constexpr (KIND == 4) return d32[2 * i];
     else if constexpr (KIND == 11) return d32[half_scale_index(i, 0)];
+    else if constexpr (compact_scales(KIND)) return compact_product<KIND>(i, 0);
     else if constexpr (float32_scales(KIND)) return d32[scale_index<KIND>(i)];
     else return f16(d[scale_index<KIND>(i)]);
   }
@@ -102,13 +104,27 @@ struct BlockWeight {
   float scale_hi(int64_t i) const {
     if constexpr (KIND == 4) return d32[2 * i + 1];
     else if constexpr (KIND == 11) return d32[half_scale_index(i, 1)];
+    else if constexpr (KIND == 14) return compact_product<KIND>(i, 1);
     else return scale<KIND>(i);
   }
   template <int KIND>
   float minimum(int64_t i) const {
-    if constexpr (base_kind(KIND) == 3) return m32[scale_index<KIND>(i)];
+    if constexpr (KIND == 13) return -compact_product<KIND>(i, 1);
+    else if constexpr (base_kind(KIND) == 3) return m32[scale_index<KIND>(i)];
     else if constexpr (base_kind(KIND) == 1) return f16(m[scale_index<KIND>(i)]);
     else return 0.f;
+  }
+  // Kinds 13-14: block i's super-block field times its sub-block field p (block_quants.h;
+  // kind 13: p = 0 d * sc, 1 dmin * min; kind 14: d * sc of half p), as gguf computes it.
+  template <int KIND>
+  float compact_product(int64_t i, int p) const {
+    constexpr int64_t G = kInterleavedRows, P = KIND == 13 ? 2 : 1;
+    const int64_t nb = cols / kBlock, n = i / nb, b = i % nb, g = n / G, r = n % G;
+    const int64_t s = g * (cols / kSuperBlock) + b / (kSuperBlock / kBlock);
+    const float super_scale = f16(d[(s * P + (KIND == 13 ? p : 0)) * G + r]);
+    const uint8_t field = sub[((g * nb + b) * 2 + p) * G + r];
+    return super_scale * (KIND == 13 ? static_cast<float>(field)
+                                     : static_cast<float>(static_cast<int8_t>(field)));
   }
   // Kind 11's scale of block i's half: each group's blocks keep their 16 rows' low-half
   // scales, then their high-half ones.
@@ -319,7 +335,9 @@ struct BlockWeight {
     else if (kind == 9) dequant_rows_t<9>(begin, end, out);
     else if (kind == 10) dequant_rows_t<10>(begin, end, out);
     else if (kind == 11) dequant_rows_t<11>(begin, end, out);
-    else dequant_rows_t<12>(begin, end, out);
+    else if (kind == 12) dequant_rows_t<12>(begin, end, out);
+    else if (kind == 13) dequant_rows_t<13>(begin, end, out);
+    else dequant_rows_t<14>(begin, end, out);
   }
 
   // out[r * ldo + n] = sum_k x[r, k] * W[n, k] for n in [begin, end), R rows of x.
@@ -529,7 +547,9 @@ struct BlockWeight {
     else if (kind == 9) gemv_kind<9>(rows_x, in, out, begin, end);
     else if (kind == 10) gemv_kind<10>(rows_x, in, out, begin, end);
     else if (kind == 11) gemv_kind<11>(rows_x, in, out, begin, end);
-    else gemv_kind<12>(rows_x, in, out, begin, end);
+    else if (kind == 12) gemv_kind<12>(rows_x, in, out, begin, end);
+    else if (kind == 13) gemv_kind<13>(rows_x, in, out, begin, end);
+    else gemv_kind<14>(rows_x, in, out, begin, end);
   }
 };
 
@@ -595,7 +615,7 @@ class ExactInput {
     sum_.reserve(blocks);
     digit_sums_.reserve(blocks * 2 * kDigits);
   }
-  // kind: the weight's (7-11); digit sums are kept for the kinds without a minimum.
+  // kind: the weight's (7-14); digit sums are kept for the kinds without a minimum.
   void prepare(const float* x, int64_t rows, int64_t cols, int64_t kind);
 
   // Block i (= r nb + b) of x, digit k: 32 bytes in weight order.

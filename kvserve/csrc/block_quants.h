@@ -43,29 +43,50 @@ namespace kvserve_cpu {
 //           q + 16, then for each chunk c two 64-bit masks of the fifth bits (bit 4 i + j:
 //           weight 4 c + j of row i, then weight 16 + 4 c + j); d as kind 7's. A third
 //           less to read than kind 7.
+//   kinds 13-14: kinds 10 and 11 (GGUF's Q4_K and Q6_K) with the file's scale fields in
+//           place of their float32 scales (AVX-512 VNNI, rows a multiple of 16; columns
+//           of whole 256-weight super-blocks, sb = cols / 256 of them): qs as kinds 10 and
+//           11; d the float16 super-block scales, per group g and super-block s at
+//           ((g sb + s) P + p) 16 (kind 13, P = 2: p = 0 the rows' d, 1 their dmin;
+//           kind 14, P = 1: d); m the blocks' 8-bit sub-scales at ((g nb + b) 2 + p) 16
+//           (kind 13: uint8 p = 0 sc, 1 min; kind 14: int8 sc of the block's half p). A
+//           block's scale is float32(d) * float32(sc), its minimum -(float32(dmin) *
+//           float32(min)): exact in float32, the very values of kinds 10 and 11, so the
+//           results are theirs bit for bit. Bytes per 32 weights: Q4_K 18.5 (kind 10: 24),
+//           Q6_K 34.25 (kind 11: 40); decode streams every one of them per token.
 // In a 4-bit block, byte j holds weight j in its low nibble and weight j + 16 in its high.
 constexpr int64_t kBlock = 32;  // weights per block
+constexpr int64_t kSuperBlock = 256;  // weights per k-quant super-block (kinds 13-14)
 
 // Kinds whose blocks carry a minimum (w = d * q + m).
 constexpr bool has_min(int64_t kind) {
-  return kind == 1 || kind == 3 || kind == 5 || kind == 8 || kind == 10;
+  return kind == 1 || kind == 3 || kind == 5 || kind == 8 || kind == 10 || kind == 13;
 }
 // Kinds with one int8 quant per byte (the others pack two 4-bit quants).
-constexpr bool byte_quants(int64_t kind) { return kind == 0 || kind == 4 || kind == 7 || kind == 11; }
+constexpr bool byte_quants(int64_t kind) {
+  return kind == 0 || kind == 4 || kind == 7 || kind == 11 || kind == 14;
+}
 // Kinds whose scales are float32 (repacked k-quants) rather than the file's float16.
 constexpr bool float32_scales(int64_t kind) { return kind == 3 || kind == 4 || kind == 10 || kind == 11; }
-// Scales per 32-weight block: kinds 4 and 11 scale each half of a block on its own.
-constexpr int64_t scales_per_block(int64_t kind) { return kind == 4 || kind == 11 ? 2 : 1; }
+// Kinds 13-14: the file's k-quant scale fields, float16 per super-block and 8-bit per block.
+constexpr bool compact_scales(int64_t kind) { return kind == 13 || kind == 14; }
+// Scales per 32-weight block: kinds 4, 11 and 14 scale each half of a block on its own.
+constexpr int64_t scales_per_block(int64_t kind) { return kind == 4 || kind == 11 || kind == 14 ? 2 : 1; }
 // Kinds 5 and 6: Q4_1 and Q4_0 in nibble planes.
 constexpr bool nibble_planes(int64_t kind) { return kind == 5 || kind == 6; }
-// Kinds 7-12: kinds 0-4 interleaved 16 rows at a time, and kind 12 (Q8_0 in 5 bits).
-constexpr bool interleaved(int64_t kind) { return kind >= 7 && kind <= 12; }
+// Kinds 7-14: kinds 0-4 interleaved 16 rows at a time, kind 12 (Q8_0 in 5 bits) and
+// kinds 13-14 (kinds 10-11 with the file's scale fields).
+constexpr bool interleaved(int64_t kind) { return kind >= 7 && kind <= 14; }
 constexpr int64_t kInterleavedRows = 16;
 // The kind whose arithmetic a kind has (a reordered kind's plain layout).
 constexpr int64_t base_kind(int64_t kind) {
-  return kind == 12 ? 0 : nibble_planes(kind) ? kind - 4 : interleaved(kind) ? kind - 7 : kind;
+  return kind == 12   ? 0
+         : kind >= 13 ? kind - 10
+         : nibble_planes(kind) ? kind - 4
+         : interleaved(kind)   ? kind - 7
+                               : kind;
 }
-constexpr int64_t kNumKinds = 13;
+constexpr int64_t kNumKinds = 15;
 
 // Nibble planes: blocks 2g (A) and 2g + 1 (B) of a row share 32 bytes, eight 32-bit lanes
 // j of eight nibbles k each. Nibble k of lane j is weight 8 (k / 2) + j of A for even k

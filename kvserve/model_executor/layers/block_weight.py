@@ -3,11 +3,14 @@ C++ kernels read them (csrc/block_quants.h), the layouts it can be reordered int
 build's kernels, and its matmul. quantization.py decides which weights of a model become
 blocks and attaches them.
 
-* On AVX-512 VNNI builds the lossless method's planes (every kind: Q8_0, Q4_1, Q4_0 and
-  the repacked Q4_K and Q6_K) are interleaved 16 rows at a time for the digit matmul
+* On AVX-512 VNNI builds the lossless method's planes (every kind: Q8_0, Q4_1, Q4_0, Q4_K
+  and Q6_K) are interleaved 16 rows at a time for the digit matmul
   (csrc/block_gemm_exact.cpp: x split exactly into int8 digits, integer dot products): the
   same bytes reordered, no copy kept; Q5_0's repacked Q8_0 blocks go back to 5 bits a
-  quant there (a third less to read than the Q8_0 planes).
+  quant there (a third less to read than the Q8_0 planes), and Q4_K and Q6_K keep the
+  file's scale fields (kinds 13-14: 18.5 and 34.25 bytes per 32 weights where the float32
+  scales of kinds 10-11 take 24 and 40). Elsewhere those two expand into float32 scales
+  (kinds 3-4, gguf_repack.py).
 * On builds whose float GEMV is AVX2 without AVX-512, Q4_1 and Q4_0 quants are reordered
   into nibble planes (csrc/block_gemm_planes.h): fewer instructions per weight, the same
   float32 results bit for bit.
@@ -25,7 +28,13 @@ from gguf import GGMLQuantizationType
 from gguf.quants import quantize as gguf_quantize
 
 from kvserve import _custom_ops as ops
-from kvserve.model_executor.layers.gguf_repack import REPACKED_KINDS, REPACKED_TYPES, repack
+from kvserve.model_executor.layers.gguf_repack import (
+    COMPACT_TYPES,
+    REPACKED_KINDS,
+    REPACKED_TYPES,
+    expand_scales,
+    repack,
+)
 
 # GGML type -> (kernel kind, bytes per 32-weight block, has a per-block minimum)
 _KINDS: dict[GGMLQuantizationType, tuple[int, int, bool]] = {
@@ -44,6 +53,8 @@ _INTERLEAVED_KINDS = {
     GGMLQuantizationType.Q4_K: 10,
     GGMLQuantizationType.Q6_K: 11,
 }
+# Kernel kinds of interleaved Q4_K and Q6_K with the file's scale fields.
+_COMPACT_KINDS = {GGMLQuantizationType.Q4_K: 13, GGMLQuantizationType.Q6_K: 14}
 # Interleaved Q8_0 in 5 bits (csrc/block_quants.h): its kind and bytes per row and block
 # (16 of nibbles, 4 of fifth bits).
 _FIVE_BIT_KIND, _FIVE_BIT_BLOCK_BYTES = 12, 20
@@ -61,8 +72,9 @@ class BlockWeight:
     qtype: GGMLQuantizationType
     qs: torch.Tensor  # int8 [rows, cols] (Q8_0, Q6_K) or uint8 [rows, cols/2] (4-bit)
     # float16 [rows, cols/32], as stored; float32 for repacked Q4_K, [rows, cols/16] Q6_K
+    # (compact: the file's fields, gguf_repack.py)
     d: torch.Tensor
-    m: torch.Tensor  # like d for Q4_1 and Q4_K, else empty
+    m: torch.Tensor  # like d for Q4_1 and Q4_K, else empty (compact: the sub-block fields)
     int8_activations: bool = False
     # gguf_int8 on AVX-512 VNNI or AVX2: the same blocks interleaved 16 rows at a time
     # for its matmuls (csrc/block_gemm_vnni.cpp); None elsewhere.
@@ -74,13 +86,22 @@ class BlockWeight:
     interleaved: bool = False
     # Interleaved Q8_0 whose quants all lie in -16..15 (GGUF's Q5_0, repacked), in 5 bits.
     five_bit: bool = False
+    # Q4_K and Q6_K with the file's scale fields in d and m (gguf_repack.py): interleaved,
+    # kinds 13 and 14; plain, a load-time form that prepare_kernels lays out for a kernel.
+    compact: bool = False
 
     @property
     def kind(self) -> int:
         if self.nibble_planes:
             return _NIBBLE_PLANE_KINDS[self.qtype]
         if self.interleaved:
+            if self.compact:
+                return _COMPACT_KINDS[self.qtype]
             return _FIVE_BIT_KIND if self.five_bit else _INTERLEAVED_KINDS[self.qtype]
+        if self.compact:
+            raise ValueError(
+                f"{self.qtype.name}'s file fields have no kernel: prepare_kernels first"
+            )
         return _KINDS[self.qtype][0] if self.qtype in _KINDS else REPACKED_KINDS[self.qtype]
 
     @property
@@ -130,19 +151,34 @@ class BlockWeight:
             self.five_bit = True
         else:
             self.qs, self.d, self.m = _interleave(
-                self.qtype, self.qs, self.d, self.m, inverse=False
+                self.qtype, self.qs, self.d, self.m, inverse=False, compact=self.compact
             )
         self.interleaved = True
 
+    def use_float32_scales(self) -> None:
+        """Expand the file's Q4_K / Q6_K fields into kinds 3 and 4's float32 scales (the
+        same products), for the kernels other than the digit matmul. Plain layout only."""
+        if not self.compact:
+            return
+        if self.interleaved:
+            raise ValueError("float32 scales of an interleaved weight: take its plain()")
+        self.d, self.m = expand_scales(self.qtype, self.d, self.m)
+        self.compact = False
+
     def plain(self) -> BlockWeight:
-        """This weight in the plain layout (itself if it is in it)."""
-        if not self.interleaved:
+        """This weight in a plain layout its kernels read (itself if it is in one): the
+        file's Q4_K / Q6_K fields become kinds 3 and 4's float32 scales."""
+        if not self.interleaved and not self.compact:
             return self
         if self.five_bit:
             qs, d = _interleave_five_bit(self.qs, self.d, inverse=True)
             return BlockWeight(self.qtype, qs, d, self.m)
-        qs, d, m = _interleave(self.qtype, self.qs, self.d, self.m, inverse=True)
-        return BlockWeight(self.qtype, qs, d, m)
+        qs, d, m = self.planes
+        if self.interleaved:
+            qs, d, m = _interleave(self.qtype, qs, d, m, inverse=True, compact=self.compact)
+        plain = BlockWeight(self.qtype, qs, d, m, compact=self.compact)
+        plain.use_float32_scales()
+        return plain
 
     def use_nibble_planes(self) -> None:
         """Reorder Q4_1 / Q4_0 quants into nibble planes (rows of a multiple of 64 weights;
@@ -166,6 +202,9 @@ class BlockWeight:
             self.use_int8_activations()
         elif interleave:  # gguf_int8's repacked Q4_K and Q6_K too: they have no int8 kernel
             self.use_interleaved()
+        # Only the digit matmul reads the file's k-quant fields (kinds 13-14).
+        if self.compact and not self.interleaved:
+            self.use_float32_scales()
         # gguf_int8's interleaved copy serves every input: the float GEMV never runs.
         if ops.gemv_prefers_nibble_planes() and self.packed is None:
             self.use_nibble_planes()
@@ -175,7 +214,7 @@ class BlockWeight:
         """``raw``: uint8 ``[rows, row_bytes]`` in GGUF's block layout (f16 d, [f16 m], quants)."""
         if qtype in REPACKED_TYPES:
             ops.require()
-            return cls(*repack(raw, qtype))
+            return cls(*repack(raw, qtype), compact=qtype in COMPACT_TYPES)
         if qtype not in _KINDS:
             raise ValueError(f"no kernel for GGUF type {qtype.name}")
         ops.require()
@@ -201,17 +240,25 @@ class BlockWeight:
         raw = gguf_quantize(weight.detach().float().cpu().numpy(), qtype)
         return cls.from_raw(raw, qtype)
 
+    def _kernel_form(self) -> BlockWeight:
+        """Itself, or before prepare_kernels the file's k-quant fields as kinds 3 and 4 (a
+        copy: load checks and tests read weights whose kernels are not chosen yet)."""
+        return self.plain() if self.compact and not self.interleaved else self
+
     def dequantize(self) -> torch.Tensor:
-        return ops.dequantize_blocks(self.qs, self.d, self.m, self.kind)
+        w = self._kernel_form()
+        return ops.dequantize_blocks(w.qs, w.d, w.m, w.kind)
 
     def dequantize_rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows ``ids`` as float32 ``[*ids.shape, cols]``, each the row of dequantize()."""
-        return ops.dequantize_rows(self.qs, self.d, self.m, self.kind, ids)
+        w = self._kernel_form()
+        return ops.dequantize_rows(w.qs, w.d, w.m, w.kind, ids)
 
     def linear(self, x: torch.Tensor) -> torch.Tensor:
         if self.int8_activations:
             return ops.block_linear_int8(x, self.qs, self.d, self.m, self.kind, self.packed)
-        return ops.block_linear(x, self.qs, self.d, self.m, self.kind)
+        w = self._kernel_form()
+        return ops.block_linear(x, w.qs, w.d, w.m, w.kind)
 
 
 def _interleave(
@@ -220,11 +267,13 @@ def _interleave(
     d: torch.Tensor,
     m: torch.Tensor,
     inverse: bool,
+    compact: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Plain planes as the interleaved kinds hold them (csrc/block_quants.h: per group of
     16 rows and block, the rows' 4-byte chunks in chunk order, byte quants as q + 128,
-    the scales of the group's rows side by side, Q6_K's low-half then high-half ones), or
-    back (``inverse``)."""
+    the scales of the group's rows side by side, Q6_K's low-half then high-half ones; the
+    file's k-quant fields (``compact``) likewise per super-block and per block), or back
+    (``inverse``)."""
     rows, row_bytes = qs.shape
     byte_quants = qtype in _BYTE_QUANT_TYPES
     groups, nb = rows // _INTERLEAVED_ROWS, row_bytes // (32 if byte_quants else 16)
@@ -240,17 +289,18 @@ def _interleave(
         quants = quants.reshape(plain_order).permute(0, 2, 3, 1, 4)
     quants = quants.contiguous().view(qs.dtype).reshape(rows, row_bytes)
 
-    def scales(plane: torch.Tensor) -> torch.Tensor:
+    def scales(plane: torch.Tensor, units: int) -> torch.Tensor:
+        """``units``: a row's runs of fields (blocks, or super-blocks), each kept whole."""
         if not plane.numel():
             return plane
-        per_block = plane.numel() // (rows * nb)
+        per_unit = plane.numel() // (rows * units)
         if inverse:
-            shape, order = (groups, nb, per_block, _INTERLEAVED_ROWS), (0, 3, 1, 2)
+            shape, order = (groups, units, per_unit, _INTERLEAVED_ROWS), (0, 3, 1, 2)
         else:
-            shape, order = (groups, _INTERLEAVED_ROWS, nb, per_block), (0, 2, 3, 1)
+            shape, order = (groups, _INTERLEAVED_ROWS, units, per_unit), (0, 2, 3, 1)
         return plane.reshape(shape).permute(order).contiguous().reshape(plane.shape)
 
-    return quants, scales(d), scales(m)
+    return quants, scales(d, nb // 8 if compact else nb), scales(m, nb)
 
 
 def _fits_five_bits(qs: torch.Tensor) -> bool:
@@ -330,7 +380,7 @@ def concat_rows(parts: list[BlockWeight]) -> LinearBlocks:
         raise ValueError("interleaved shards: stack the plain ones, then interleave")
     runs: list[list[BlockWeight]] = []
     for part in parts:
-        if runs and runs[-1][0].qtype == part.qtype:
+        if runs and (runs[-1][0].qtype, runs[-1][0].compact) == (part.qtype, part.compact):
             runs[-1].append(part)
         else:
             runs.append([part])
@@ -342,6 +392,7 @@ def concat_rows(parts: list[BlockWeight]) -> LinearBlocks:
             torch.cat([p.m for p in run]),
             run[0].int8_activations,
             nibble_planes=run[0].nibble_planes,
+            compact=run[0].compact,
         )
         for run in runs
     ]

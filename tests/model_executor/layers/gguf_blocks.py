@@ -18,10 +18,17 @@ K_QUANTS = {T.Q4_K: (144, [(0, 2), (2, 4)]), T.Q6_K: (210, [(208, 210)])}
 
 
 def random_blocks(qtype: T, rows: int, cols: int, seed: int) -> tuple[BlockWeight, torch.Tensor]:
-    """A random weight's blocks and gguf's own float32 dequantization of them. The gguf
-    package cannot quantize k-quants: theirs are random bytes (every quant and 6-bit scale
-    pattern) with finite float16 super-block scales of both signs, some zero, small
-    enough that weights stay near the quantized ones' size (|w| < 1)."""
+    """A random weight's blocks and gguf's own float32 dequantization of them."""
+    raw = random_raw(qtype, rows, cols, seed)
+    reference = torch.from_numpy(dequantize(raw, qtype).astype(np.float32))
+    return BlockWeight.from_raw(raw, qtype), reference
+
+
+def random_raw(qtype: T, rows: int, cols: int, seed: int) -> np.ndarray:
+    """A random weight in GGUF's bytes, ``[rows, row bytes]``. The gguf package cannot
+    quantize k-quants: theirs are random bytes (every quant and 6-bit scale pattern) with
+    finite float16 super-block scales of both signs, some zero, small enough that weights
+    stay near the quantized ones' size (|w| < 1)."""
     rng = np.random.default_rng(seed)
     if qtype in K_QUANTS:
         nbytes, scale_bytes = K_QUANTS[qtype]
@@ -33,8 +40,7 @@ def random_blocks(qtype: T, rows: int, cols: int, seed: int) -> tuple[BlockWeigh
         raw = raw.reshape(rows, -1)
     else:
         raw = quantize((rng.standard_normal((rows, cols)) * 0.05).astype(np.float32), qtype)
-    reference = torch.from_numpy(dequantize(raw, qtype).astype(np.float32))
-    return BlockWeight.from_raw(raw, qtype), reference
+    return raw
 
 
 def packaged_tensors(

@@ -1,20 +1,24 @@
-"""The lossless digit matmul on blocks interleaved 16 rows at a time (kinds 7-12,
+"""The lossless digit matmul on blocks interleaved 16 rows at a time (kinds 7-14,
 csrc/block_gemm_exact.cpp, AVX-512 VNNI builds): x split exactly into int8 digits, the
 GGUF weights exactly. Its results are the float32 product of gguf's own dequantized
 weights within float32 rounding at 1-256 rows (the float GEMV's tolerance), on random
 blocks of every kind it takes, on outlier, tiny, zero and non-finite inputs and on the
 packaged files' tensors; the interleaved planes dequantize bit for bit as the plain ones;
 a row's result never depends on the rows beside it or the thread count; the lossless
-method uses it by default where the build has it."""
+method uses it by default where the build has it. Q4_K and Q6_K with the file's scale
+fields (kinds 13-14) give kinds 10-11's results bit for bit from fewer bytes."""
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import pytest
 import torch
 from gguf import GGMLQuantizationType as T
 
 from kvserve import _custom_ops as ops
-from kvserve.model_executor.layers.block_weight import BlockWeight
+from kvserve.model_executor.layers.block_weight import BlockWeight, concat_rows
+from kvserve.model_executor.layers.quantization import _rank_blocks
 from tests.gemma3_fixtures import GEMMA3
 from tests.kernel_support import require_kernels
 from tests.model_executor.layers.gguf_blocks import (
@@ -22,6 +26,7 @@ from tests.model_executor.layers.gguf_blocks import (
     assert_rows_independent_of_threads,
     check_packaged_tensors,
     random_blocks,
+    random_raw,
 )
 
 require_kernels()
@@ -30,7 +35,8 @@ pytestmark = pytest.mark.skipif(
     reason="a build without AVX-512 VNNI (the digit matmul's kernel)",
 )
 
-# Q5_0, Q4_K and Q6_K as repacked at load (Q5_0: Q8_0 planes, interleaved in 5 bits).
+# Q5_0, Q4_K and Q6_K as loaded (Q5_0: Q8_0 planes, interleaved in 5 bits; Q4_K and Q6_K
+# with the file's scale fields, kinds 13-14).
 TYPES = [T.Q8_0, T.Q4_1, T.Q4_0, T.Q5_0, T.Q4_K, T.Q6_K]
 # 4: the kernel's tile of x rows (5, 9, 17: partial tiles after full ones); it serves up
 # to 255 rows, 256 take block_linear's dense path on the interleaved planes' dequantized rows.
@@ -39,9 +45,11 @@ ROWS = [1, 2, 3, 4, 5, 9, 17, 64, 255, 256]
 
 def _interleaved(weight: BlockWeight) -> BlockWeight:
     """A copy of a plain weight, interleaved."""
-    copy = BlockWeight(weight.qtype, weight.qs.clone(), weight.d.clone(), weight.m.clone())
+    copy = BlockWeight(
+        weight.qtype, weight.qs.clone(), weight.d.clone(), weight.m.clone(), compact=weight.compact
+    )
     copy.use_interleaved()
-    assert copy.interleaved and copy.kind in (7, 8, 9, 10, 11, 12)
+    assert copy.interleaved and copy.kind in (7, 8, 9, 12, 13, 14)
     return copy
 
 
@@ -56,6 +64,7 @@ def _bound(plain: BlockWeight, x: torch.Tensor, reference: torch.Tensor) -> torc
     rounding: each value at 2^-31 of its block's largest |x|, which reaches the result
     through the block's d q."""
     rows, cols = x.shape
+    plain = plain.plain()  # the k-quants' float32 minimums
     magnitude = reference.abs().double()
     if plain.m.numel():
         magnitude += plain.m.double().abs().reshape(magnitude.shape[0], -1).repeat_interleave(32, 1)
@@ -186,3 +195,94 @@ def test_lossless_method_interleaves_its_blocks() -> None:
         odd, _ = random_blocks(qtype, 40, 256, seed=8)
         odd.prepare_kernels("gguf")
         assert not odd.interleaved
+
+
+# Kind with the file's fields, kind with float32 scales, and their bytes per 32 weights.
+COMPACT = {T.Q4_K: (13, 10, 18.5, 24), T.Q6_K: (14, 11, 34.25, 40)}
+
+
+def _float32_scales(weight: BlockWeight) -> BlockWeight:
+    """Kind 10 or 11: the weight's float32 scales (kind 3 or 4), interleaved."""
+    wide = weight.plain()
+    assert wide is not weight and not wide.compact
+    wide.use_interleaved()
+    assert wide.kind == COMPACT[weight.qtype][1]
+    return wide
+
+
+def _same_as_float32_scales(weight: BlockWeight, reference: torch.Tensor, x: torch.Tensor) -> None:
+    compact, wide = _interleaved(weight), _float32_scales(weight)
+    assert compact.kind == COMPACT[weight.qtype][0]
+    assert torch.equal(compact.linear(x), wide.linear(x))
+    assert torch.equal(compact.dequantize(), reference)
+
+
+@pytest.mark.parametrize("qtype", list(COMPACT))
+@pytest.mark.parametrize("rows", ROWS)
+def test_file_fields_give_the_float32_scales_results_bit_for_bit(qtype: T, rows: int) -> None:
+    """Kinds 13-14 form each block's scale and minimum from the file's fields as gguf does:
+    exactly kinds 10-11's float32 values, so the same outputs bit for bit (at 256 rows both
+    take the dense path on their dequantized rows), from 18.5 / 24 (Q4_K) and 34.25 / 40
+    (Q6_K) of the bytes; their rows look up as gguf dequantizes them."""
+    weight, reference = random_blocks(qtype, 208, 768, seed=rows)
+    x = torch.randn(rows, 768, generator=torch.Generator().manual_seed(rows))
+    x[0, :32] = 0.0
+    x[-1, 32:64] *= 1e4
+    _same_as_float32_scales(weight, reference, x)
+    compact, wide = _interleaved(weight), _float32_scales(weight)
+    _, _, compact_bytes, wide_bytes = COMPACT[qtype]
+    assert compact.nbytes * wide_bytes == wide.nbytes * compact_bytes
+    assert compact.nbytes == weight.nbytes  # the same bytes as loaded, reordered
+    ids = torch.tensor([[0, 15], [16, 207], [100, 100]])
+    assert torch.equal(compact.dequantize_rows(ids), reference[ids])
+    assert torch.equal(compact.plain().dequantize(), reference)
+
+
+def test_packaged_k_quants_give_the_float32_scales_results_bit_for_bit() -> None:
+    """Gemma 3's Q4_K and Q6_K tensors."""
+    check_packaged_tensors(GEMMA3, tuple(COMPACT), _same_as_float32_scales, (1, 3, 4, 17, 256))
+
+
+@pytest.mark.parametrize("qtype", list(COMPACT))
+def test_file_fields_reach_a_kernel_on_every_path(qtype: T) -> None:
+    """prepare_kernels lays the file's fields out as kinds 13-14 for the digit matmul and
+    expands them to kinds 3-4 everywhere else (rows not a multiple of 16, a screened LM
+    head's plain layout); shards stack with their fields (fused layers), and a row-parallel
+    shard's whole super-blocks (quantization._rank_blocks) load as the whole's columns."""
+    weight, reference = random_blocks(qtype, 48, 512, seed=11)
+    x = torch.randn(3, 512, generator=torch.Generator().manual_seed(12))
+    want = _float32_scales(weight).linear(x)
+    for method in ("gguf", "gguf_int8"):
+        prepared, _ = random_blocks(qtype, 48, 512, seed=11)
+        prepared.prepare_kernels(method)
+        assert prepared.kind == COMPACT[qtype][0] and not prepared.int8_activations
+        assert torch.equal(prepared.linear(x), want)
+    odd, odd_reference = random_blocks(qtype, 40, 512, seed=11)
+    odd.prepare_kernels("gguf")
+    assert not odd.interleaved and not odd.compact and odd.kind == COMPACT[qtype][1] - 7
+    assert torch.equal(odd.dequantize(), odd_reference)
+    head, _ = random_blocks(qtype, 48, 512, seed=11)
+    head.prepare_kernels("gguf", interleave=False)
+    assert head.kind == COMPACT[qtype][1] - 7 and torch.equal(head.dequantize(), reference)
+
+    halves = [
+        BlockWeight(weight.qtype, *(t[rows] for t in weight.planes), compact=True)
+        for rows in (slice(0, 16), slice(16, 48))
+    ]
+    stacked = concat_rows(halves)
+    assert isinstance(stacked, BlockWeight) and stacked.compact
+    stacked.prepare_kernels("gguf")
+    assert stacked.kind == COMPACT[qtype][0]
+    assert torch.equal(stacked.linear(x), want)
+
+    # A row-parallel layer's rank: columns [start, start + size) of each row, taken from
+    # the file's bytes only as whole super-blocks (GGML_QUANT_SIZES' 256 weights), so the
+    # shard's fields are the file's own; a split inside a super-block keeps float32.
+    raw = random_raw(qtype, 48, 512, seed=11)
+    rank = SimpleNamespace(tp_size=2, shard_range=lambda dim, shard_id: (1, 256, 256))
+    shard = BlockWeight.from_raw(_rank_blocks(rank, raw, qtype, None), qtype)
+    shard.prepare_kernels("gguf")
+    assert shard.kind == COMPACT[qtype][0]
+    assert torch.equal(shard.dequantize(), reference[:, 256:])
+    inside = SimpleNamespace(tp_size=2, shard_range=lambda dim, shard_id: (1, 128, 256))
+    assert _rank_blocks(inside, raw, qtype, None) is None

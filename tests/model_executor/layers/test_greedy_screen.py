@@ -35,7 +35,9 @@ VOCAB = 2990  # a padded head: rows past the vocabulary never count
 
 def _head(qtype: T, seed: int, nibble_planes: bool = False, rows: int = ROWS) -> BlockWeight:
     if qtype in K_QUANTS:  # random blocks (both signs of scales and minimums), repacked
-        return BlockWeight.from_raw(_random_raw(qtype, rows, K_COLS, seed), qtype)
+        head = BlockWeight.from_raw(_random_raw(qtype, rows, K_COLS, seed), qtype)
+        head.prepare_kernels("gguf", interleave=False)  # a screened head's float32 scales
+        return head
     rng = np.random.default_rng(seed)
     weight = (rng.standard_normal((rows, COLS)) * 0.05).astype(np.float32)
     weight[rows - 1] = 1.0  # past the vocabulary: the largest logit of a positive x
