@@ -24,7 +24,7 @@ from kvserve.protocol.kv_cache_interface import (
     SlidingWindowSpec,
 )
 from kvserve.transformers_utils.mamba_arch import STATE_DTYPE_SIZE
-from kvserve.utils.huge_pages import huge_page_zeros, populate_in_background
+from kvserve.utils.huge_pages import huge_page_zeros
 
 logger = logging.getLogger(__name__)
 
@@ -75,15 +75,12 @@ def enable_attention_sinks(layers: dict[str, Attention], sinks: int, window: int
 
 def zeroed_tensor(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A zero tensor; on the CPU without writing it: fresh pages from the OS are zero (a
-    1 GiB cache written by torch.zeros cost ~2 s of start-up on a VM), faulted in by a
-    background thread, and on huge pages, which a decode step reading every request's keys
-    and values streams faster (utils/huge_pages)."""
+    1 GiB cache written by torch.zeros cost ~2 s of start-up), and on huge pages, which a
+    decode step reading every request's keys and values streams faster (utils/huge_pages)."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
-    memory = huge_page_zeros(nbytes)
-    populate_in_background(memory)
-    return memory.view(dtype).view(shape)
+    return huge_page_zeros(nbytes).view(dtype).view(shape)
 
 
 def make_mamba_spec(

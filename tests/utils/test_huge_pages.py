@@ -16,10 +16,8 @@ from kvserve.utils.huge_pages import (
     anon_huge_bytes,
     huge_page_zeros,
     live_regions,
-    mapping_bytes,
     module_tensors,
     move_to_huge_pages,
-    populate_in_background,
     thp_enabled,
 )
 from kvserve.worker.kv_cache_specs import zeroed_tensor
@@ -66,20 +64,6 @@ class _Layer(torch.nn.Module):
             torch.randint(0, 255, (2048, 1024), dtype=torch.uint8), torch.randn(4)
         )
         self.half_view = self.table[:512]  # another tensor object on the buffer's storage
-
-
-def test_populating_faults_pages_in_and_keeps_what_writers_wrote() -> None:
-    nbytes = 96 << 20
-    memory = huge_page_zeros(nbytes)
-    assert mapping_bytes(memory.data_ptr(), "Rss") < nbytes // 2  # untouched
-    memory[:4096] = 7
-    thread = populate_in_background(memory)
-    memory[-4096:] = 9  # a writer beside the thread (a decode step's KV)
-    thread.join(timeout=60)
-    assert not thread.is_alive()
-    assert mapping_bytes(memory.data_ptr(), "Rss") >= nbytes
-    assert bool((memory[:4096] == 7).all()) and bool((memory[-4096:] == 9).all())
-    assert int(memory[4096:-4096].count_nonzero()) == 0
 
 
 def test_move_keeps_values_and_sharing_and_leaves_small_tensors() -> None:
