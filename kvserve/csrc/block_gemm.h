@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cstring>
 #include <utility>
+#include <vector>
 #if defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
@@ -631,9 +632,13 @@ class ExactInput {
   GrowingBuffer<int32_t> digit_sums_;
 };
 
-// Whether this build has the digit matmul (AVX-512 VNNI); without it the interleaved
-// kinds are never made.
+// Whether this build's digit matmul runs an interleaved kind (AVX-512 VNNI: all of
+// 7-14; AVX2: the 4-bit ones, 8-10 and 13); kinds it does not run are never made, and
+// block_linear serves them through the float GEMV's scalar path.
+bool exact_packed_kind(int64_t kind);
+// Whether it runs any (exact_packed_kind), and which.
 bool exact_packed_matmul();
+std::vector<int64_t> exact_packed_kinds();
 // out[r * ldo + n] for every row of x (as prepared) and the outputs of groups
 // [g_begin, g_end) of 16 rows of an interleaved weight, on the calling thread.
 void groups_exact(const BlockWeight& w, int64_t rows, const ExactInput& x, float* out,

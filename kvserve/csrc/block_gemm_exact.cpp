@@ -29,14 +29,14 @@
 
 #include <cmath>
 #include <limits>
+#include <vector>
 
 #include "block_gemm.h"
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512F__)
 #define KVSERVE_EXACT_VNNI 1
-constexpr bool kExactVnni = true;
-#else
-constexpr bool kExactVnni = false;
+#elif defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
+#define KVSERVE_EXACT_AVX2 1
 #endif
 
 namespace kvserve_cpu {
@@ -312,6 +312,164 @@ void groups_exact_kind(const BlockWeight& w, int64_t rows, const ExactInput& x, 
 }
 #endif
 
+#ifdef KVSERVE_EXACT_AVX2
+// AVX2 without VNNI: the same digits and integer sums through vpmaddubsw (unsigned quant
+// times signed digit, adjacent products added into int16) and one vpmaddwd per block and
+// digit to int32, for the kinds whose quants are 4 bits (0..15): a pair lies within
+// 2 * 15 * 128 = 3840 in magnitude and a row's 8 pairs per block and lane (4 chunks, low
+// and high nibbles) within 8 * 3840 = 30720 < 32767, so a block adds up in int16 without
+// saturating. The byte kinds' signed quants reach 2 * 128 * 128 in one pair: they stay on
+// the float GEMV. The 8 lanes are 8 rows; a group's two halves pass in turn, each float
+// operation the VNNI kernel's in its order, so the two builds agree bit for bit.
+constexpr bool exact_kind(int64_t kind) { return kind == 8 || kind == 9 || kind == 10 || kind == 13; }
+
+inline __m256i broadcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
+}
+
+// Keeps a running sum one chain of adds in a register (block_gemm_packed_avx2.cpp's
+// reason: GCC otherwise builds a tree of the block's products and spills them).
+inline void in_register(__m256i& v) { asm("" : "+x"(v)); }
+
+constexpr int64_t kAheadBlocks = 4;
+
+// acc[h] (rows 8h..8h+7 of group g as lanes) += the group's blocks times row r of x,
+// one row at a time: a row's int16 sums for both halves fill half the 16 registers (two
+// rows' went to the stack, every add waiting on a store). The quants' unpacking is a small
+// part of a row's work: per row and 64 weights the 4 digits take 8 vpmaddubsw and 8 adds
+// where the float GEMV, its quants converted once for all rows, takes 8 multiply-adds;
+// the digit matmul pays off at one row of x only (tools/bench_digit_matmul.py).
+template <int KIND>
+void group_dot_exact(const BlockWeight& w, int64_t g, const ExactInput& x, int64_t r,
+                     __m256 (&acc)[2]) {
+  constexpr int D = ExactInput::kDigits;
+  constexpr int64_t G = kInterleavedRows, bb = block_bytes_of(KIND);
+  const int64_t nb = w.cols / kBlock;
+  constexpr int64_t scale_bytes = float32_scales(KIND) ? 4 : 2;
+  const uint8_t* quants = w.qs + g * nb * G * bb;
+  const auto plane = [&](const void* half_plane, const void* float_plane) {
+    return static_cast<const uint8_t*>(float32_scales(KIND) ? float_plane : half_plane) +
+           g * nb * G * scale_bytes;
+  };
+  const uint8_t* scales = compact_scales(KIND) ? nullptr : plane(w.d, w.d32);
+  const uint8_t* minimums = has_min(KIND) && !compact_scales(KIND) ? plane(w.m, w.m32) : nullptr;
+  // Rows 8h..8h+7's scales or minimums of a block.
+  const auto load8 = [](const uint8_t* p, int h) {
+    if constexpr (float32_scales(KIND))
+      return _mm256_loadu_ps(reinterpret_cast<const float*>(p) + 8 * h);
+    else return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p) + h));
+  };
+  // Kind 13: the super-block's d and -dmin of rows 8h..8h+7 (VNNI's group_dot_exact
+  // explains the fields and the sign).
+  constexpr int64_t kSubBlocks = kSuperBlock / kBlock;
+  const uint8_t* supers =
+      compact_scales(KIND)
+          ? reinterpret_cast<const uint8_t*>(w.d + g * (nb / kSubBlocks) * 2 * G)
+          : nullptr;
+  const uint8_t* subs = compact_scales(KIND) ? w.sub + g * nb * 2 * G : nullptr;
+  __m256 super_fields[2][2];
+  const auto sub_product = [&](int64_t b, int p, int h) {
+    const __m128i bytes =
+        _mm_loadl_epi64(reinterpret_cast<const __m128i*>(subs + (b * 2 + p) * G + 8 * h));
+    return _mm256_mul_ps(super_fields[h][p], _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes)));
+  };
+  const auto block_scales = [&](int64_t b, int h) {
+    if constexpr (compact_scales(KIND)) return sub_product(b, 0, h);
+    else return load8(scales + b * G * scale_bytes, h);
+  };
+  const auto block_minimums = [&](int64_t b, int h) {
+    if constexpr (compact_scales(KIND)) return sub_product(b, 1, h);
+    else return load8(minimums + b * G * scale_bytes, h);
+  };
+  const __m256i nibble = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* q = quants + b * G * bb;
+    for (int64_t line = 0; line < G * bb; line += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(q + kAheadBlocks * G * bb + line), _MM_HINT_T0);
+    if constexpr (compact_scales(KIND)) {
+      _mm_prefetch(reinterpret_cast<const char*>(subs + (b + kAheadBlocks) * 2 * G), _MM_HINT_T0);
+      if (b % kSubBlocks == 0) {
+        const uint8_t* fields = supers + (b / kSubBlocks) * 2 * G * 2;
+        _mm_prefetch(reinterpret_cast<const char*>(fields + 2 * G * 2), _MM_HINT_T0);
+        for (int h = 0; h < 2; ++h)
+          for (int p = 0; p < 2; ++p) {
+            const __m256 field = _mm256_cvtph_ps(
+                _mm_loadu_si128(reinterpret_cast<const __m128i*>(fields + p * G * 2) + h));
+            super_fields[h][p] =
+                p == 0 ? field
+                       : _mm256_castsi256_ps(_mm256_xor_si256(
+                             _mm256_castps_si256(field),
+                             _mm256_set1_epi32(std::numeric_limits<int32_t>::min())));
+          }
+      }
+    } else {
+      _mm_prefetch(reinterpret_cast<const char*>(scales + (b + kAheadBlocks) * G * scale_bytes),
+                   _MM_HINT_T0);
+      if constexpr (has_min(KIND))
+        _mm_prefetch(reinterpret_cast<const char*>(minimums + (b + kAheadBlocks) * G * scale_bytes),
+                     _MM_HINT_T0);
+    }
+    const int64_t i = r * nb + b;
+    const int8_t* a = x.digits(i, 0);
+    __m256i pairs[2][D];
+    for (int h = 0; h < 2; ++h)
+      for (int k = 0; k < D; ++k) pairs[h][k] = _mm256_setzero_si256();
+    // Both halves' quants per broadcast of x: half the broadcasts of a pass per half (in
+    // a noisy A/B on Zen 5's haswell build, one row's CPU time a call the same or lower).
+    for (int c = 0; c < 4; ++c) {
+      __m256i lo[2], hi[2];
+      for (int h = 0; h < 2; ++h) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + c * 64 + h * 32));
+        lo[h] = _mm256_and_si256(v, nibble);
+        hi[h] = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
+      }
+      for (int k = 0; k < D; ++k) {
+        const __m256i xl = broadcast4(a + k * kBlock + 4 * c);
+        const __m256i xh = broadcast4(a + k * kBlock + 16 + 4 * c);
+        for (int h = 0; h < 2; ++h) {
+          pairs[h][k] = _mm256_add_epi16(
+              pairs[h][k],
+              _mm256_add_epi16(_mm256_maddubs_epi16(lo[h], xl), _mm256_maddubs_epi16(hi[h], xh)));
+          in_register(pairs[h][k]);
+        }
+      }
+    }
+    const int32_t* s = x.digit_sums(i);
+    for (int h = 0; h < 2; ++h) {
+      __m256i sum[D];
+      for (int k = 0; k < D; ++k) {
+        sum[k] = _mm256_madd_epi16(pairs[h][k], ones);
+        // q . a - 8 sum(a) for Q4_0 (q - 8)
+        if constexpr (!has_min(KIND)) sum[k] = _mm256_sub_epi32(sum[k], _mm256_set1_epi32(8 * s[k]));
+      }
+      // VNNI's add_block_dots on 8 lanes: exact halves, one rounding in the join.
+      const __m256i hi = _mm256_add_epi32(_mm256_slli_epi32(sum[3], 8), sum[2]);
+      const __m256i lo = _mm256_add_epi32(_mm256_slli_epi32(sum[1], 8), sum[0]);
+      const __m256 dot = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi), _mm256_set1_ps(65536.f),
+                                         _mm256_cvtepi32_ps(lo));
+      acc[h] = _mm256_fmadd_ps(dot, _mm256_mul_ps(block_scales(b, h), _mm256_set1_ps(x.scale(i))),
+                               acc[h]);
+      if constexpr (has_min(KIND))  // sum (d q + m) x = d (q . x) + m sum(x)
+        acc[h] = _mm256_fmadd_ps(block_minimums(b, h), _mm256_set1_ps(x.sum(i)), acc[h]);
+    }
+  }
+}
+
+template <int KIND>
+void groups_exact_kind(const BlockWeight& w, int64_t rows, const ExactInput& x, float* out,
+                       int64_t ldo, int64_t g_begin, int64_t g_end) {
+  for (int64_t g = g_begin; g < g_end; ++g)
+    for (int64_t r = 0; r < rows; ++r) {
+      __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+      group_dot_exact<KIND>(w, g, x, r, acc);
+      for (int h = 0; h < 2; ++h)
+        _mm256_storeu_ps(out + r * ldo + g * kInterleavedRows + 8 * h, acc[h]);
+    }
+}
+#endif
+
 }  // namespace
 
 void groups_exact(const BlockWeight& w, int64_t rows, const ExactInput& x, float* out,
@@ -325,12 +483,39 @@ void groups_exact(const BlockWeight& w, int64_t rows, const ExactInput& x, float
   else if (w.kind == 12) groups_exact_kind<12>(w, rows, x, out, ldo, g_begin, g_end);
   else if (w.kind == 13) groups_exact_kind<13>(w, rows, x, out, ldo, g_begin, g_end);
   else groups_exact_kind<14>(w, rows, x, out, ldo, g_begin, g_end);
+#elif defined(KVSERVE_EXACT_AVX2)
+  if (w.kind == 8) groups_exact_kind<8>(w, rows, x, out, ldo, g_begin, g_end);
+  else if (w.kind == 9) groups_exact_kind<9>(w, rows, x, out, ldo, g_begin, g_end);
+  else if (w.kind == 10) groups_exact_kind<10>(w, rows, x, out, ldo, g_begin, g_end);
+  else groups_exact_kind<13>(w, rows, x, out, ldo, g_begin, g_end);
 #else
   (void)w, (void)rows, (void)x, (void)out, (void)ldo, (void)g_begin, (void)g_end;
 #endif
 }
 
-bool exact_packed_matmul() { return kExactVnni; }
+bool exact_packed_kind(int64_t kind) {
+#if defined(KVSERVE_EXACT_VNNI)
+  return interleaved(kind);
+#elif defined(KVSERVE_EXACT_AVX2)
+  return exact_kind(kind);
+#else
+  (void)kind;
+  return false;
+#endif
+}
+
+bool exact_packed_matmul() {
+  for (int64_t kind = 0; kind < kNumKinds; ++kind)
+    if (exact_packed_kind(kind)) return true;
+  return false;
+}
+
+std::vector<int64_t> exact_packed_kinds() {
+  std::vector<int64_t> kinds;
+  for (int64_t kind = 0; kind < kNumKinds; ++kind)
+    if (exact_packed_kind(kind)) kinds.push_back(kind);
+  return kinds;
+}
 
 void linear_exact(const BlockWeight& w, const float* x, int64_t rows, float* out) {
   ExactInput input;
@@ -344,4 +529,5 @@ void linear_exact(const BlockWeight& w, const float* x, int64_t rows, float* out
 
 TORCH_LIBRARY_FRAGMENT(kvserve, m) {
   m.def("exact_packed_matmul() -> bool", &kvserve_cpu::exact_packed_matmul);
+  m.def("exact_packed_kinds() -> int[]", &kvserve_cpu::exact_packed_kinds);
 }
