@@ -636,8 +636,7 @@ class ExactInput {
 // 7-14; AVX2: the 4-bit ones, 8-10 and 13); kinds it does not run are never made, and
 // block_linear serves them through the float GEMV's scalar path.
 bool exact_packed_kind(int64_t kind);
-// Whether it runs any (exact_packed_kind), and which.
-bool exact_packed_matmul();
+// The kinds it runs (exact_packed_kind), ascending.
 std::vector<int64_t> exact_packed_kinds();
 // out[r * ldo + n] for every row of x (as prepared) and the outputs of groups
 // [g_begin, g_end) of 16 rows of an interleaved weight, on the calling thread.

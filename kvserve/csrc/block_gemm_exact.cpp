@@ -365,7 +365,7 @@ void groups_exact_kind(const BlockWeight& w, int64_t rows, const ExactInput& x, 
 // 2 * 15 * 128 = 3840 in magnitude and a row's 8 pairs per block and lane (4 chunks, low
 // and high nibbles) within 8 * 3840 = 30720 < 32767, so a block adds up in int16 without
 // saturating. The byte kinds' signed quants reach 2 * 128 * 128 in one pair: they stay on
-// the float GEMV. The 8 lanes are 8 rows; a group's two halves pass in turn, each float
+// the float GEMV. The 8 lanes are 8 rows, a group's two halves two vectors, each float
 // operation the VNNI kernel's in its order, so the two builds agree bit for bit.
 constexpr bool exact_kind(int64_t kind) { return kind == 8 || kind == 9 || kind == 10 || kind == 13; }
 
@@ -550,12 +550,6 @@ bool exact_packed_kind(int64_t kind) {
 #endif
 }
 
-bool exact_packed_matmul() {
-  for (int64_t kind = 0; kind < kNumKinds; ++kind)
-    if (exact_packed_kind(kind)) return true;
-  return false;
-}
-
 std::vector<int64_t> exact_packed_kinds() {
   std::vector<int64_t> kinds;
   for (int64_t kind = 0; kind < kNumKinds; ++kind)
@@ -574,6 +568,5 @@ void linear_exact(const BlockWeight& w, const float* x, int64_t rows, float* out
 }  // namespace kvserve_cpu
 
 TORCH_LIBRARY_FRAGMENT(kvserve, m) {
-  m.def("exact_packed_matmul() -> bool", &kvserve_cpu::exact_packed_matmul);
   m.def("exact_packed_kinds() -> int[]", &kvserve_cpu::exact_packed_kinds);
 }
