@@ -30,7 +30,8 @@
 // running the haswell build, whose 256-bit operations its wider pipes may run faster
 // than an AVX2-only CPU would): one row of x 1.26-1.42x (Q4_1) and 1.59-1.85x (Q4_0) at
 // SmolLM2's 1536x576 and 576x1536 and a 1B model's 8192x2048 and 2048x8192; 4 rows
-// 0.65-0.90x, 16 rows 0.71-0.82x. Each row's four digits cost twice the multiplies of the
+// 0.65-0.90x, 16 rows 0.71-0.82x. Eight of the 1B's up/down pairs streamed from DRAM
+// (151-168 MB) at one row, three runs: Q4_1 0.91-1.31x, Q4_0 1.48-1.58x. Each row's four digits cost twice the multiplies of the
 // float GEMV's one multiply-add per weight, which only a single row's unpacking outweighs.
 
 #include <ATen/Parallel.h>

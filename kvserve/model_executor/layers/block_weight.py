@@ -141,11 +141,11 @@ class BlockWeight:
         build has it for the weight's kind (ops.exact_packed_kinds: x split exactly into
         int8 digits, integer dot products, csrc/block_gemm_exact.cpp). AVX-512 VNNI: every
         kind, one row of x 1.7-2.2x the float GEMV's speed on AMD EPYC Zen 4, and faster
-        at every decode batch size. AVX2: the 4-bit kinds, one row of x 1.1-1.6x the
-        float GEMV's speed (AMD EPYC Zen 5 running the haswell build), 4-16 rows
-        0.55-0.8x (tools/bench_digit_matmul.py): single-stream decode, which spends its
-        time on one row, is what it speeds up. The same bytes, reordered: no copy is kept.
-        Weights of a multiple of 16 rows only."""
+        at every decode batch size. AVX2: the 4-bit kinds, one row of x 1.26-1.85x the
+        float GEMV's speed in cache (AMD EPYC Zen 5 running the haswell build; from DRAM
+        Q4_1 0.91-1.31x, Q4_0 1.5x), 4-16 rows 0.65-0.9x (tools/bench_digit_matmul.py):
+        single-stream decode, which spends its time on one row, is what it speeds up. The
+        same bytes, reordered: no copy is kept. Weights of a multiple of 16 rows only."""
         if self.interleaved or self.int8_activations or self.nibble_planes:
             return
         if self.qtype not in _INTERLEAVED_KINDS or self.shape[0] % _INTERLEAVED_ROWS:
