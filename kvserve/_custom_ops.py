@@ -189,6 +189,15 @@ def exact_packed_kinds() -> frozenset[int]:
     return _exact_kinds
 
 
+def digit_matmul_rows() -> int:
+    """Up to how many rows of x the digit matmul multiplies the interleaved kinds (and a
+    row's result is the same whatever rows beside it): all of them on AVX-512 VNNI (until
+    block_linear's dense path), one on AVX2, whose several rows take a float32 path on the
+    same blocks (a row's result then the same in every call of two or more rows)."""
+    require()
+    return int(torch.ops.kvserve.digit_matmul_rows())
+
+
 def dense_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """``x @ w.T`` for float32 CPU tensors: the GEMM of long inputs (csrc/block_gemm.cpp)."""
     return torch.ops.kvserve.dense_linear(x, w)

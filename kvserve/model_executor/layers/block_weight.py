@@ -143,8 +143,8 @@ class BlockWeight:
         kind, one row of x 1.7-2.2x the float GEMV's speed on AMD EPYC Zen 4, and faster
         at every decode batch size. AVX2: the 4-bit kinds, one row of x 1.26-1.85x the
         float GEMV's speed in cache (AMD EPYC Zen 5 running the haswell build; from DRAM
-        Q4_1 0.91-1.31x, Q4_0 1.5x), 4-16 rows 0.65-0.9x (tools/bench_digit_matmul.py):
-        single-stream decode, which spends its time on one row, is what it speeds up. The
+        Q4_1 0.91-1.31x, Q4_0 1.5x); several rows take a float32 path on the same blocks,
+        0.82-1.25x the float GEMV on nibble planes (tools/bench_digit_matmul.py). The
         same bytes, reordered: no copy is kept. Weights of a multiple of 16 rows only."""
         if self.interleaved or self.int8_activations or self.nibble_planes:
             return

@@ -90,7 +90,16 @@ def _check(plain: BlockWeight, reference: torch.Tensor, x: torch.Tensor) -> None
     assert ((out.double() - want).abs() <= bound).all()
     if x.shape[0] < ops.block_linear_dense_rows():  # the integer sums are exact
         for i in sorted({0, x.shape[0] // 2, x.shape[0] - 1}):
-            assert torch.equal(_exact(weight, x[i : i + 1])[0], out[i])
+            assert torch.equal(_fewest_rows(weight, x, i), out[i])
+
+
+def _fewest_rows(weight: BlockWeight, x: torch.Tensor, i: int) -> torch.Tensor:
+    """Row i of x's outputs from the smallest call that takes the kernel all of x takes:
+    one row where the digit matmul takes all of x, else two (AVX2's float32 path)."""
+    if x.shape[0] <= ops.digit_matmul_rows():
+        return _exact(weight, x[i : i + 1])[0]
+    first = min(i, x.shape[0] - 2)
+    return _exact(weight, x[first : first + 2])[i - first]
 
 
 # 208 output rows: 13 groups of 16; 96 columns an odd number of blocks (the k-quants:
@@ -106,6 +115,8 @@ def test_exact_matmul_is_the_float32_product(qtype: T, rows: int, cols: int) -> 
     x[0, :32] = 0.0  # an all-zero block
     x[-1, 32:64] *= 1e4  # one large block beside small ones
     _check(weight, reference, x)
+    if x.shape[0] > ops.digit_matmul_rows():  # AVX2's float32 path: _check's bound
+        return
     # Ordinary activations: the digits' rounding stays below float32's own, so the
     # results are held to the float GEMV's bound alone.
     error = (_exact(_interleaved(weight), x).double() - x.double() @ reference.double().T).abs()
@@ -175,7 +186,9 @@ def test_rows_are_identical_across_thread_counts(qtype: T) -> None:
     of x rows."""
     weight = _interleaved(random_blocks(qtype, 16 * 37, 768, seed=7)[0])
     x = torch.randn(9, 768, generator=torch.Generator().manual_seed(9))
-    assert_rows_independent_of_threads(lambda rows: _exact(weight, rows), x, (1, 2, 3, 4, 5))
+    # AVX2 multiplies one row alone with the digits, several in float32: from two rows on.
+    tiles = (1, 2, 3, 4, 5) if ops.digit_matmul_rows() >= x.shape[0] else (2, 3, 4, 5)
+    assert_rows_independent_of_threads(lambda rows: _exact(weight, rows), x, tiles)
 
 
 def test_lossless_method_interleaves_its_blocks() -> None:
@@ -352,9 +365,14 @@ def _scalar_reference(weight: BlockWeight, x: torch.Tensor) -> torch.Tensor:
 
 
 def _same_as_reference(weight: BlockWeight, _: torch.Tensor, x: torch.Tensor) -> None:
-    assert torch.equal(_exact(_interleaved(weight), x), _scalar_reference(weight, x))
+    """Each row of x through the digit matmul (AVX2's takes one row at a time)."""
+    want = _scalar_reference(weight, x)
+    calls = [x] if x.shape[0] <= ops.digit_matmul_rows() else list(x.split(1))
+    interleaved = _interleaved(weight)
+    assert torch.equal(torch.cat([_exact(interleaved, rows) for rows in calls]), want)
     if weight.qtype == T.Q4_K:  # and kind 10, Q4_K's float32 scales
-        assert torch.equal(_float32_scales(weight).linear(x), _scalar_reference(weight, x))
+        got = torch.cat([_float32_scales(weight).linear(rows) for rows in calls])
+        assert torch.equal(got, want)
 
 
 @pytest.mark.parametrize("qtype", FOUR_BIT)
