@@ -22,6 +22,7 @@ from kvserve.kernel_build import ENV_DISABLE, SOURCES, Unavailable, load
 _lock = threading.Lock()
 _state: dict[str, bool] = {}
 _why: Unavailable | None = None  # set with _state["ok"]
+_exact_kinds: frozenset[int] | None = None  # exact_packed_kinds()
 _forced_off = threading.local()
 
 
@@ -173,12 +174,28 @@ def block_linear(
 
 
 def exact_packed_matmul() -> bool:
-    """Whether this build has the lossless digit matmul on interleaved blocks (AVX-512
-    VNNI), for the weights BlockWeight.use_interleaved reorders."""
-    if "exact_packed" not in _state:
+    """Whether this build has the lossless digit matmul on interleaved blocks for any kind
+    (AVX-512 VNNI or AVX2), for the weights BlockWeight.use_interleaved reorders."""
+    return bool(exact_packed_kinds())
+
+
+def exact_packed_kinds() -> frozenset[int]:
+    """The interleaved block kinds this build's digit matmul runs: all of them (7-14) on
+    AVX-512 VNNI, those with 4-bit quants (8-10, 13) on AVX2, none elsewhere."""
+    global _exact_kinds
+    if _exact_kinds is None:
         require()
-        _state["exact_packed"] = bool(torch.ops.kvserve.exact_packed_matmul())
-    return _state["exact_packed"]
+        _exact_kinds = frozenset(torch.ops.kvserve.exact_packed_kinds())
+    return _exact_kinds
+
+
+def digit_matmul_rows() -> int:
+    """Up to how many rows of x the digit matmul multiplies the interleaved kinds (and a
+    row's result is the same whatever rows beside it): all of them on AVX-512 VNNI (until
+    block_linear's dense path), one on AVX2, whose several rows take a float32 path on the
+    same blocks (a row's result then the same in every call of two or more rows)."""
+    require()
+    return int(torch.ops.kvserve.digit_matmul_rows())
 
 
 def dense_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

@@ -141,7 +141,15 @@ constexpr int64_t kDenseRows = 64;
 // 1B model's gate/up, ms a call (best of 3) digit / dense: 64 rows 1.75 / 4.20, 0.94 /
 // 1.93, 0.57 / 0.70, 23.9 / 33.7; 128 rows 3.63 / 5.95, 1.83 / 2.67, 1.10 / 1.04, 49.0 /
 // 51.0; 256 rows 7.26 / 5.17, 3.69 / 3.31, 2.40 / 2.32, 93.9 / 101.1.
+// AVX2's digit matmul, which takes x a row at a time, falls behind at the float GEMV's
+// own crossover: one thread, AMD EPYC Zen 5 running the haswell build, Q4_1, ms CPU time a
+// call digit / dense: SmolLM2's 1536x576 at 64 rows 2.49 / 1.65, 128 rows 4.41 / 2.92; a
+// 1B model's 2048x8192 at 64 rows 65 / 87, 128 rows 115 / 110.
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512F__)
 constexpr int64_t kDigitDenseRows = 256;
+#else
+constexpr int64_t kDigitDenseRows = kDenseRows;
+#endif
 constexpr int64_t kBlasTileRows = 128;
 constexpr int64_t kOneDnnRows = 256;  // dense_linear: oneDNN from here on
 constexpr int64_t kDequantGemmMaxWeights = 16 << 20;  // layers, not a 100 MB LM head
@@ -199,7 +207,7 @@ at::Tensor block_linear(const at::Tensor& x_in, const at::Tensor& qs, const at::
   float* op = out.data_ptr<float>();
   if (rows_x == 0) return out;
 
-  if (rows_x < kDigitDenseRows && interleaved(kind)) {
+  if (rows_x < kDigitDenseRows && exact_packed_kind(kind)) {
     linear_exact(w, xp, rows_x, op);
     return out;
   }

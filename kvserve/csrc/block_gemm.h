@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cstring>
 #include <utility>
+#include <vector>
 #if defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
@@ -624,16 +625,26 @@ class ExactInput {
   float sum(int64_t i) const { return sum_.data()[i]; }      // the block's 32 x, added in order
   // Block i's digit sums: kDigits over its 32 values, then kDigits over its last 16.
   const int32_t* digit_sums(int64_t i) const { return digit_sums_.data() + i * 2 * kDigits; }
+  // Block i of x itself (the caller's buffer, read while the matmul runs): AVX2's float
+  // path for several rows of x.
+  const float* values(int64_t i) const { return x_ + i * kBlock; }
 
  private:
+  const float* x_ = nullptr;
   GrowingBuffer<int8_t> digits_;
   GrowingBuffer<float> scale_, sum_;
   GrowingBuffer<int32_t> digit_sums_;
 };
 
-// Whether this build has the digit matmul (AVX-512 VNNI); without it the interleaved
-// kinds are never made.
-bool exact_packed_matmul();
+// Whether this build's digit matmul runs an interleaved kind (AVX-512 VNNI: all of
+// 7-14; AVX2: the 4-bit ones, 8-10 and 13); kinds it does not run are never made, and
+// block_linear serves them through the float GEMV's scalar path.
+bool exact_packed_kind(int64_t kind);
+// The kinds it runs (exact_packed_kind), ascending.
+std::vector<int64_t> exact_packed_kinds();
+// Up to how many rows of x the digit matmul takes them (AVX2: one; several rows take a
+// float32 path on the same interleaved blocks, as fast as the float GEMV there).
+int64_t digit_matmul_rows();
 // out[r * ldo + n] for every row of x (as prepared) and the outputs of groups
 // [g_begin, g_end) of 16 rows of an interleaved weight, on the calling thread.
 void groups_exact(const BlockWeight& w, int64_t rows, const ExactInput& x, float* out,

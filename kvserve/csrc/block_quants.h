@@ -32,27 +32,27 @@ namespace kvserve_cpu {
 //           each pair of blocks' 32 quant bytes reordered once at load for the AVX2 float
 //           GEMV (block_gemm_planes.h; rows of a multiple of 64 weights).
 //   kinds 7-11: kinds 0-4 (Q8_0, Q4_1, Q4_0, repacked Q4_K and Q6_K) interleaved 16 rows
-//           at a time for the lossless digit matmul on AVX-512 VNNI (block_gemm_exact.cpp;
-//           rows a multiple of 16): per group g of 16 rows and block b, qs holds at
-//           (g nb + b) 16 bb the rows' 4-byte chunks c in order (chunk c of row i at
-//           (16 c + i) 4; the byte kinds' quants as unsigned q + 128), d and m the 16 rows'
-//           scales at (g nb + b) 16 (kind 11: its two scales per block at
-//           ((g nb + b) 2 + half) 16).
+//           at a time for the lossless digit matmul (block_gemm_exact.cpp: AVX-512 VNNI,
+//           and AVX2 for the 4-bit kinds 8-10; rows a multiple of 16): per group g of 16
+//           rows and block b, qs holds at (g nb + b) 16 bb the rows' 4-byte chunks c in
+//           order (chunk c of row i at (16 c + i) 4; the byte kinds' quants as unsigned
+//           q + 128), d and m the 16 rows' scales at (g nb + b) 16 (kind 11: its two
+//           scales per block at ((g nb + b) 2 + half) 16).
 //   kind 12: Q8_0 whose quants all lie in -16..15 (GGUF's Q5_0, repacked) interleaved in
 //           5 bits: per group and block 20 bytes a row, kind 9's 256 bytes of nibbles of
 //           q + 16, then for each chunk c two 64-bit masks of the fifth bits (bit 4 i + j:
 //           weight 4 c + j of row i, then weight 16 + 4 c + j); d as kind 7's. A third
 //           less to read than kind 7.
 //   kinds 13-14: kinds 10 and 11 (GGUF's Q4_K and Q6_K) with the file's scale fields in
-//           place of their float32 scales (AVX-512 VNNI, rows a multiple of 16; columns
-//           of whole 256-weight super-blocks, sb = cols / 256 of them): qs as kinds 10 and
-//           11; d the float16 super-block scales, per group g and super-block s at
-//           ((g sb + s) P + p) 16 (kind 13, P = 2: p = 0 the rows' d, 1 their dmin;
-//           kind 14, P = 1: d); m the blocks' 8-bit sub-scales at ((g nb + b) 2 + p) 16
-//           (kind 13: uint8 p = 0 sc, 1 min; kind 14: int8 sc of the block's half p). A
-//           block's scale is float32(d) * float32(sc), its minimum -(float32(dmin) *
-//           float32(min)): exact in float32, the very values of kinds 10 and 11, so the
-//           results are theirs bit for bit. Bytes per 32 weights: Q4_K 18.5 (kind 10: 24),
+//           place of their float32 scales (AVX-512 VNNI, kind 13 also AVX2; rows a
+//           multiple of 16; columns of whole 256-weight super-blocks, sb = cols / 256 of
+//           them): qs as kinds 10 and 11; d the float16 super-block scales, per group g
+//           and super-block s at ((g sb + s) P + p) 16 (kind 13, P = 2: p = 0 the rows' d,
+//           1 their dmin; kind 14, P = 1: d); m the blocks' 8-bit sub-scales at
+//           ((g nb + b) 2 + p) 16 (kind 13: uint8 p = 0 sc, 1 min; kind 14: int8 sc of the
+//           block's half p). A block's scale is float32(d) * float32(sc), its minimum
+//           -(float32(dmin) * float32(min)): exact in float32, the very values of kinds 10
+//           and 11, so the results are theirs bit for bit. Bytes per 32 weights: Q4_K 18.5 (kind 10: 24),
 //           Q6_K 34.25 (kind 11: 40); decode streams every one of them per token.
 // In a 4-bit block, byte j holds weight j in its low nibble and weight j + 16 in its high.
 constexpr int64_t kBlock = 32;  // weights per block

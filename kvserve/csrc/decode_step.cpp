@@ -92,7 +92,7 @@ struct ThreadInput {
 void part_share(const PartView& w, const float* x, int64_t T, ThreadInput& in, float* out,
                 int64_t ldo, int64_t g0, int64_t g1) {
   const int64_t n0 = g0 * kPackedGroup, n1 = std::min(w.N, g1 * kPackedGroup);
-  if (interleaved(w.kind) && w.packed == nullptr) {
+  if (exact_packed_kind(w.kind) && w.packed == nullptr) {
     in.exact.prepare(x, T, w.K, w.kind);
     groups_exact(w.blocks, T, in.exact, out, ldo, g0, g1);
     return;

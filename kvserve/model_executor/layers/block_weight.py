@@ -4,15 +4,17 @@ build's kernels, and its matmul. quantization.py decides which weights of a mode
 blocks and attaches them.
 
 * On AVX-512 VNNI builds the lossless method's planes (every kind: Q8_0, Q4_1, Q4_0, Q4_K
-  and Q6_K) are interleaved 16 rows at a time for the digit matmul
+  and Q6_K; on AVX2 builds the 4-bit ones, Q4_1, Q4_0 and Q4_K, whose int16 sums cannot
+  saturate) are interleaved 16 rows at a time for the digit matmul
   (csrc/block_gemm_exact.cpp: x split exactly into int8 digits, integer dot products): the
   same bytes reordered, no copy kept; Q5_0's repacked Q8_0 blocks go back to 5 bits a
   quant there (a third less to read than the Q8_0 planes), and Q4_K and Q6_K keep the
   file's scale fields (kinds 13-14: 18.5 and 34.25 bytes per 32 weights where the float32
   scales of kinds 10-11 take 24 and 40). Elsewhere those two expand into float32 scales
   (kinds 3-4, gguf_repack.py).
-* On builds whose float GEMV is AVX2 without AVX-512, Q4_1 and Q4_0 quants are reordered
-  into nibble planes (csrc/block_gemm_planes.h): fewer instructions per weight, the same
+* On builds whose float GEMV is AVX2 without AVX-512, Q4_1 and Q4_0 quants the digit
+  matmul does not take (rows not a multiple of 16, the screened head) are reordered into
+  nibble planes (csrc/block_gemm_planes.h): fewer instructions per weight, the same
   float32 results bit for bit.
 * gguf_int8 keeps the plain planes and, with AVX-512 VNNI or AVX2, a row-interleaved copy
   for its int8 matmuls (csrc/block_gemm_vnni.cpp).
@@ -81,8 +83,8 @@ class BlockWeight:
     packed: torch.Tensor | None = None
     # qs reordered into nibble planes for the AVX2 float GEMV (use_nibble_planes).
     nibble_planes: bool = False
-    # qs, d and m interleaved 16 rows at a time for the lossless digit matmul on AVX-512
-    # VNNI (use_interleaved).
+    # qs, d and m interleaved 16 rows at a time for the lossless digit matmul (AVX-512
+    # VNNI, or AVX2's 4-bit kinds: use_interleaved).
     interleaved: bool = False
     # Interleaved Q8_0 whose quants all lie in -16..15 (GGUF's Q5_0, repacked), in 5 bits.
     five_bit: bool = False
@@ -136,17 +138,28 @@ class BlockWeight:
 
     def use_interleaved(self) -> None:
         """Interleave the planes 16 rows at a time for the lossless digit matmul where the
-        build has it (AVX-512 VNNI: x split exactly into int8 digits, integer dot products,
-        csrc/block_gemm_exact.cpp; one row of x 1.7-2.2x the float GEMV's speed on AMD
-        EPYC Zen 4, and faster at every decode batch size). The same bytes, reordered: no
-        copy is kept. Weights of a multiple of 16 rows only."""
+        build has it for the weight's kind (ops.exact_packed_kinds: x split exactly into
+        int8 digits, integer dot products, csrc/block_gemm_exact.cpp). AVX-512 VNNI: every
+        kind, one row of x 1.7-2.2x the float GEMV's speed on AMD EPYC Zen 4, and faster
+        at every decode batch size. AVX2: the 4-bit kinds, one row of x 1.26-1.85x the
+        float GEMV's speed in cache (AMD EPYC Zen 5 running the haswell build; from DRAM
+        Q4_1 0.91-1.31x, Q4_0 1.5x); several rows take a float32 path on the same blocks,
+        0.82-1.25x the float GEMV on nibble planes (tools/bench_digit_matmul.py). The
+        same bytes, reordered: no copy is kept. Weights of a multiple of 16 rows only."""
         if self.interleaved or self.int8_activations or self.nibble_planes:
             return
         if self.qtype not in _INTERLEAVED_KINDS or self.shape[0] % _INTERLEAVED_ROWS:
             return
-        if not ops.exact_packed_matmul():
+        five_bit = self.qtype == GGMLQuantizationType.Q8_0 and _fits_five_bits(self.qs)
+        if five_bit:
+            kind = _FIVE_BIT_KIND
+        elif self.compact:
+            kind = _COMPACT_KINDS[self.qtype]
+        else:
+            kind = _INTERLEAVED_KINDS[self.qtype]
+        if kind not in ops.exact_packed_kinds():
             return
-        if self.qtype == GGMLQuantizationType.Q8_0 and _fits_five_bits(self.qs):
+        if five_bit:
             self.qs, self.d = _interleave_five_bit(self.qs, self.d, inverse=False)
             self.five_bit = True
         else:
@@ -205,8 +218,9 @@ class BlockWeight:
         # Only the digit matmul reads the file's k-quant fields (kinds 13-14).
         if self.compact and not self.interleaved:
             self.use_float32_scales()
-        # gguf_int8's interleaved copy serves every input: the float GEMV never runs.
-        if ops.gemv_prefers_nibble_planes() and self.packed is None:
+        # gguf_int8's interleaved copy and the digit matmul serve every input the float
+        # GEMV would.
+        if ops.gemv_prefers_nibble_planes() and self.packed is None and not self.interleaved:
             self.use_nibble_planes()
 
     @classmethod

@@ -18,8 +18,8 @@ repacking them once at load serves them without a kernel per GGUF type:
   scale changes every 16 weights: kernel kind 4, Q8_0's quants with two float32 scales
   per 32-weight block.
 
-On AVX-512 VNNI builds the digit matmul takes Q4_K and Q6_K with the file's own scale
-fields instead (kernel kinds 13 and 14, 18.5 and 34.25 bytes per 32 weights where kinds 3
+The digit matmul (AVX-512 VNNI builds: Q4_K and Q6_K; AVX2 builds: Q4_K) takes them
+with the file's own scale fields instead (kernel kinds 13 and 14, 18.5 and 34.25 bytes per 32 weights where kinds 3
 and 4 read 24 and 40), and ``d * sc`` cannot be split back into ``d`` and ``sc``: so both
 load as their quants beside the file's fields (BlockWeight's ``compact``; the planes
 below), and BlockWeight.prepare_kernels either interleaves them as kinds 13 and 14 or

@@ -18,8 +18,8 @@ kernel (``block_linear``) multiplies straight from them. Methods:
   result does not depend on the rows beside it. Without either only inputs of up to 3
   rows (single-stream decode) take the integer path; larger ones the exact float path.
 * ``gguf`` and ``q8_0`` blocks are reordered once at load for this build's lossless
-  kernels (block_weight.py): interleaved for the digit matmul on AVX-512 VNNI, nibble
-  planes for AVX2's float GEMV; the load-time check dequantizes the reordered blocks.
+  kernels (block_weight.py): interleaved for the digit matmul on AVX-512 VNNI (on AVX2
+  the 4-bit types only), nibble planes for AVX2's float GEMV (its other Q4 weights); the load-time check dequantizes the reordered blocks.
 * ``q8_0``: quantize any model's float32 weights to Q8_0 blocks (gguf's own quantizer);
   this one costs accuracy, measured as greedy agreement with float32.
 """

@@ -1,17 +1,20 @@
 """The lossless digit matmul on blocks interleaved 16 rows at a time (kinds 7-14,
-csrc/block_gemm_exact.cpp, AVX-512 VNNI builds): x split exactly into int8 digits, the
-GGUF weights exactly. Its results are the float32 product of gguf's own dequantized
+csrc/block_gemm_exact.cpp: AVX-512 VNNI builds every kind, AVX2 builds the 4-bit ones,
+8-10 and 13): x split exactly into int8 digits, the GGUF weights exactly. Its results are the float32 product of gguf's own dequantized
 weights within float32 rounding at 1-256 rows (the float GEMV's tolerance), on random
 blocks of every kind it takes, on outlier, tiny, zero and non-finite inputs and on the
 packaged files' tensors; the interleaved planes dequantize bit for bit as the plain ones;
 a row's result never depends on the rows beside it or the thread count; the lossless
 method uses it by default where the build has it. Q4_K and Q6_K with the file's scale
-fields (kinds 13-14) give kinds 10-11's results bit for bit from fewer bytes."""
+fields (kinds 13-14) give kinds 10-11's results bit for bit from fewer bytes. The 4-bit
+kinds' results are a scalar reference's bit for bit (the same exact integer sums and
+float32 operations), so AVX2 and AVX-512 VNNI builds agree."""
 
 from __future__ import annotations
 
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as T
@@ -32,12 +35,16 @@ from tests.model_executor.layers.gguf_blocks import (
 require_kernels()
 pytestmark = pytest.mark.skipif(
     not ops.exact_packed_matmul(),
-    reason="a build without AVX-512 VNNI (the digit matmul's kernel)",
+    reason="a build without AVX-512 VNNI or AVX2 (the digit matmul's kernels)",
 )
 
 # Q5_0, Q4_K and Q6_K as loaded (Q5_0: Q8_0 planes, interleaved in 5 bits; Q4_K and Q6_K
-# with the file's scale fields, kinds 13-14).
-TYPES = [T.Q8_0, T.Q4_1, T.Q4_0, T.Q5_0, T.Q4_K, T.Q6_K]
+# with the file's scale fields, kinds 13-14), and the kind each interleaves as.
+DIGIT_KINDS = {T.Q8_0: 7, T.Q4_1: 8, T.Q4_0: 9, T.Q5_0: 12, T.Q4_K: 13, T.Q6_K: 14}
+# The types this build's digit matmul takes.
+TYPES = [qtype for qtype, kind in DIGIT_KINDS.items() if kind in ops.exact_packed_kinds()]
+# Those whose quants are 4 bits: their results are _scalar_reference's bit for bit.
+FOUR_BIT = [qtype for qtype in (T.Q4_1, T.Q4_0, T.Q4_K) if qtype in TYPES]
 # 4: the kernel's tile of x rows (5, 9, 17: partial tiles after full ones); it serves up
 # to 255 rows, 256 take block_linear's dense path on the interleaved planes' dequantized rows.
 ROWS = [1, 2, 3, 4, 5, 9, 17, 64, 255, 256]
@@ -49,7 +56,7 @@ def _interleaved(weight: BlockWeight) -> BlockWeight:
         weight.qtype, weight.qs.clone(), weight.d.clone(), weight.m.clone(), compact=weight.compact
     )
     copy.use_interleaved()
-    assert copy.interleaved and copy.kind in (7, 8, 9, 12, 13, 14)
+    assert copy.interleaved and copy.kind in ops.exact_packed_kinds()
     return copy
 
 
@@ -83,7 +90,16 @@ def _check(plain: BlockWeight, reference: torch.Tensor, x: torch.Tensor) -> None
     assert ((out.double() - want).abs() <= bound).all()
     if x.shape[0] < ops.block_linear_dense_rows():  # the integer sums are exact
         for i in sorted({0, x.shape[0] // 2, x.shape[0] - 1}):
-            assert torch.equal(_exact(weight, x[i : i + 1])[0], out[i])
+            assert torch.equal(_fewest_rows(weight, x, i), out[i])
+
+
+def _fewest_rows(weight: BlockWeight, x: torch.Tensor, i: int) -> torch.Tensor:
+    """Row i of x's outputs from the smallest call that takes the kernel all of x takes:
+    one row where the digit matmul takes all of x, else two (AVX2's float32 path)."""
+    if x.shape[0] <= ops.digit_matmul_rows():
+        return _exact(weight, x[i : i + 1])[0]
+    first = min(i, x.shape[0] - 2)
+    return _exact(weight, x[first : first + 2])[i - first]
 
 
 # 208 output rows: 13 groups of 16; 96 columns an odd number of blocks (the k-quants:
@@ -99,6 +115,8 @@ def test_exact_matmul_is_the_float32_product(qtype: T, rows: int, cols: int) -> 
     x[0, :32] = 0.0  # an all-zero block
     x[-1, 32:64] *= 1e4  # one large block beside small ones
     _check(weight, reference, x)
+    if x.shape[0] > ops.digit_matmul_rows():  # AVX2's float32 path: _check's bound
+        return
     # Ordinary activations: the digits' rounding stays below float32's own, so the
     # results are held to the float GEMV's bound alone.
     error = (_exact(_interleaved(weight), x).double() - x.double() @ reference.double().T).abs()
@@ -168,7 +186,9 @@ def test_rows_are_identical_across_thread_counts(qtype: T) -> None:
     of x rows."""
     weight = _interleaved(random_blocks(qtype, 16 * 37, 768, seed=7)[0])
     x = torch.randn(9, 768, generator=torch.Generator().manual_seed(9))
-    assert_rows_independent_of_threads(lambda rows: _exact(weight, rows), x, (1, 2, 3, 4, 5))
+    # AVX2 multiplies one row alone with the digits, several in float32: from two rows on.
+    tiles = (1, 2, 3, 4, 5) if ops.digit_matmul_rows() >= x.shape[0] else (2, 3, 4, 5)
+    assert_rows_independent_of_threads(lambda rows: _exact(weight, rows), x, tiles)
 
 
 def test_lossless_method_interleaves_its_blocks() -> None:
@@ -195,6 +215,10 @@ def test_lossless_method_interleaves_its_blocks() -> None:
         odd, _ = random_blocks(qtype, 40, 256, seed=8)
         odd.prepare_kernels("gguf")
         assert not odd.interleaved
+    for qtype in set(DIGIT_KINDS) - set(TYPES):  # kinds this build's digit matmul lacks
+        weight, _ = random_blocks(qtype, 48, 256, seed=8)
+        weight.prepare_kernels("gguf")
+        assert not weight.interleaved
 
 
 # Kind with the file's fields, kind with float32 scales, and their bytes per 32 weights.
@@ -217,7 +241,7 @@ def _same_as_float32_scales(weight: BlockWeight, reference: torch.Tensor, x: tor
     assert torch.equal(compact.dequantize(), reference)
 
 
-@pytest.mark.parametrize("qtype", list(COMPACT))
+@pytest.mark.parametrize("qtype", [qtype for qtype in COMPACT if qtype in TYPES])
 @pytest.mark.parametrize("rows", ROWS)
 def test_file_fields_give_the_float32_scales_results_bit_for_bit(qtype: T, rows: int) -> None:
     """Kinds 13-14 form each block's scale and minimum from the file's fields as gguf does:
@@ -240,10 +264,11 @@ def test_file_fields_give_the_float32_scales_results_bit_for_bit(qtype: T, rows:
 
 def test_packaged_k_quants_give_the_float32_scales_results_bit_for_bit() -> None:
     """Gemma 3's Q4_K and Q6_K tensors."""
-    check_packaged_tensors(GEMMA3, tuple(COMPACT), _same_as_float32_scales, (1, 3, 4, 17, 256))
+    types = tuple(qtype for qtype in COMPACT if qtype in TYPES)
+    check_packaged_tensors(GEMMA3, types, _same_as_float32_scales, (1, 3, 4, 17, 256))
 
 
-@pytest.mark.parametrize("qtype", list(COMPACT))
+@pytest.mark.parametrize("qtype", [qtype for qtype in COMPACT if qtype in TYPES])
 def test_file_fields_reach_a_kernel_on_every_path(qtype: T) -> None:
     """prepare_kernels lays the file's fields out as kinds 13-14 for the digit matmul and
     expands them to kinds 3-4 everywhere else (rows not a multiple of 16, a screened LM
@@ -286,3 +311,84 @@ def test_file_fields_reach_a_kernel_on_every_path(qtype: T) -> None:
     assert torch.equal(shard.dequantize(), reference[:, 256:])
     inside = SimpleNamespace(tp_size=2, shard_range=lambda dim, shard_id: (1, 128, 256))
     assert _rank_blocks(inside, raw, qtype, None) is None
+
+
+def _fma32(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
+    """float32 a * b + c rounded once, as the kernels' fused multiply-adds: the product
+    is exact in float64 and the sum is rounded to odd there (an inexact sum with an even
+    last bit moves one ulp toward the exact one), which float32's rounding then leaves
+    the single rounding of the exact sum."""
+    p = a.astype(np.float64) * b.astype(np.float64)
+    c = c.astype(np.float64)
+    s = p + c
+    t = s - p
+    error = (p - (s - t)) + (c - t)  # p + c = s + error exactly (TwoSum)
+    inexact_even = (error != 0) & ((s.view(np.int64) & 1) == 0)
+    s = np.where(inexact_even, np.nextafter(s, np.where(error > 0, np.inf, -np.inf)), s)
+    return s.astype(np.float32)
+
+
+def _scalar_reference(weight: BlockWeight, x: torch.Tensor) -> torch.Tensor:
+    """The digit matmul's result for a 4-bit kind and finite x, computed as the kernels
+    do: x's blocks as integers X = x 2^(30-e) (2^(e-1) <= max|x| < 2^e), each block's
+    exact sum of X q (q - 8 for Q4_0) rounded once to float32 (the kernels join the
+    digits' exact halves with one fused multiply-add), times the block's scale and x's
+    2^(e-30) (one float32 product), then the minimum times x's block sum (32 float32 adds
+    in order), multiply-added into each output in block order."""
+    plain = weight.plain()
+    rows, cols = plain.shape
+    nb = cols // 32
+    packed = plain.qs.numpy().reshape(rows, nb, 16)
+    q = np.concatenate([packed & 15, packed >> 4], axis=-1).astype(np.int64)
+    if plain.qtype == T.Q4_0:
+        q -= 8
+    d = plain.d.float().numpy().reshape(rows, nb)
+    m = plain.m.float().numpy().reshape(rows, nb) if plain.m.numel() else None
+    xb = x.numpy().reshape(x.shape[0], nb, 32)
+    _, e = np.frexp(np.abs(xb).max(-1))
+    e = np.maximum(e, -96)
+    up = np.ldexp(np.float32(1), 30 - e).astype(np.float32)
+    big_x = np.rint(xb * up[..., None]).astype(np.int64)  # float32 product, ties to even
+    x_scale = np.ldexp(np.float32(1), e - 30).astype(np.float32)
+    x_sum = np.zeros(xb.shape[:2], np.float32)
+    for j in range(32):
+        x_sum = x_sum + xb[..., j]
+    exact = np.einsum("rbj,nbj->rnb", big_x, q)
+    acc = np.zeros((x.shape[0], rows), np.float32)
+    for b in range(nb):
+        dot = exact[..., b].astype(np.float64).astype(np.float32)
+        scale = (d[None, :, b].astype(np.float64) * x_scale[:, None, b]).astype(np.float32)
+        acc = _fma32(dot, scale, acc)
+        if m is not None:
+            acc = _fma32(np.broadcast_to(m[None, :, b], acc.shape), x_sum[:, None, b], acc)
+    return torch.from_numpy(acc)
+
+
+def _same_as_reference(weight: BlockWeight, _: torch.Tensor, x: torch.Tensor) -> None:
+    """Each row of x through the digit matmul (AVX2's takes one row at a time)."""
+    want = _scalar_reference(weight, x)
+    calls = [x] if x.shape[0] <= ops.digit_matmul_rows() else list(x.split(1))
+    interleaved = _interleaved(weight)
+    assert torch.equal(torch.cat([_exact(interleaved, rows) for rows in calls]), want)
+    if weight.qtype == T.Q4_K:  # and kind 10, Q4_K's float32 scales
+        got = torch.cat([_float32_scales(weight).linear(rows) for rows in calls])
+        assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("qtype", FOUR_BIT)
+@pytest.mark.parametrize("rows", [1, 2, 5, 17, 100])
+def test_four_bit_kinds_match_the_scalar_reference_bit_for_bit(qtype: T, rows: int) -> None:
+    """Random blocks, with an all-zero, a tiny and a large block of x: the same bits as
+    the scalar reference on every build (so AVX2's and AVX-512 VNNI's kernels agree)."""
+    weight, reference = random_blocks(qtype, 208, 768, seed=rows)
+    x = torch.randn(rows, 768, generator=torch.Generator().manual_seed(rows))
+    x[0, :32] = 0.0
+    x[-1, 32:64] *= 1e4
+    x[-1, 64:96] *= 1e-30
+    _same_as_reference(weight, reference, x)
+
+
+@pytest.mark.parametrize("model", [None, GEMMA3], ids=["smollm2", "gemma3"])
+def test_packaged_four_bit_tensors_match_the_scalar_reference(model: str | None) -> None:
+    """SmolLM2's Q4_1 and Gemma 3's Q4_K tensors."""
+    check_packaged_tensors(model, tuple(FOUR_BIT), _same_as_reference, (1, 3, 4))
