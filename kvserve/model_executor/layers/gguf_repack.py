@@ -19,11 +19,11 @@ repacking them once at load serves them without a kernel per GGUF type:
   per 32-weight block.
 
 On AVX-512 VNNI builds the digit matmul takes Q4_K and Q6_K with the file's own scale
-fields instead (kernel kinds 13 and 14, 18.5 and 34.25 bytes per 32 weights where kinds 3
-and 4 read 24 and 40), and ``d * sc`` cannot be split back into ``d`` and ``sc``: so both
-load as their quants beside the file's fields (BlockWeight's ``compact``; the planes
-below), and BlockWeight.prepare_kernels either interleaves them as kinds 13 and 14 or
-expands them (expand_scales) into kinds 3 and 4's float32 planes, the same products.
+fields instead (kernel kinds 13 and 15, Q6_K's quants in 6 bits: 18.5 and 26.25 bytes per
+32 weights, the file's sizes, where kinds 3 and 4 read 24 and 40), and ``d * sc`` cannot
+be split back into ``d`` and ``sc``: so both load as their quants beside the file's fields
+(BlockWeight's ``compact``; the planes below), and BlockWeight.prepare_kernels either
+interleaves them as kinds 13 and 15 or expands them (expand_scales) into kinds 3 and 4's float32 planes, the same products.
 
 * Q4_K's fields: ``d`` float16 ``[rows, 2 superblocks]`` (each one's d, then dmin), ``m``
   uint8 ``[rows, 2 blocks]`` (each 32-weight sub-block's sc, then mn).
