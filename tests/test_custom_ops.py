@@ -151,7 +151,7 @@ def test_cache_write_skips_negative_slots_and_matches_index_copy() -> None:
 
 def test_block_kernels_check_the_scale_planes_of_each_kind() -> None:
     # Kind 3 (repacked Q4_K) takes float32 scales and minimums; kind 4 (repacked Q6_K)
-    # two float32 scales per block and no minimum; kinds 0-2, 5-9 and 12-14 float16.
+    # two float32 scales per block and no minimum; kinds 0-2, 5-9 and 12-15 float16.
     qs = torch.zeros(2, 16, dtype=torch.uint8)
     f32, f16 = torch.ones(2, 1), torch.ones(2, 1, dtype=torch.float16)
     q8 = torch.full((2, 32), 3, dtype=torch.int8)
@@ -171,5 +171,7 @@ def test_block_kernels_check_the_scale_planes_of_each_kind() -> None:
         ops.dequantize_blocks(torch.zeros(16, 30, dtype=torch.uint8), f16, f16, 12)
     with pytest.raises(RuntimeError, match="float16 for kind 13"):  # compact Q4_K's d, dmin
         ops.dequantize_blocks(qs, f32, f32, 13)
+    with pytest.raises(RuntimeError, match="24 bytes a row"):  # interleaved 6-bit Q6_K
+        ops.dequantize_blocks(torch.zeros(16, 30, dtype=torch.uint8), f16, f16, 15)
     with pytest.raises(RuntimeError, match="unknown block kind"):
-        ops.dequantize_blocks(qs, f32, f32, 15)
+        ops.dequantize_blocks(qs, f32, f32, 16)

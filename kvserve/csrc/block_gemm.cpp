@@ -30,6 +30,8 @@ BlockWeight block_weight(const at::Tensor& qs, const at::Tensor& d, const at::Te
   const int64_t rows = qs.size(0);
   TORCH_CHECK(qs.size(1) % block_bytes_of(kind) == 0 || kind != 12,
               "5-bit blocks take 20 bytes a row and block");
+  TORCH_CHECK(qs.size(1) % block_bytes_of(kind) == 0 || kind != 15,
+              "6-bit blocks take 24 bytes a row and block");
   const int64_t cols = weight_cols(kind, qs.size(1));
   TORCH_CHECK(cols % kBlock == 0, "columns must be a multiple of 32");
   TORCH_CHECK(!nibble_planes(kind) || cols % (2 * kBlock) == 0,

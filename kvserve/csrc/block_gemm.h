@@ -77,11 +77,11 @@ void gemv_planes_outputs(const BlockWeight& w, const GemvRows& in, float* __rest
 struct BlockWeight {
   int64_t kind, rows, cols, row_bytes;
   const uint8_t* qs;
-  const uint16_t* d;  // float16 bits (kinds 0-2; kinds 13-14: per super-block)
+  const uint16_t* d;  // float16 bits (kinds 0-2; kinds 13-15: per super-block)
   const uint16_t* m;
   const float* d32 = nullptr;  // kinds 3-4: float32 scales; kind 3: float32 minimums
   const float* m32 = nullptr;
-  const uint8_t* sub = nullptr;  // kinds 13-14: the blocks' 8-bit sub-scales (m)
+  const uint8_t* sub = nullptr;  // kinds 13-15: the blocks' 8-bit sub-scales (m)
 
   // Where block i (= n nb + b) keeps its scale and minimum: at i, or for the interleaved
   // kinds in its group of 16 rows (block_quants.h).
@@ -105,7 +105,7 @@ struct BlockWeight {
   float scale_hi(int64_t i) const {
     if constexpr (KIND == 4) return d32[2 * i + 1];
     else if constexpr (KIND == 11) return d32[half_scale_index(i, 1)];
-    else if constexpr (KIND == 14) return compact_product<KIND>(i, 1);
+    else if constexpr (KIND == 14 || KIND == 15) return compact_product<KIND>(i, 1);
     else return scale<KIND>(i);
   }
   template <int KIND>
@@ -115,8 +115,8 @@ struct BlockWeight {
     else if constexpr (base_kind(KIND) == 1) return f16(m[scale_index<KIND>(i)]);
     else return 0.f;
   }
-  // Kinds 13-14: block i's super-block field times its sub-block field p (block_quants.h;
-  // kind 13: p = 0 d * sc, 1 dmin * min; kind 14: d * sc of half p), as gguf computes it.
+  // Kinds 13-15: block i's super-block field times its sub-block field p (block_quants.h;
+  // kind 13: p = 0 d * sc, 1 dmin * min; kinds 14-15: d * sc of half p), as gguf computes it.
   template <int KIND>
   float compact_product(int64_t i, int p) const {
     constexpr int64_t G = kInterleavedRows, P = KIND == 13 ? 2 : 1;
@@ -309,6 +309,19 @@ struct BlockWeight {
         plain[j] = static_cast<uint8_t>(((half ? nibbles >> 4 : nibbles & 15) | bit << 4) - 16);
       }
       return plain;
+    } else if constexpr (KIND == 15) {  // Q6_K's int8 q - 32 from nibbles and bits 4 and 5
+      constexpr int64_t G = kInterleavedRows;
+      const int64_t nb = cols / kBlock, i = n % G;
+      const uint8_t* group = qs + ((n / G) * nb + b) * G * block_bytes_of(KIND);
+      for (int j = 0; j < kBlock; ++j) {
+        const int c = (j % 16) / 4, half = j / 16, bit = 4 * static_cast<int>(i) + j % 4;
+        const uint8_t nibbles = group[(c * G + i) * 4 + j % 4];
+        const uint8_t* masks = group + G * 16 + c * 32 + half * 16;
+        const int high =
+            ((masks[bit / 8] >> (bit % 8)) & 1) | ((masks[8 + bit / 8] >> (bit % 8)) & 1) << 1;
+        plain[j] = static_cast<uint8_t>(((half ? nibbles >> 4 : nibbles & 15) | high << 4) - 32);
+      }
+      return plain;
     } else if constexpr (interleaved(KIND)) {
       constexpr int64_t bb = block_bytes_of(KIND), G = kInterleavedRows;
       const int64_t nb = cols / kBlock, i = n % G;
@@ -338,7 +351,8 @@ struct BlockWeight {
     else if (kind == 11) dequant_rows_t<11>(begin, end, out);
     else if (kind == 12) dequant_rows_t<12>(begin, end, out);
     else if (kind == 13) dequant_rows_t<13>(begin, end, out);
-    else dequant_rows_t<14>(begin, end, out);
+    else if (kind == 14) dequant_rows_t<14>(begin, end, out);
+    else dequant_rows_t<15>(begin, end, out);
   }
 
   // out[r * ldo + n] = sum_k x[r, k] * W[n, k] for n in [begin, end), R rows of x.
@@ -550,7 +564,8 @@ struct BlockWeight {
     else if (kind == 11) gemv_kind<11>(rows_x, in, out, begin, end);
     else if (kind == 12) gemv_kind<12>(rows_x, in, out, begin, end);
     else if (kind == 13) gemv_kind<13>(rows_x, in, out, begin, end);
-    else gemv_kind<14>(rows_x, in, out, begin, end);
+    else if (kind == 14) gemv_kind<14>(rows_x, in, out, begin, end);
+    else gemv_kind<15>(rows_x, in, out, begin, end);
   }
 };
 
@@ -616,7 +631,7 @@ class ExactInput {
     sum_.reserve(blocks);
     digit_sums_.reserve(blocks * 2 * kDigits);
   }
-  // kind: the weight's (7-14); digit sums are kept for the kinds without a minimum.
+  // kind: the weight's (7-15); digit sums are kept for the kinds without a minimum.
   void prepare(const float* x, int64_t rows, int64_t cols, int64_t kind);
 
   // Block i (= r nb + b) of x, digit k: 32 bytes in weight order.

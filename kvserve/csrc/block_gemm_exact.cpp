@@ -1,9 +1,10 @@
 // The lossless path's matmul on AVX-512 VNNI: the GGUF weights exactly, x in float32
 // precision, through integer dot products on the blocks interleaved 16 rows at a time
-// (kinds 7-14, block_quants.h; llama.cpp's repacked buffers and gguf_int8's copy,
+// (kinds 7-15, block_quants.h; llama.cpp's repacked buffers and gguf_int8's copy,
 // block_gemm_vnni.cpp, interleave the same way): Q8_0, Q4_1, Q4_0, the repacked Q4_K
 // (float32 scale and minimum) and Q6_K (a float32 scale per 16 weights), Q5_0's repacked
-// Q8_0 blocks in 5 bits, and Q4_K and Q6_K with the file's own scale fields.
+// Q8_0 blocks in 5 bits, and Q4_K and Q6_K with the file's own scale fields (Q6_K's
+// quants in 6 bits too).
 //
 // The float GEMV (block_gemm.h) turns every block's quants into floats before it can
 // multiply them: per 32 weights 7 vector instructions on Zen 4, whose 512-bit shuffles and
@@ -78,8 +79,8 @@ void ExactInput::prepare(const float* x, int64_t rows, int64_t cols, int64_t kin
   x_ = x;
   const int64_t blocks = rows * cols / kBlock;
   int8_t* digits = digits_.reserve(blocks * kDigits * kBlock);
-  // The kinds without a minimum take their quants' offset back per digit (kind 11 per
-  // half block: its halves have their own scales).
+  // The kinds without a minimum take their quants' offset back per digit (kinds 11, 14
+  // and 15 per half block: their halves have their own scales).
   const bool need_sums = !has_min(kind);
   float* scale = scale_.reserve(blocks);
   float* sum = sum_.reserve(blocks);
@@ -219,7 +220,7 @@ void group_dot_exact(const BlockWeight& w, int64_t g, const ExactInput& x, int64
     if constexpr (float32_scales(KIND)) return _mm512_loadu_ps(p);
     else return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   };
-  // Kinds 13-14: the group's float16 super-block fields (P per super-block: kind 13's d and
+  // Kinds 13-15: the group's float16 super-block fields (P per super-block: kind 13's d and
   // dmin, the latter negated as it is read) and its blocks' two 8-bit sub-block fields, 16
   // rows side by side.
   constexpr int64_t P = KIND == 13 ? 2 : 1, kSubBlocks = kSuperBlock / kBlock;
@@ -229,8 +230,8 @@ void group_dot_exact(const BlockWeight& w, int64_t g, const ExactInput& x, int64
           : nullptr;
   const uint8_t* subs = compact_scales(KIND) ? w.sub + g * nb * 2 * G : nullptr;
   __m512 super_fields[P];
-  // Block b's 16 rows' scales (half: kind 11's and 14's second) and minimums, as floats.
-  // Kinds 13-14 multiply the fields as gguf does: float32 products, exact, the very
+  // Block b's 16 rows' scales (half: kinds 11, 14 and 15's second) and minimums, as floats.
+  // Kinds 13-15 multiply the fields as gguf does: float32 products, exact, the very
   // scales kinds 10-11 keep ((-dmin) min is -(dmin min) bit for bit, one sign flip per
   // super-block instead of one per block).
   const auto sub_product = [&](int64_t b, int p) {
@@ -275,7 +276,36 @@ void group_dot_exact(const BlockWeight& w, int64_t g, const ExactInput& x, int64
                      _MM_HINT_T0);
     }
     __m512i sum[R][D];
-    if constexpr (byte_quants(KIND)) {  // unsigned q + 128; kind 11 a half block at a time
+    if constexpr (KIND == 15) {
+      // u in 0..63: a half block's nibbles (low or high) with their masked bits 4 and 5
+      // added. Each half has its own scale, so its four chunks run alone: 16 digit sums for
+      // 4 rows of x, beside the quants, fit the 32 registers where both halves' would not.
+      for (int half = 0; half < 2; ++half) {
+        for (int r = 0; r < R; ++r)
+          for (int k = 0; k < D; ++k) sum[r][k] = _mm512_setzero_si512();
+        for (int c = 0; c < 4; ++c) {
+          const __m512i v = _mm512_loadu_si512(q + c * 64);
+          __m512i u = _mm512_and_si512(half == 0 ? v : _mm512_srli_epi16(v, 4), nibble);
+          __mmask64 bits[2];
+          std::memcpy(bits, q + 256 + c * 32 + half * 16, sizeof(bits));
+          u = _mm512_mask_add_epi8(u, bits[0], u, _mm512_set1_epi8(16));
+          u = _mm512_mask_add_epi8(u, bits[1], u, _mm512_set1_epi8(32));
+          for (int r = 0; r < R; ++r)
+            for (int k = 0; k < D; ++k)
+              sum[r][k] = _mm512_dpbusd_epi32(
+                  sum[r][k], u, broadcast4(x.digits((r0 + r) * nb + b, k) + 16 * half + 4 * c));
+        }
+        // u . a - 32 sum(a) over the half: (u - 32) . a, kind 14's exact sums.
+        for (int r = 0; r < R; ++r) {
+          const int32_t* s = x.digit_sums((r0 + r) * nb + b);
+          for (int k = 0; k < D; ++k) {
+            const int32_t digit_sum = half == 0 ? s[k] - s[D + k] : s[D + k];
+            sum[r][k] = _mm512_sub_epi32(sum[r][k], _mm512_set1_epi32(32 * digit_sum));
+          }
+        }
+        add_block_dots<R>(sum, block_scales(b, half), x, r0, nb, b, acc);
+      }
+    } else if constexpr (byte_quants(KIND)) {  // unsigned q + 128; kind 11 a half block at a time
       for (int half = 0; half < S; ++half) {
         for (int r = 0; r < R; ++r)
           for (int k = 0; k < D; ++k) sum[r][k] = _mm512_setzero_si512();
@@ -636,7 +666,8 @@ void groups_exact(const BlockWeight& w, int64_t rows, const ExactInput& x, float
   else if (w.kind == 11) groups_exact_kind<11>(w, rows, x, out, ldo, g_begin, g_end);
   else if (w.kind == 12) groups_exact_kind<12>(w, rows, x, out, ldo, g_begin, g_end);
   else if (w.kind == 13) groups_exact_kind<13>(w, rows, x, out, ldo, g_begin, g_end);
-  else groups_exact_kind<14>(w, rows, x, out, ldo, g_begin, g_end);
+  else if (w.kind == 14) groups_exact_kind<14>(w, rows, x, out, ldo, g_begin, g_end);
+  else groups_exact_kind<15>(w, rows, x, out, ldo, g_begin, g_end);
 #elif defined(KVSERVE_EXACT_AVX2)
   if (w.kind == 8) groups_exact_kind<8>(w, rows, x, out, ldo, g_begin, g_end);
   else if (w.kind == 9) groups_exact_kind<9>(w, rows, x, out, ldo, g_begin, g_end);

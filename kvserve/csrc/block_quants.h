@@ -54,9 +54,16 @@ namespace kvserve_cpu {
 //           -(float32(dmin) * float32(min)): exact in float32, the very values of kinds 10
 //           and 11, so the results are theirs bit for bit. Bytes per 32 weights: Q4_K 18.5 (kind 10: 24),
 //           Q6_K 34.25 (kind 11: 40); decode streams every one of them per token.
+//   kind 15: kind 14 with its quants in 6 bits, as kind 12 holds Q8_0's in 5: per group
+//           and block 24 bytes a row, kind 9's 256 bytes of nibbles of the file's 6-bit
+//           quants u (w = d sc (u - 32); the low nibbles are the block's first half, the
+//           high its second, each half with its own sc), then for each chunk c four 64-bit
+//           masks, bit 4 i + j for row i's byte j: bits 4 and 5 of the low nibbles' quants
+//           (weight 4 c + j), then of the high nibbles' (16 + 4 c + j); d and m as kind
+//           14's. 26.25 bytes per 32 weights, the file's own size.
 // In a 4-bit block, byte j holds weight j in its low nibble and weight j + 16 in its high.
 constexpr int64_t kBlock = 32;  // weights per block
-constexpr int64_t kSuperBlock = 256;  // weights per k-quant super-block (kinds 13-14)
+constexpr int64_t kSuperBlock = 256;  // weights per k-quant super-block (kinds 13-15)
 
 // Kinds whose blocks carry a minimum (w = d * q + m).
 constexpr bool has_min(int64_t kind) {
@@ -68,25 +75,28 @@ constexpr bool byte_quants(int64_t kind) {
 }
 // Kinds whose scales are float32 (repacked k-quants) rather than the file's float16.
 constexpr bool float32_scales(int64_t kind) { return kind == 3 || kind == 4 || kind == 10 || kind == 11; }
-// Kinds 13-14: the file's k-quant scale fields, float16 per super-block and 8-bit per block.
-constexpr bool compact_scales(int64_t kind) { return kind == 13 || kind == 14; }
-// Scales per 32-weight block: kinds 4, 11 and 14 scale each half of a block on its own.
-constexpr int64_t scales_per_block(int64_t kind) { return kind == 4 || kind == 11 || kind == 14 ? 2 : 1; }
+// Kinds 13-15: the file's k-quant scale fields, float16 per super-block and 8-bit per block.
+constexpr bool compact_scales(int64_t kind) { return kind >= 13 && kind <= 15; }
+// Scales per 32-weight block: kinds 4, 11, 14 and 15 scale each half of a block on its own.
+constexpr int64_t scales_per_block(int64_t kind) {
+  return kind == 4 || kind == 11 || kind == 14 || kind == 15 ? 2 : 1;
+}
 // Kinds 5 and 6: Q4_1 and Q4_0 in nibble planes.
 constexpr bool nibble_planes(int64_t kind) { return kind == 5 || kind == 6; }
-// Kinds 7-14: kinds 0-4 interleaved 16 rows at a time, kind 12 (Q8_0 in 5 bits) and
-// kinds 13-14 (kinds 10-11 with the file's scale fields).
-constexpr bool interleaved(int64_t kind) { return kind >= 7 && kind <= 14; }
+// Kinds 7-15: kinds 0-4 interleaved 16 rows at a time, kind 12 (Q8_0 in 5 bits), kinds
+// 13-14 (kinds 10-11 with the file's scale fields) and kind 15 (kind 14 in 6 bits).
+constexpr bool interleaved(int64_t kind) { return kind >= 7 && kind <= 15; }
 constexpr int64_t kInterleavedRows = 16;
 // The kind whose arithmetic a kind has (a reordered kind's plain layout).
 constexpr int64_t base_kind(int64_t kind) {
   return kind == 12   ? 0
+         : kind == 15 ? 4
          : kind >= 13 ? kind - 10
          : nibble_planes(kind) ? kind - 4
          : interleaved(kind)   ? kind - 7
                                : kind;
 }
-constexpr int64_t kNumKinds = 15;
+constexpr int64_t kNumKinds = 16;
 
 // Nibble planes: blocks 2g (A) and 2g + 1 (B) of a row share 32 bytes, eight 32-bit lanes
 // j of eight nibbles k each. Nibble k of lane j is weight 8 (k / 2) + j of A for even k
@@ -114,7 +124,10 @@ inline void planes_to_plain(const uint8_t* pair, int half, uint8_t* block) {
 }
 
 inline int64_t weight_cols(int64_t kind, int64_t qs_cols) {
-  return kind == 12 ? qs_cols / 20 * kBlock : byte_quants(kind) ? qs_cols : qs_cols * 2;
+  return kind == 12   ? qs_cols / 20 * kBlock
+         : kind == 15 ? qs_cols / 24 * kBlock
+         : byte_quants(kind) ? qs_cols
+                             : qs_cols * 2;
 }
 
 // d_hi: the scale of weights 16-31 (kind 4; d itself for the other kinds).
@@ -283,7 +296,7 @@ inline void load_weights16(const uint8_t* qs, const float* d, const float* d_hi,
 #endif
 
 constexpr int64_t block_bytes_of(int64_t kind) {
-  return kind == 12 ? 20 : byte_quants(kind) ? 32 : 16;
+  return kind == 12 ? 20 : kind == 15 ? 24 : byte_quants(kind) ? 32 : 16;
 }
 
 // float16 -> float32, exact (F16C's vcvtph2ps where the CPU has it).

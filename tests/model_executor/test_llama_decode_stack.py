@@ -18,6 +18,7 @@ from gguf import GGMLQuantizationType as T
 from kvserve import _custom_ops as ops
 from kvserve.attention.backends.registry import get_attn_backend
 from kvserve.attention.backends.utils import make_common_attn_metadata
+from kvserve.benchmarks.random_gguf import MIXES, LlamaShape, ensure_random_gguf
 from kvserve.forward_context import set_forward_context
 from kvserve.model_executor.layers.block_weight import (
     BlockWeight,
@@ -145,6 +146,48 @@ def test_decode_steps_equal_the_module_path_exactly(
     if quantization and quantization.startswith("mixed"):
         fused = native.model.layers[0].self_attn.qkv_proj.quant_weight
         assert isinstance(fused, MixedBlockWeight) and len(fused.parts) == 2
+    for step, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert torch.equal(g, w), f"step {step} differs"
+
+
+# Q4_K_M at a shape k-quants fit (rows of 256, tests/benchmarks/test_random_gguf.py's):
+# Q4_K everywhere but v and ffn_down in 4 of the 8 layers and the tied head, Q6_K.
+TINY_K = LlamaShape("tiny-llama-k", 256, 8, 4, 2, 512, 49152 + 64, rope_scaling=None)
+
+
+def _load_gguf(path: Path, method: str) -> torch.nn.Module:
+    resolved = resolve_model(str(path))
+    arch = load_arch_config(resolved)
+    model = get_model(resolved, arch)
+    quantize_model(model, method, str(resolved.path), arch)
+    return model
+
+
+@pytest.fixture(scope="module")
+def tiny_q4_k_m(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return ensure_random_gguf(TINY_K, tmp_path_factory.mktemp("random_gguf"), MIXES["Q4_K_M"])
+
+
+@pytest.mark.parametrize(("method", "num_requests"), [("gguf", 1), ("gguf", 3), ("gguf_int8", 3)])
+def test_q4_k_m_decode_steps_equal_the_module_path_exactly(
+    method: str,
+    num_requests: int,
+    tiny_q4_k_m: Path,
+    paged_runner: Callable,
+) -> None:
+    """A Q4_K_M file's blocks as loaded (on AVX-512 VNNI the digit matmul's kinds 13 and
+    15, a fused projection's Q4_K q/k beside its Q6_K v; gguf_int8's k-quants too)."""
+    native, modules = _load_gguf(tiny_q4_k_m, method), _load_gguf(tiny_q4_k_m, method)
+    modules.model.decode_stack = None
+
+    got = _decode_run(paged_runner, native, num_requests)
+    want = _decode_run(paged_runner, modules, num_requests)
+    assert native.model.decode_stack._stack is not None
+    fused = native.model.layers[0].self_attn.qkv_proj.quant_weight
+    assert isinstance(fused, MixedBlockWeight) and len(fused.parts) == 2
+    if ops.exact_packed_matmul():  # AVX2 builds: Q4_K only; Q6_K's float32 scales (kind 4)
+        six_bit = 15 in ops.exact_packed_kinds()
+        assert [p.kind for p in fused.parts] == [13, 15 if six_bit else 4]
     for step, (g, w) in enumerate(zip(got, want, strict=True)):
         assert torch.equal(g, w), f"step {step} differs"
 

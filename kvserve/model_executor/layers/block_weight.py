@@ -9,9 +9,9 @@ blocks and attaches them.
   (csrc/block_gemm_exact.cpp: x split exactly into int8 digits, integer dot products): the
   same bytes reordered, no copy kept; Q5_0's repacked Q8_0 blocks go back to 5 bits a
   quant there (a third less to read than the Q8_0 planes), and Q4_K and Q6_K keep the
-  file's scale fields (kinds 13-14: 18.5 and 34.25 bytes per 32 weights where the float32
-  scales of kinds 10-11 take 24 and 40). Elsewhere those two expand into float32 scales
-  (kinds 3-4, gguf_repack.py).
+  file's scale fields (kinds 13 and 15: 18.5 and 26.25 bytes per 32 weights, the file's
+  own sizes, where the float32 scales of kinds 10-11 take 24 and 40), Q6_K's quants in 6
+  bits. Elsewhere those two expand into float32 scales (kinds 3-4, gguf_repack.py).
 * On builds whose float GEMV is AVX2 without AVX-512, Q4_1 and Q4_0 quants the digit
   matmul does not take (rows not a multiple of 16, the screened head) are reordered into
   nibble planes (csrc/block_gemm_planes.h): fewer instructions per weight, the same
@@ -55,8 +55,12 @@ _INTERLEAVED_KINDS = {
     GGMLQuantizationType.Q4_K: 10,
     GGMLQuantizationType.Q6_K: 11,
 }
-# Kernel kinds of interleaved Q4_K and Q6_K with the file's scale fields.
+# Kernel kinds of interleaved Q4_K and Q6_K with the file's scale fields (Q6_K's quants
+# one a byte: use_interleaved goes on to kind 15).
 _COMPACT_KINDS = {GGMLQuantizationType.Q4_K: 13, GGMLQuantizationType.Q6_K: 14}
+# Kind 14 in 6 bits (csrc/block_quants.h): its kind and bytes per row and block (16 of
+# nibbles, 8 of bits 4 and 5).
+_SIX_BIT_KIND, _SIX_BIT_BLOCK_BYTES = 15, 24
 # Interleaved Q8_0 in 5 bits (csrc/block_quants.h): its kind and bytes per row and block
 # (16 of nibbles, 4 of fifth bits).
 _FIVE_BIT_KIND, _FIVE_BIT_BLOCK_BYTES = 12, 20
@@ -89,8 +93,10 @@ class BlockWeight:
     # Interleaved Q8_0 whose quants all lie in -16..15 (GGUF's Q5_0, repacked), in 5 bits.
     five_bit: bool = False
     # Q4_K and Q6_K with the file's scale fields in d and m (gguf_repack.py): interleaved,
-    # kinds 13 and 14; plain, a load-time form that prepare_kernels lays out for a kernel.
+    # kinds 13 and 15; plain, a load-time form that prepare_kernels lays out for a kernel.
     compact: bool = False
+    # Interleaved compact Q6_K with its quants in 6 bits (kind 15).
+    six_bit: bool = False
 
     @property
     def kind(self) -> int:
@@ -98,7 +104,7 @@ class BlockWeight:
             return _NIBBLE_PLANE_KINDS[self.qtype]
         if self.interleaved:
             if self.compact:
-                return _COMPACT_KINDS[self.qtype]
+                return _SIX_BIT_KIND if self.six_bit else _COMPACT_KINDS[self.qtype]
             return _FIVE_BIT_KIND if self.five_bit else _INTERLEAVED_KINDS[self.qtype]
         if self.compact:
             raise ValueError(
@@ -111,6 +117,8 @@ class BlockWeight:
         rows, qs_cols = self.qs.shape
         if self.five_bit:
             return rows, qs_cols // _FIVE_BIT_BLOCK_BYTES * 32
+        if self.six_bit:
+            return rows, qs_cols // _SIX_BIT_BLOCK_BYTES * 32
         return rows, qs_cols * (1 if self.qs.dtype == torch.int8 else 2)
 
     @property
@@ -166,6 +174,11 @@ class BlockWeight:
             self.qs, self.d, self.m = _interleave(
                 self.qtype, self.qs, self.d, self.m, inverse=False, compact=self.compact
             )
+            # Every Q6_K quant fits 6 bits: the file's size, where kind 14 reads 34.25 bytes
+            # per 32 weights.
+            if self.compact and self.qtype == GGMLQuantizationType.Q6_K:
+                self.qs = _interleave_six_bit(self.qs, inverse=False)
+                self.six_bit = True
         self.interleaved = True
 
     def use_float32_scales(self) -> None:
@@ -187,6 +200,8 @@ class BlockWeight:
             qs, d = _interleave_five_bit(self.qs, self.d, inverse=True)
             return BlockWeight(self.qtype, qs, d, self.m)
         qs, d, m = self.planes
+        if self.six_bit:
+            qs = _interleave_six_bit(qs, inverse=True)
         if self.interleaved:
             qs, d, m = _interleave(self.qtype, qs, d, m, inverse=True, compact=self.compact)
         plain = BlockWeight(self.qtype, qs, d, m, compact=self.compact)
@@ -215,7 +230,7 @@ class BlockWeight:
             self.use_int8_activations()
         elif interleave:  # gguf_int8's repacked Q4_K and Q6_K too: they have no int8 kernel
             self.use_interleaved()
-        # Only the digit matmul reads the file's k-quant fields (kinds 13-14).
+        # Only the digit matmul reads the file's k-quant fields (kinds 13-15).
         if self.compact and not self.interleaved:
             self.use_float32_scales()
         # gguf_int8's interleaved copy and the digit matmul serve every input the float
@@ -352,6 +367,36 @@ def _interleave_five_bit(
     record = torch.cat([nibbles, masks.reshape(groups, nb, 64)], dim=-1)
     scales = d.reshape(groups, g, nb).transpose(1, 2).contiguous().reshape(d.shape)
     return record.reshape(rows, nb * _FIVE_BIT_BLOCK_BYTES), scales
+
+
+def _interleave_six_bit(qs: torch.Tensor, inverse: bool) -> torch.Tensor:
+    """Kind 14's interleaved Q6_K quants as kind 15 holds them (csrc/block_quants.h: per
+    group of 16 rows and block, kind 9's nibbles of the file's u = q + 32, the low nibbles
+    from chunks 0-3, the high from 4-7, then per chunk the 64-bit masks of bits 4 and 5 of
+    the low nibbles' quants and of the high ones'), or back (``inverse``)."""
+    rows, g = qs.shape[0], _INTERLEAVED_ROWS
+    groups = rows // g
+    bit_weights = 1 << torch.arange(8, dtype=torch.uint8)
+    if inverse:
+        nb = qs.shape[1] // _SIX_BIT_BLOCK_BYTES
+        record = qs.reshape(groups, nb, g * _SIX_BIT_BLOCK_BYTES)
+        nibbles = record[..., : g * 16].reshape(groups, nb, 4, g * 4)
+        low = torch.stack([nibbles & 15, nibbles >> 4], dim=2)  # [groups, nb, half, chunk, 64]
+        bits = (record[..., g * 16 :].reshape(groups, nb, 4, 2, 2, 8, 1) & bit_weights) != 0
+        # bits [groups, nb, chunk, half, bit, 64] -> [groups, nb, half, chunk, bit, 64]
+        bits = bits.reshape(groups, nb, 4, 2, 2, g * 4).permute(0, 1, 3, 2, 4, 5).to(torch.uint8)
+        unsigned = low + 16 * bits[..., 0, :] + 32 * bits[..., 1, :]
+        return (unsigned + 96).reshape(rows, nb * 32).view(torch.int8)  # q + 128
+    nb = qs.shape[1] // 32
+    # kind 14's chunks 4 half + c: [groups, nb, half, chunk, 64], q + 128 - 96 = u
+    unsigned = qs.view(torch.uint8).reshape(groups, nb, 2, 4, g * 4) - 96
+    nibbles = (unsigned[:, :, 0] & 15) | ((unsigned[:, :, 1] & 15) << 4)
+    bits = torch.stack([(unsigned >> 4) & 1, unsigned >> 5], dim=3)
+    # bits [groups, nb, half, bit, chunk, 64] -> [groups, nb, chunk, half, bit, 64]
+    bits = bits.permute(0, 1, 4, 2, 3, 5).reshape(groups, nb, 4, 2, 2, 8, 8)
+    masks = (bits * bit_weights).sum(-1, dtype=torch.uint8)
+    record = torch.cat([nibbles.reshape(groups, nb, g * 16), masks.reshape(groups, nb, 128)], -1)
+    return record.reshape(rows, nb * _SIX_BIT_BLOCK_BYTES)
 
 
 @dataclass

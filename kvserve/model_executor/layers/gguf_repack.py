@@ -18,12 +18,13 @@ repacking them once at load serves them without a kernel per GGUF type:
   scale changes every 16 weights: kernel kind 4, Q8_0's quants with two float32 scales
   per 32-weight block.
 
-The digit matmul (AVX-512 VNNI builds: Q4_K and Q6_K; AVX2 builds: Q4_K) takes them
-with the file's own scale fields instead (kernel kinds 13 and 14, 18.5 and 34.25 bytes per 32 weights where kinds 3
-and 4 read 24 and 40), and ``d * sc`` cannot be split back into ``d`` and ``sc``: so both
-load as their quants beside the file's fields (BlockWeight's ``compact``; the planes
-below), and BlockWeight.prepare_kernels either interleaves them as kinds 13 and 14 or
-expands them (expand_scales) into kinds 3 and 4's float32 planes, the same products.
+The digit matmul takes them with the file's own scale fields instead (AVX-512 VNNI
+builds: Q4_K and Q6_K, kernel kinds 13 and 15, Q6_K's quants in 6 bits: 18.5 and 26.25
+bytes per 32 weights, the file's sizes, where kinds 3 and 4 read 24 and 40; AVX2 builds:
+Q4_K), and ``d * sc`` cannot be split back into ``d`` and ``sc``: so both load as their
+quants beside the file's fields (BlockWeight's ``compact``; the planes below), and
+BlockWeight.prepare_kernels either interleaves them as kinds 13 and 15 or expands them
+(expand_scales) into kinds 3 and 4's float32 planes, the same products.
 
 * Q4_K's fields: ``d`` float16 ``[rows, 2 superblocks]`` (each one's d, then dmin), ``m``
   uint8 ``[rows, 2 blocks]`` (each 32-weight sub-block's sc, then mn).

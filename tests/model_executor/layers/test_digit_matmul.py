@@ -1,14 +1,16 @@
-"""The lossless digit matmul on blocks interleaved 16 rows at a time (kinds 7-14,
+"""The lossless digit matmul on blocks interleaved 16 rows at a time (kinds 7-15,
 csrc/block_gemm_exact.cpp: AVX-512 VNNI builds every kind, AVX2 builds the 4-bit ones,
-8-10 and 13): x split exactly into int8 digits, the GGUF weights exactly. Its results are the float32 product of gguf's own dequantized
+8-10 and 13): x split exactly into int8 digits, the GGUF weights exactly. Its results
+are the float32 product of gguf's own dequantized
 weights within float32 rounding at 1-256 rows (the float GEMV's tolerance), on random
 blocks of every kind it takes, on outlier, tiny, zero and non-finite inputs and on the
 packaged files' tensors; the interleaved planes dequantize bit for bit as the plain ones;
 a row's result never depends on the rows beside it or the thread count; the lossless
 method uses it by default where the build has it. Q4_K and Q6_K with the file's scale
-fields (kinds 13-14) give kinds 10-11's results bit for bit from fewer bytes. The 4-bit
-kinds' results are a scalar reference's bit for bit (the same exact integer sums and
-float32 operations), so AVX2 and AVX-512 VNNI builds agree."""
+fields (kinds 13-14) give kinds 10-11's results bit for bit from fewer bytes, and Q6_K's
+quants in 6 bits (kind 15) kind 14's from the file's own size. The 4-bit kinds' results
+are a scalar reference's bit for bit (the same exact integer sums and float32
+operations), so AVX2 and AVX-512 VNNI builds agree."""
 
 from __future__ import annotations
 
@@ -20,7 +22,12 @@ import torch
 from gguf import GGMLQuantizationType as T
 
 from kvserve import _custom_ops as ops
-from kvserve.model_executor.layers.block_weight import BlockWeight, concat_rows
+from kvserve.model_executor.layers.block_weight import (
+    BlockWeight,
+    _interleave,
+    _interleave_six_bit,
+    concat_rows,
+)
 from kvserve.model_executor.layers.quantization import _rank_blocks
 from tests.gemma3_fixtures import GEMMA3
 from tests.kernel_support import require_kernels
@@ -39,8 +46,8 @@ pytestmark = pytest.mark.skipif(
 )
 
 # Q5_0, Q4_K and Q6_K as loaded (Q5_0: Q8_0 planes, interleaved in 5 bits; Q4_K and Q6_K
-# with the file's scale fields, kinds 13-14), and the kind each interleaves as.
-DIGIT_KINDS = {T.Q8_0: 7, T.Q4_1: 8, T.Q4_0: 9, T.Q5_0: 12, T.Q4_K: 13, T.Q6_K: 14}
+# with the file's scale fields, kinds 13 and 15), and the kind each interleaves as.
+DIGIT_KINDS = {T.Q8_0: 7, T.Q4_1: 8, T.Q4_0: 9, T.Q5_0: 12, T.Q4_K: 13, T.Q6_K: 15}
 # The types this build's digit matmul takes.
 TYPES = [qtype for qtype, kind in DIGIT_KINDS.items() if kind in ops.exact_packed_kinds()]
 # Those whose quants are 4 bits: their results are _scalar_reference's bit for bit.
@@ -201,9 +208,12 @@ def test_lossless_method_interleaves_its_blocks() -> None:
         weight, _ = random_blocks(qtype, 48, 256, seed=8)
         weight.prepare_kernels("gguf")
         assert weight.interleaved and weight.packed is None
-        # the same bytes reordered; Q5_0's 5 bits a quant (22 bytes a block) where Q8_0 has 34
-        assert weight.nbytes == plain.nbytes * (22 // 2 if qtype == T.Q5_0 else 17) // 17
+        # the same bytes reordered; Q5_0's 5 bits a quant (22 bytes a block) where Q8_0 has
+        # 34, Q6_K's 6 (26.25 bytes per 32 weights) where its byte quants take 34.25
+        shrunk = {T.Q5_0: (22, 34), T.Q6_K: (2625, 3425)}.get(qtype, (1, 1))
+        assert weight.nbytes * shrunk[1] == plain.nbytes * shrunk[0]
         assert weight.five_bit == (qtype == T.Q5_0)
+        assert weight.six_bit == (qtype == T.Q6_K)
         ids = torch.tensor([0, 15, 16, 47, 3, 3])
         assert torch.equal(weight.dequantize_rows(ids), plain.dequantize_rows(ids))
         x = torch.randn(2, 256, generator=torch.Generator().manual_seed(1))
@@ -222,7 +232,9 @@ def test_lossless_method_interleaves_its_blocks() -> None:
 
 
 # Kind with the file's fields, kind with float32 scales, and their bytes per 32 weights.
-COMPACT = {T.Q4_K: (13, 10, 18.5, 24), T.Q6_K: (14, 11, 34.25, 40)}
+COMPACT = {T.Q4_K: (13, 10, 18.5, 24), T.Q6_K: (15, 11, 26.25, 40)}
+# Bytes per 32 weights as loaded (Q6_K's quants one a byte, the file's fields).
+LOADED_BYTES = {T.Q4_K: 18.5, T.Q6_K: 34.25}
 
 
 def _float32_scales(weight: BlockWeight) -> BlockWeight:
@@ -234,20 +246,32 @@ def _float32_scales(weight: BlockWeight) -> BlockWeight:
     return wide
 
 
+def _byte_quants(weight: BlockWeight) -> BlockWeight:
+    """Kind 14: plain compact Q6_K interleaved with its quants one a byte."""
+    planes = _interleave(weight.qtype, *weight.planes, inverse=False, compact=True)
+    byte_quants = BlockWeight(weight.qtype, *planes, interleaved=True, compact=True)
+    assert byte_quants.kind == 14
+    return byte_quants
+
+
 def _same_as_float32_scales(weight: BlockWeight, reference: torch.Tensor, x: torch.Tensor) -> None:
     compact, wide = _interleaved(weight), _float32_scales(weight)
     assert compact.kind == COMPACT[weight.qtype][0]
-    assert torch.equal(compact.linear(x), wide.linear(x))
+    out = compact.linear(x)
+    assert torch.equal(out, wide.linear(x))
+    if weight.qtype == T.Q6_K:
+        assert torch.equal(out, _byte_quants(weight).linear(x))
     assert torch.equal(compact.dequantize(), reference)
 
 
 @pytest.mark.parametrize("qtype", [qtype for qtype in COMPACT if qtype in TYPES])
 @pytest.mark.parametrize("rows", ROWS)
 def test_file_fields_give_the_float32_scales_results_bit_for_bit(qtype: T, rows: int) -> None:
-    """Kinds 13-14 form each block's scale and minimum from the file's fields as gguf does:
-    exactly kinds 10-11's float32 values, so the same outputs bit for bit (at 256 rows both
-    take the dense path on their dequantized rows), from 18.5 / 24 (Q4_K) and 34.25 / 40
-    (Q6_K) of the bytes; their rows look up as gguf dequantizes them."""
+    """Kinds 13 and 15 form each block's scale and minimum from the file's fields as gguf
+    does: exactly kinds 10-11's float32 values, so the same outputs bit for bit (at 256 rows
+    both take the dense path on their dequantized rows), and Q6_K's 6-bit quants kind 14's
+    exact integer sums, from 18.5 / 24 (Q4_K) and 26.25 / 40 (Q6_K) of the bytes; their rows
+    look up as gguf dequantizes them."""
     weight, reference = random_blocks(qtype, 208, 768, seed=rows)
     x = torch.randn(rows, 768, generator=torch.Generator().manual_seed(rows))
     x[0, :32] = 0.0
@@ -256,7 +280,7 @@ def test_file_fields_give_the_float32_scales_results_bit_for_bit(qtype: T, rows:
     compact, wide = _interleaved(weight), _float32_scales(weight)
     _, _, compact_bytes, wide_bytes = COMPACT[qtype]
     assert compact.nbytes * wide_bytes == wide.nbytes * compact_bytes
-    assert compact.nbytes == weight.nbytes  # the same bytes as loaded, reordered
+    assert compact.nbytes * LOADED_BYTES[qtype] == weight.nbytes * compact_bytes
     ids = torch.tensor([[0, 15], [16, 207], [100, 100]])
     assert torch.equal(compact.dequantize_rows(ids), reference[ids])
     assert torch.equal(compact.plain().dequantize(), reference)
@@ -270,7 +294,7 @@ def test_packaged_k_quants_give_the_float32_scales_results_bit_for_bit() -> None
 
 @pytest.mark.parametrize("qtype", [qtype for qtype in COMPACT if qtype in TYPES])
 def test_file_fields_reach_a_kernel_on_every_path(qtype: T) -> None:
-    """prepare_kernels lays the file's fields out as kinds 13-14 for the digit matmul and
+    """prepare_kernels lays the file's fields out as kinds 13 and 15 for the digit matmul and
     expands them to kinds 3-4 everywhere else (rows not a multiple of 16, a screened LM
     head's plain layout); shards stack with their fields (fused layers), and a row-parallel
     shard's whole super-blocks (quantization._rank_blocks) load as the whole's columns."""
@@ -392,3 +416,30 @@ def test_four_bit_kinds_match_the_scalar_reference_bit_for_bit(qtype: T, rows: i
 def test_packaged_four_bit_tensors_match_the_scalar_reference(model: str | None) -> None:
     """SmolLM2's Q4_1 and Gemma 3's Q4_K tensors."""
     check_packaged_tensors(model, tuple(FOUR_BIT), _same_as_reference, (1, 3, 4))
+
+
+@pytest.mark.skipif(
+    T.Q6_K not in TYPES, reason="kind 15 is AVX-512 VNNI's (AVX2 builds never make it)"
+)
+def test_six_bit_quants_at_every_value() -> None:
+    """Kind 15's nibbles and masks hold every 6-bit quant (each value in every row, chunk
+    and half) and give them back (the inverse reorder, the kernels' plain blocks); against
+    x whose digits sit at their range's ends, kind 14's results bit for bit."""
+    weight, _ = random_blocks(T.Q6_K, 32, 512, seed=13)
+    g = torch.Generator().manual_seed(14)
+    values = torch.arange(-32, 32, dtype=torch.int8).repeat(32 * 512 // 64)
+    weight.qs.copy_(values[torch.randperm(values.numel(), generator=g)].reshape(32, 512))
+    reference = weight.plain().dequantize()
+    byte_quants = _byte_quants(weight)
+    six_bit = _interleave_six_bit(byte_quants.qs, inverse=False)
+    assert six_bit.shape == (32, 512 // 32 * 24)
+    assert torch.equal(_interleave_six_bit(six_bit, inverse=True), byte_quants.qs)
+    compact = _interleaved(weight)
+    assert torch.equal(compact.dequantize(), reference)
+    assert torch.equal(compact.plain().qs, weight.qs)
+    x = torch.full((4, 512), -1.0 + 2.0**-23)
+    x[1] = 1.0 - 2.0**-24
+    x[2, ::2] = -(1.0 - 2.0**-24)
+    x[3] = torch.randn(512, generator=g)
+    for rows in (1, 2, 3, 4):
+        assert torch.equal(compact.linear(x[:rows]), byte_quants.linear(x[:rows]))
