@@ -86,6 +86,9 @@ void ExactInput::prepare(const float* x, int64_t rows, int64_t cols, int64_t kin
   float* sum = sum_.reserve(blocks);
   block_sums(x, blocks, sum);
   int32_t* digit_sums = digit_sums_.reserve(blocks * 2 * kDigits);
+  // Rows the digits will not multiply (AVX2's several rows) take the float32 path, which
+  // reads x itself and its block sums.
+  if (rows > digit_matmul_rows()) return;
   for (int64_t b = 0; b < blocks; ++b) {
     const float* xb = x + b * kBlock;
     int8_t* db = digits + b * kDigits * kBlock;
