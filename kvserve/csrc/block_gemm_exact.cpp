@@ -406,16 +406,6 @@ void groups_exact_kind(const BlockWeight& w, int64_t rows, const ExactInput& x, 
 // operation the VNNI kernel's in its order, so the two builds agree bit for bit.
 constexpr bool exact_kind(int64_t kind) { return kind == 8 || kind == 9 || kind == 10 || kind == 13; }
 
-inline __m256i broadcast4(const int8_t* p) {
-  int32_t v;
-  std::memcpy(&v, p, 4);
-  return _mm256_set1_epi32(v);
-}
-
-// Keeps a running sum one chain of adds in a register (block_gemm_packed_avx2.cpp's
-// reason: GCC otherwise builds a tree of the block's products and spills them).
-inline void in_register(__m256i& v) { asm("" : "+x"(v)); }
-
 constexpr int64_t kAheadBlocks = 4;
 
 // A group's block scales and minimums, rows 8h..8h+7 as the lanes of half h, whichever
@@ -535,8 +525,8 @@ void group_dot_exact(const BlockWeight& w, int64_t g, const ExactInput& x, int64
         hi[h] = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
       }
       for (int k = 0; k < D; ++k) {
-        const __m256i xl = broadcast4(a + k * kBlock + 4 * c);
-        const __m256i xh = broadcast4(a + k * kBlock + 16 + 4 * c);
+        const __m256i xl = broadcast4x8(a + k * kBlock + 4 * c);
+        const __m256i xh = broadcast4x8(a + k * kBlock + 16 + 4 * c);
         for (int h = 0; h < 2; ++h) {
           pairs[h][k] = _mm256_add_epi16(
               pairs[h][k],

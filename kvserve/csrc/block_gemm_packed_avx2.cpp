@@ -32,21 +32,10 @@ namespace kvserve_cpu {
 namespace {
 
 #ifdef KVSERVE_PACKED_AVX2
-inline __m256i broadcast4(const void* p) {
-  int32_t v;
-  std::memcpy(&v, p, 4);
-  return _mm256_set1_epi32(v);
-}
-
 // The group's d (or m) float16s for rows 8h..8h+7.
 inline __m256 halves_f16(const uint8_t* p, int h) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p) + h));
 }
-
-// Keeps a running sum one chain of adds in a register: GCC otherwise re-associates a
-// block's integer adds into a tree whose products, all live at once, spill to the stack
-// at 2+ rows of x.
-inline void in_register(__m256i& v) { asm("" : "+x"(v)); }
 
 // How far ahead of the block being multiplied the records are requested (group_dot).
 constexpr int64_t kAheadBytes = 8192;
@@ -104,7 +93,7 @@ void group_dot(const uint8_t* group, int64_t nb, int64_t record, int64_t quant_b
               _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + c * 64 + h * 32));
           const __m256i wu = _mm256_sign_epi8(w, w);
           for (int r = 0; r < R; ++r) {
-            const __m256i xv = _mm256_sign_epi8(broadcast4(xq + r * K + b * kBlock + 4 * c), w);
+            const __m256i xv = _mm256_sign_epi8(broadcast4x8(xq + r * K + b * kBlock + 4 * c), w);
             sum[h][r] = _mm256_add_epi32(sum[h][r],
                                          _mm256_madd_epi16(_mm256_maddubs_epi16(wu, xv), ones));
           }
@@ -128,7 +117,7 @@ void group_dot(const uint8_t* group, int64_t nb, int64_t record, int64_t quant_b
         }
         for (int r = 0; r < R; ++r) {
           const int8_t* xb = xq + r * K + b * kBlock;
-          const __m256i xl = broadcast4(xb + 4 * c), xh = broadcast4(xb + 16 + 4 * c);
+          const __m256i xl = broadcast4x8(xb + 4 * c), xh = broadcast4x8(xb + 16 + 4 * c);
           for (int h = 0; h < 2; ++h) {
             pairs[h][r] = _mm256_add_epi16(
                 pairs[h][r], _mm256_add_epi16(_mm256_maddubs_epi16(lo[h], xl),

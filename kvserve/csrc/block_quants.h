@@ -6,6 +6,7 @@
 #include <c10/util/Half.h>
 
 #include <cstdint>
+#include <cstring>
 #if defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
@@ -164,6 +165,17 @@ inline void dequant_block(const uint8_t* __restrict qs, float d, float m, float 
 }
 
 #ifdef __AVX2__
+// Four bytes at p in every 32-bit lane: x's 4 quants or digits against 8 rows' at once.
+inline __m256i broadcast4x8(const void* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
+}
+
+// Keeps a running sum one chain of adds in a register: GCC otherwise re-associates a
+// block's integer adds into a tree whose products, all live at once, spill to the stack.
+inline void in_register(__m256i& v) { asm("" : "+x"(v)); }
+
 // The 32 quants of a block as four vectors of 8 floats (weights 0-7, 8-15, 16-23, 24-31).
 // A 4-bit block's 16 bytes are broadcast to both halves and spread one byte per 32-bit lane
 // by an in-lane byte shuffle: Zen 3 runs 4 of those per block where sign extension
